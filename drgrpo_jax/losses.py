@@ -1,0 +1,225 @@
+"""Policy-gradient loss with window-exact aggregation: the heart of Dr.GRPO.
+
+Shapes: N responses (rows) by T token slots. The *window* is everything one optimizer
+step consumes (all data-parallel shards, all micro-batches). Each aggregation divides a
+sum over tokens by a fact of the window, so slices of a window and shards of a mesh add
+up to exactly the window's loss:
+
+  fixed_budget         sum(l * mask) / (N_w * budget)             Dr.GRPO
+  token_mean           sum(l * mask) / T_w                        DAPO
+  seq_mean_token_mean  sum_i(sum_t l * mask / max(1, len_i)) / N_w  original GRPO
+  seq_mean_token_sum   sum(l * mask) / N_w
+
+N_w counts valid rows (a fully masked valid row counts; padding rows do not); T_w is the
+number of response tokens in the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, get_args
+
+import chex
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Aggregation", "KLEstimator", "LossConfig", "WindowStats", "window_stats", "loss_fn", "kl_divergence"]
+
+Aggregation = Literal["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+AxisName = str | Sequence[str] | None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """How per-token losses are formed and aggregated; validated at construction."""
+
+    aggregation: Aggregation = "fixed_budget"  # see the module docstring
+    budget: int | None = None  # generation budget B (max response tokens); fixed_budget needs it
+    clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
+    clip_high: float | None = None  # ratio clipped above at 1 + clip_high; None = clip_low
+    dual_clip: float | None = None  # c > 1 bounds the loss of negative advantages at c * |A|
+    kl_coef: float = 0.0  # weight of KL(policy || reference) in the loss
+    kl_estimator: KLEstimator = "k3"  # Schulman's k1, k2 or k3
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+
+    def __post_init__(self):
+        if self.aggregation not in get_args(Aggregation):
+            raise ValueError(
+                f"LossConfig.aggregation: unknown {self.aggregation!r}; choose one of {get_args(Aggregation)}"
+            )
+        if self.kl_estimator not in get_args(KLEstimator):
+            raise ValueError(
+                f"LossConfig.kl_estimator: unknown {self.kl_estimator!r}; choose one of {get_args(KLEstimator)}"
+            )
+        if self.budget is not None and not _is_int(self.budget):
+            raise TypeError(f"LossConfig.budget: must be a positive int, got {type(self.budget).__name__} {self.budget!r}")
+        if self.budget is not None and self.budget <= 0:
+            raise ValueError(f"LossConfig.budget: must be a positive int, got {self.budget}")
+        if self.aggregation == "fixed_budget" and self.budget is None:
+            raise ValueError("LossConfig.budget: fixed_budget needs the generation budget (max response tokens)")
+        for name in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if value is None and name in ("clip_high", "dual_clip"):
+                continue
+            if not _is_number(value):
+                raise TypeError(f"LossConfig.{name}: must be a number, got {type(value).__name__} {value!r}")
+            if not value >= 0 or value == float("inf"):
+                raise ValueError(f"LossConfig.{name}: must be finite and >= 0, got {value}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"LossConfig.dual_clip: must be > 1 (a bound above the clipped loss), got {self.dual_clip}")
+
+    @property
+    def upper_clip(self) -> float:
+        return self.clip_low if self.clip_high is None else self.clip_high
+
+
+class WindowStats(NamedTuple):
+    """Facts of one optimizer window: valid responses N_w and response tokens T_w (float32)."""
+
+    num_responses: jax.Array
+    num_tokens: jax.Array
+
+
+def _psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def _row_valid_or_ones(mask_NT: jax.Array, row_valid_N: jax.Array | None) -> jax.Array:
+    if row_valid_N is None:
+        return jnp.ones(mask_NT.shape[:1], bool)
+    chex.assert_shape(row_valid_N, mask_NT.shape[:1])
+    return jnp.asarray(row_valid_N, bool)
+
+
+def window_stats(mask: jax.Array, row_valid: jax.Array | None = None, *, axis_name: AxisName = None) -> WindowStats:
+    """Counts valid rows and masked tokens, psum-reduced over `axis_name` when given."""
+    chex.assert_rank(mask, 2)
+    row_valid = _row_valid_or_ones(mask, row_valid)
+    tokens = jnp.where(row_valid[:, None], jnp.asarray(mask, bool), False)
+    return WindowStats(
+        num_responses=_psum(row_valid.sum(dtype=jnp.float32), axis_name),
+        num_tokens=_psum(tokens.sum(dtype=jnp.float32), axis_name),
+    )
+
+
+def kl_divergence(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: KLEstimator) -> jax.Array:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman)."""
+    log_ratio = ref_logprobs - logprobs  # log(p_ref / p)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return jnp.expm1(log_ratio) - log_ratio  # k3: unbiased and non-negative
+
+
+def _safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """numerator / denominator, exactly 0 (with 0 gradient) where the denominator is 0."""
+    ok = denominator > 0
+    return jnp.where(ok, numerator / jnp.where(ok, denominator, 1.0), 0.0)
+
+
+def _aggregate(loss_NT, mask_NT, config: LossConfig, window: WindowStats, axis_name: AxisName) -> jax.Array:
+    """This slice's share of the window's aggregated loss (global over `axis_name`)."""
+    if config.aggregation == "seq_mean_token_mean":
+        lengths = mask_NT.sum(axis=1)
+        numerator = (loss_NT.sum(axis=1) / jnp.maximum(lengths, 1.0)).sum()
+    else:
+        numerator = loss_NT.sum()
+    denominator = {
+        "fixed_budget": lambda: window.num_responses * config.budget,
+        "token_mean": lambda: window.num_tokens,
+        "seq_mean_token_mean": lambda: window.num_responses,
+        "seq_mean_token_sum": lambda: window.num_responses,
+    }[config.aggregation]()
+    # No response token anywhere: the loss is exactly 0 whatever the aggregation.
+    denominator = jnp.where(window.num_tokens > 0, denominator, 0.0)
+    return _safe_divide(_psum(numerator, axis_name), denominator)
+
+
+def loss_fn(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    mask: jax.Array,
+    *,
+    config: LossConfig,
+    ref_logprobs: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    window: WindowStats | None = None,
+    row_valid: jax.Array | None = None,
+    axis_name: AxisName = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped policy-gradient loss of one slice of an optimizer window.
+
+    logprobs, old_logprobs, ref_logprobs, entropy, mask: [N, T]; advantages: [N] or [N, T];
+    row_valid: [N] (False = padding row). With `window=None` this batch is the window; with
+    a window given, the result is this slice's share (slices sum to the window's loss).
+    With `axis_name`, sums are psum-reduced and the loss is the global value on every shard.
+    Metrics are token means over the window (the slice's share likewise), one definition
+    for every aggregation so runs with different aggregations compare.
+    """
+    chex.assert_rank([logprobs, old_logprobs, mask], 2)
+    chex.assert_equal_shape([logprobs, old_logprobs, mask])
+    chex.assert_type([logprobs, old_logprobs], float)
+    chex.assert_rank(advantages, {1, 2})
+    chex.assert_shape(advantages, logprobs.shape[: advantages.ndim])
+    for optional in (ref_logprobs, entropy):
+        if optional is not None:
+            chex.assert_equal_shape([optional, logprobs])
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("loss_fn: config.kl_coef > 0 needs ref_logprobs")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError("loss_fn: config.entropy_coef > 0 needs entropy")
+
+    row_valid = _row_valid_or_ones(mask, row_valid)
+    token = jnp.asarray(mask, bool) & row_valid[:, None]
+    if window is None:
+        window = window_stats(token, axis_name=axis_name)
+
+    # Sanitise masked slots first so padding garbage (inf, NaN) cannot reach a gradient.
+    def clean(x):
+        return jnp.where(token, jnp.asarray(x, jnp.float32), 0.0)
+
+    logprobs, old_logprobs = clean(logprobs), clean(old_logprobs)
+    adv = advantages if advantages.ndim == 2 else advantages[:, None]
+    adv = clean(jnp.broadcast_to(jnp.asarray(adv, jnp.float32), logprobs.shape))
+
+    log_ratio = logprobs - old_logprobs
+    ratio = jnp.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.upper_clip) * adv
+    pg_NT = -jnp.minimum(unclipped, clipped)
+    if config.dual_clip is not None:
+        pg_NT = jnp.where(adv < 0, jnp.minimum(pg_NT, -config.dual_clip * adv), pg_NT)
+    # Tokens whose gradient the clip removes (the ratio left the trust region on the side
+    # the advantage pushes it).
+    clipped_NT = ((ratio < 1.0 - config.clip_low) & (adv < 0)) | ((ratio > 1.0 + config.upper_clip) & (adv > 0))
+
+    kl_NT = jnp.zeros_like(logprobs) if ref_logprobs is None else kl_divergence(logprobs, clean(ref_logprobs), config.kl_estimator)
+    entropy_NT = jnp.zeros_like(logprobs) if entropy is None else clean(entropy)
+    loss_NT = pg_NT + config.kl_coef * kl_NT - config.entropy_coef * entropy_NT
+
+    tok = token.astype(jnp.float32)
+    loss = _aggregate(loss_NT * tok, tok, config, window, axis_name)
+
+    def token_mean(x_NT):
+        return _safe_divide(_psum((x_NT * tok).sum(), axis_name), window.num_tokens)
+
+    metrics = {
+        "pg_loss": token_mean(pg_NT),
+        "kl": token_mean(kl_NT),
+        "entropy": token_mean(entropy_NT),
+        "clip_fraction": token_mean(clipped_NT.astype(jnp.float32)),
+        "approx_kl": token_mean(0.5 * log_ratio**2),  # k2 of old vs current policy
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
