@@ -1,0 +1,480 @@
+"""The run configuration: frozen typed sections, YAML + dotted overrides, validation with one-line errors.
+
+OmegaConf structured configs do the typed merge (wrong types, unknown keys, Literal choices);
+`validate` adds the cross-field rules (algorithm, budget, batch/mesh divisibility) so a bad
+config fails before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from typing import Any, Literal
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
+
+__all__ = [
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "check_paths",
+    "describe_config",
+    "dump_config",
+    "load_config",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A bad config value: the message is one line, `dotted.key: reason`."""
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = " ".join(str(reason).split())  # one line, whatever the source message
+        super().__init__(f"{key}: {self.reason}")
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a default and its one-line description (shown by describe_config)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where the run writes and how it seeds."""
+
+    output_dir: str = _f("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints, samples")
+    seed: int = _f(0, "root PRNG seed; data order, sampling and init all derive from it")
+    log_every: int = _f(1, "print a progress line every N steps (metrics.jsonl gets every step)")
+    sample_every: int = _f(10, "write sample completions every N steps (0 = never)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The policy checkpoint."""
+
+    path: str = _f("", "local Hugging Face folder (config.json + safetensors) of the policy")
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
+    tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
+    remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompts and reference answers."""
+
+    source: Literal["reasoning_gym", "jsonl", "parquet", "hf_datasets"] = _f(
+        "reasoning_gym", "where prompts come from: a reasoning-gym task, a local file, or a local HF dataset"
+    )
+    task: str = _f("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
+    task_options: dict[str, Any] = dataclasses.field(
+        default_factory=dict, metadata={"help": "extra keyword arguments of the reasoning-gym task config"}
+    )
+    path: str = _f("", "file or folder of the dataset (source=jsonl|parquet|hf_datasets)")
+    eval_path: str = _f("", "separate held-out file/folder; empty = hold out data.eval_size rows of data.path")
+    split: str = _f("train", "split to read from a Hugging Face dataset")
+    prompt_field: str = _f("question", "field holding the question in file/HF rows")
+    answer_field: str = _f("answer", "field holding the reference answer in file/HF rows")
+    answer_after: str = _f("####", "keep only the text after the last occurrence of this marker (GSM8K); empty = off")
+    size: int = _f(1000, "training examples (reasoning-gym: generated; files: at most this many, 0 = all)")
+    eval_size: int = _f(64, "held-out examples for periodic evaluation (0 = no evaluation set)")
+    template: str = _f(
+        "{question}\nPut your final answer within \\boxed{}.", "user prompt; {question} is replaced by the question"
+    )
+    use_chat_template: bool = _f(True, "wrap the prompt in the tokenizer's chat template when it has one")
+    system_prompt: str = _f("", "system message (chat template) or prefix line (plain prompts); empty = none")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling G completions per prompt from the generation service."""
+
+    urls: tuple[str, ...] = _f((), "generation service URLs; empty = start a local child service")
+    group_size: int = _f(8, "completions per prompt (G)")
+    prompts_per_step: int = _f(8, "prompts drawn per rollout (P); P * G responses per rollout")
+    max_new_tokens: int = _f(256, "generation budget B; Dr.GRPO's loss divides by it")
+    max_prompt_tokens: int = _f(256, "prompts are left-padded to this length; longer prompts are an error")
+    temperature: float = _f(1.0, "sampling temperature (> 0 for training rollouts)")
+    top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
+    top_k: int = _f(0, "sample among the k most likely tokens; 0 = off")
+    max_staleness: int = _f(0, "rollouts may come from a policy this many versions old; 0 = strictly on-policy")
+    timeout_s: float = _f(600.0, "seconds to wait for one generation request before failing")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """The advantage estimator and the loss."""
+
+    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo"] = _f("dr_grpo", "algorithm (see drgrpo_jax.algorithms)")
+    scale_rewards: bool = _f(False, "divide advantages by the group std (GRPO's; Dr.GRPO forbids it)")
+    whiten_advantages: bool = _f(False, "whiten advantages over the batch (Dr.GRPO forbids it)")
+    kl_in_reward: bool = _f(False, "put the KL penalty in the reward instead of the loss (Dr.GRPO forbids it)")
+    clip_low: float = _f(0.2, "PPO ratio clip below: 1 - clip_low")
+    clip_high: float | None = _f(None, "PPO ratio clip above: 1 + clip_high (null = clip_low; DAPO uses 0.28)")
+    kl_coef: float = _f(0.0, "weight of the KL(policy || reference) term in the loss; 0 = no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "Schulman's KL estimator")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (subtracted from the loss)")
+    dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
+    tis_cap: float | None = _f(None, "truncated importance weight cap for sampler/trainer mismatch (null = off)")
+    ppo_epochs: int = _f(1, "passes over each rollout")
+    minibatches_per_rollout: int = _f(1, "optimizer steps per pass; each takes P * G / this many responses")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Reward components; each function is one named component."""
+
+    functions: tuple[str, ...] = _f(
+        ("math_verify",), "built-ins (math_verify, format, task) or 'package.module:function' import paths"
+    )
+    weights: tuple[float, ...] = _f((), "one weight per function for the scalar reward (empty = all 1.0)")
+    answer_format: Literal["boxed", "answer_tags"] = _f(
+        "boxed", "where the final answer sits: \\boxed{...} or <answer>...</answer>"
+    )
+    timeout_s: float = _f(10.0, "seconds per reward call; a call over it is killed, scores 0 and is counted")
+    num_workers: int = _f(2, "reward worker processes")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup and decay."""
+
+    learning_rate: float = _f(1e-6, "peak learning rate")
+    warmup_steps: int = _f(0, "linear warmup steps from 0 to the peak")
+    decay: Literal["constant", "cosine", "linear"] = _f("constant", "schedule after warmup, to 0 at train.steps")
+    weight_decay: float = _f(0.0, "decoupled weight decay")
+    b1: float = _f(0.9, "Adam beta1")
+    b2: float = _f(0.999, "Adam beta2")
+    eps: float = _f(1e-8, "Adam epsilon")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Steps, accumulation, evaluation and checkpoints."""
+
+    steps: int = _f(100, "rollouts to train on (one rollout = ppo_epochs * minibatches_per_rollout updates)")
+    micro_batches: int = _f(1, "gradient-accumulation slices of each optimizer step")
+    eval_every: int = _f(0, "greedy accuracy on the held-out prompts every N steps (0 = never)")
+    save_every: int = _f(50, "checkpoint every N steps (always at the end)")
+    keep_checkpoints: int = _f(2, "keep the newest N checkpoints")
+    resume: bool | None = _f(None, "continue from the latest checkpoint; null = when run.output_dir has one")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh and multi-host runtime."""
+
+    data: int = _f(1, "data-parallel ways (batch split, parameters replicated)")
+    fsdp: int = _f(1, "fully-sharded data-parallel ways (batch and parameters split)")
+    tensor: int = _f(1, "tensor-parallel ways (heads and MLP split)")
+    coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed (null = single host)")
+    num_processes: int = _f(1, "JAX processes (hosts) in the run")
+    process_id: int = _f(0, "this process's index in [0, num_processes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+_BUILTIN_REWARDS = ("math_verify", "format", "task")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+# Section name -> dataclass (annotations are strings under `from __future__ import annotations`).
+_FIELD_TYPES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _section_fields(path: str) -> list[str]:
+    """Field names of the section at `path` ('' = the sections themselves); [] when it is no section."""
+    cls = Config if not path else _FIELD_TYPES.get(path)
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+
+
+def _unknown_key_error(full_key: str, where: str) -> ConfigError:
+    """An unknown-key error with a did-you-mean drawn from the section's real fields."""
+    parent, _, leaf = full_key.rpartition(".")
+    candidates = _section_fields(parent)
+    close = difflib.get_close_matches(leaf, candidates, n=1, cutoff=0.6)
+    prefix = f"{parent}." if parent else ""
+    hint = f"; did you mean {prefix}{close[0]}?" if close else (f"; known keys: {', '.join(candidates)}" if candidates else "")
+    return ConfigError(full_key, f"unknown key{where}{hint}")
+
+
+def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
+    """Turns an OmegaConf error into a one-line ConfigError naming the dotted key."""
+    full_key = str(getattr(error, "full_key", "") or "") or "config"
+    message = str(getattr(error, "msg", "") or error).splitlines()[0]
+    if isinstance(error, ConfigKeyError) or message.startswith("Key '"):
+        return _unknown_key_error(full_key, where)
+    return ConfigError(full_key, f"{message}{where}")
+
+
+def _merge(base: DictConfig, update: Any, where: str) -> DictConfig:
+    """Typed merge of `update` into `base`; any failure becomes a ConfigError."""
+    try:
+        merged = OmegaConf.merge(base, update)
+    except OmegaConfBaseException as error:
+        raise _translate(error, where) from None
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    """Dotted `key=value` overrides as a DictConfig (values parsed as YAML, like the file)."""
+    for override in overrides:
+        key, equals, _ = override.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(override, "an override must look like section.key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as error:
+        raise _translate(error, " (command line)") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads YAML `path` (None = defaults), applies dotted overrides, validates; raises ConfigError."""
+    merged = OmegaConf.structured(Config)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as error:  # yaml.YAMLError and friends: show the first line only
+            raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError("--config", f"{os.fspath(path)!r} must hold a mapping of sections")
+        merged = _merge(merged, loaded, f" in {os.fspath(path)}")
+    merged = _merge(merged, _parse_overrides(list(overrides)), " (command line)")
+    try:
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:  # e.g. a missing value or a bad interpolation
+        raise _translate(error, "") from None
+    assert isinstance(config, Config)
+    validate(config)
+    return config
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML (loads back to an equal Config)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def describe_config() -> str:
+    """Every section and field with its default and description (for `--help`)."""
+    lines = ["Config sections (override any field as section.key=value):"]
+    for section in dataclasses.fields(Config):
+        cls = _FIELD_TYPES[section.name]
+        lines.append(f"\n{section.name}: {(cls.__doc__ or '').strip()}")
+        defaults = cls()
+        for field in dataclasses.fields(cls):
+            default = getattr(defaults, field.name)
+            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+            lines.append(f"  {section.name}.{field.name} = {shown}  # {field.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: cross-field rules OmegaConf's typing cannot express
+# ---------------------------------------------------------------------------------------------
+
+
+def _at_least(key: str, value: int | float, low: int | float) -> None:
+    if not value >= low:  # also catches NaN
+        raise ConfigError(key, f"must be >= {low}, got {value}")
+
+
+def _finite(key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value}")
+
+
+def _check_ranges(config: Config) -> None:
+    """Per-field bounds."""
+    c = config
+    for key, value, low in [
+        ("run.log_every", c.run.log_every, 1),
+        ("run.sample_every", c.run.sample_every, 0),
+        ("data.size", c.data.size, 0),
+        ("data.eval_size", c.data.eval_size, 0),
+        ("rollout.group_size", c.rollout.group_size, 1),
+        ("rollout.prompts_per_step", c.rollout.prompts_per_step, 1),
+        ("rollout.max_prompt_tokens", c.rollout.max_prompt_tokens, 1),
+        ("rollout.top_k", c.rollout.top_k, 0),
+        ("rollout.max_staleness", c.rollout.max_staleness, 0),
+        ("algorithm.clip_low", c.algorithm.clip_low, 0.0),
+        ("algorithm.kl_coef", c.algorithm.kl_coef, 0.0),
+        ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
+        ("algorithm.minibatches_per_rollout", c.algorithm.minibatches_per_rollout, 1),
+        ("reward.num_workers", c.reward.num_workers, 1),
+        ("optimizer.learning_rate", c.optimizer.learning_rate, 0.0),
+        ("optimizer.warmup_steps", c.optimizer.warmup_steps, 0),
+        ("optimizer.weight_decay", c.optimizer.weight_decay, 0.0),
+        ("optimizer.max_grad_norm", c.optimizer.max_grad_norm, 0.0),
+        ("train.steps", c.train.steps, 1),
+        ("train.micro_batches", c.train.micro_batches, 1),
+        ("train.eval_every", c.train.eval_every, 0),
+        ("train.save_every", c.train.save_every, 1),
+        ("train.keep_checkpoints", c.train.keep_checkpoints, 1),
+        ("mesh.data", c.mesh.data, 1),
+        ("mesh.fsdp", c.mesh.fsdp, 1),
+        ("mesh.tensor", c.mesh.tensor, 1),
+        ("mesh.num_processes", c.mesh.num_processes, 1),
+        ("mesh.process_id", c.mesh.process_id, 0),
+    ]:
+        _at_least(key, value, low)
+    for key, value in [
+        ("rollout.temperature", c.rollout.temperature),
+        ("rollout.timeout_s", c.rollout.timeout_s),
+        ("reward.timeout_s", c.reward.timeout_s),
+        ("optimizer.eps", c.optimizer.eps),
+    ]:
+        _finite(key, value)
+        if value <= 0:
+            raise ConfigError(key, f"must be > 0, got {value}")
+    _finite("algorithm.entropy_coef", c.algorithm.entropy_coef)
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+    for key, value in [("optimizer.b1", c.optimizer.b1), ("optimizer.b2", c.optimizer.b2)]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(key, f"must be in [0, 1), got {value}")
+    if c.algorithm.clip_high is not None:
+        _at_least("algorithm.clip_high", c.algorithm.clip_high, 0.0)
+    if c.algorithm.dual_clip is not None and not c.algorithm.dual_clip > 1.0:
+        raise ConfigError("algorithm.dual_clip", f"must be > 1 (or null), got {c.algorithm.dual_clip}")
+    if c.algorithm.tis_cap is not None and not c.algorithm.tis_cap > 0.0:
+        raise ConfigError("algorithm.tis_cap", f"must be > 0 (or null), got {c.algorithm.tis_cap}")
+
+
+def _check_algorithm(config: Config) -> None:
+    """The algorithm's own rules (forbidden options, fixed budget, group size)."""
+    a, r = config.algorithm, config.rollout
+    budget = r.max_new_tokens
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ConfigError("rollout.max_new_tokens", f"the generation budget must be a positive int, got {budget!r}")
+    try:
+        check_algorithm_options(
+            a.name,
+            scale_rewards=a.scale_rewards,
+            whiten_advantages=a.whiten_advantages,
+            kl_in_reward=a.kl_in_reward,
+            budget=budget,
+            group_size=r.group_size,
+        )
+    except (ValueError, TypeError) as error:
+        key, _, reason = str(error).partition(": ")
+        raise ConfigError(key, reason) from None
+    algorithm = ALGORITHMS[a.name]
+    if r.group_size < algorithm.min_group_size:  # also enforced above; kept for older tables
+        raise ConfigError("rollout.group_size", f"{a.name} needs at least {algorithm.min_group_size}, got {r.group_size}")
+
+
+def _check_batches(config: Config) -> None:
+    """Each optimizer step splits evenly into micro-batches and each micro-batch over the data-parallel ways."""
+    r, a, t, m = config.rollout, config.algorithm, config.train, config.mesh
+    responses = r.prompts_per_step * r.group_size
+    if responses % a.minibatches_per_rollout:
+        raise ConfigError(
+            "algorithm.minibatches_per_rollout",
+            f"rollout.prompts_per_step * rollout.group_size = {responses} responses do not split into "
+            f"{a.minibatches_per_rollout} equal minibatches",
+        )
+    per_update = responses // a.minibatches_per_rollout
+    if per_update % t.micro_batches:
+        raise ConfigError(
+            "train.micro_batches", f"{per_update} responses per optimizer step do not split into {t.micro_batches}"
+        )
+    per_micro = per_update // t.micro_batches
+    data_parallel = m.data * m.fsdp
+    if per_micro % data_parallel:
+        raise ConfigError(
+            "mesh.data",
+            f"a micro-batch of {per_micro} responses does not split over mesh.data * mesh.fsdp = {data_parallel} "
+            "data-parallel ways",
+        )
+
+
+def _check_rest(config: Config) -> None:
+    """Model, data, reward and multi-host rules."""
+    c = config
+    if not c.model.path:
+        raise ConfigError("model.path", "must be set (a local Hugging Face model folder)")
+    if c.data.source != "reasoning_gym" and not c.data.path:
+        raise ConfigError("data.path", f"must be set when data.source={c.data.source}")
+    if "{question}" not in c.data.template:
+        raise ConfigError("data.template", "must contain the {question} placeholder")
+    if c.data.source == "reasoning_gym" and c.data.size < 1:
+        raise ConfigError("data.size", f"reasoning-gym needs at least 1 example, got {c.data.size}")
+    if not c.reward.functions:
+        raise ConfigError("reward.functions", "needs at least one reward function")
+    for i, name in enumerate(c.reward.functions):
+        if name not in _BUILTIN_REWARDS and not _IMPORT_PATH.match(name):
+            close = difflib.get_close_matches(name, _BUILTIN_REWARDS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"reward.functions[{i}]",
+                f"{name!r} is neither a built-in ({', '.join(_BUILTIN_REWARDS)}) nor 'package.module:function'{hint}",
+            )
+        if name == "task" and c.data.source != "reasoning_gym":
+            raise ConfigError(f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym")
+    if len(set(c.reward.functions)) != len(c.reward.functions):
+        raise ConfigError("reward.functions", f"lists a function twice: {list(c.reward.functions)}")
+    if c.reward.weights and len(c.reward.weights) != len(c.reward.functions):
+        raise ConfigError(
+            "reward.weights", f"has {len(c.reward.weights)} entries for {len(c.reward.functions)} reward.functions"
+        )
+    for i, weight in enumerate(c.reward.weights):
+        _finite(f"reward.weights[{i}]", weight)
+    if c.mesh.process_id >= c.mesh.num_processes:
+        raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
+    if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
+        raise ConfigError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
+
+
+def validate(config: Config) -> None:
+    """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
+    _check_ranges(config)
+    _check_algorithm(config)
+    _check_batches(config)
+    _check_rest(config)
+
+
+def check_paths(config: Config) -> None:
+    """Raises ConfigError when a local path the run reads (model, tokenizer, data) does not exist."""
+    c = config
+    for key, path in [("model.path", c.model.path), ("model.tokenizer_path", c.model.tokenizer_path or "")]:
+        if path and not os.path.isdir(path):
+            raise ConfigError(key, f"no such folder {path!r} (a local Hugging Face model folder)")
+    if c.data.source != "reasoning_gym":
+        for key, path in [("data.path", c.data.path), ("data.eval_path", c.data.eval_path)]:
+            if path and not os.path.exists(path):
+                raise ConfigError(key, f"no such file or folder {path!r}")

@@ -1,0 +1,216 @@
+"""Config loading: YAML + dotted overrides, and one test per validation rule (one line, naming the key)."""
+
+import dataclasses
+import textwrap
+
+import pytest
+
+from drgrpo_jax.config import (
+    Config,
+    ConfigError,
+    check_paths,
+    describe_config,
+    dump_config,
+    load_config,
+)
+
+BASE = ["model.path=some/model"]  # the one field without a usable default
+
+
+def _error(overrides: list[str], path=None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, BASE + overrides)
+    return info.value
+
+
+def _assert_one_line(error: ConfigError, key: str, *fragments: str) -> None:
+    message = str(error)
+    assert "\n" not in message
+    assert message.startswith(f"{key}: "), message
+    assert error.key == key
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_defaults_and_overrides_are_typed():
+    config = load_config(
+        None,
+        BASE
+        + [
+            "train.steps=3",
+            "run.output_dir=runs/try1",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "optimizer.learning_rate=3e-6",
+            "rollout.urls=[http://127.0.0.1:30000]",
+            "data.task_options={min_terms: 2, max_terms: 3}",
+            "algorithm.clip_high=0.28",
+        ],
+    )
+    assert isinstance(config, Config)
+    assert config.train.steps == 3 and config.run.output_dir == "runs/try1"
+    assert (config.mesh.data, config.mesh.fsdp, config.mesh.tensor) == (2, 2, 2)
+    assert config.optimizer.learning_rate == pytest.approx(3e-6) and isinstance(config.optimizer.learning_rate, float)
+    assert config.rollout.urls == ("http://127.0.0.1:30000",)
+    assert config.data.task_options == {"min_terms": 2, "max_terms": 3}
+    assert config.algorithm.clip_high == pytest.approx(0.28)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.train.steps = 5  # type: ignore[misc]
+
+
+def test_yaml_then_overrides_win(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            model: {path: m}
+            train: {steps: 7, micro_batches: 2}
+            rollout: {group_size: 4, prompts_per_step: 4}
+            """
+        )
+    )
+    config = load_config(path, ["train.steps=9"])
+    assert config.train.steps == 9 and config.train.micro_batches == 2 and config.rollout.group_size == 4
+
+
+def test_dump_round_trips(tmp_path):
+    config = load_config(None, BASE + ["reward.functions=[math_verify,format]", "reward.weights=[1.0,0.5]"])
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(config))
+    assert load_config(path, []) == config
+
+
+def test_every_field_has_a_description():
+    text = describe_config()
+    for section in dataclasses.fields(Config):
+        assert f"\n{section.name}: " in text
+        for field in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
+            assert field.metadata.get("help"), f"{section.name}.{field.name} has no description"
+            assert f"{section.name}.{field.name} = " in text
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["train.stpes=3"], "train.stpes", "did you mean train.steps?"),
+        (["trian.steps=3"], "trian", "did you mean train?"),
+        (["rollout.groupsize=4"], "rollout.groupsize", "did you mean rollout.group_size?"),
+        (["train.steps=abc"], "train.steps", "Integer"),
+        (["rollout.max_new_tokens=1.5"], "rollout.max_new_tokens", "Integer"),
+        (["train.resume=maybe"], "train.resume", "bool"),
+        (["algorithm.name=ppo"], "algorithm.name", "expected one of"),
+        (["model.dtype=float16"], "model.dtype", "expected one of"),
+        (["data.source=csv"], "data.source", "expected one of"),
+        (["optimizer.decay=step"], "optimizer.decay", "expected one of"),
+        (["train.steps"], "train.steps", "section.key=value"),
+    ],
+)
+def test_typed_merge_errors(overrides, key, fragment):
+    _assert_one_line(_error(overrides), key, fragment)
+
+
+def test_unknown_key_in_yaml_names_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {path: m}\noptimizer: {learning_rat: 1.0e-6}\n")
+    error = _error([], path)
+    _assert_one_line(error, "optimizer.learning_rat", "bad.yaml", "did you mean optimizer.learning_rate?")
+
+
+def test_missing_or_broken_config_file(tmp_path):
+    _assert_one_line(_error([], tmp_path / "nope.yaml"), "--config", "no such file")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    _assert_one_line(_error([], broken), "--config", "cannot parse")
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        # The algorithm's rules, delegated to drgrpo_jax.algorithms.
+        (["algorithm.scale_rewards=true"], "algorithm.scale_rewards", "dr_grpo forbids"),
+        (["algorithm.whiten_advantages=true"], "algorithm.whiten_advantages", "dr_grpo forbids"),
+        (["algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "forbids"),
+        (["algorithm.name=grpo", "algorithm.scale_rewards=true"], "algorithm.scale_rewards", "grpo"),
+        (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", "positive int"),
+        (["rollout.max_new_tokens=-4"], "rollout.max_new_tokens", "positive int"),
+        (["rollout.group_size=1"], "rollout.group_size", "at least 2"),
+        (["algorithm.name=rloo", "rollout.group_size=1"], "rollout.group_size", "rloo"),
+        # Batch sizes against minibatches, micro-batches and the mesh.
+        (["rollout.prompts_per_step=3", "rollout.group_size=3", "algorithm.minibatches_per_rollout=2"],
+         "algorithm.minibatches_per_rollout", "9 responses"),
+        (["train.micro_batches=3"], "train.micro_batches", "64 responses per optimizer step"),
+        (["mesh.data=3"], "mesh.data", "mesh.data * mesh.fsdp = 3"),
+        (["mesh.data=2", "mesh.fsdp=4", "train.micro_batches=16"], "mesh.data", "= 8"),
+        # Ranges.
+        (["train.steps=0"], "train.steps", ">= 1"),
+        (["train.micro_batches=0"], "train.micro_batches", ">= 1"),
+        (["train.keep_checkpoints=0"], "train.keep_checkpoints", ">= 1"),
+        (["train.save_every=0"], "train.save_every", ">= 1"),
+        (["mesh.tensor=0"], "mesh.tensor", ">= 1"),
+        (["rollout.temperature=0"], "rollout.temperature", "> 0"),
+        (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
+        (["rollout.top_p=1.5"], "rollout.top_p", "(0, 1]"),
+        (["rollout.top_k=-1"], "rollout.top_k", ">= 0"),
+        (["rollout.max_staleness=-1"], "rollout.max_staleness", ">= 0"),
+        (["rollout.timeout_s=0"], "rollout.timeout_s", "> 0"),
+        (["reward.timeout_s=-1"], "reward.timeout_s", "> 0"),
+        (["reward.num_workers=0"], "reward.num_workers", ">= 1"),
+        (["optimizer.learning_rate=-1e-6"], "optimizer.learning_rate", ">= 0"),
+        (["optimizer.b2=1.0"], "optimizer.b2", "[0, 1)"),
+        (["optimizer.eps=0"], "optimizer.eps", "> 0"),
+        (["optimizer.max_grad_norm=-1"], "optimizer.max_grad_norm", ">= 0"),
+        (["algorithm.clip_low=-0.1"], "algorithm.clip_low", ">= 0"),
+        (["algorithm.clip_high=-0.1"], "algorithm.clip_high", ">= 0"),
+        (["algorithm.kl_coef=-1"], "algorithm.kl_coef", ">= 0"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "> 1"),
+        (["algorithm.tis_cap=0"], "algorithm.tis_cap", "> 0"),
+        (["algorithm.ppo_epochs=0"], "algorithm.ppo_epochs", ">= 1"),
+        (["algorithm.entropy_coef=nan"], "algorithm.entropy_coef", "finite"),
+        (["data.eval_size=-1"], "data.eval_size", ">= 0"),
+        # Model, data, rewards, multi-host.
+        (["model.path=''"], "model.path", "must be set"),
+        (["data.source=jsonl"], "data.path", "data.source=jsonl"),
+        (["data.template=no placeholder"], "data.template", "{question}"),
+        (["reward.functions=[]"], "reward.functions", "at least one"),
+        (["reward.functions=[math_verfy]"], "reward.functions[0]", "did you mean math_verify?"),
+        (["reward.functions=[math_verify,not a path]"], "reward.functions[1]", "package.module:function"),
+        (["reward.functions=[math_verify,math_verify]"], "reward.functions", "twice"),
+        (["reward.functions=[math_verify,format]", "reward.weights=[1.0]"], "reward.weights", "1 entries for 2"),
+        (["data.source=jsonl", "data.path=x.jsonl", "reward.functions=[task]"], "reward.functions[0]", "reasoning_gym"),
+        (["mesh.num_processes=2"], "mesh.coordinator_address", "must be set"),
+        (["mesh.process_id=1"], "mesh.process_id", "< mesh.num_processes"),
+    ],
+)
+def test_validation_rules(overrides, key, fragment):
+    _assert_one_line(_error(overrides), key, fragment)
+
+
+def test_valid_batch_layouts_pass():
+    config = load_config(
+        None,
+        BASE
+        + [
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "algorithm.minibatches_per_rollout=2",
+            "train.micro_batches=2",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+        ],
+    )
+    assert config.train.micro_batches == 2
+
+
+def test_check_paths(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    check_paths(load_config(None, [f"model.path={model_dir}"]))
+    with pytest.raises(ConfigError) as info:
+        check_paths(load_config(None, [f"model.path={tmp_path / 'missing'}"]))
+    _assert_one_line(info.value, "model.path", "no such folder")
+    with pytest.raises(ConfigError) as info:
+        check_paths(
+            load_config(None, [f"model.path={model_dir}", "data.source=jsonl", f"data.path={tmp_path / 'x.jsonl'}"])
+        )
+    _assert_one_line(info.value, "data.path", "no such file")
