@@ -1,0 +1,18 @@
+"""Decoder LMs (Llama, Qwen2, Qwen3, Gemma 3 text) in Flax NNX, with HF safetensors and GGUF weights in."""
+
+from drgrpo_jax.models.config import ModelConfig, RopeConfig, from_hf_config, to_hf_config
+from drgrpo_jax.models.hf_io import from_pretrained, save_pretrained
+from drgrpo_jax.models.transformer import KVCache, Transformer, init_cache, param_specs
+
+__all__ = [
+    "KVCache",
+    "ModelConfig",
+    "RopeConfig",
+    "Transformer",
+    "from_hf_config",
+    "from_pretrained",
+    "init_cache",
+    "param_specs",
+    "save_pretrained",
+    "to_hf_config",
+]

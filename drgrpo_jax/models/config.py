@@ -1,0 +1,324 @@
+"""Model configuration: one frozen dataclass for every supported decoder family, HF config in and out."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import numpy as np
+
+Family = Literal["llama", "qwen2", "qwen3", "gemma3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
+# HF model_type -> our family; gemma3 (multimodal wrapper) is read through its text_config.
+_MODEL_TYPES: dict[str, str] = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base and the frequency scaling an HF config asks for."""
+
+    theta: float = 10_000.0  # base wavelength
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0  # linear / llama3 scaling factor
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type: {self.rope_type!r} is not supported (supported: {ROPE_TYPES})")
+        if not self.theta > 0:
+            raise ValueError(f"rope theta: must be > 0, got {self.theta}")
+        if not self.factor > 0:
+            raise ValueError(f"rope factor: must be > 0, got {self.factor}")
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """Inverse frequencies [H/2] in float32, computed the way transformers does."""
+        exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv = (1.0 / (np.float32(self.theta) ** exponent)).astype(np.float32)
+        if self.rope_type == "linear":
+            return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.rope_type == "llama3":
+            old = self.original_max_position_embeddings
+            low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return np.where(medium, smoothed, scaled).astype(np.float32)
+        return inv
+
+    def to_hf(self) -> dict[str, Any] | None:
+        """The HF `rope_scaling` dict (None for plain RoPE)."""
+        if self.rope_type == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            out.update(
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
+                original_max_position_embeddings=self.original_max_position_embeddings,
+            )
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Gemma 3 text)."""
+
+    family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
+    vocab_size: int = 32_000  # V
+    hidden_size: int = 512  # D
+    intermediate_size: int = 1_376  # F
+    num_layers: int = 4  # L
+    num_heads: int = 8  # N query heads
+    num_kv_heads: int = 8  # K key/value heads (grouped-query attention when K < N)
+    head_dim: int = 64  # H
+    max_position_embeddings: int = 2_048  # longest position the weights were trained for
+    rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
+    rope: RopeConfig = RopeConfig()  # RoPE of global (full) attention layers
+    local_rope: RopeConfig | None = None  # RoPE of sliding-window layers (Gemma 3); None = same as rope
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" | "sliding_attention"; () = all full
+    sliding_window: int | None = None  # keys with q_pos - k_pos >= window are hidden on sliding layers
+    activation: str = "silu"  # MLP gate activation (one of ACTIVATIONS)
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama/Qwen3/Gemma attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3/Gemma attention_bias)
+    query_pre_attn_scalar: float | None = None  # attention scale = scalar**-0.5 (Gemma); None = head_dim
+    attn_logit_softcap: float | None = None  # tanh soft-cap of attention scores (None = off)
+    final_logit_softcap: float | None = None  # tanh soft-cap of output logits (None = off)
+    tie_word_embeddings: bool = False  # output projection = embedding transposed
+    bos_token_id: int | None = None  # beginning-of-sequence token
+    eos_token_ids: tuple[int, ...] = ()  # every token that ends a generation
+    pad_token_id: int | None = None  # padding token, if the checkpoint names one
+    remat: bool = False  # runtime option: rematerialise each block in the backward pass
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: {self.family!r} is not supported (supported: {FAMILIES})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: {self.num_kv_heads} must divide num_heads={self.num_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {self.activation!r} is not supported (supported: {ACTIVATIONS})")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types: has {len(self.layer_types)} entries, num_layers is {self.num_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types: unknown entries {bad} (supported: {LAYER_TYPES})")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("sliding_window: sliding_attention layers need a positive sliding_window")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window: must be positive or None, got {self.sliding_window}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps: must be > 0, got {self.rms_norm_eps}")
+        if isinstance(self.eos_token_ids, list):
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+
+    # Family traits, derived so that no config can combine them inconsistently.
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm on each query/key head before RoPE (Qwen3, Gemma 3)."""
+        return self.family in ("qwen3", "gemma3")
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Gemma RMSNorm: weight stored as w, applied as (1 + w), product in float32."""
+        return self.family == "gemma3"
+
+    @property
+    def post_norms(self) -> bool:
+        """Extra RMSNorm after attention and after the MLP (Gemma 3 sandwich norms)."""
+        return self.family == "gemma3"
+
+    @property
+    def scale_embeddings(self) -> bool:
+        """Embeddings multiplied by sqrt(hidden_size) (Gemma)."""
+        return self.family == "gemma3"
+
+    @property
+    def attn_scale(self) -> float:
+        """Multiplier of q.k scores."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it use the sliding window."""
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return tuple(t == "sliding_attention" for t in types)
+
+
+def _rope_from_hf(params: dict[str, Any] | None, theta: float) -> RopeConfig:
+    """RopeConfig from an HF rope_scaling / rope_parameters dict."""
+    params = dict(params or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", theta))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeConfig(
+            theta=theta, rope_type="llama3", factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    raise ValueError(f"rope_scaling.rope_type: {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+
+
+def _as_tuple(ids: Any) -> tuple[int, ...]:
+    """An HF token id field (None, int or list) as a tuple."""
+    if ids is None:
+        return ()
+    if isinstance(ids, (list, tuple)):
+        return tuple(int(i) for i in ids)
+    return (int(ids),)
+
+
+def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json (and optional generation_config.json)."""
+    model_type = hf.get("model_type")
+    if model_type == "gemma3" and "text_config" in hf:
+        top, hf = hf, dict(hf["text_config"])
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            hf.setdefault(key, top.get(key))
+        hf.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", True))
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"model_type: {model_type!r} is not supported (supported: {sorted(_MODEL_TYPES)})")
+    family = _MODEL_TYPES[model_type]
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias: True is not supported (no supported checkpoint uses MLP biases)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window: Qwen2-style sliding window attention is not supported")
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+    gemma = family == "gemma3"
+    default_theta = 1_000_000.0 if gemma else 10_000.0
+    rope_params = hf.get("rope_parameters")
+    local_rope = None
+    if gemma:
+        if rope_params and "full_attention" in rope_params:
+            rope = _rope_from_hf(rope_params["full_attention"], default_theta)
+            local_rope = _rope_from_hf(rope_params.get("sliding_attention"), 10_000.0)
+        else:
+            rope = _rope_from_hf(hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
+            local_rope = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+    else:
+        rope = _rope_from_hf(rope_params or hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
+    num_layers = int(hf["num_hidden_layers"])
+    layer_types: tuple[str, ...] = ()
+    sliding_window = None
+    if gemma:
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) else "full_attention"
+            for i in range(num_layers)))
+        sliding_window = int(hf.get("sliding_window") or 4096)
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention: only causal decoders are supported")
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    attention_bias = bool(hf.get("attention_bias", False))
+    eos = list(_as_tuple(hf.get("eos_token_id")))
+    for token in _as_tuple((generation or {}).get("eos_token_id")):
+        if token not in eos:
+            eos.append(token)
+    return ModelConfig(
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=rope,
+        local_rope=local_rope,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        activation=activation,
+        qkv_bias=attention_bias or family == "qwen2",
+        o_bias=attention_bias,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+    """HF config.json contents that transformers reads back as the same architecture."""
+    if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
+        raise ValueError("qkv_bias/o_bias: Qwen2 always has q/k/v biases and no output bias")
+    if config.family != "qwen2" and config.qkv_bias != config.o_bias:
+        raise ValueError(f"qkv_bias/o_bias: {config.family} has one attention_bias flag; they must be equal")
+    architecture, model_type = _ARCHITECTURES[config.family]
+    eos = list(config.eos_token_ids)
+    out: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": config.rope.to_hf(),
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": config.pad_token_id,
+        "attention_bias": config.o_bias,
+        "mlp_bias": False,
+        "torch_dtype": torch_dtype,
+        "use_cache": True,
+    }
+    if config.family == "gemma3":
+        out.update(
+            hidden_activation=config.activation,
+            rope_local_base_freq=(config.local_rope or config.rope).theta,
+            layer_types=list(config.layer_types or ("full_attention",) * config.num_layers),
+            sliding_window=config.sliding_window,
+            query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+            attn_logit_softcapping=config.attn_logit_softcap,
+            final_logit_softcapping=config.final_logit_softcap,
+        )
+    else:
+        out["hidden_act"] = config.activation
+    if config.family == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+        del out["attention_bias"]
+    return out

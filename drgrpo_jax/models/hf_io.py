@@ -1,0 +1,302 @@
+"""Hugging Face checkpoints: safetensors (single or sharded) in, straight onto a mesh, and out again."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct as pystruct
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from drgrpo_jax.models.config import ModelConfig, from_hf_config, to_hf_config
+from drgrpo_jax.models.transformer import Transformer, param_specs
+from drgrpo_jax.sharding import ShardingRules, named_sharding
+
+_ST_DTYPES: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+# Prefixes under which multimodal wrappers keep the text decoder (Gemma 3 4B+ checkpoints).
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.")
+_DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+# ---------------------------------------------------------------- safetensors, read lazily
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], int]:
+    """(tensor table, byte offset of the data section) of one safetensors file."""
+    with open(path, "rb") as f:
+        (size,) = pystruct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+class SafetensorsIndex:
+    """Name -> memory-mapped numpy tensor over every *.safetensors file of a folder."""
+
+    def __init__(self, folder: str):
+        index_path = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"path: no *.safetensors files in {folder}")
+        self._entries: dict[str, tuple[str, dict[str, Any], int]] = {}
+        for name in files:
+            path = os.path.join(folder, name)
+            header, data_start = _read_header(path)
+            for tensor, entry in header.items():
+                self._entries[_normalise(tensor)] = (path, entry, data_start)
+        self._maps: dict[str, np.memmap] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor, read-only and memory-mapped (no copy until used)."""
+        if name not in self._entries:
+            raise KeyError(f"weights: tensor {name!r} is missing from the checkpoint")
+        path, entry, data_start = self._entries[name]
+        if entry["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"weights: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        begin, end = entry["data_offsets"]
+        raw = self._maps[path][data_start + begin:data_start + end]
+        return raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def _normalise(name: str) -> str:
+    """Strip multimodal wrapper prefixes so text-decoder tensors read as model.*."""
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write one safetensors file (bfloat16 included, via ml_dtypes)."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, array in tensors.items():
+        nbytes = array.size * array.dtype.itemsize
+        header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format asks for an 8-byte aligned data section
+    with open(path, "wb") as f:
+        f.write(pystruct.pack("<Q", len(blob)))
+        f.write(blob)
+        for array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())
+
+
+# ---------------------------------------------------------------- name and layout mapping
+
+# our stacked name -> (HF per-layer suffix, HF -> ours, ours -> HF); c is the ModelConfig.
+_Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+_LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
+    "attn_norm": ("input_layernorm.weight", lambda w, c: w, lambda w, c: w),
+    "q_proj": ("self_attn.q_proj.weight",
+               lambda w, c: w.reshape(c.num_heads, c.head_dim, c.hidden_size).transpose(2, 0, 1),
+               lambda w, c: w.transpose(1, 2, 0).reshape(c.num_heads * c.head_dim, c.hidden_size)),
+    "k_proj": ("self_attn.k_proj.weight",
+               lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, c.hidden_size).transpose(2, 0, 1),
+               lambda w, c: w.transpose(1, 2, 0).reshape(c.num_kv_heads * c.head_dim, c.hidden_size)),
+    "v_proj": ("self_attn.v_proj.weight",
+               lambda w, c: w.reshape(c.num_kv_heads, c.head_dim, c.hidden_size).transpose(2, 0, 1),
+               lambda w, c: w.transpose(1, 2, 0).reshape(c.num_kv_heads * c.head_dim, c.hidden_size)),
+    "o_proj": ("self_attn.o_proj.weight",
+               lambda w, c: w.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+               lambda w, c: w.reshape(c.num_heads * c.head_dim, c.hidden_size).T),
+    "q_bias": ("self_attn.q_proj.bias", lambda w, c: w.reshape(c.num_heads, c.head_dim), lambda w, c: w.reshape(-1)),
+    "k_bias": ("self_attn.k_proj.bias", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim),
+               lambda w, c: w.reshape(-1)),
+    "v_bias": ("self_attn.v_proj.bias", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim),
+               lambda w, c: w.reshape(-1)),
+    "o_bias": ("self_attn.o_proj.bias", lambda w, c: w, lambda w, c: w),
+    "q_norm": ("self_attn.q_norm.weight", lambda w, c: w, lambda w, c: w),
+    "k_norm": ("self_attn.k_norm.weight", lambda w, c: w, lambda w, c: w),
+    "gate_proj": ("mlp.gate_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
+    "up_proj": ("mlp.up_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
+    "down_proj": ("mlp.down_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
+}
+
+
+def _layer_suffix(name: str, config: ModelConfig) -> str:
+    """HF per-layer tensor suffix of our stacked parameter (norm names differ for Gemma)."""
+    if name == "mlp_norm":
+        return "pre_feedforward_layernorm.weight" if config.post_norms else "post_attention_layernorm.weight"
+    if name == "post_attn_norm":
+        return "post_attention_layernorm.weight"
+    if name == "post_mlp_norm":
+        return "post_feedforward_layernorm.weight"
+    return _LAYER_MAP[name][0]
+
+
+def _to_ours(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """One HF layer tensor in our layout."""
+    return _LAYER_MAP[name][1](w, config) if name in _LAYER_MAP else w
+
+
+def _to_hf(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """One layer of our parameter in HF layout."""
+    return _LAYER_MAP[name][2](w, config) if name in _LAYER_MAP else w
+
+
+def hf_param_reader(index: SafetensorsIndex, config: ModelConfig) -> Callable[[str], np.ndarray]:
+    """Function: our parameter path -> host numpy array in our layout (layers stacked)."""
+
+    def read(path: str) -> np.ndarray:
+        if path == "embed":
+            return index.get("model.embed_tokens.weight")
+        if path == "final_norm":
+            return index.get("model.norm.weight")
+        if path == "lm_head":
+            return index.get("lm_head.weight").T
+        name = path.split("/", 1)[1]
+        suffix = _layer_suffix(name, config)
+        return np.stack([_to_ours(name, index.get(f"model.layers.{i}.{suffix}"), config)
+                         for i in range(config.num_layers)])
+
+    return read
+
+
+# ---------------------------------------------------------------- building a model from host arrays
+
+
+def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, dtype=jnp.float32,
+                mesh: Mesh | None = None, rules: ShardingRules = ShardingRules()) -> Transformer:
+    """A Transformer whose parameters come from `read(path)`, each placed on its shards directly."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    specs = param_specs(config)
+    np_dtype = np.dtype(dtype)
+    for path, variable in nnx.to_flat_state(state):
+        name = "/".join(str(p) for p in path)
+        shape, axes = specs[name]
+        host = read(name)
+        if tuple(host.shape) != shape:
+            raise ValueError(f"weights: {name} has shape {tuple(host.shape)}, the config implies {shape}")
+        if mesh is None:
+            value = jnp.asarray(np.asarray(host, dtype=np_dtype))
+        else:
+            sharding = named_sharding(name, shape, axes, mesh, rules)
+            # Each device receives only its own slice of the host array.
+            value = jax.make_array_from_callback(
+                shape, sharding, lambda index, host=host: np.asarray(host[index], dtype=np_dtype))
+        variable.set_value(value) if hasattr(variable, "set_value") else setattr(variable, "value", value)
+    return nnx.merge(graphdef, state)
+
+
+def load_hf_config(folder: str) -> ModelConfig:
+    """ModelConfig from a folder's config.json (+ generation_config.json for extra stop tokens)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    generation = None
+    generation_path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(generation_path):
+        with open(generation_path) as f:
+            generation = json.load(f)
+    return from_hf_config(hf, generation)
+
+
+def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+                    rules: ShardingRules = ShardingRules(), remat: bool = False) -> Transformer:
+    """Load an HF folder (config.json + safetensors) or a .gguf file as a Transformer."""
+    path = os.fspath(path)
+    if path.endswith(".gguf"):
+        from drgrpo_jax.models.gguf_io import load_gguf  # gguf is only imported for GGUF files
+
+        return load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"path: {path!r} is neither a folder with config.json nor a .gguf file")
+    config = load_hf_config(path)
+    if remat:
+        config = dataclasses.replace(config, remat=True)
+    return build_model(config, hf_param_reader(SafetensorsIndex(path), config), dtype=dtype, mesh=mesh, rules=rules)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _host(array: jax.Array) -> np.ndarray:
+    """A whole array on this host (gathered across processes when it spans several)."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        array = multihost_utils.process_allgather(array, tiled=True)
+    return np.asarray(jax.device_get(array))
+
+
+def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    """Every parameter under its HF name and layout."""
+    config = model.config
+    _, state = nnx.split(model)
+    out: dict[str, np.ndarray] = {}
+    for path, variable in nnx.to_flat_state(state):
+        name = "/".join(str(p) for p in path)
+        value = _host(variable[...])
+        if name == "embed":
+            out["model.embed_tokens.weight"] = value
+        elif name == "final_norm":
+            out["model.norm.weight"] = value
+        elif name == "lm_head":
+            out["lm_head.weight"] = np.ascontiguousarray(value.T)
+        else:
+            layer_name = name.split("/", 1)[1]
+            suffix = _layer_suffix(layer_name, config)
+            for i in range(config.num_layers):
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(_to_hf(layer_name, value[i], config))
+    return out
+
+
+def save_pretrained(model: Transformer, path: str, *, max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+                    tokenizer: Any = None) -> None:
+    """Write an HF folder (config.json, generation_config.json, safetensors shards + index) transformers loads."""
+    os.makedirs(path, exist_ok=True)
+    tensors = hf_tensors(model)
+    dtypes = {a.dtype for a in tensors.values()}
+    torch_dtype = "bfloat16" if np.dtype(ml_dtypes.bfloat16) in dtypes else (
+        "float16" if np.dtype(np.float16) in dtypes else "float32")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(to_hf_config(model.config, torch_dtype), f, indent=2)
+    generation = {"bos_token_id": model.config.bos_token_id, "eos_token_id": list(model.config.eos_token_ids)}
+    if model.config.pad_token_id is not None:
+        generation["pad_token_id"] = model.config.pad_token_id
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    if len(shards) == 1:
+        write_safetensors(os.path.join(path, "model.safetensors"), shards[0])
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(os.path.join(path, file), shard)
+            weight_map.update({name: file for name in shard})
+        total = sum(a.nbytes for a in tensors.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

@@ -1,0 +1,320 @@
+"""Decoder-only transformer (Llama, Qwen2, Qwen3, Gemma 3 text) as a Flax NNX module, with a KV cache.
+
+Einsum letters:
+  B batch, T query length, S key length (cache slots), L layers, D model dim, F MLP dim,
+  N query heads, K key/value heads, G query heads per kv head (N = K * G), H head dim, V vocab.
+
+Layers are stored stacked ([L, ...]) and run with `lax.scan`, so a 30-layer model compiles one
+block, and the KV cache is one [L, B, S, K, H] array per key/value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from drgrpo_jax.models.config import ModelConfig
+
+_F32 = jnp.float32
+# Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
+_MASKED = -1e30
+
+
+@struct.dataclass
+class KVCache:
+    """Explicit decode state: keys/values per layer and the position stored in each slot."""
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    positions_BS: jax.Array  # int32, -1 = empty slot or padding token
+    length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache with room for max_len tokens per row."""
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        positions_BS=jnp.full((batch_size, max_len), -1, jnp.int32),
+        length=jnp.zeros((), jnp.int32),
+    )
+
+
+def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
+    """Per stacked layer parameter: (shape, logical axes, init kind)."""
+    L, D, F = config.num_layers, config.hidden_size, config.intermediate_size
+    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+    norm = "zeros" if config.gemma_norms else "ones"
+    specs = {
+        "attn_norm": ((L, D), ("layers", "embed"), norm),
+        "q_proj": ((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"), "normal"),
+        "k_proj": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "v_proj": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "o_proj": ((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"), "normal"),
+        "mlp_norm": ((L, D), ("layers", "embed"), norm),
+        "gate_proj": ((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "up_proj": ((L, D, F), ("layers", "embed", "mlp"), "normal"),
+        "down_proj": ((L, F, D), ("layers", "mlp", "embed"), "normal"),
+    }
+    if config.qkv_bias:
+        specs["q_bias"] = ((L, N, H), ("layers", "q_heads", "head_dim"), "zeros")
+        specs["k_bias"] = ((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        specs["v_bias"] = ((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+    if config.o_bias:
+        specs["o_bias"] = ((L, D), ("layers", "embed"), "zeros")
+    if config.qk_norm:
+        specs["q_norm"] = ((L, H), ("layers", "head_dim"), norm)
+        specs["k_norm"] = ((L, H), ("layers", "head_dim"), norm)
+    if config.post_norms:
+        specs["post_attn_norm"] = ((L, D), ("layers", "embed"), norm)
+        specs["post_mlp_norm"] = ((L, D), ("layers", "embed"), norm)
+    return specs
+
+
+def param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Every parameter's (shape, logical axes), keyed by its path ("embed", "blocks/q_proj", ...)."""
+    out = {"embed": ((config.vocab_size, config.hidden_size), ("vocab", "embed")),
+           "final_norm": ((config.hidden_size,), ("embed",))}
+    if not config.tie_word_embeddings:
+        out["lm_head"] = ((config.hidden_size, config.vocab_size), ("embed", "vocab"))
+    for name, (shape, axes, _) in _param_specs(config).items():
+        out[f"blocks/{name}"] = (shape, axes)
+    return out
+
+
+def _init(kind: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Random or constant initial value."""
+    if kind == "normal":
+        return (0.02 * jax.random.normal(key, shape, _F32)).astype(dtype)
+    return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+
+class Blocks(nnx.Module):
+    """All decoder layers' parameters, stacked along a leading layer axis."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        for name, (shape, axes, kind) in _param_specs(config).items():
+            setattr(self, name, nnx.Param(_init(kind, rngs.params(), shape, dtype), logical_axes=axes))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked parameter arrays by name."""
+        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
+
+
+# ---------------------------------------------------------------- pure building blocks
+
+
+def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """Einsum accumulating in float32 (bf16 with f32 accumulation is fast on CPU), cast back to x's dtype."""
+    return jnp.einsum(spec, x, w, preferred_element_type=_F32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+    """RMSNorm in float32; Gemma applies (1 + w) in float32, Llama applies w after casting back."""
+    x32 = x.astype(_F32)
+    weight = weight.reshape((1,) * (x.ndim - weight.ndim) + weight.shape)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (normed * (1.0 + weight.astype(_F32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, H] for rotate-half RoPE."""
+    angles_BTh = positions_BT.astype(_F32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
+    return jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+
+
+def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the HF layout: first and second halves of each head pair up)."""
+    x32 = x_BTnH.astype(_F32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos_BTH[:, :, None, :] + rotated * sin_BTH[:, :, None, :]
+    return out.astype(x_BTnH.dtype)
+
+
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    """MLP gate nonlinearity."""
+    if name == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=name == "gelu_pytorch_tanh")
+
+
+def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array,
+           scale: float, softcap: float | None) -> jax.Array:
+    """Grouped-query softmax attention with a boolean visibility mask; scores in float32."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=_F32) * scale
+    if softcap is not None:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, _MASKED)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH, preferred_element_type=_F32)
+    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def _rope_for_layers(config: ModelConfig, positions_BT: jax.Array):
+    """(cos, sin) tables for global layers and for sliding layers."""
+    global_tables = rope_tables(positions_BT, config.rope.inv_freq(config.head_dim))
+    if config.local_rope is None or not any(config.sliding_layers):
+        return global_tables, global_tables
+    return global_tables, rope_tables(positions_BT, config.local_rope.inv_freq(config.head_dim))
+
+
+def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
+                masks: tuple[jax.Array, jax.Array], cache: KVCache | None):
+    """All decoder layers via lax.scan; with a cache, new keys/values are written at cache.length first."""
+    eps, plus_one = config.rms_norm_eps, config.gemma_norms
+    (cos_g, sin_g), (cos_l, sin_l) = _rope_for_layers(config, positions_BT)
+    mask_full_BTS, mask_local_BTS = masks
+    sliding_L = jnp.asarray(config.sliding_layers)
+
+    def block(carry, layer):
+        x_BTD, k_cache, v_cache = carry
+        p, sliding, index = layer
+        with jax.named_scope("attention"):
+            h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
+            q_BTNH = _matmul("btd,dnh->btnh", h_BTD, p["q_proj"])
+            k_BTKH = _matmul("btd,dkh->btkh", h_BTD, p["k_proj"])
+            v_BTKH = _matmul("btd,dkh->btkh", h_BTD, p["v_proj"])
+            if config.qkv_bias:
+                q_BTNH, k_BTKH, v_BTKH = (
+                    q_BTNH + p["q_bias"][None, None], k_BTKH + p["k_bias"][None, None], v_BTKH + p["v_bias"][None, None])
+            if config.qk_norm:
+                q_BTNH = rms_norm(q_BTNH, p["q_norm"], eps, plus_one)
+                k_BTKH = rms_norm(k_BTKH, p["k_norm"], eps, plus_one)
+            cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
+            q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
+            if cache is None:
+                keys_BSKH, values_BSKH = k_BTKH, v_BTKH
+            else:
+                # Write into the carried stacked cache in place, then read this layer's slots back.
+                start = (index, 0, cache.length, 0, 0)
+                k_cache = jax.lax.dynamic_update_slice(k_cache, k_BTKH[None].astype(k_cache.dtype), start)
+                v_cache = jax.lax.dynamic_update_slice(v_cache, v_BTKH[None].astype(v_cache.dtype), start)
+                keys_BSKH = k_cache[index].astype(q_BTNH.dtype)
+                values_BSKH = v_cache[index].astype(q_BTNH.dtype)
+            mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
+            o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale, config.attn_logit_softcap)
+            a_BTD = _matmul("btnh,nhd->btd", o_BTNH, p["o_proj"])
+            if config.o_bias:
+                a_BTD = a_BTD + p["o_bias"][None, None]
+            if config.post_norms:
+                a_BTD = rms_norm(a_BTD, p["post_attn_norm"], eps, plus_one)
+            x_BTD = x_BTD + a_BTD
+        with jax.named_scope("mlp"):
+            h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
+            gate_BTF = _activation(config.activation, _matmul("btd,df->btf", h_BTD, p["gate_proj"]))
+            up_BTF = _matmul("btd,df->btf", h_BTD, p["up_proj"])
+            m_BTD = _matmul("btf,fd->btd", gate_BTF * up_BTF, p["down_proj"])
+            if config.post_norms:
+                m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
+            x_BTD = x_BTD + m_BTD
+        return (x_BTD, k_cache, v_cache), None
+
+    if config.remat:
+        block = jax.checkpoint(block)
+    k0 = cache.k if cache is not None else jnp.zeros((), x_BTD.dtype)
+    v0 = cache.v if cache is not None else jnp.zeros((), x_BTD.dtype)
+    layers = (params, sliding_L, jnp.arange(config.num_layers))
+    (x_BTD, k_cache, v_cache), _ = jax.lax.scan(block, (x_BTD, k0, v0), layers)
+    return x_BTD, k_cache, v_cache
+
+
+def _window(config: ModelConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
+    """[B, T, S]: key inside the sliding window of the query (HF: q_pos - k_pos < window)."""
+    if config.sliding_window is None:
+        return jnp.ones((q_pos_BT.shape[0], q_pos_BT.shape[1], k_pos_BS.shape[1]), bool)
+    return q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < config.sliding_window
+
+
+def forward_masks(config: ModelConfig, positions_BT: jax.Array, segment_ids_BT: jax.Array):
+    """(full, sliding) masks [B, T, T]: same non-zero segment, causal by index, window by position."""
+    T = positions_BT.shape[1]
+    same_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (segment_ids_BT[:, :, None] != 0)
+    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    full_BTS = same_BTS & causal_TS[None]
+    return full_BTS, full_BTS & _window(config, positions_BT, positions_BT)
+
+
+def cache_masks(config: ModelConfig, positions_BT: jax.Array, cache_positions_BS: jax.Array):
+    """(full, sliding) masks [B, T, S]: slot filled and its position <= the query's position."""
+    k_pos = cache_positions_BS[:, None, :]
+    full_BTS = (k_pos >= 0) & (k_pos <= positions_BT[:, :, None])
+    return full_BTS, full_BTS & _window(config, positions_BT, cache_positions_BS)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM; call it for float32 logits, `decode` for cached generation."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        D, V = config.hidden_size, config.vocab_size
+        self.embed = nnx.Param(_init("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))
+        self.blocks = Blocks(config, rngs=rngs, dtype=dtype)
+        self.final_norm = nnx.Param(_init("zeros" if config.gemma_norms else "ones", None, (D,), dtype),
+                                    logical_axes=("embed",))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(_init("normal", rngs.params(), (D, V), dtype), logical_axes=("embed", "vocab"))
+
+    def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
+        """Token embeddings (scaled by sqrt(D) in the weight dtype for Gemma, as HF does)."""
+        table_VD = self.embed[...]
+        x_BTD = jnp.take(table_VD, input_ids_BT, axis=0)
+        if self.config.scale_embeddings:
+            x_BTD = x_BTD * jnp.asarray(math.sqrt(self.config.hidden_size), table_VD.dtype)
+        return x_BTD
+
+    def hidden_states(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
+                      segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, D] of a full (non-cached) forward."""
+        B, T = input_ids_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids_BT is None:
+            segment_ids_BT = jnp.ones((B, T), jnp.int32)
+        masks = forward_masks(self.config, positions_BT, segment_ids_BT)
+        x_BTD, _, _ = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
+                                  masks, None)
+        return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
+
+    def unembed_DV(self) -> jax.Array:
+        """Output projection [D, V] (the embedding transposed when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits_from_hidden(self, hidden_BTD: jax.Array) -> jax.Array:
+        """float32 logits from final hidden states (final soft-cap applied if the model has one)."""
+        logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, self.unembed_DV(), preferred_element_type=_F32)
+        cap = self.config.final_logit_softcap
+        return logits_BTV if cap is None else cap * jnp.tanh(logits_BTV / cap)
+
+    def __call__(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """float32 logits [B, T, V]."""
+        return self.logits_from_hidden(self.hidden_states(input_ids_BT, positions_BT, segment_ids_BT))
+
+    def decode(self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache).
+
+        Tokens with position -1 (padding) are stored as empty slots and are never visible.
+        """
+        T = input_ids_BT.shape[1]
+        positions_BT = positions_BT.astype(jnp.int32)
+        cache_positions_BS = jax.lax.dynamic_update_slice(cache.positions_BS, positions_BT, (0, cache.length))
+        masks = cache_masks(self.config, positions_BT, cache_positions_BS)
+        x_BTD, k, v = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
+                                  masks, cache)
+        hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
+        new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
+        return self.logits_from_hidden(hidden_BTD), new_cache

@@ -1,0 +1,147 @@
+"""Mesh construction, logical-axis rules and partition specs for parameters and batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape; one axis may be -1 to take the remaining devices."""
+
+    data: int = 1  # pure data parallelism (parameters replicated)
+    fsdp: int = -1  # data parallelism with parameters sharded over it (ZeRO-3 style)
+    tensor: int = 1  # tensor parallelism: heads, MLP and vocab split
+
+    def __post_init__(self):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or (size <= 0 and size != -1):
+                raise ValueError(f"mesh.{name}: must be a positive int or -1, got {size!r}")
+        if sum(size == -1 for size in sizes.values()) > 1:
+            raise ValueError("mesh: at most one axis may be -1")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """(data, fsdp, tensor) sizes for num_devices devices."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = int(np.prod([s for s in sizes if s != -1]))
+        if -1 in sizes:
+            if num_devices % known:
+                raise ValueError(f"mesh: {num_devices} devices are not divisible by the fixed axes' product {known}")
+            sizes[sizes.index(-1)] = num_devices // known
+        if int(np.prod(sizes)) != num_devices:
+            raise ValueError(f"mesh: data*fsdp*tensor = {int(np.prod(sizes))} but there are {num_devices} devices")
+        return tuple(sizes)  # type: ignore[return-value]
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over the given devices (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = config.shape(len(devices))
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis name -> mesh axis (or axes, or None for replicated)."""
+
+    batch: MeshAxes = ("data", "fsdp")  # activations' batch dimension
+    vocab: MeshAxes = "tensor"  # embedding / output rows
+    embed: MeshAxes = "fsdp"  # model dimension of weights
+    q_heads: MeshAxes = "tensor"
+    kv_heads: MeshAxes = "tensor"
+    head_dim: MeshAxes = None
+    mlp: MeshAxes = "tensor"
+    layers: MeshAxes = None  # the stacked-layer axis (scanned; never sharded)
+
+    def mesh_axes(self, logical: str | None) -> MeshAxes:
+        """Mesh axes for one logical axis name (None stays replicated)."""
+        if logical is None:
+            return None
+        if not hasattr(self, logical):
+            raise ValueError(f"sharding rules: unknown logical axis {logical!r}")
+        return getattr(self, logical)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    """Mesh axes as a tuple."""
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: ShardingRules = ShardingRules()) -> PartitionSpec:
+    """PartitionSpec for logical axes; two logical axes on one mesh axis is an error."""
+    used: dict[str, str | None] = {}
+    spec = []
+    for logical in logical_axes:
+        axes = rules.mesh_axes(logical)
+        for mesh_axis in _as_tuple(axes):
+            if mesh_axis in used:
+                raise ValueError(
+                    f"sharding rules: logical axes {used[mesh_axis]!r} and {logical!r} both map to mesh axis "
+                    f"{mesh_axis!r} in {tuple(logical_axes)}")
+            used[mesh_axis] = logical
+        spec.append(axes)
+    return PartitionSpec(*spec)
+
+
+def named_sharding(name: str, shape: Sequence[int], logical_axes: Sequence[str | None], mesh: Mesh,
+                   rules: ShardingRules = ShardingRules()) -> NamedSharding:
+    """NamedSharding of one array; a dimension that its mesh axes do not divide is an error naming it."""
+    if len(shape) != len(logical_axes):
+        raise ValueError(f"{name}: shape {tuple(shape)} has {len(shape)} dims but logical axes {logical_axes}")
+    spec = logical_to_spec(logical_axes, rules)
+    for dim, logical, axes in zip(shape, logical_axes, spec):
+        size = int(np.prod([mesh.shape[a] for a in _as_tuple(axes)]))
+        if axes is not None and dim % size:
+            raise ValueError(
+                f"{name}: dimension {logical!r} of size {dim} is not divisible by mesh axes {axes} (size {size})")
+    return NamedSharding(mesh, spec)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    """'blocks/q_proj' from an nnx state path."""
+    return "/".join(str(getattr(p, "key", p)) for p in path)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> nnx.State:
+    """A state-shaped tree of NamedShardings from each Param's `logical_axes` metadata."""
+
+    def one(path, variable):
+        axes = getattr(variable, "logical_axes", None)
+        shape = variable[...].shape
+        if axes is None:
+            return NamedSharding(mesh, PartitionSpec())
+        return named_sharding(_path_name(path), shape, axes, mesh, rules)
+
+    return jax.tree.map_with_path(
+        lambda path, v: one(path, v), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(specs: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]], mesh: Mesh,
+                    rules: ShardingRules = ShardingRules()) -> dict[str, NamedSharding]:
+    """NamedSharding per parameter path from `models.param_specs(config)`."""
+    return {name: named_sharding(name, shape, axes, mesh, rules) for name, (shape, axes) in specs.items()}
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> nnx.Module:
+    """The same model with every parameter placed on the mesh by its logical axes."""
+    graphdef, state = nnx.split(model)
+    shardings = state_shardings(state, mesh, rules)
+    # The shardings tree stops at each Variable, a valid pytree prefix of the state.
+    return nnx.merge(graphdef, jax.device_put(state, shardings))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules: ShardingRules = ShardingRules()) -> NamedSharding:
+    """Sharding of a [B, ...] batch: batch over the rules' batch axes, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(rules.batch, *([None] * (ndim - 1))))
