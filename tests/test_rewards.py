@@ -1,0 +1,133 @@
+"""Rewards: built-in components, user functions by import path, time limits, crashes, NaN, clean shutdown."""
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pytest
+
+from drgrpo_jax.config import ConfigError, DataConfig, RewardConfig
+from drgrpo_jax.data import Example, load_dataset
+from drgrpo_jax.rewards import RewardError, RewardScorer, build_reward_fns, extract_answer
+
+TIMEOUT_S = 4.0  # above math-verify's slowest first call on a loaded 2-core machine, below "stalled"
+
+
+def user_reward(completion: str, example: Example) -> float:
+    """A user reward whose behaviour the completion picks: hang, raise, die, NaN, a string, or 0.5."""
+    if "HANG" in completion:
+        time.sleep(3600)
+    if "RAISE" in completion:
+        raise RuntimeError("user code failed")
+    if "EXIT" in completion:
+        os._exit(3)  # a crash that takes the worker down with it
+    if "NAN" in completion:
+        return float("nan")
+    if "STR" in completion:
+        return "0.5"  # type: ignore[return-value]
+    return 0.5
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return load_dataset(DataConfig(task="basic_arithmetic", size=4, eval_size=0), seed=0).train
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    config = RewardConfig(
+        functions=("math_verify", "format", "task", "test_rewards:user_reward"),
+        weights=(1.0, 0.1, 1.0, 2.0),
+        timeout_s=TIMEOUT_S,
+        num_workers=2,
+    )
+    with RewardScorer(config) as scorer:
+        yield scorer
+
+
+def test_extract_answer():
+    assert extract_answer("so \\boxed{\\frac{1}{2}} done", "boxed") == "\\frac{1}{2}"
+    assert extract_answer("\\boxed{1} then \\boxed{2}", "boxed") == "2"
+    assert extract_answer("cut off \\boxed{12", "boxed") is None
+    assert extract_answer("<answer>1</answer> <answer> 7 </answer>", "answer_tags") == "7"
+    assert extract_answer("no answer here", "answer_tags") is None
+
+
+def test_builtins_and_user_components(scorer, examples):
+    right, wrong = examples[0], examples[1]
+    completions = [
+        f"The result is \\boxed{{{right.answer}}}.",
+        f"I think it is {right.answer}.",  # right but not in the format
+        "The result is \\boxed{123456789}.",
+    ]
+    result = scorer.score(completions, [right, right, wrong])
+    assert result.names == ("math_verify", "format", "task", "user_reward")
+    expected_NK = np.array([[1.0, 1.0, 1.0, 0.5], [1.0, 0.0, 0.0, 0.5], [0.0, 1.0, 0.0, 0.5]], np.float32)
+    np.testing.assert_array_equal(result.components_NK, expected_NK)
+    np.testing.assert_allclose(result.total_N(), expected_NK @ np.array([1.0, 0.1, 1.0, 2.0], np.float32))
+    assert result.timeouts_K.sum() == 0 and result.errors_K.sum() == 0
+    metrics = result.metrics()
+    assert metrics["reward/format"] == pytest.approx(2 / 3) and metrics["reward_errors"] == 0
+
+
+def test_math_verify_is_equivalence_not_string_match(scorer):
+    half = Example("x/0", "q", "\\frac{1}{2}")
+    result = scorer.score(["so \\boxed{0.5}", "so \\boxed{1/2}", "so \\boxed{2}"], [half] * 3)
+    np.testing.assert_array_equal(result.components_NK[:, 0], [1.0, 1.0, 0.0])
+    assert result.errors_K[2] == 3  # 'task' on a prompt without a reasoning-gym entry: counted, scored 0
+
+
+def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
+    completions = ["\\boxed{1} HANG", "\\boxed{1}", "\\boxed{1} HANG", "\\boxed{1}"]
+    start = time.monotonic()
+    result = scorer.score(completions, examples[:4])
+    elapsed = time.monotonic() - start
+    np.testing.assert_array_equal(result.timeouts_K, [0, 0, 0, 2])
+    np.testing.assert_array_equal(result.components_NK[:, 3], [0.0, 0.5, 0.0, 0.5])
+    np.testing.assert_array_equal(result.components_NK[:, 1], [1.0] * 4)  # other components unaffected
+    assert "over 4.0 s" in result.error_messages[0] and examples[0].prompt_id in result.error_messages[0]
+    # Two hung calls on two workers run side by side: about one time limit plus worker restarts, not an hour.
+    assert elapsed < 3 * TIMEOUT_S + 60
+    again = scorer.score(["\\boxed{1}"], examples[:1])  # the replaced workers serve the next batch
+    assert again.timeouts_K.sum() == 0 and again.components_NK[0, 3] == 0.5
+
+
+def test_crashes_score_zero_and_are_counted(scorer, examples):
+    completions = ["RAISE", "EXIT", "STR", "fine"]
+    result = scorer.score(completions, examples[:4])
+    np.testing.assert_array_equal(result.components_NK[:, 3], [0.0, 0.0, 0.0, 0.5])
+    assert result.errors_K[3] == 3 and result.timeouts_K.sum() == 0
+    joined = " | ".join(result.error_messages)
+    assert "RuntimeError: user code failed" in joined and "worker died (exit code 3)" in joined
+    assert "not a number" in joined
+
+
+def test_nan_reward_stops_with_prompt_and_component(scorer, examples):
+    with pytest.raises(RewardError) as info:
+        scorer.score(["fine", "NAN"], examples[:2])
+    message = str(info.value)
+    assert "'user_reward'" in message and examples[1].prompt_id in message and "nan" in message
+    assert "\n" not in message
+
+
+def test_bad_import_paths_are_config_errors():
+    with pytest.raises(ConfigError) as info:
+        build_reward_fns(RewardConfig(functions=("math_verify", "no_such_module_xyz:fn")))
+    assert str(info.value).startswith("reward.functions[1]: cannot import 'no_such_module_xyz'")
+    with pytest.raises(ConfigError) as info:
+        build_reward_fns(RewardConfig(functions=("test_rewards:missing_fn",)))
+    assert str(info.value).startswith("reward.functions[0]: 'test_rewards' has no function 'missing_fn'")
+
+
+def test_close_stops_every_worker():
+    scorer = RewardScorer(RewardConfig(functions=("format",), num_workers=1, timeout_s=TIMEOUT_S))
+    processes = [worker.process for worker in scorer._workers]
+    assert scorer.score(["\\boxed{3}"], [Example("p/0", "q", "3")]).components_NK[0, 0] == 1.0
+    scorer.close()
+    assert not any(process.is_alive() for process in processes)
+
+
+def test_weights_default_to_one():
+    specs = build_reward_fns(RewardConfig(functions=("math_verify", "format")))
+    assert [dataclasses.astuple(s)[::2] for s in specs] == [("math_verify", 1.0), ("format", 1.0)]
