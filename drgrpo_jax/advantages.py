@@ -89,7 +89,7 @@ def gdpo(
     weights = jnp.asarray(weights, jnp.float32)
     chex.assert_shape(weights, components.shape[2:])
     per_component = jax.vmap(lambda c: _group_zscore(c, valid, eps), in_axes=2, out_axes=2)
-    combined = (per_component(components) * weights).sum(axis=2)
+    combined = (per_component(components) * weights[None, None, :]).sum(axis=2)
     return whiten(combined, valid, eps=eps, axis_name=axis_name)
 
 

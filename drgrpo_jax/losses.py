@@ -184,7 +184,7 @@ def loss_fn(
     row_valid = _row_valid_or_ones(mask, row_valid)
     token = jnp.asarray(mask, bool) & row_valid[:, None]
     if window is None:
-        window = window_stats(token, axis_name=axis_name)
+        window = window_stats(mask, row_valid, axis_name=axis_name)
 
     # Sanitise masked slots first so padding garbage (inf, NaN) cannot reach a gradient.
     def clean(x):

@@ -1,0 +1,53 @@
+"""The algorithm table: each name binds an estimator and an aggregation; forbidden options fail clearly."""
+
+import pytest
+
+from drgrpo_jax import ALGORITHMS, LossConfig, advantages, check_algorithm_options
+
+
+def test_dr_grpo_is_one_switch_for_both_halves():
+    algorithm = ALGORITHMS["dr_grpo"]
+    assert algorithm.advantage_fn is advantages.dr_grpo
+    assert algorithm.aggregation == "fixed_budget"
+
+
+def test_every_entry_is_consistent():
+    assert set(ALGORITHMS) == {"dr_grpo", "grpo", "dapo", "rloo", "gdpo"}
+    for name, algorithm in ALGORITHMS.items():
+        assert algorithm.name == name
+        LossConfig(aggregation=algorithm.aggregation, budget=16)  # a valid aggregation
+    assert ALGORITHMS["grpo"].aggregation == "seq_mean_token_mean"
+    assert ALGORITHMS["dapo"].aggregation == "token_mean"
+    assert ALGORITHMS["gdpo"].multi_reward
+    with pytest.raises(TypeError):
+        ALGORITHMS["new"] = ALGORITHMS["grpo"]  # the table is read-only
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, error, field",
+    [
+        ("dr_grpo", dict(scale_rewards=True, budget=64), ValueError, "algorithm.scale_rewards"),
+        ("dr_grpo", dict(whiten_advantages=True, budget=64), ValueError, "algorithm.whiten_advantages"),
+        ("dr_grpo", dict(kl_in_reward=True, budget=64), ValueError, "algorithm.kl_in_reward"),
+        ("dr_grpo", dict(budget=True), TypeError, "rollout.max_new_tokens"),
+        ("dr_grpo", dict(budget=64.0), TypeError, "rollout.max_new_tokens"),
+        ("dr_grpo", dict(budget=None), TypeError, "rollout.max_new_tokens"),
+        ("dr_grpo", dict(budget=0), ValueError, "rollout.max_new_tokens"),
+        ("dr_grpo", dict(budget=64, group_size=1), ValueError, "rollout.group_size"),
+        ("grpo", dict(scale_rewards=True), ValueError, "algorithm.scale_rewards"),
+        ("gdpo", dict(whiten_advantages=True), ValueError, "algorithm.whiten_advantages"),
+        ("rloo", dict(scale_rewards="yes"), TypeError, "algorithm.scale_rewards"),
+        ("ppo", dict(), ValueError, "algorithm.name"),
+    ],
+)
+def test_forbidden_options_name_the_key(name, kwargs, error, field):
+    with pytest.raises(error) as info:
+        check_algorithm_options(name, **kwargs)
+    message = str(info.value)
+    assert message.startswith(field) and "\n" not in message
+
+
+def test_allowed_options_pass():
+    check_algorithm_options("dr_grpo", budget=64, group_size=2)
+    check_algorithm_options("rloo", scale_rewards=True, whiten_advantages=True, group_size=4)
+    check_algorithm_options("grpo", whiten_advantages=True)
