@@ -1,0 +1,119 @@
+"""Orbax checkpoints of the whole train state plus a small JSON of host state (data position, weight version).
+
+Each save is atomic: orbax writes into a temporary folder and renames it when complete, so a
+crash mid-save leaves the previous checkpoint as the latest loadable one (tested by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from drgrpo_jax.config import ConfigError
+
+__all__ = ["Checkpointer", "Restored", "abstract_state_like"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A checkpoint read back."""
+
+    step: int
+    state: Any  # the train-state pytree, as the abstract state asked (dtypes, shardings)
+    host: dict[str, Any]  # JSON host state saved beside it
+
+
+def abstract_state_like(state: Any, shardings: Any = None) -> Any:
+    """ShapeDtypeStructs for `state` (arrays or ShapeDtypeStructs) with the given or current shardings.
+
+    `shardings` is a pytree matching `state`, one Sharding for every leaf, or None (keep each
+    leaf's own sharding; a leaf without one goes to the first local device).
+    """
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        one = shardings
+        shardings = jax.tree.map(lambda leaf: one, state)
+    elif shardings is None:
+        shardings = jax.tree.map(lambda leaf: getattr(leaf, "sharding", None) or default, state)
+    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state, shardings)
+
+
+class Checkpointer:
+    """Saves every `save_every` steps (and when forced), keeps the newest `keep`, restores exactly."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, save_every: int, keep: int, async_save: bool = False):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.save_every = save_every
+        # The cadence is ours (step % save_every): orbax's own interval also saves the first step.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            create=True,
+            cleanup_tmp_directories=True,  # remove what a crashed save left behind
+            enable_async_checkpointing=async_save,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "host"))
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step; None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint kept, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def should_resume(self, resume: bool | None) -> bool:
+        """train.resume: null resumes when a checkpoint exists; true requires one; false refuses to overwrite."""
+        latest = self.latest_step()
+        if resume is None:
+            return latest is not None
+        if resume and latest is None:
+            raise ConfigError("train.resume", f"true, but {self.directory} holds no checkpoint")
+        if not resume and latest is not None:
+            raise ConfigError(
+                "train.resume",
+                f"false, but {self.directory} holds checkpoints up to step {latest}; "
+                "resume, or choose another run.output_dir",
+            )
+        return bool(resume)
+
+    def save(self, step: int, state: Any, host: dict[str, Any], *, force: bool = False) -> bool:
+        """Saves when `step` is a multiple of save_every or `force` (the last step); True when it saved."""
+        if (not force and step % self.save_every) or step in self._manager.all_steps():
+            return False  # off the cadence, or the end of a run that just saved this step
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(dict(host))),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract_state: Any, shardings: Any = None) -> Restored:
+        """Checkpoint `step` with the structure, dtypes and shardings of `abstract_state` (or `shardings`)."""
+        target = abstract_state_like(abstract_state, shardings)
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), host=ocp.args.JsonRestore())
+        )
+        return Restored(step, restored["state"], dict(restored["host"]))
+
+    def restore_latest(self, abstract_state: Any, shardings: Any = None) -> Restored | None:
+        """The newest complete checkpoint (see `restore`); None when there is none."""
+        step = self.latest_step()
+        return None if step is None else self.restore(step, abstract_state, shardings)
+
+    def wait(self) -> None:
+        """Blocks until an async save is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finishes pending saves and releases the manager."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -1,0 +1,127 @@
+"""Checkpoints: exact round trip (values, dtypes, asked shardings), cadence and retention, atomicity under SIGKILL."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from drgrpo_jax.checkpoint import Checkpointer
+from drgrpo_jax.config import ConfigError
+
+
+def _train_state(seed: int):
+    """A small train state shaped like the trainer's: params, Adam state, step, typed PRNG key."""
+    key = jax.random.key(seed)
+    params = {
+        "embed_VD": jax.random.normal(key, (16, 8), jnp.float32),
+        "norm_D": jnp.linspace(0.5, 1.5, 8).astype(jnp.bfloat16),
+    }
+    optimizer = optax.adamw(1e-3)
+    opt_state = optimizer.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)  # non-trivial moments and count
+    params = optax.apply_updates(params, updates)
+    return {"params": params, "opt_state": opt_state, "step": jnp.int32(seed), "rng": jax.random.fold_in(key, 7)}
+
+
+def _assert_same(restored, expected):
+    leaves_r, tree_r = jax.tree.flatten(restored)
+    leaves_e, tree_e = jax.tree.flatten(expected)
+    assert tree_r == tree_e
+    for got, want in zip(leaves_r, leaves_e):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_round_trip_is_exact_with_asked_shardings(tmp_path):
+    state = _train_state(3)
+    host = {"data_position": 11, "weight_version": 4, "note": "x"}
+    with Checkpointer(tmp_path / "ckpt", save_every=1, keep=2) as checkpointer:
+        assert checkpointer.save(3, state, host)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    abstract = jax.eval_shape(lambda: _train_state(3))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+    shardings["params"]["embed_VD"] = NamedSharding(mesh, P("fsdp", None))
+    with Checkpointer(tmp_path / "ckpt", save_every=1, keep=2) as checkpointer:
+        restored = checkpointer.restore_latest(abstract, shardings)
+    assert restored.step == 3 and restored.host == host
+    _assert_same(restored.state, state)
+    assert restored.state["params"]["embed_VD"].sharding == NamedSharding(mesh, P("fsdp", None))
+    assert restored.state["params"]["norm_D"].sharding == NamedSharding(mesh, P())
+    # The restored RNG continues the same stream.
+    np.testing.assert_array_equal(
+        jax.random.uniform(jax.random.fold_in(restored.state["rng"], 1), (3,)),
+        jax.random.uniform(jax.random.fold_in(state["rng"], 1), (3,)),
+    )
+
+
+def test_cadence_force_and_retention(tmp_path):
+    state = _train_state(0)
+    with Checkpointer(tmp_path, save_every=2, keep=2) as checkpointer:
+        assert checkpointer.restore_latest(jax.eval_shape(lambda: state)) is None
+        saved = [step for step in range(1, 8) if checkpointer.save(step, state, {"data_position": step}, force=step == 7)]
+        assert saved == [2, 4, 6, 7]
+        assert not checkpointer.save(7, state, {"data_position": 7}, force=True)  # the end right after a save
+        assert checkpointer.all_steps() == [6, 7] and checkpointer.latest_step() == 7
+        assert checkpointer.restore(6, state).host == {"data_position": 6}
+
+
+def test_resume_rules(tmp_path):
+    with Checkpointer(tmp_path / "empty", save_every=1, keep=1) as checkpointer:
+        assert checkpointer.should_resume(None) is False and checkpointer.should_resume(False) is False
+        with pytest.raises(ConfigError, match=r"^train.resume: true, but .* holds no checkpoint$"):
+            checkpointer.should_resume(True)
+    with Checkpointer(tmp_path / "full", save_every=1, keep=1) as checkpointer:
+        checkpointer.save(2, _train_state(0), {})
+        assert checkpointer.should_resume(None) is True and checkpointer.should_resume(True) is True
+        with pytest.raises(ConfigError, match=r"^train.resume: false, but .* up to step 2;"):
+            checkpointer.should_resume(False)
+
+
+CRASH_MID_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import jax.numpy as jnp
+    from orbax.checkpoint._src.path import atomicity
+    from drgrpo_jax.checkpoint import Checkpointer
+
+    checkpointer = Checkpointer(sys.argv[1], save_every=1, keep=3)
+    checkpointer.save(1, {"w": jnp.full((4,), 1.0)}, {"data_position": 1})
+
+    async def die(self):  # the data of step 2 is written; the process dies before the commit rename
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = die
+    checkpointer.save(2, {"w": jnp.full((4,), 2.0)}, {"data_position": 2})
+    """
+)
+
+
+def test_crash_mid_save_leaves_previous_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    process = subprocess.run(
+        [sys.executable, "-c", CRASH_MID_SAVE, str(directory)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert process.returncode == -signal.SIGKILL, process.stderr[-2000:]
+    assert any("tmp" in name for name in os.listdir(directory)), os.listdir(directory)  # died mid-save
+    abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
+    with Checkpointer(directory, save_every=1, keep=3) as checkpointer:
+        assert checkpointer.all_steps() == [1]
+        restored = checkpointer.restore_latest(abstract)
+        assert restored.step == 1 and restored.host == {"data_position": 1}
+        np.testing.assert_array_equal(restored.state["w"], np.full((4,), 1.0, np.float32))
+        # The leftover is cleaned up and the same step can be saved again.
+        assert checkpointer.save(2, {"w": jnp.full((4,), 2.0)}, {"data_position": 2})
+        assert checkpointer.all_steps() == [1, 2]
+    assert not any("tmp" in name for name in os.listdir(directory))
