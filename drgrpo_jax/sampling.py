@@ -190,8 +190,9 @@ def filter_top_k_top_p(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Ar
     # Keep the smallest top set whose mass reaches top_p: the largest threshold that still has it.
     nucleus_B = _largest_threshold(
         keys_BV, lambda keep_BV: jnp.sum(jnp.where(keep_BV, probs_BV, 0.0), axis=-1) >= top_p_B)
-    # A threshold above the top token (float rounding when top_p = 1) must still keep it.
-    nucleus_B = jnp.minimum(nucleus_B, jnp.max(keys_BV, axis=-1))
+    # top_p = 1 keeps everything (float rounding of the mass must not drop the tail), and any
+    # threshold above the top token (rounding again) must still keep that token.
+    nucleus_B = jnp.where(top_p_B >= 1, jnp.int32(-2**31), jnp.minimum(nucleus_B, jnp.max(keys_BV, axis=-1)))
     return jnp.where(keys_BV >= jnp.maximum(kth_B, nucleus_B)[:, None], scaled_BV, -jnp.inf)
 
 
@@ -287,7 +288,11 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     num_rows, prompt_len = batch.prompt_ids_BP.shape
     # The last sampled token is never fed back, so P + N - 1 slots hold everything attended to.
     cache = init_cache(model.config, num_rows, prompt_len + max_new_tokens - 1, dtype=cache_dtype)
-    logits_BPV, cache = model.decode(batch.prompt_ids_BP, batch.prompt_positions_BP, cache)
+    # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
+    # then feed the last column alone: only [B, 1, V] logits are ever made, not [B, P, V].
+    if prompt_len > 1:
+        _, cache = model.decode(batch.prompt_ids_BP[:, :-1], batch.prompt_positions_BP[:, :-1], cache)
+    logits_B1V, cache = model.decode(batch.prompt_ids_BP[:, -1:], batch.prompt_positions_BP[:, -1:], cache)
     keys_B = row_keys(batch.seeds_B, batch.streams_B, batch.samples_B)
     out = SamplerOutput(
         tokens_BN=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
@@ -297,7 +302,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         num_steps=jnp.int32(0))
     state0 = _LoopState(jnp.int32(0), cache, jnp.zeros((num_rows,), jnp.int32), out,
                         ~batch.live_B | (batch.max_new_tokens_B <= 0))
-    tokens_B, logprobs_B = sample_step(logits_BPV[:, -1], keys_B, state0.step, batch)
+    tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, state0.step, batch)
     loop0 = _record(state0, tokens_B, logprobs_B, batch)
 
     def keep_going(s: _LoopState) -> jax.Array:
