@@ -14,7 +14,10 @@ import functools
 import importlib
 import multiprocessing
 import multiprocessing.connection
+import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -185,10 +188,14 @@ def build_reward_fns(config: RewardConfig) -> tuple[RewardSpec, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, fns: tuple[RewardFn, ...], preload: tuple[str, ...]) -> None:
-    """Worker loop: (call id, component, completion, example) in, ('ok'|'error', call id, value) out."""
-    for module in preload:  # pay the import before 'ready', so it never eats a call's time limit
-        importlib.import_module(module)
+def _worker_main(fd: int) -> None:
+    """Worker loop: a RewardConfig first, then (call id, component, completion, example) in, results out."""
+    conn = multiprocessing.connection.Connection(fd)
+    config = conn.recv()
+    fns = tuple(spec.fn for spec in build_reward_fns(config))
+    for target in config.functions:  # pay the imports before 'ready', so they never eat a call's time limit
+        if target in _PRELOAD:
+            importlib.import_module(_PRELOAD[target])
     conn.send(("ready", None, None))
     while True:
         try:
@@ -207,9 +214,14 @@ def _worker_main(conn: multiprocessing.connection.Connection, fns: tuple[RewardF
             conn.send(("error", call_id, f"{type(error).__name__}: {error}"))
 
 
+# A fresh interpreter, not multiprocessing's spawn: spawn re-runs the parent's __main__ (the
+# trainer, a notebook, a script without a main guard), and fork would copy JAX's threads.
+_WORKER_COMMAND = "import sys; from drgrpo_jax.rewards import _worker_main; _worker_main(int(sys.argv[1]))"
+
+
 @dataclasses.dataclass
 class _Worker:
-    process: Any  # multiprocessing.Process
+    process: subprocess.Popen
     conn: multiprocessing.connection.Connection
     started: float
     ready: bool = False
@@ -224,8 +236,7 @@ class RewardScorer:
     def __init__(self, config: RewardConfig):
         self.specs = build_reward_fns(config)  # import errors surface here, in the parent
         self.timeout_s = config.timeout_s
-        self._context = multiprocessing.get_context("spawn")  # fork would copy JAX's threads
-        self._preload = tuple(sorted({_PRELOAD[t] for t in config.functions if t in _PRELOAD}))
+        self._config = config
         self._workers = [self._start() for _ in range(config.num_workers)]
 
     @property
@@ -233,17 +244,20 @@ class RewardScorer:
         return tuple(spec.name for spec in self.specs)
 
     def _start(self) -> _Worker:
-        parent_conn, child_conn = self._context.Pipe()
-        fns = tuple(spec.fn for spec in self.specs)
-        process = self._context.Process(target=_worker_main, args=(child_conn, fns, self._preload), daemon=True)
-        process.start()
+        parent_conn, child_conn = multiprocessing.Pipe()
+        # The worker imports what this process can (user reward modules next to the script or tests).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        process = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_COMMAND, str(child_conn.fileno())], pass_fds=(child_conn.fileno(),), env=env
+        )
         child_conn.close()
+        parent_conn.send(self._config)
         return _Worker(process, parent_conn, time.monotonic())
 
     def _replace(self, worker: _Worker) -> None:
         """Kill `worker` (hung or dead) and start a fresh one in its place."""
         worker.process.kill()
-        worker.process.join(timeout=10)
+        worker.process.wait(timeout=10)
         worker.conn.close()
         self._workers[self._workers.index(worker)] = self._start()
 
@@ -281,9 +295,10 @@ class RewardScorer:
                 try:
                     status, call_id, value = worker.conn.recv()
                 except (EOFError, OSError):  # the worker died: a crash in native code, os._exit, OOM kill
+                    code = worker.process.wait(timeout=10)
                     if worker.call is None:
-                        raise RewardError(f"a reward worker exited while starting (exit code {worker.process.exitcode})")
-                    fail(worker.call[0], worker.call[1], errors_K, f"worker died (exit code {worker.process.exitcode})")
+                        raise RewardError(f"a reward worker exited while starting (exit code {code})") from None
+                    fail(worker.call[0], worker.call[1], errors_K, f"worker died (exit code {code})")
                     self._replace(worker)
                     continue
                 if status == "ready":
@@ -325,10 +340,11 @@ class RewardScorer:
             except (OSError, ValueError):
                 pass
         for worker in self._workers:
-            worker.process.join(timeout=2)
-            if worker.process.is_alive():
+            try:
+                worker.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:  # busy in a hung call
                 worker.process.kill()
-                worker.process.join(timeout=5)
+                worker.process.wait(timeout=5)
             worker.conn.close()
         self._workers = []
 

@@ -125,9 +125,27 @@ def test_close_stops_every_worker():
     processes = [worker.process for worker in scorer._workers]
     assert scorer.score(["\\boxed{3}"], [Example("p/0", "q", "3")]).components_NK[0, 0] == 1.0
     scorer.close()
-    assert not any(process.is_alive() for process in processes)
+    assert all(process.poll() is not None for process in processes)
 
 
 def test_weights_default_to_one():
     specs = build_reward_fns(RewardConfig(functions=("math_verify", "format")))
     assert [dataclasses.astuple(s)[::2] for s in specs] == [("math_verify", 1.0), ("format", 1.0)]
+
+
+def test_works_from_a_script_without_main_guard(tmp_path):
+    """Workers are fresh interpreters: a plain script (or notebook) is not re-run in them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "from drgrpo_jax.config import RewardConfig\n"
+        "from drgrpo_jax.data import Example\n"
+        "from drgrpo_jax.rewards import RewardScorer\n"
+        "with RewardScorer(RewardConfig(functions=('format',), num_workers=1)) as scorer:\n"
+        "    print(scorer.score(['\\\\boxed{3}', 'no'], [Example('p/0', 'q', '3')] * 2).components_NK[:, 0].tolist())\n"
+    )
+    process = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert process.stdout.strip() == "[1.0, 0.0]"
