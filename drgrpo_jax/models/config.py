@@ -101,7 +101,6 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2; Llama/Qwen3/Gemma attention_bias)
     o_bias: bool = False  # bias on the output projection (Llama/Qwen3/Gemma attention_bias)
     query_pre_attn_scalar: float | None = None  # attention scale = scalar**-0.5 (Gemma); None = head_dim
-    attn_logit_softcap: float | None = None  # tanh soft-cap of attention scores (None = off)
     final_logit_softcap: float | None = None  # tanh soft-cap of output logits (None = off)
     tie_word_embeddings: bool = False  # output projection = embedding transposed
     bos_token_id: int | None = None  # beginning-of-sequence token
@@ -239,6 +238,8 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
             "sliding_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) else "full_attention"
             for i in range(num_layers)))
         sliding_window = int(hf.get("sliding_window") or 4096)
+        # transformers' Gemma 3 never applies attn_logit_softcapping (the field is a Gemma 2 leftover), so
+        # neither do we: parity with the reference is the contract.
         if hf.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention: only causal decoders are supported")
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -266,13 +267,17 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
-        attn_logit_softcap=hf.get("attn_logit_softcapping"),
         final_logit_softcap=hf.get("final_logit_softcapping"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         pad_token_id=hf.get("pad_token_id"),
     )
+
+
+def _int_if_whole(value: float) -> int | float:
+    """transformers' strict configs want ints where the value is whole (query_pre_attn_scalar)."""
+    return int(value) if float(value).is_integer() else value
 
 
 def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -312,8 +317,8 @@ def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str,
             rope_local_base_freq=(config.local_rope or config.rope).theta,
             layer_types=list(config.layer_types or ("full_attention",) * config.num_layers),
             sliding_window=config.sliding_window,
-            query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
-            attn_logit_softcapping=config.attn_logit_softcap,
+            query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar or config.head_dim),
+            attn_logit_softcapping=None,
             final_logit_softcapping=config.final_logit_softcap,
         )
     else:

@@ -148,14 +148,12 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
 
 
 def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array,
-           scale: float, softcap: float | None) -> jax.Array:
+           scale: float) -> jax.Array:
     """Grouped-query softmax attention with a boolean visibility mask; scores in float32."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=_F32) * scale
-    if softcap is not None:
-        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
     scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, _MASKED)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH, preferred_element_type=_F32)
@@ -204,7 +202,7 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
                 keys_BSKH = k_cache[index].astype(q_BTNH.dtype)
                 values_BSKH = v_cache[index].astype(q_BTNH.dtype)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
-            o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale, config.attn_logit_softcap)
+            o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale)
             a_BTD = _matmul("btnh,nhd->btd", o_BTNH, p["o_proj"])
             if config.o_bias:
                 a_BTD = a_BTD + p["o_bias"][None, None]

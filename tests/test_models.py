@@ -1,0 +1,206 @@
+"""Model parity with transformers (PyTorch, CPU) on tiny random configs of each family, plus invariances."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from drgrpo_jax.models import (ModelConfig, Transformer, from_hf_config, from_pretrained, init_cache,
+                               save_pretrained)
+
+VOCAB = 96
+TOL = 1e-4
+
+
+def _hf_config(family: str):
+    """A tiny HF config exercising the family's distinctive features."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":  # Llama 3 RoPE scaling, untied output
+        return transformers.LlamaConfig(
+            **common, head_dim=8, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16}, rope_theta=500.0)
+    if family == "qwen2":  # q/k/v biases, tied embeddings
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000.0)
+    if family == "qwen3":  # q/k norm, head_dim != hidden/heads
+        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    if family == "gemma3":  # sliding + global layers, two RoPE bases, soft-caps, sandwich norms
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_theta=10_000.0, rope_local_base_freq=100.0,
+            final_logit_softcapping=3.0)
+    raise ValueError(family)
+
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hf_pair(request, tmp_path_factory):
+    """(family, HF torch model with perturbed weights, folder it was saved to)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(request.param), attn_implementation="eager")
+    with torch.no_grad():  # random norms and biases too, so every parameter is exercised
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, model, str(folder)
+
+
+def _hf_logits(model, ids, attention_mask=None, position_ids=None) -> np.ndarray:
+    """float32 logits from the torch reference."""
+    kwargs = {}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = torch.tensor(np.asarray(attention_mask))
+    if position_ids is not None:
+        kwargs["position_ids"] = torch.tensor(np.asarray(position_ids))
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids)), **kwargs).logits.float().numpy()
+
+
+def _ids(seed: int, shape) -> np.ndarray:
+    """Random token ids avoiding the special ids."""
+    return np.random.RandomState(seed).randint(3, VOCAB, shape)
+
+
+def test_config_roundtrip(hf_pair):
+    family, model, _ = hf_pair
+    config = from_hf_config(model.config.to_dict())
+    assert config.family == family
+    assert config.eos_token_ids == (2,)
+    if family == "gemma3":
+        assert config.sliding_layers == (True, False, True)
+        assert config.local_rope.theta == 100.0 and config.rope.rope_type == "linear"
+
+
+def test_unpadded_parity(hf_pair):
+    _, model, folder = hf_pair
+    ours = from_pretrained(folder)
+    ids = _ids(0, (2, 12))
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), _hf_logits(model, ids), atol=TOL, rtol=0)
+
+
+def test_left_padded_parity(hf_pair):
+    _, model, folder = hf_pair
+    ours = from_pretrained(folder)
+    ids = _ids(1, (3, 10))
+    lengths = np.array([10, 7, 3])
+    real = np.arange(10)[None, :] >= (10 - lengths)[:, None]
+    ids = np.where(real, ids, 0)
+    positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
+    ref = _hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(real, jnp.int32)))
+    np.testing.assert_allclose(got[real], ref[real], atol=TOL, rtol=0)
+
+
+def test_packed_parity(hf_pair):
+    _, model, folder = hf_pair
+    ours = from_pretrained(folder)
+    a, b = _ids(2, (1, 7)), _ids(3, (1, 6))
+    packed = np.concatenate([a, b, np.zeros((1, 2), np.int64)], axis=1)  # two sequences + 2 pad tokens
+    segments = np.array([[1] * 7 + [2] * 6 + [0] * 2], np.int32)
+    positions = np.array([list(range(7)) + list(range(6)) + [0, 0]], np.int32)
+    got = np.asarray(ours(jnp.asarray(packed), jnp.asarray(positions), jnp.asarray(segments)))
+    np.testing.assert_allclose(got[0, :7], _hf_logits(model, a)[0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[0, 7:13], _hf_logits(model, b)[0], atol=TOL, rtol=0)
+
+
+def test_roundtrip_through_save_pretrained(hf_pair, tmp_path):
+    _, model, folder = hf_pair
+    ours = from_pretrained(folder)
+    save_pretrained(ours, tmp_path, max_shard_bytes=20_000)  # forces several shards + an index
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = _ids(4, (2, 9))
+    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=TOL, rtol=0)
+    again = from_pretrained(str(tmp_path))
+    assert again.config == ours.config
+    np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids))), np.asarray(ours(jnp.asarray(ids))))
+
+
+def test_prefill_and_decode_match_full_forward(hf_pair):
+    _, _, folder = hf_pair
+    model = from_pretrained(folder)
+    prompt_len, new = 6, 4
+    ids = _ids(5, (2, prompt_len + new))
+    real = np.ones_like(ids, bool)
+    real[1, :3] = False  # row 1 is left-padded by 3
+    positions = np.where(real, np.cumsum(real, axis=1) - 1, -1).astype(np.int32)
+    full = np.asarray(model(jnp.asarray(ids), jnp.asarray(np.maximum(positions, 0)), jnp.asarray(real, jnp.int32)))
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, ids_BT, pos_BT, cache):
+        return nnx.merge(graphdef, state).decode(ids_BT, pos_BT, cache)
+
+    cache = init_cache(model.config, 2, 16)
+    logits, cache = step(state, jnp.asarray(ids[:, :prompt_len]), jnp.asarray(positions[:, :prompt_len]), cache)
+    got = [np.asarray(logits)]
+    for t in range(prompt_len, prompt_len + new):
+        logits, cache = step(state, jnp.asarray(ids[:, t:t + 1]), jnp.asarray(positions[:, t:t + 1]), cache)
+        got.append(np.asarray(logits))
+    got = np.concatenate(got, axis=1)
+    assert int(cache.length) == prompt_len + new
+    np.testing.assert_allclose(got[real], full[real], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_causal_by_gradient(family):
+    config = dataclasses.replace(from_hf_config(_hf_config(family).to_dict()), tie_word_embeddings=False)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    T = 10
+    ids = jnp.asarray(np.random.RandomState(0).permutation(np.arange(3, VOCAB))[:T][None])  # distinct tokens
+    graphdef, state = nnx.split(model)
+
+    def logit_sum_at(state, t):
+        return nnx.merge(graphdef, state)(ids)[0, t].sum()
+
+    for t in (0, 4, T - 1):
+        grad_embed = jax.grad(logit_sum_at)(state, t)["embed"][...]
+        row_norms = np.abs(np.asarray(grad_embed)[np.asarray(ids[0])]).sum(axis=1)
+        assert np.all(row_norms[:t + 1] > 0), (t, row_norms)
+        assert np.all(row_norms[t + 1:] == 0), (t, row_norms)
+
+
+def test_bfloat16_params_close_to_float32(hf_pair):
+    _, _, folder = hf_pair
+    ids = jnp.asarray(_ids(6, (1, 8)))
+    ref = np.asarray(from_pretrained(folder)(ids))
+    model = from_pretrained(folder, dtype=jnp.bfloat16)
+    assert model.blocks.q_proj[...].dtype == jnp.bfloat16
+    got = model(ids)
+    assert got.dtype == jnp.float32
+    assert np.abs(np.asarray(got) - ref).max() < 0.1 * np.abs(ref).max()
+
+
+def test_remat_gives_same_gradients():
+    config = from_hf_config(_hf_config("qwen3").to_dict())
+    ids = jnp.asarray(_ids(7, (2, 8)))
+    grads = []
+    for remat in (False, True):
+        graphdef, state = nnx.split(Transformer(dataclasses.replace(config, remat=remat), rngs=nnx.Rngs(0)))
+        grads.append(jax.grad(lambda s: nnx.merge(graphdef, s)(ids).mean())(state))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads[0], grads[1])
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelConfig(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="family"):
+        ModelConfig(family="gpt2")
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig(num_layers=2, layer_types=("full_attention",))
+    with pytest.raises(ValueError, match="rope_type"):
+        from_hf_config({**_hf_config("llama").to_dict(), "rope_parameters": None,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
