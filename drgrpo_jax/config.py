@@ -7,11 +7,13 @@ config fails before anything is compiled.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
 import os
 import re
+import sys
 from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +34,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "check_paths",
+    "config_from_argv",
     "describe_config",
     "dump_config",
     "load_config",
@@ -478,3 +481,21 @@ def check_paths(config: Config) -> None:
         for key, path in [("data.path", c.data.path), ("data.eval_path", c.data.eval_path)]:
             if path and not os.path.exists(path):
                 raise ConfigError(key, f"no such file or folder {path!r}")
+
+
+def config_from_argv(argv: list[str] | None = None, prog: str = "drgrpo_jax") -> Config:
+    """`--config PATH [section.key=value ...]` -> Config; `--help` lists the sections; a bad config exits 2 in one line."""
+    parser = argparse.ArgumentParser(
+        prog=prog, epilog=describe_config(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=None, help="YAML file of the run (omit for the defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=3 mesh.data=2")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as error:
+        parser.exit(2, f"{prog}: config error: {error}\n")
+
+
+if __name__ == "__main__":  # python -m drgrpo_jax.config --config X [overrides]: print the resolved config
+    sys.stdout.write(dump_config(config_from_argv(prog="python -m drgrpo_jax.config")))

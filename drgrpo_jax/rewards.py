@@ -1,7 +1,7 @@
 """Reward components, scored in worker processes with a hard per-call time limit.
 
 math-verify times itself out with `signal.alarm`, which only works in a process's main thread,
-and user functions may hang or crash: every call therefore runs in a spawned worker; a call
+and user functions may hang or crash: every call therefore runs in a worker process; a call
 past `reward.timeout_s` gets its worker killed and replaced, scores 0 and is counted, as is
 a call that raises or kills its worker. A NaN or infinite reward stops the run (RewardError).
 """
@@ -41,7 +41,7 @@ class RewardSpec:
     """One named reward component."""
 
     name: str
-    fn: RewardFn  # module-level (or a partial of one) so spawned workers can unpickle it
+    fn: RewardFn  # workers rebuild it from the RewardConfig, so it never crosses a process boundary
     weight: float
 
 
@@ -221,6 +221,8 @@ _WORKER_COMMAND = "import sys; from drgrpo_jax.rewards import _worker_main; _wor
 
 @dataclasses.dataclass
 class _Worker:
+    """One worker process as the scorer sees it."""
+
     process: subprocess.Popen
     conn: multiprocessing.connection.Connection
     started: float
@@ -241,6 +243,7 @@ class RewardScorer:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The K component names, in reward.functions order."""
         return tuple(spec.name for spec in self.specs)
 
     def _start(self) -> _Worker:

@@ -9,6 +9,7 @@ from drgrpo_jax.config import (
     Config,
     ConfigError,
     check_paths,
+    config_from_argv,
     describe_config,
     dump_config,
     load_config,
@@ -214,3 +215,18 @@ def test_check_paths(tmp_path):
             load_config(None, [f"model.path={model_dir}", "data.source=jsonl", f"data.path={tmp_path / 'x.jsonl'}"])
         )
     _assert_one_line(info.value, "data.path", "no such file")
+
+
+def test_command_line_help_and_one_line_errors(capsys):
+    config = config_from_argv(["model.path=m", "train.steps=3"], prog="train")
+    assert config.train.steps == 3
+    with pytest.raises(SystemExit) as info:
+        config_from_argv(["model.path=m", "train.stpes=3"], prog="train")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "train: config error: train.stpes: unknown key (command line); did you mean train.steps?\n"
+    with pytest.raises(SystemExit) as info:
+        config_from_argv(["--help"], prog="train")
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"\n{name}: " in out for name in ("run", "model", "data", "rollout", "algorithm", "reward", "mesh"))
