@@ -242,8 +242,15 @@ def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
     return ConfigError(full_key, f"{message}{where}")
 
 
-def _merge(base: DictConfig, update: Any, where: str) -> DictConfig:
+def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
     """Typed merge of `update` into `base`; any failure becomes a ConfigError."""
+    raw = OmegaConf.to_container(update, resolve=False)  # interpolations stay unresolved
+    assert isinstance(raw, dict)
+    for section, value in raw.items():
+        if section in _FIELD_TYPES and value is None:  # an empty YAML section ("train:") sets nothing
+            del update[section]
+        elif section in _FIELD_TYPES and not isinstance(value, dict):
+            raise ConfigError(str(section), f"must be a mapping of fields, got {value!r}{where}")
     try:
         merged = OmegaConf.merge(base, update)
     except OmegaConfBaseException as error:

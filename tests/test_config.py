@@ -118,6 +118,15 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
     _assert_one_line(error, "optimizer.learning_rat", "bad.yaml", "did you mean optimizer.learning_rate?")
 
 
+def test_sections_must_be_mappings(tmp_path):
+    path = tmp_path / "sections.yaml"
+    path.write_text("model: {path: m}\ntrain: 3\n")
+    _assert_one_line(_error([], path), "train", "must be a mapping of fields, got 3")
+    _assert_one_line(_error(["rollout=[1]"]), "rollout", "must be a mapping of fields")
+    path.write_text("model: {path: m}\ntrain:\n")  # an empty section keeps the defaults
+    assert load_config(path, []).train == load_config(None, BASE).train
+
+
 def test_missing_or_broken_config_file(tmp_path):
     _assert_one_line(_error([], tmp_path / "nope.yaml"), "--config", "no such file")
     broken = tmp_path / "broken.yaml"
