@@ -1,0 +1,322 @@
+"""Trainer-side rollout client: prompts out, completions + behaviour log-probs + weight version back.
+
+Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve`, a real SGLang or
+SGLang-JAX server alike. Several URLs form a data-parallel fleet: each gets a contiguous share of
+the prompts (whole groups), and a URL that keeps failing hands its share to the others. Connection
+errors, timeouts and 5xx answers are retried with exponential backoff and jitter; a 4xx is the
+caller's mistake and raises at once. `LocalServer` runs the service as a child process on a free
+loopback port and stops it when the trainer exits, normally or not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+
+
+class RolloutError(RuntimeError):
+    """The generation service could not produce the rollout."""
+
+
+class StaleWeightsError(RolloutError):
+    """Completions came from weights other than the ones the trainer expects."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """P prompts x G completions, prompt-major (row p * G + g), padded to the generation budget."""
+
+    output_ids: np.ndarray  # int32 [P * G, budget], 0 after each completion's end
+    logprobs: np.ndarray  # float32 [P * G, budget]: behaviour log-probs (temperature-scaled), 0 on padding
+    mask: np.ndarray  # bool [P * G, budget]: True on generated tokens
+    lengths: np.ndarray  # int32 [P * G]
+    truncated: np.ndarray  # bool [P * G]: hit the budget without a stop token
+    weight_versions: tuple[str | None, ...]  # per completion, as the service reported it
+    group_size: int  # G
+
+
+def prompt_seeds(seed: int, num_prompts: int, offset: int = 0) -> list[int]:
+    """One uint32 seed per prompt from (seed, global prompt index): independent of how prompts are split."""
+    return [int(np.random.SeedSequence([seed & 0xFFFFFFFF, offset + i]).generate_state(1)[0])
+            for i in range(num_prompts)]
+
+
+def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
+    """Contiguous, nearly equal [start, stop) shares; empty shares are dropped."""
+    bounds = np.linspace(0, num_items, num_parts + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _finish_is_length(finish: Any) -> bool:
+    """SGLang reports {'type': 'stop'|'length'|'abort', ...}; OpenAI-style servers a plain string."""
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in ("stop", "length"):
+        raise RolloutError(f"finish_reason: {finish!r} (the request was aborted or the server is not SGLang-like)")
+    return kind == "length"
+
+
+def check_versions(versions: Sequence[str | None], expected: str | int, max_staleness: int = 0) -> None:
+    """Raises StaleWeightsError unless every version is within max_staleness of the expected one."""
+    expected_text = str(expected)
+    for version in set(versions):
+        if version == expected_text:
+            continue
+        if max_staleness > 0 and version is not None and version.lstrip("-").isdigit() and expected_text.isdigit():
+            if int(expected_text) - max_staleness <= int(version) <= int(expected_text):
+                continue
+        raise StaleWeightsError(f"weight_version: got {version!r}, expected {expected_text!r}"
+                                + (f" (at most {max_staleness} versions old)" if max_staleness else ""))
+
+
+class RolloutClient:
+    """Sends rollouts to one or more generation services and gathers them in prompt order."""
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("urls: need at least one generation service URL")
+        if max_retries < 0 or backoff_s < 0:
+            raise ValueError("max_retries, backoff_s: must be >= 0")
+        self.urls = tuple(u.rstrip("/") for u in urls)
+        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="rollout")
+
+    def close(self) -> None:
+        """Releases connections and threads."""
+        self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _request(self, method: str, url: str, path: str, body: Any = None) -> Any:
+        """One call with retries: transport errors, timeouts and 5xx back off and retry; 4xx raises."""
+        error: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+                time.sleep(delay * (0.5 + random.random() / 2))  # jitter: a fleet of clients does not retry in step
+            try:
+                response = self._http.request(method, url + path, json=body)
+            except httpx.TransportError as e:  # connect/read/write errors and timeouts
+                error = e
+                continue
+            if response.status_code < 400:
+                return response.json()
+            message = _error_message(response)
+            if response.status_code < 500 and response.status_code not in (408, 429):
+                raise RolloutError(f"{url}{path}: HTTP {response.status_code}: {message}")
+            error = RolloutError(f"{url}{path}: HTTP {response.status_code}: {message}")
+        raise RolloutError(f"{url}{path}: failed after {self.max_retries + 1} attempts: {error}") from error
+
+    def _with_failover(self, first: int, path: str, body: Any) -> Any:
+        """Posts to urls[first]; if it keeps failing, to each other URL in turn."""
+        errors = []
+        for k in range(len(self.urls)):
+            url = self.urls[(first + k) % len(self.urls)]
+            try:
+                return self._request("POST", url, path, body)
+            except RolloutError as error:
+                if "HTTP 4" in str(error):  # the request itself is wrong: another server will refuse it too
+                    raise
+                errors.append(str(error))
+        raise RolloutError("every generation service failed: " + " | ".join(errors))
+
+    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, *, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 stop_token_ids: Sequence[int] = (), seed: int | None = None,
+                 expected_version: str | int | None = None, max_staleness: int = 0) -> Rollout:
+        """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version."""
+        if group_size < 1 or max_new_tokens < 1:
+            raise ValueError(f"group_size, max_new_tokens: must be >= 1, got {group_size}, {max_new_tokens}")
+        if not prompts:
+            raise ValueError("prompts: need at least one prompt")
+        seeds = prompt_seeds(random.getrandbits(32) if seed is None else seed, len(prompts))
+        shares = _split(len(prompts), len(self.urls))
+
+        def body(start: int, stop: int) -> dict:
+            params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                       "top_k": top_k if top_k > 0 else -1, "n": group_size, "seed": seeds[i],
+                       "stop_token_ids": list(stop_token_ids)} for i in range(start, stop)]
+            return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
+                    "return_logprob": True}
+
+        futures = [self._pool.submit(self._with_failover, k, "/generate", body(a, b))
+                   for k, (a, b) in enumerate(shares)]
+        items: list[dict] = []
+        for (a, b), future in zip(shares, futures):
+            answer = future.result()
+            answer = answer if isinstance(answer, list) else [answer]
+            if len(answer) != (b - a) * group_size:
+                raise RolloutError(f"/generate: {len(answer)} completions for {b - a} prompts x {group_size}")
+            items += answer
+        rollout = _to_rollout(items, group_size, max_new_tokens)
+        if expected_version is not None:
+            check_versions(rollout.weight_versions, expected_version, max_staleness)
+        return rollout
+
+    def update_weights(self, model_path: str, weight_version: str | int) -> None:
+        """Tells every service to load `model_path` as `weight_version`; raises if any refuses."""
+        body = {"model_path": os.fspath(model_path), "weight_version": str(weight_version)}
+        answers = list(self._pool.map(lambda url: self._request("POST", url, "/update_weights_from_disk", body),
+                                      self.urls))
+        for url, answer in zip(self.urls, answers):
+            if not answer.get("success", False):
+                raise RolloutError(f"{url}/update_weights_from_disk: {answer.get('message')}")
+
+    def model_info(self, index: int = 0) -> dict:
+        """The service's /get_model_info."""
+        return self._request("GET", self.urls[index], "/get_model_info")
+
+    def healthy(self) -> list[bool]:
+        """One health probe per URL, without retries."""
+        out = []
+        for url in self.urls:
+            try:
+                out.append(self._http.get(url + "/health", timeout=5.0).status_code == 200)
+            except httpx.TransportError:
+                out.append(False)
+        return out
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The error text of an OpenAI-, SGLang- or FastAPI-style error body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message"))
+        return str(body.get("message") or body.get("detail") or error or body)
+    return str(body)
+
+
+def _to_rollout(items: list[dict], group_size: int, budget: int) -> Rollout:
+    """Pads SGLang /generate items into a Rollout; checks ids and log-probs line up."""
+    rows = len(items)
+    output_ids = np.zeros((rows, budget), np.int32)
+    logprobs = np.zeros((rows, budget), np.float32)
+    lengths = np.zeros(rows, np.int32)
+    truncated = np.zeros(rows, bool)
+    versions = []
+    for r, item in enumerate(items):
+        ids = item["output_ids"]
+        meta = item["meta_info"]
+        pairs = meta.get("output_token_logprobs")
+        if pairs is None or len(pairs) != len(ids) or any(int(p[1]) != t for p, t in zip(pairs, ids)):
+            raise RolloutError(f"completion {r}: output_token_logprobs missing or not aligned with output_ids")
+        if len(ids) > budget:
+            raise RolloutError(f"completion {r}: {len(ids)} tokens exceed max_new_tokens={budget}")
+        output_ids[r, :len(ids)] = ids
+        logprobs[r, :len(ids)] = [float(p[0]) for p in pairs]
+        lengths[r] = len(ids)
+        truncated[r] = _finish_is_length(meta.get("finish_reason"))
+        version = meta.get("weight_version")
+        versions.append(None if version is None else str(version))
+    mask = np.arange(budget)[None, :] < lengths[:, None]
+    return Rollout(output_ids, logprobs, mask, lengths, truncated, tuple(versions), group_size)
+
+
+class LocalServer:
+    """`python -m drgrpo_jax.serve` as a child process on a free loopback port (a context manager).
+
+    Stopped on `stop()`, on leaving the `with` block (errors included) and at interpreter exit; the
+    child also watches its parent and shuts down if the trainer dies without cleaning up (SIGKILL).
+    """
+
+    def __init__(self, model: str, *, dtype: str = "float32", weight_version: str | int = 0,
+                 extra_args: Sequence[str] = (), startup_timeout_s: float = 600.0, log_path: str | None = None,
+                 env: dict[str, str] | None = None):
+        self.model, self.dtype, self.weight_version = os.fspath(model), dtype, str(weight_version)
+        self.extra_args, self.startup_timeout_s = tuple(extra_args), startup_timeout_s
+        self.log_path, self.env = log_path, env
+        self.url: str | None = None
+        self._process: subprocess.Popen | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def start(self) -> str:
+        """Starts the child and waits until /health answers; returns its URL."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="drgrpo_serve_")
+        port_file = os.path.join(self._tmp.name, "port")
+        self.log_path = self.log_path or os.path.join(self._tmp.name, "serve.log")
+        command = [sys.executable, "-m", "drgrpo_jax.serve", "--model", self.model, "--dtype", self.dtype,
+                   "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
+                   "--weight-version", self.weight_version, "--parent-pid", str(os.getpid()), *self.extra_args]
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "ab") as log_file:
+            self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                             stdin=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self._process.poll() is not None:
+                raise RolloutError(f"generation service exited with code {self._process.returncode} while "
+                                   f"starting; log {self.log_path}:\n{self.log_tail()}")
+            if os.path.exists(port_file):
+                with open(port_file) as f:
+                    self.url = f"http://127.0.0.1:{int(f.read())}"
+                try:
+                    if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
+                        return self.url
+                except httpx.TransportError:
+                    pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RolloutError(f"generation service not ready after {self.startup_timeout_s:.0f} s; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        """The end of the child's log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-num_chars:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM (graceful), then SIGKILL after timeout_s; returns the exit code. Idempotent."""
+        process, self._process = self._process, None
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            code = process.returncode
+        atexit.unregister(self.stop)
+        return code
+
+    @property
+    def running(self) -> bool:
+        """Whether the child process is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def __enter__(self) -> "LocalServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
