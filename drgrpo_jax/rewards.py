@@ -188,8 +188,22 @@ def build_reward_fns(config: RewardConfig) -> tuple[RewardSpec, ...]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _worker_main(fd: int) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this worker when its parent dies, so a hung call cannot outlive a killed trainer."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the EOF on the pipe still ends an idle worker
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _worker_main(fd: int, parent_pid: int) -> None:
     """Worker loop: a RewardConfig first, then (call id, component, completion, example) in, results out."""
+    _die_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     config = conn.recv()
     fns = tuple(spec.fn for spec in build_reward_fns(config))
@@ -216,7 +230,7 @@ def _worker_main(fd: int) -> None:
 
 # A fresh interpreter, not multiprocessing's spawn: spawn re-runs the parent's __main__ (the
 # trainer, a notebook, a script without a main guard), and fork would copy JAX's threads.
-_WORKER_COMMAND = "import sys; from drgrpo_jax.rewards import _worker_main; _worker_main(int(sys.argv[1]))"
+_WORKER_COMMAND = "import sys; from drgrpo_jax.rewards import _worker_main; _worker_main(*map(int, sys.argv[1:]))"
 
 
 @dataclasses.dataclass
@@ -251,7 +265,9 @@ class RewardScorer:
         # The worker imports what this process can (user reward modules next to the script or tests).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_COMMAND, str(child_conn.fileno())], pass_fds=(child_conn.fileno(),), env=env
+            [sys.executable, "-c", _WORKER_COMMAND, str(child_conn.fileno()), str(os.getpid())],
+            pass_fds=(child_conn.fileno(),),
+            env=env,
         )
         child_conn.close()
         parent_conn.send(self._config)

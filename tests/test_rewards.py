@@ -149,3 +149,41 @@ def test_works_from_a_script_without_main_guard(tmp_path):
     process = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-2000:]
     assert process.stdout.strip() == "[1.0, 0.0]"
+
+
+def test_hung_worker_dies_with_a_killed_parent(tmp_path):
+    """A trainer killed mid-scoring leaves no worker behind, even one stuck in a hung call."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from drgrpo_jax.config import RewardConfig\n"
+        "from drgrpo_jax.data import Example\n"
+        "from drgrpo_jax.rewards import RewardScorer\n"
+        "scorer = RewardScorer(RewardConfig(functions=('test_rewards:user_reward',), num_workers=1, timeout_s=3600))\n"
+        "print(scorer._workers[0].process.pid, flush=True)\n"
+        "scorer.score(['HANG'], [Example('p/0', 'q', '3')])\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    worker_pid = int(parent.stdout.readline())
+    time.sleep(6)  # the worker starts (~2-3 s) and enters the hung call
+    assert _alive(worker_pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(worker_pid):
+        time.sleep(0.2)
+    assert not _alive(worker_pid)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie awaiting its reaper counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
