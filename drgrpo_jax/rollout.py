@@ -83,7 +83,8 @@ class RolloutClient:
     """Sends rollouts to one or more generation services and gathers them in prompt order."""
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
-                 max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+                 max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 transport: httpx.BaseTransport | None = None):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -92,7 +93,7 @@ class RolloutClient:
             raise ValueError("max_retries, backoff_s: must be >= 0")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="rollout")
 
     def close(self) -> None:

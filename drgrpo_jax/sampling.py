@@ -126,7 +126,8 @@ def make_batch(rows: Sequence[RowRequest], eos_token_ids: Sequence[int], *, batc
     temperature = np.zeros(batch_size, np.float32)
     top_k = np.zeros(batch_size, np.int32)
     top_p = np.ones(batch_size, np.float32)
-    stop = np.full((batch_size, max(num_stop, 1)), -1, np.int32)
+    # The stop-id width is bucketed too: a request with one more stop token must not recompile.
+    stop = np.full((batch_size, bucket(num_stop, minimum=4)), -1, np.int32)
     seeds = np.zeros(batch_size, np.uint32)
     streams = np.zeros(batch_size, np.int32)
     samples = np.zeros(batch_size, np.int32)
