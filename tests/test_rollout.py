@@ -1,0 +1,211 @@
+"""The rollout client: retries, failover, version checks, assembly, and the local child-process mode."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import numpy as np
+import pytest
+from test_serve import write_tiny_llama
+
+from drgrpo_jax.rollout import (LocalServer, RolloutClient, RolloutError, StaleWeightsError, check_versions,
+                                prompt_seeds)
+
+
+def fake_generate(request: httpx.Request, version: str = "3") -> httpx.Response:
+    """An SGLang-shaped /generate answer whose tokens encode (prompt's first id, seed, sample)."""
+    body = json.loads(request.content)
+    items = []
+    for prompt, params in zip(body["input_ids"], body["sampling_params"]):
+        for j in range(params["n"]):
+            ids = [prompt[0], params["seed"] % 1000, j][:params["max_new_tokens"]]
+            items.append({"output_ids": ids, "meta_info": {
+                "output_token_logprobs": [[-0.5 * (k + 1), t, None] for k, t in enumerate(ids)],
+                "finish_reason": {"type": "length", "length": len(ids)} if j else {"type": "stop", "matched": ids[-1]},
+                "weight_version": version}})
+    return httpx.Response(200, json=items)
+
+
+def client_with(handler, urls=("http://a",), **kwargs) -> RolloutClient:
+    return RolloutClient(list(urls), transport=httpx.MockTransport(handler), backoff_s=0.0, **kwargs)
+
+
+PROMPTS = [[10, 1], [20, 2, 2], [30], [40, 4]]
+
+
+def test_rollout_is_prompt_major_padded_and_aligned():
+    with client_with(fake_generate) as client:
+        rollout = client.generate(PROMPTS, 2, max_new_tokens=5, seed=0)
+    assert rollout.output_ids.shape == (8, 5) and rollout.group_size == 2
+    np.testing.assert_array_equal(rollout.output_ids[:, 0], [10, 10, 20, 20, 30, 30, 40, 40])
+    np.testing.assert_array_equal(rollout.output_ids[:, 2], [0, 1] * 4)
+    assert rollout.lengths.tolist() == [3] * 8 and rollout.mask.sum() == 24
+    np.testing.assert_array_equal(rollout.logprobs[0], [-0.5, -1.0, -1.5, 0, 0])
+    assert rollout.truncated.tolist() == [False, True] * 4
+    assert rollout.weight_versions == ("3",) * 8
+
+
+def test_seeds_do_not_depend_on_how_the_fleet_splits_prompts():
+    with client_with(fake_generate) as one, client_with(fake_generate, ["http://a", "http://b", "http://c"]) as three:
+        a = one.generate(PROMPTS, 3, max_new_tokens=4, seed=5)
+        b = three.generate(PROMPTS, 3, max_new_tokens=4, seed=5)
+        c = one.generate(PROMPTS, 3, max_new_tokens=4, seed=6)
+    np.testing.assert_array_equal(a.output_ids, b.output_ids)
+    assert not np.array_equal(a.output_ids, c.output_ids)
+    assert len(set(prompt_seeds(5, 4))) == 4 and prompt_seeds(5, 2, offset=2) == prompt_seeds(5, 4)[2:]
+
+
+def test_the_fleet_shares_prompts_by_whole_groups():
+    seen = []
+
+    def handler(request):
+        seen.append((request.url.host, len(json.loads(request.content)["input_ids"])))
+        return fake_generate(request)
+
+    with client_with(handler, ["http://a", "http://b"]) as client:
+        client.generate(PROMPTS, 2, max_new_tokens=3, seed=0)
+    assert sorted(seen) == [("a", 2), ("b", 2)]
+
+
+def test_transient_errors_are_retried_with_backoff():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if len(calls) == 2:
+            raise httpx.ReadTimeout("slow", request=request)
+        if len(calls) == 3:
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        return fake_generate(request)
+
+    with client_with(handler, max_retries=3) as client:
+        assert client.generate(PROMPTS[:1], 1, max_new_tokens=3, seed=0).output_ids.shape == (1, 3)
+    assert len(calls) == 4
+
+
+def test_client_errors_are_not_retried_and_carry_the_message():
+    calls = []
+
+    def handler(request):
+        calls.append(request)
+        return httpx.Response(400, json={"error": {"message": "sampling_params.top_p: must be > 0"}})
+
+    with client_with(handler, ["http://a", "http://b"], max_retries=3) as client:
+        with pytest.raises(RolloutError, match="HTTP 400: sampling_params.top_p"):
+            client.generate(PROMPTS[:1], 1, max_new_tokens=3)
+    assert len(calls) == 1
+
+
+def test_a_dead_url_fails_over_and_all_dead_raises():
+    def handler(request):
+        if request.url.host == "dead":
+            raise httpx.ConnectError("refused", request=request)
+        return fake_generate(request)
+
+    with client_with(handler, ["http://dead", "http://alive"], max_retries=1) as client:
+        rollout = client.generate(PROMPTS, 1, max_new_tokens=3, seed=0)
+    np.testing.assert_array_equal(rollout.output_ids[:, 0], [10, 20, 30, 40])
+    with client_with(handler, ["http://dead"], max_retries=2) as client:
+        with pytest.raises(RolloutError, match="failed after 3 attempts"):
+            client.generate(PROMPTS, 1, max_new_tokens=3)
+
+
+def test_weight_version_is_checked():
+    with client_with(fake_generate) as client:
+        client.generate(PROMPTS, 1, max_new_tokens=3, expected_version=3)
+        with pytest.raises(StaleWeightsError, match="got '3', expected '4'"):
+            client.generate(PROMPTS, 1, max_new_tokens=3, expected_version=4)
+        client.generate(PROMPTS, 1, max_new_tokens=3, expected_version=4, max_staleness=1)
+    check_versions(["7", "8"], 8, max_staleness=1)
+    with pytest.raises(StaleWeightsError):
+        check_versions(["6", "8"], 8, max_staleness=1)
+    with pytest.raises(StaleWeightsError):
+        check_versions([None], 0)
+
+
+def test_misaligned_or_overlong_answers_are_refused():
+    def misaligned(request):
+        answer = fake_generate(request).json()
+        answer[0]["meta_info"]["output_token_logprobs"] = answer[0]["meta_info"]["output_token_logprobs"][:-1]
+        return httpx.Response(200, json=answer)
+
+    with client_with(misaligned) as client, pytest.raises(RolloutError, match="not aligned"):
+        client.generate(PROMPTS, 1, max_new_tokens=3)
+    with client_with(lambda r: httpx.Response(200, json=[])) as client, pytest.raises(RolloutError, match="0 compl"):
+        client.generate(PROMPTS, 1, max_new_tokens=3)
+
+
+def test_arguments_are_validated():
+    with pytest.raises(ValueError, match="urls"):
+        RolloutClient([])
+    with client_with(fake_generate) as client:
+        with pytest.raises(ValueError, match="group_size"):
+            client.generate(PROMPTS, 0, max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_llama(str(tmp_path_factory.mktemp("rollout") / "m"), seed=0)
+
+
+def test_local_server_round_trip_and_clean_stop(model_dir):
+    with LocalServer(model_dir, weight_version=5) as server:
+        pid = server._process.pid
+        with RolloutClient([server.url]) as client, RolloutClient([server.url, server.url]) as fleet:
+            assert client.healthy() == [True]
+            rollout = client.generate(PROMPTS, 3, max_new_tokens=8, seed=1, expected_version=5)
+            assert rollout.output_ids.shape == (12, 8) and rollout.weight_versions == ("5",) * 12
+            assert (rollout.logprobs[rollout.mask] < 0).all() and (rollout.logprobs[~rollout.mask] == 0).all()
+            assert ((rollout.lengths == 8) | ~rollout.truncated).all()
+            np.testing.assert_array_equal(rollout.output_ids,
+                                          fleet.generate(PROMPTS, 3, max_new_tokens=8, seed=1).output_ids)
+            client.update_weights(model_dir, 6)
+            assert client.model_info()["weight_version"] == "6"
+            with pytest.raises(RolloutError, match="model_path"):
+                client.update_weights(model_dir + "/missing", 7)
+        url = server.url
+    assert server.stop() is None and not server.running  # already stopped by the with block
+    assert process_gone(pid)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2.0)
+
+
+def test_local_server_reports_a_failed_start(tmp_path):
+    with pytest.raises(RolloutError, match="exited with code") as error:
+        LocalServer(str(tmp_path / "nothing"), startup_timeout_s=120).start()
+    assert "nothing" in str(error.value)  # the child's log tail names the bad path
+
+
+def process_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    """Whether pid has exited (a zombie waiting to be reaped counts as exited)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ", 1)[1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_the_service_exits_when_its_trainer_is_killed(model_dir):
+    trainer = textwrap.dedent(f"""
+        import os, signal, sys
+        from drgrpo_jax.rollout import LocalServer
+        server = LocalServer({model_dir!r})
+        server.start()
+        print(server._process.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no cleanup: only the child's watchdog can help
+    """)
+    result = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert process_gone(int(result.stdout.split()[0]))
