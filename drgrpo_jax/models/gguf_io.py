@@ -1,0 +1,145 @@
+"""GGUF files in: metadata to ModelConfig, tensors dequantised (gguf package) into HF layout, then the HF path."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from drgrpo_jax.models.config import from_hf_config
+from drgrpo_jax.models.hf_io import build_model, hf_param_reader
+from drgrpo_jax.models.transformer import Transformer
+from drgrpo_jax.sharding import ShardingRules
+
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF per-block tensor name -> HF per-layer name; ffn_norm is the pre-MLP norm in every family.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GEMMA_BLOCK_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """One metadata value (str, number or list), or default when absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
+    """HF tensor name of a GGUF tensor (None for tensors we do not use)."""
+    top, _, kind = gguf_name.rpartition(".")
+    if top in _TOP_NAMES:
+        return f"{_TOP_NAMES[top]}.{kind}"
+    match = _BLOCK_RE.match(gguf_name)
+    if not match:
+        return None
+    layer, name, kind = match.groups()
+    names = {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"}
+    if arch == "gemma3":
+        names.update(_GEMMA_BLOCK_NAMES)
+    return f"model.layers.{layer}.{names[name]}.{kind}" if name in names else None
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleaving (it stores each head's rotary halves interleaved)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """An HF config.json dict describing the model in a GGUF file (as transformers derives it)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"general.architecture: {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("rope_freqs: GGUF files with per-frequency RoPE factors (Llama 3.1+) are not supported; "
+                         "load the Hugging Face folder instead")
+    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError(f"{arch}.rope.scaling.type: RoPE scaling in GGUF metadata is not supported")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hf: dict[str, Any] = {
+        "model_type": _ARCHITECTURES[arch],
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", int(embed.shape[-1]))),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
+    }
+    if arch == "gemma3":
+        hf["sliding_window"] = int(_field(reader, "gemma3.attention.sliding_window", 4096))
+        hf["query_pre_attn_scalar"] = hf["head_dim"]
+    return hf
+
+
+class GGUFIndex:
+    """HF tensor name -> dequantised float32 tensor in HF layout, read on demand."""
+
+    def __init__(self, reader: gguf.GGUFReader, num_heads: int, num_kv_heads: int):
+        self._arch = _field(reader, "general.architecture")
+        self._heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
+        self._tensors = {}
+        for tensor in reader.tensors:
+            name = _hf_name(tensor.name, self._arch)
+            if name is not None:
+                self._tensors[name] = tensor
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> np.ndarray:
+        """Dequantised tensor; q/k rows un-permuted for Llama; Gemma's stored (1 + w) norms back to w."""
+        if name not in self._tensors:
+            raise KeyError(f"weights: tensor {name!r} is missing from the GGUF file")
+        tensor = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1]
+        if self._arch == "llama" and module in self._heads:
+            w = _unpermute_rows(w, self._heads[module])
+        if self._arch == "gemma3" and "norm" in name.rsplit(".", 2)[-2]:
+            w = w - 1.0
+        return w
+
+
+def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
+              remat: bool = False) -> Transformer:
+    """A Transformer from a GGUF file (any quantisation the gguf package can dequantise)."""
+    reader = gguf.GGUFReader(path)
+    config = from_hf_config(gguf_hf_config(reader))
+    if remat:
+        config = dataclasses.replace(config, remat=True)
+    index = GGUFIndex(reader, config.num_heads, config.num_kv_heads)
+    return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
