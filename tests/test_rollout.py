@@ -1,7 +1,6 @@
 """The rollout client: retries, failover, version checks, assembly, and the local child-process mode."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

