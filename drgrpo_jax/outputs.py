@@ -1,0 +1,145 @@
+"""The run directory's outputs: metrics.jsonl, TensorBoard, samples.jsonl and versioned HF weight exports.
+
+Only process 0 writes; every process joins the gathers (multi-host arrays are collected first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RunLog", "WeightPublisher", "host_array", "share"]
+
+
+def _json_value(value: Any) -> Any:
+    """numpy scalars to Python; NaN/inf to None (JSON has neither)."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: metrics.jsonl, TensorBoard, samples.jsonl (process 0 only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Drops rows written after `last_step` (by a run that died before its next checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+
+
+class RunLog:
+    """Appends metrics and samples as JSON lines and mirrors scalars to TensorBoard."""
+
+    def __init__(self, output_dir: str, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self._tensorboard = None
+        if enabled:
+            for path in (self.metrics_path, self.samples_path):
+                _truncate_jsonl(path, start_step)
+            from tensorboardX import SummaryWriter
+
+            # purge_step hides events a killed run wrote past its last checkpoint.
+            self._tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                              purge_step=start_step + 1 if start_step else None)
+
+    def _append(self, path: str, row: dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        """One metrics.jsonl row; its finite numbers also go to TensorBoard."""
+        if not self.enabled:
+            return
+        self._append(self.metrics_path, row)
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self._tensorboard.add_scalar(key, value, row["step"])
+        self._tensorboard.flush()
+
+    def samples(self, rows: list[dict[str, Any]]) -> None:
+        """Sample completions, one JSON line each."""
+        if self.enabled:
+            for row in rows:
+                self._append(self.samples_path, row)
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights out: versioned HF folders the service loads
+# ---------------------------------------------------------------------------------------------
+
+
+class WeightPublisher:
+    """Exports params to weights/v{version} (process 0 writes; every process joins the gather)."""
+
+    def __init__(self, root: str, graphdef: Any, keep: int = 2):
+        self.root, self.graphdef, self.keep = root, graphdef, keep
+
+    def export(self, params: Any, path: str, tokenizer: Any = None) -> str:
+        """Writes `params` as an HF folder at `path` atomically (tmp folder, then rename)."""
+        import jax
+        from flax import nnx
+
+        from drgrpo_jax.models import save_pretrained
+
+        host_params = jax.tree.map(host_array, params)  # a collective in multi-host runs
+        if jax.process_index() == 0:
+            tmp = path + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_pretrained(nnx.merge(self.graphdef, host_params), tmp, tokenizer=tokenizer)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+        return path
+
+    def publish(self, params: Any, version: int) -> str:
+        """Exports version `version` and deletes all but the newest `keep` versions."""
+        path = self.export(params, os.path.join(self.root, f"v{version}"))
+        import jax
+
+        if jax.process_index() == 0:
+            versions = sorted(int(name[1:]) for name in os.listdir(self.root)
+                              if name.startswith("v") and name[1:].isdigit())
+            for old in versions[:-self.keep]:
+                shutil.rmtree(os.path.join(self.root, f"v{old}"), ignore_errors=True)
+        return path
+
+
+def host_array(x: Any) -> np.ndarray:
+    """A whole array as numpy on this host (gathered across processes when it spans several)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def share(tree: Any) -> Any:
+    """Process 0's pytree of numpy arrays on every process (no-op on one host)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree, is_source=jax.process_index() == 0))

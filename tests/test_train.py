@@ -1,0 +1,285 @@
+"""The trainer end to end through the real generation service child process: metrics, resume, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from drgrpo_jax.train import correct_mask, left_pad, response_stats, step_seed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()"
+
+
+def write_tiny_model(path: str, seed: int = 0) -> str:
+    """A random 2-layer Llama saved by transformers with a character-level tokenizer (offline)."""
+    import tokenizers
+    import torch
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(VOCAB_CHARS)}}
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, initializer_range=0.3)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def write_prompts(path: str, num: int) -> str:
+    """Short arithmetic questions as JSONL (question/answer fields)."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(num):
+            a, b = (int(x) for x in rng.integers(0, 10, 2))
+            f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return path
+
+
+def has_letter_a(completion: str, example) -> float:
+    """A test reward a random model earns on some completions and misses on others."""
+    return 1.0 if "a" in completion else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_step_seeds_depend_on_seed_step_and_purpose_only():
+    assert step_seed(0, 3, 0) == step_seed(0, 3, 0)
+    assert len({step_seed(0, 3, 0), step_seed(1, 3, 0), step_seed(0, 4, 0), step_seed(0, 3, 1)}) == 4
+
+
+def test_correctness_uses_the_correctness_component_else_a_positive_reward():
+    components = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 1.0]], np.float32)
+    np.testing.assert_array_equal(correct_mask(("math_verify", "format"), components), [True, False, False])
+    np.testing.assert_array_equal(correct_mask(("mine", "format"), components), [True, True, True])
+    np.testing.assert_array_equal(correct_mask(("mine",), np.array([[0.0], [2.0]])), [False, True])
+
+
+def test_left_pad_repeats_each_prompt_for_its_group():
+    ids, mask = left_pad([[5, 6], [7]], 3, 2)
+    np.testing.assert_array_equal(ids, [[0, 5, 6], [0, 5, 6], [0, 0, 7], [0, 0, 7]])
+    np.testing.assert_array_equal(mask, ids > 0)
+
+
+def test_response_stats_split_lengths_and_say_null_when_a_side_is_empty():
+    stats = response_stats(np.array([4, 10, 6]), np.array([False, True, False]), np.array([True, False, True]))
+    assert stats == {"accuracy": 2 / 3, "response_length_mean": 20 / 3, "response_length_correct": 5.0,
+                     "response_length_incorrect": 10.0, "truncated_fraction": 1 / 3}
+    assert response_stats(np.array([3]), np.array([False]), np.array([False]))["response_length_correct"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end through the CLI and the real service child process
+# ---------------------------------------------------------------------------------------------
+
+REQUIRED = ["step", "loss", "grad_norm", "reward_mean", "accuracy", "response_length_mean", "response_length_correct",
+            "response_length_incorrect", "truncated_fraction", "kl", "entropy", "clip_fraction", "tokens_per_second",
+            "rollout_seconds", "train_seconds", "weight_version"]
+PROG_ERROR = "python -m drgrpo_jax.train: config error: "
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return {"model": write_tiny_model(str(root / "model")), "prompts": write_prompts(str(root / "prompts.jsonl"), 40),
+            "root": root}
+
+
+def _overrides(inputs, output_dir, steps: int) -> list[str]:
+    """A 2-way data-parallel run: 4 prompts x 4 samples, 2 minibatches, eval and a checkpoint every 2 steps."""
+    return [f"run.output_dir={output_dir}", "run.sample_every=2", f"model.path={inputs['model']}",
+            "data.source=jsonl", f"data.path={inputs['prompts']}", "data.template='{question}'", "data.size=0",
+            "data.eval_size=4", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
+            "rollout.max_prompt_tokens=16", "algorithm.minibatches_per_rollout=2",
+            "reward.functions=[test_train:has_letter_a,format]", "reward.num_workers=1",
+            "optimizer.learning_rate=0.01", f"train.steps={steps}", "train.eval_every=2", "train.save_every=2",
+            "mesh.data=2"]
+
+
+def _env() -> dict[str, str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, here]), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HF_HUB_OFFLINE": "1"}
+
+
+def _start(overrides: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "drgrpo_jax.train", *overrides], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _services_of(pid: int) -> list[int]:
+    """Live generation-service processes started by trainer `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"drgrpo_jax.serve" in args and b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(pid).encode():
+                found.append(int(entry))
+    return found
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (alive := _services_of(pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+def _rows(output_dir) -> tuple[list[dict], list[dict]]:
+    """(training rows, eval rows) of metrics.jsonl."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(inputs):
+    output_dir = inputs["root"] / "uninterrupted"
+    process = _start(_overrides(inputs, output_dir, steps=4))
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return output_dir, process.pid, stderr
+
+
+def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted):
+    output_dir, pid, stderr = uninterrupted
+    train_rows, eval_rows = _rows(output_dir)
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
+    for row in train_rows:
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, missing
+        bad = {k: row[k] for k in REQUIRED if not (isinstance(row[k], (int, float)) and np.isfinite(row[k]))}
+        assert not bad, bad
+        assert row["staleness"] == 0 and row["reward/has_letter_a"] == row["reward_mean"]
+    assert [r["weight_version"] for r in train_rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in eval_rows] == [0, 2, 4]
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in eval_rows)
+    assert _wait_gone(pid) == []
+    # The rest of the run directory.
+    files = set(os.listdir(output_dir))
+    assert {"config.yaml", "metrics.jsonl", "samples.jsonl", "tensorboard", "checkpoints", "weights", "final"} <= files
+    assert sorted(os.listdir(output_dir / "checkpoints")) == ["2", "4"]
+    assert sorted(os.listdir(output_dir / "weights")) == ["v3", "v4"]  # only the newest two versions are kept
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(output_dir / "tensorboard"))
+    with open(output_dir / "samples.jsonl") as f:
+        samples = [json.loads(line) for line in f]
+    assert {s["step"] for s in samples} == {2, 4} and len(samples) == 2 * 2 * 4
+    from drgrpo_jax.config import load_config
+
+    assert load_config(output_dir / "config.yaml").train.steps == 4
+    import transformers
+
+    transformers.AutoTokenizer.from_pretrained(output_dir / "final")
+    transformers.AutoModelForCausalLM.from_pretrained(output_dir / "final")
+    assert "Traceback" not in stderr
+
+
+def _weights(folder) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def _reproducible(row: dict) -> dict:
+    return {k: v for k, v in row.items() if "seconds" not in k and "per_second" not in k}
+
+
+@pytest.mark.slow  # two more trainer runs with their service child processes (~100 s on 2 cores)
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterrupted):
+    reference_dir = uninterrupted[0]
+    output_dir = inputs["root"] / "killed"
+    process = _start(_overrides(inputs, output_dir, steps=4))
+    checkpoint = output_dir / "checkpoints" / "2"
+    while not checkpoint.exists() and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (output_dir / "final").exists()
+    assert _wait_gone(process.pid) == []  # the service noticed its parent died
+
+    resumed = _start(_overrides(inputs, output_dir, steps=4))
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    for (got, want) in zip(_rows(output_dir), _rows(reference_dir)):
+        assert [_reproducible(r) for r in got] == [_reproducible(r) for r in want]
+    got, want = _weights(output_dir / "final"), _weights(reference_dir / "final")
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_bad_model_path_task_and_url_fail_in_one_line(inputs, tmp_path):
+    base = _overrides(inputs, tmp_path / "run", steps=1)
+    cases = {
+        "model.path": [f"model.path={tmp_path / 'missing'}"],
+        "data.task": ["data.source=reasoning_gym", "data.task=no_such_task", "data.size=10", "reward.functions=[format]"],
+        "rollout.urls": ["rollout.urls=[http://127.0.0.1:9]"],
+    }
+    processes = {key: _start(base + extra) for key, extra in cases.items()}
+    for key, process in processes.items():
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 2, (key, stderr[-2000:])
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith(PROG_ERROR + key + ":"), (key, lines[-1])
+        assert "Traceback" not in stderr, key
+    assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/plot_run.py on synthetic runs
+# ---------------------------------------------------------------------------------------------
+
+
+def _synthetic_run(path, slope: float) -> str:
+    os.makedirs(path)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "eval/accuracy": 0.1}) + "\n")
+        for step in range(1, 6):
+            f.write(json.dumps({"step": step, "loss": 0.1, "reward_mean": slope * step, "accuracy": slope * step,
+                                "response_length_correct": None if step == 1 else 20 + step,
+                                "response_length_incorrect": 40 - step, "kl": 0.0, "approx_kl": 0.01 * step,
+                                "grad_norm": 1.0 / step}) + "\n")
+    return str(path)
+
+
+def test_plot_run_overlays_runs_into_a_png(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_run", os.path.join(REPO, "scripts", "plot_run.py"))
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    runs = [_synthetic_run(tmp_path / "dr_grpo", 0.1), _synthetic_run(tmp_path / "grpo", 0.05)]
+    train, evals = plot_run.read_metrics(runs[0])
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and [r["step"] for r in evals] == [0]
+    assert plot_run._kl_key(train) == "approx_kl"
+    output = tmp_path / "out" / "curves.png"
+    assert plot_run.main([*runs, "-o", str(output)]) == 0
+    with open(output, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(output).shape
+    assert (height, width) == (880, 1320)
+    assert plot_run.main([str(tmp_path / "nope"), "-o", str(output)]) == 2
