@@ -1,0 +1,309 @@
+"""The pure training step: one optimizer window in, updated state and global metrics out.
+
+Shapes: N responses in the window, P prompt slots (left-padded), R response slots
+(right-padded, R = the generation budget), M micro-batches, D model dim.
+
+`train_step(state, batch)` first takes the window's statistics (N_w, T_w; global over the
+mesh because the arrays are global), then scans over micro-batches, each computing the
+policy's log-probs with the model (chunked, never full float32 logits), the reference's
+when KL is on, and `loss_fn` with the window's statistics, accumulating gradients; then one
+optax update. The micro-batch shares sum to the window's loss, so the update does not
+depend on M or on the mesh. An empty window (T_w = 0) leaves parameters and optimizer
+state untouched, counts the step and sets `skipped`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
+from drgrpo_jax.models.logprobs import token_logprobs
+
+__all__ = ["Batch", "StepConfig", "TrainState", "make_optimizer", "init_state", "policy_logprobs", "train_step",
+           "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
+
+BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the step changes, plus the frozen reference (None unless KL is on)."""
+
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array  # int32 scalar: optimizer windows consumed (skipped ones included)
+    rng: jax.Array  # root key; per-step keys are fold_in(rng, step)
+    ref_params: nnx.State | None = None
+
+
+@struct.dataclass
+class Batch:
+    """One rollout batch of N responses, as arrays with N leading."""
+
+    prompt_ids: jax.Array  # int32 [N, P], left-padded
+    prompt_mask: jax.Array  # bool [N, P]
+    response_ids: jax.Array  # int32 [N, R], right-padded
+    response_mask: jax.Array  # bool [N, R]: tokens that count in the loss
+    advantages: jax.Array  # float32 [N]
+    old_logprobs: jax.Array  # float32 [N, R]: the policy before this update (recomputed by the trainer)
+    behaviour_logprobs: jax.Array  # float32 [N, R]: the sampler's, for TIS and the mismatch metric
+    row_valid: jax.Array  # bool [N]: False = a padding row added for static shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What the step computes; static under jit."""
+
+    loss: LossConfig  # aggregation, clipping, KL and entropy terms
+    micro_batches: int = 1  # gradient-accumulation slices of one window
+    temperature: float = 1.0  # the sampler's temperature; log-probs use the same scaling
+    tis_cap: float | None = None  # truncated importance sampling: cap on exp(old - behaviour); None = off
+    logprob_chunk: int = 256  # tokens per chunk of the vocabulary projection
+
+    def __post_init__(self):
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"train.micro_batches: must be a positive int, got {self.micro_batches!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature: must be > 0 for training log-probs, got {self.temperature}")
+        if self.tis_cap is not None and not self.tis_cap >= 1:
+            raise ValueError(f"algorithm.tis_cap: must be >= 1 (a cap on an importance ratio), got {self.tis_cap}")
+        if self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk: must be a positive int, got {self.logprob_chunk}")
+
+
+def make_optimizer(
+    learning_rate: float,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    decay: str = "constant",
+    weight_decay: float = 0.0,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    max_grad_norm: float | None = 1.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then constant/cosine/linear decay, after global-norm clipping."""
+    decay_steps = max(total_steps - warmup_steps, 1)
+    after_warmup = {
+        "constant": lambda: optax.constant_schedule(learning_rate),
+        "cosine": lambda: optax.cosine_decay_schedule(learning_rate, decay_steps),
+        "linear": lambda: optax.linear_schedule(learning_rate, 0.0, decay_steps),
+    }
+    if decay not in after_warmup:
+        raise ValueError(f"optimizer.decay: unknown {decay!r}; choose one of {sorted(after_warmup)}")
+    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else None
+    schedule = (
+        optax.join_schedules([warmup, after_warmup[decay]()], [warmup_steps]) if warmup else after_warmup[decay]()
+    )
+    clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    return optax.chain(*clip, optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)), schedule
+
+
+def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
+               *, with_reference: bool = False) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, state) from a model; the reference is a copy of the initial policy."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    ref = jax.tree.map(jnp.copy, params) if with_reference else None
+    return graphdef, TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                                rng=rng, ref_params=ref)
+
+
+# ------------------------------------------------------------------ log-probs
+
+
+def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
+    """Tokens, positions and segment ids of prompt + response (the last response token is never an input)."""
+    tokens = jnp.concatenate([prompt_ids, response_ids], axis=1)[:, :-1]
+    real = jnp.concatenate([prompt_mask, response_mask], axis=1)[:, :-1]
+    positions = jnp.maximum(jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
+    return tokens, positions, real.astype(jnp.int32)
+
+
+def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
+                      response_mask, *, temperature: float, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies [N, R] of the response tokens under the temperature-scaled policy."""
+    model = nnx.merge(graphdef, params)
+    tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    hidden_NSD = model.hidden_states(tokens, positions, segments)
+    prompt_len = prompt_ids.shape[1]
+    hidden_NRD = hidden_NSD[:, prompt_len - 1:]  # the state before each response token predicts it
+    return token_logprobs(hidden_NRD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
+                          final_logit_softcap=model.config.final_logit_softcap)
+
+
+def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch) -> jax.Array:
+    """The policy's log-probs [N, R] of a batch's responses (the trainer's old log-probs)."""
+
+    def one(micro):
+        return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
+                                 micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk)[0]
+
+    return _unsplit(jax.lax.map(one, _split(batch, config.micro_batches)))
+
+
+# ------------------------------------------------------------------ micro-batching
+
+
+def _split(tree, num: int):
+    """[N, ...] -> [num, N / num, ...], micro-batch m taking rows m, m + num, ... (spread over every shard)."""
+
+    def one(x):
+        rows = x.shape[0]
+        if rows % num:
+            raise ValueError(f"train.micro_batches: {num} does not divide the window's {rows} responses")
+        return jnp.swapaxes(x.reshape(rows // num, num, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(one, tree)
+
+
+def _unsplit(x):
+    """Inverse of _split for one array."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, micro: Batch):
+    """This micro-batch's share of the window's loss, and its metric shares."""
+    logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
+                                          micro.response_mask, temperature=config.temperature,
+                                          chunk=config.logprob_chunk)
+    ref_logprobs = None
+    if ref_params is not None:
+        ref_logprobs = jax.lax.stop_gradient(response_logprobs(
+            graphdef, ref_params, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
+            temperature=config.temperature, chunk=config.logprob_chunk)[0])
+    token = micro.response_mask & micro.row_valid[:, None]
+    advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)
+    mismatch = jnp.where(token, micro.old_logprobs - micro.behaviour_logprobs, 0.0)
+    tis_weight = jnp.ones_like(logprobs)
+    if config.tis_cap is not None:
+        # A positive per-token weight on the advantage scales exactly the policy-gradient term.
+        tis_weight = jnp.minimum(jnp.exp(mismatch), config.tis_cap)
+        advantages = advantages * tis_weight
+    loss, metrics = loss_fn(logprobs, micro.old_logprobs, advantages, micro.response_mask, config=config.loss,
+                            ref_logprobs=ref_logprobs, entropy=entropy, window=window, row_valid=micro.row_valid)
+
+    def token_share(x):
+        return jnp.where(window.num_tokens > 0, jnp.where(token, x, 0.0).sum() / jnp.maximum(window.num_tokens, 1), 0.0)
+
+    metrics["behaviour_kl"] = token_share(kl_divergence(micro.behaviour_logprobs, micro.old_logprobs, "k3"))
+    metrics["tis_weight"] = token_share(tis_weight)
+    return loss, metrics
+
+
+def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+               config: StepConfig, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer window: accumulate micro-batch gradients, then one update (pure)."""
+    window = window_stats(batch.response_mask, batch.row_valid)
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def accumulate(carry, micro):
+        grads, loss, metrics = carry
+        (micro_loss, micro_metrics), micro_grads = grad_fn(state.params, graphdef, config, window, state.ref_params,
+                                                           micro)
+        grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
+        metrics = jax.tree.map(jnp.add, metrics, micro_metrics)
+        return (grads, loss + micro_loss, metrics), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "behaviour_kl", "tis_weight")
+    carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names})
+    (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, _split(batch, config.micro_batches))
+
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    skipped = window.num_tokens == 0
+
+    def keep_if_skipped(new, old):
+        return jnp.where(skipped, old, new)
+
+    new_state = state.replace(
+        params=jax.tree.map(keep_if_skipped, params, state.params),
+        opt_state=jax.tree.map(keep_if_skipped, opt_state, state.opt_state),
+        step=state.step + 1,
+    )
+    metrics.update(
+        loss=loss,
+        grad_norm=optax.tree.norm(grads).astype(jnp.float32),
+        learning_rate=jnp.asarray(schedule(state.step), jnp.float32),
+        num_responses=window.num_responses,
+        num_tokens=window.num_tokens,
+        skipped=skipped.astype(jnp.float32),
+    )
+    return new_state, metrics
+
+
+# ------------------------------------------------------------------ jit with explicit shardings
+
+
+def batch_shardings(mesh: Mesh) -> Batch:
+    """Every batch field split over the data-parallel axes on its leading (response) dimension."""
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    return Batch(**{f.name: rows for f in dataclasses.fields(Batch)})
+
+
+def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh) -> TrainState:
+    """Shardings of a state: optimizer moments shaped like the params follow them, the rest is replicated."""
+    replicated = NamedSharding(mesh, P())
+    params_structure = jax.tree.structure(state.params)
+
+    def like_params(node) -> bool:
+        return jax.tree.structure(node) == params_structure
+
+    return TrainState(
+        params=params_shardings,
+        opt_state=jax.tree.map(lambda node: params_shardings if like_params(node) else replicated, state.opt_state,
+                               is_leaf=like_params),
+        step=replicated,
+        rng=replicated,
+        ref_params=None if state.ref_params is None else params_shardings,
+    )
+
+
+def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings: TrainState, mesh: Mesh
+                   ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """train_step jitted with explicit in/out shardings, donating the state."""
+    replicated = NamedSharding(mesh, P())
+    step = functools.partial(train_step, graphdef, optimizer, schedule, config)
+    return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)), out_shardings=(shardings, replicated),
+                   donate_argnums=0)
+
+
+def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.State, mesh: Mesh
+                        ) -> Callable[[nnx.State, Batch], jax.Array]:
+    """policy_logprobs jitted with the params' and the batch's shardings."""
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    return jax.jit(functools.partial(policy_logprobs, graphdef, config),
+                   in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=rows)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Puts host-identical values on global shardings; works across processes (unlike device_put)."""
+
+    def one(x, sharding):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    # `shardings` may be a prefix of `tree` (one sharding per nnx Variable).
+    return jax.tree.map(lambda sharding, sub: jax.tree.map(lambda x: one(x, sharding), sub), shardings, tree)
+
+
+def shard_batch(local: dict[str, Any] | Batch, mesh: Mesh) -> Batch:
+    """A global Batch from this process's rows (every process passes its own share, in process order)."""
+    local = local if isinstance(local, Batch) else Batch(**local)
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, np.asarray(x)), local)

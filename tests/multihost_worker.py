@@ -1,0 +1,65 @@
+"""One process of a two-process `jax.distributed` run on loopback (gloo CPU collectives).
+
+    python tests/multihost_worker.py PROCESS_ID PORT OUT.npz
+
+Each process owns 4 fake CPU devices and feeds its own half of the window's rows; process 0
+writes the updated parameters and metrics for the test to compare with a one-process run.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def main(process_id: int, port: int, out: str) -> None:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    import dataclasses
+
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_train_step import RESPONSE, TINY, make_batch
+
+    from drgrpo_jax import LossConfig
+    from drgrpo_jax.models import Transformer
+    from drgrpo_jax.sharding import MeshConfig, make_mesh, state_shardings as model_state_shardings
+    from drgrpo_jax.train_step import (StepConfig, init_state, jit_policy_logprobs, jit_train_step, place,
+                                       shard_batch, state_shardings)
+
+    assert jax.process_count() == 2 and jax.device_count() == 8
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    model = Transformer(TINY, rngs=nnx.Rngs(0))  # identical on every process; placed below
+    optimizer = optax.sgd(0.5)
+    config = StepConfig(loss=LossConfig(budget=RESPONSE), micro_batches=2, logprob_chunk=5)
+    graphdef, state = init_state(model, optimizer, jax.random.key(0))
+    params_shardings = model_state_shardings(state.params, mesh)
+    shardings = state_shardings(state, params_shardings, mesh)
+    state = place(state, shardings)
+    step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
+    whole = make_batch()
+    half = len(whole.row_valid) // 2
+    local = jax.tree.map(lambda x: x[process_id * half:(process_id + 1) * half], whole)
+    batch = shard_batch(local, mesh)
+    old = jit_policy_logprobs(graphdef, config, params_shardings, mesh)(state.params, batch)
+    batch = dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old)
+    state, metrics = step(state, batch)
+    params = multihost_utils.process_allgather(state.params, tiled=True)
+    if process_id == 0:
+        leaves = {f"param_{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
+        np.savez(out, **leaves, **{f"metric_{k}": np.asarray(v) for k, v in jax.device_get(metrics).items()})
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,205 @@
+"""The sharded training step: the same window gives the same update on every mesh and micro-batching."""
+
+import dataclasses
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from drgrpo_jax import LossConfig
+from drgrpo_jax.models import ModelConfig, Transformer
+from drgrpo_jax.sharding import MeshConfig, make_mesh, shard_model, state_shardings as model_state_shardings
+from drgrpo_jax.train_step import (Batch, StepConfig, batch_shardings, init_state, jit_policy_logprobs, jit_train_step, make_optimizer,
+                                   state_shardings)
+
+AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+N, PROMPT, RESPONSE = 16, 6, 12
+TINY = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+COMPILES = []  # one entry per XLA backend compile in this process
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *_, **__: COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def make_batch(seed=0, lengths=None):
+    """Responses of very different lengths, long ones packed onto the first shards."""
+    rng = np.random.default_rng(seed)
+    prompt_lengths = rng.integers(1, PROMPT + 1, N)
+    prompt_mask = np.arange(PROMPT)[None, :] >= PROMPT - prompt_lengths[:, None]  # left-padded
+    if lengths is None:
+        lengths = np.array([12, 12, 11, 12, 10, 12, 9, 12, 1, 2, 0, 3, 1, 1, 2, 0])
+    response_mask = np.arange(RESPONSE)[None, :] < lengths[:, None]
+    row_valid = np.ones(N, bool)
+    row_valid[-1] = False  # a padding row
+    return Batch(
+        prompt_ids=np.where(prompt_mask, rng.integers(0, 64, (N, PROMPT)), 0).astype(np.int32),
+        prompt_mask=prompt_mask,
+        response_ids=np.where(response_mask, rng.integers(0, 64, (N, RESPONSE)), 0).astype(np.int32),
+        response_mask=response_mask,
+        advantages=rng.normal(size=N).astype(np.float32),
+        old_logprobs=np.zeros((N, RESPONSE), np.float32),  # filled by the policy before the step
+        behaviour_logprobs=np.zeros((N, RESPONSE), np.float32),
+        row_valid=row_valid,
+    )
+
+
+def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", batch=None, steps=1, kl_coef=0.0,
+             optimizer=None, tis_cap=None, behaviour_shift=0.0):
+    """Params and metrics after `steps` steps of the tiny model on a (data, fsdp, tensor) mesh."""
+    data, fsdp, tensor = mesh_shape
+    devices = jax.devices()[: data * fsdp * tensor]
+    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), devices)
+    model = shard_model(Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
+    optimizer = optimizer or optax.sgd(0.5)
+    schedule = optax.constant_schedule(0.5)
+    config = StepConfig(loss=LossConfig(aggregation=aggregation, budget=RESPONSE, kl_coef=kl_coef),
+                        micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5)
+    graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
+    params_shardings = model_state_shardings(state.params, mesh)
+    shardings = state_shardings(state, params_shardings, mesh)
+    state = jax.device_put(state, shardings)
+    step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
+    old_logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
+    batch = jax.device_put(batch or make_batch(), batch_shardings(mesh))
+    history = []
+    for _ in range(steps):
+        old = old_logprobs(state.params, batch)
+        batch = dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old + behaviour_shift)
+        state, metrics = step(state, batch)
+        history.append(dict(jax.device_get(metrics), compiles_so_far=len(COMPILES)))
+    return jax.device_get(state), history, step
+
+
+def assert_same(actual, desired, what):
+    for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired)):
+        d = np.asarray(d)
+        np.testing.assert_allclose(a, d, rtol=1e-5, atol=1e-5 * max(np.abs(d).max(), 1e-6), err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {agg: run_step((1, 1, 1), 1, agg) for agg in AGGREGATIONS}
+
+
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 8, 1)]
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("mesh_shape, micro_batches", [((8, 1, 1), 2), ((2, 2, 2), 4), ((1, 8, 1), 1)])
+def test_update_is_invariant_to_mesh_and_micro_batches(reference, aggregation, mesh_shape, micro_batches):
+    state, history, _ = run_step(mesh_shape, micro_batches, aggregation)
+    ref_state, ref_history, _ = reference[aggregation]
+    assert_same(state.params, ref_state.params, "params")
+    for k in ref_history[0].keys() - {"compiles_so_far"}:
+        np.testing.assert_allclose(history[0][k], ref_history[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert ref_history[0]["grad_norm"] > 0
+
+
+@pytest.mark.slow  # the full cross product: 12 more compiles of the step (~1 min)
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), *MESHES])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_full_matrix_fixed_budget(reference, mesh_shape, micro_batches):
+    state, history, _ = run_step(mesh_shape, micro_batches)
+    assert_same(state.params, reference["fixed_budget"][0].params, "params")
+
+
+def test_metrics_are_complete_and_the_step_compiles_once():
+    state, history, step = run_step((2, 2, 2), 2, steps=3, optimizer=make_optimizer(1e-2, total_steps=3)[0])
+    expected = {"loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "grad_norm", "learning_rate",
+                "num_responses", "num_tokens", "skipped", "behaviour_kl", "tis_weight"}
+    assert expected <= set(history[0])
+    for metrics in history:
+        assert all(np.isfinite(v) for v in metrics.values())
+    assert history[0]["num_responses"] == N - 1
+    assert history[0]["num_tokens"] == make_batch().response_mask[:-1].sum()
+    assert int(state.step) == 3
+    assert history[2]["compiles_so_far"] == history[0]["compiles_so_far"], "steps after the first compile nothing"
+    # on-policy (old == current at the start of each step): the ratio is 1 and nothing clips
+    assert history[0]["clip_fraction"] == 0 and history[0]["approx_kl"] < 1e-10
+
+
+def test_empty_window_changes_nothing():
+    batch = make_batch(lengths=np.zeros(N, int))
+    initial = jax.device_get(nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)), nnx.Param)[1])
+    state, history, _ = run_step((2, 2, 2), 2, batch=batch, optimizer=make_optimizer(1e-2, total_steps=2)[0],
+                                 steps=2)
+    for metrics in history:
+        assert metrics["skipped"] == 1 and metrics["grad_norm"] == 0.0 and metrics["loss"] == 0.0
+        assert all(np.isfinite(v) for v in metrics.values())
+    assert int(state.step) == 2
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(a, b)
+    assert all(int(x) == 0 for x in jax.tree.leaves(state.opt_state) if np.ndim(x) == 0 and
+               np.issubdtype(np.asarray(x).dtype, np.integer)), "the optimizer's step count must not move"
+
+
+def test_a_shard_with_every_response_masked(reference):
+    lengths = np.array([0, 0, 11, 12, 10, 12, 9, 12, 1, 2, 0, 3, 1, 1, 2, 0])  # shard 0 of data=8 holds rows 0, 1
+    unsharded, ref_history, _ = run_step((1, 1, 1), 1, batch=make_batch(lengths=lengths))
+    sharded, history, _ = run_step((8, 1, 1), 1, batch=make_batch(lengths=lengths))
+    assert_same(sharded.params, unsharded.params, "params")
+    assert all(np.isfinite(v) for v in history[0].values())
+
+
+def test_kl_uses_a_frozen_reference():
+    state, history, _ = run_step((2, 2, 2), 1, kl_coef=0.1, steps=2, optimizer=make_optimizer(1e-2, total_steps=2)[0])
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference before the first update
+    assert history[1]["kl"] > 0
+    initial = jax.device_get(nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)), nnx.Param)[1])
+    for a, b in zip(jax.tree.leaves(state.ref_params), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_truncated_importance_sampling():
+    plain, plain_history, _ = run_step((1, 1, 1), 1)
+    same, same_history, _ = run_step((1, 1, 1), 1, tis_cap=2.0)
+    assert_same(same.params, plain.params, "TIS with behaviour == old changes nothing")
+    shifted, history, _ = run_step((1, 1, 1), 1, tis_cap=2.0, behaviour_shift=-1.0)  # old/behaviour = e > cap
+    assert history[0]["tis_weight"] == pytest.approx(2.0)
+    assert history[0]["behaviour_kl"] > 0
+    np.testing.assert_allclose(history[0]["pg_loss"], 2.0 * plain_history[0]["pg_loss"], rtol=1e-5)
+
+
+def test_bad_step_config_names_the_field():
+    with pytest.raises(ValueError, match="^train.micro_batches"):
+        StepConfig(loss=LossConfig(budget=4), micro_batches=0)
+    with pytest.raises(ValueError, match="^algorithm.tis_cap"):
+        StepConfig(loss=LossConfig(budget=4), tis_cap=0.5)
+    with pytest.raises(ValueError, match="^train.micro_batches"):
+        run_step((1, 1, 1), 3)
+    with pytest.raises(ValueError, match="^optimizer.decay"):
+        make_optimizer(1e-3, total_steps=3, decay="step")
+
+
+def test_two_processes_match_one(reference, tmp_path):
+    """A two-process jax.distributed run on loopback gives the one-process update."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.npz"
+    worker = [sys.executable, str(pathlib.Path(__file__).with_name("multihost_worker.py"))]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([*worker, str(i), str(port), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
+    result = np.load(out)
+    ref_state, ref_history, _ = run_step((1, 1, 1), 1)
+    for i, leaf in enumerate(jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(result[f"param_{i}"], leaf, rtol=1e-5, atol=1e-5 * np.abs(leaf).max())
+    for k in ref_history[0].keys() - {"compiles_so_far"}:
+        np.testing.assert_allclose(result[f"metric_{k}"], ref_history[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
