@@ -1,6 +1,7 @@
 """Model parity with transformers (PyTorch, CPU) on tiny random configs of each family, plus invariances."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -206,3 +207,17 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="rope_type"):
         from_hf_config({**_hf_config("llama").to_dict(), "rope_parameters": None,
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_load_errors_name_the_tensor(tmp_path):
+    config = from_hf_config(_hf_config("llama").to_dict())
+    save_pretrained(Transformer(config, rngs=nnx.Rngs(0)), tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "intermediate_size": 40}))
+    with pytest.raises(ValueError, match=r"weights: blocks/(down|gate|up)_proj has shape"):
+        from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 4}))
+    with pytest.raises(KeyError, match="model.layers.3.input_layernorm.weight"):
+        from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="path"):
+        from_pretrained(str(tmp_path / "nowhere"))

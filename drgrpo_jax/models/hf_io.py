@@ -83,6 +83,8 @@ def _normalise(name: str) -> str:
     for prefix in _PREFIXES:
         if name.startswith(prefix):
             return "model." + name[len(prefix):]
+    if not name.startswith(("model.", "lm_head.")):  # saved from the bare decoder (LlamaModel etc.)
+        return "model." + name
     return name
 
 
