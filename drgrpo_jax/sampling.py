@@ -5,7 +5,9 @@ N new-token budget (bucketed), V vocabulary, S stop ids per row, C vocabulary ch
 
 One call of `generate` is one XLA program: prefill of the whole padded prompt batch, then a
 `lax.while_loop` that decodes one token per row per iteration and stops as soon as every row has
-finished. Every per-request knob (temperature, top-k, top-p, budget, stop ids, seed) is a per-row
+finished. The KV cache is an explicit pytree that never leaves the program: the loop carries it,
+so XLA updates it in place every step (what donating it to a per-step jit would buy, without a
+host round trip per token). Every per-request knob (temperature, top-k, top-p, budget, stop ids, seed) is a per-row
 array, so requests with different settings share a batch and a program; only (B, P, N) are static
 and each is rounded up to a power of two, so a long run compiles a handful of programs.
 
