@@ -221,3 +221,25 @@ def test_load_errors_name_the_tensor(tmp_path):
         from_pretrained(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="path"):
         from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_bfloat16_save_is_bit_exact_in_transformers(tmp_path):
+    config = from_hf_config(_hf_config("qwen2").to_dict())
+    model = Transformer(config, rngs=nnx.Rngs(1), dtype=jnp.bfloat16)
+    save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    q_hf = reloaded.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()
+    q_ours = np.asarray(model.blocks.q_proj[...][1].astype(jnp.float32))  # [D, N, H]
+    np.testing.assert_array_equal(q_hf, q_ours.reshape(config.hidden_size, -1).T)
+    np.testing.assert_array_equal(reloaded.model.embed_tokens.weight.detach().float().numpy(),
+                                  np.asarray(model.embed[...].astype(jnp.float32)))
+
+
+def test_multimodal_gemma3_config_reads_its_text_config():
+    text = _hf_config("gemma3").to_dict()
+    del text["eos_token_id"]
+    config = from_hf_config({"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106]},
+                            generation={"eos_token_id": [1, 106, 107]})
+    assert config.family == "gemma3" and config.eos_token_ids == (1, 106, 107)
+    assert config.sliding_layers == (True, False, True)

@@ -89,3 +89,12 @@ def test_remat_flag_through_from_pretrained(saved):
     _, folder = saved
     model = from_pretrained(folder, remat=True)
     assert model.config == dataclasses.replace(CONFIG, remat=True)
+
+
+def test_save_pretrained_from_a_sharded_model(saved, tmp_path):
+    model, folder = saved
+    sharded = from_pretrained(folder, mesh=make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    save_pretrained(sharded, tmp_path)
+    again = from_pretrained(str(tmp_path))
+    ids = jnp.asarray(np.random.RandomState(2).randint(0, 96, (2, 6)))
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(model(ids)))
