@@ -234,6 +234,8 @@ def test_bfloat16_save_is_bit_exact_in_transformers(tmp_path):
     np.testing.assert_array_equal(q_hf, q_ours.reshape(config.hidden_size, -1).T)
     np.testing.assert_array_equal(reloaded.model.embed_tokens.weight.detach().float().numpy(),
                                   np.asarray(model.embed[...].astype(jnp.float32)))
+    again = from_pretrained(str(tmp_path), dtype=jnp.bfloat16)  # and our reader reads BF16 back bit-exactly
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(model))
 
 
 def test_multimodal_gemma3_config_reads_its_text_config():
