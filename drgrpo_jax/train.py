@@ -247,7 +247,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     state = jax.device_put(state, shardings)
     start_step, position = 0, 0
     if resume:
-        restored = checkpointer.restore_latest(state, shardings)
+        restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding device_put gave it
         state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:
@@ -485,24 +485,21 @@ def train(config: Config) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The CLI: a bad config, path, task or URL exits 2 and a failed run exits 1, each with one line on stderr."""
     config = config_from_argv(argv, prog=PROG)  # exits 2 itself on a bad config
-    from drgrpo_jax.rewards import RewardError
-    from drgrpo_jax.rollout import RolloutError
-
     try:
         train(config)
     except ConfigError as error:
         print(f"{PROG}: config error: {error}", file=sys.stderr)
         return 2
-    except (RolloutError, RewardError, OSError) as error:
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; resume with the same command (train.resume=true)", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - one line here; the whole traceback goes to error.log
         log_path = os.path.join(config.run.output_dir, "error.log")
         with contextlib.suppress(OSError), open(log_path, "w") as f:
             traceback.print_exc(file=f)
         message = " ".join(str(error).split())[:2000]
         print(f"{PROG}: {type(error).__name__}: {message} (traceback in {log_path})", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; resume with the same command (train.resume=true)", file=sys.stderr)
-        return 130
     return 0
 
 
