@@ -145,3 +145,4 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = ShardingRu
 def batch_sharding(mesh: Mesh, ndim: int = 2, rules: ShardingRules = ShardingRules()) -> NamedSharding:
     """Sharding of a [B, ...] batch: batch over the rules' batch axes, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(rules.batch, *([None] * (ndim - 1))))
+

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.models import ModelConfig, Transformer, from_pretrained, init_cache, save_pretrained
+from drgrpo_jax.models import (ModelConfig, Transformer, cache_shardings, from_pretrained, init_cache,
+                               save_pretrained)
 from drgrpo_jax.sharding import (MeshConfig, ShardingRules, batch_sharding, logical_to_spec, make_mesh,
                                  named_sharding, shard_model)
 
@@ -79,8 +80,12 @@ def test_shard_model_and_sharded_decode(saved):
     graphdef, state = nnx.split(sharded)
     ids = jnp.asarray(np.random.RandomState(1).randint(0, 96, (4, 5)))
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))
-    logits, cache = jax.jit(lambda s, x, p, c: nnx.merge(graphdef, s).decode(x, p, c))(
-        state, ids, pos, init_cache(CONFIG, 4, 8))
+    cache = init_cache(CONFIG, 4, 8)
+    cache_sharding = cache_shardings(cache, mesh)
+    assert cache_sharding.k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    cache = jax.device_put(cache, cache_sharding)
+    logits, cache = jax.jit(lambda s, x, p, c: nnx.merge(graphdef, s).decode(x, p, c),
+                            out_shardings=(None, cache_sharding))(state, ids, pos, cache)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(model(ids)), atol=1e-5)
     assert int(cache.length) == 5
 

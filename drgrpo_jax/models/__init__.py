@@ -2,13 +2,14 @@
 
 from drgrpo_jax.models.config import ModelConfig, RopeConfig, from_hf_config, to_hf_config
 from drgrpo_jax.models.hf_io import from_pretrained, save_pretrained
-from drgrpo_jax.models.transformer import KVCache, Transformer, init_cache, param_specs
+from drgrpo_jax.models.transformer import KVCache, Transformer, cache_shardings, init_cache, param_specs
 
 __all__ = [
     "KVCache",
     "ModelConfig",
     "RopeConfig",
     "Transformer",
+    "cache_shardings",
     "from_hf_config",
     "from_pretrained",
     "init_cache",

@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from drgrpo_jax.models.config import ModelConfig
+from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _F32 = jnp.float32
 # Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
@@ -32,6 +34,23 @@ class KVCache:
     v: jax.Array  # [L, B, S, K, H]
     positions_BS: jax.Array  # int32, -1 = empty slot or padding token
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
+
+
+# Logical axes of the cache's fields, for sharding it like the activations (batch) and heads (kv_heads).
+CACHE_AXES = KVCache(k=("layers", "batch", None, "kv_heads", "head_dim"),  # type: ignore[arg-type]
+                     v=("layers", "batch", None, "kv_heads", "head_dim"),  # type: ignore[arg-type]
+                     positions_BS=("batch", None), length=())  # type: ignore[arg-type]
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
+    """NamedShardings for a cache: rows over the batch axes, kv heads over tensor (as the activations)."""
+    return KVCache(
+        k=named_sharding("cache.k", cache.k.shape, CACHE_AXES.k, mesh, rules),
+        v=named_sharding("cache.v", cache.v.shape, CACHE_AXES.v, mesh, rules),
+        positions_BS=named_sharding("cache.positions_BS", cache.positions_BS.shape, CACHE_AXES.positions_BS,
+                                    mesh, rules),
+        length=NamedSharding(mesh, PartitionSpec()),
+    )
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
