@@ -36,21 +36,17 @@ class KVCache:
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
 
 
-# Logical axes of the cache's fields, for sharding it like the activations (batch) and heads (kv_heads).
-CACHE_AXES = KVCache(k=("layers", "batch", None, "kv_heads", "head_dim"),  # type: ignore[arg-type]
-                     v=("layers", "batch", None, "kv_heads", "head_dim"),  # type: ignore[arg-type]
-                     positions_BS=("batch", None), length=())  # type: ignore[arg-type]
+# Logical axes of the cache's arrays: rows follow the activations (batch), heads follow kv_heads.
+_CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
+               "v": ("layers", "batch", None, "kv_heads", "head_dim"),
+               "positions_BS": ("batch", None)}
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
-    """NamedShardings for a cache: rows over the batch axes, kv heads over tensor (as the activations)."""
-    return KVCache(
-        k=named_sharding("cache.k", cache.k.shape, CACHE_AXES.k, mesh, rules),
-        v=named_sharding("cache.v", cache.v.shape, CACHE_AXES.v, mesh, rules),
-        positions_BS=named_sharding("cache.positions_BS", cache.positions_BS.shape, CACHE_AXES.positions_BS,
-                                    mesh, rules),
-        length=NamedSharding(mesh, PartitionSpec()),
-    )
+    """NamedShardings for a cache (a KVCache of shardings, usable as in/out_shardings)."""
+    arrays = {name: named_sharding(f"cache.{name}", getattr(cache, name).shape, axes, mesh, rules)
+              for name, axes in _CACHE_AXES.items()}
+    return KVCache(**arrays, length=NamedSharding(mesh, PartitionSpec()))
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -324,7 +320,8 @@ class Transformer(nnx.Module):
     def decode(self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache).
 
-        Tokens with position -1 (padding) are stored as empty slots and are never visible.
+        Tokens with position -1 (padding) are stored as empty slots and are never visible. The caller sizes the
+        cache: XLA clamps a write past its end onto the last slots.
         """
         T = input_ids_BT.shape[1]
         positions_BT = positions_BT.astype(jnp.int32)
