@@ -1,0 +1,160 @@
+"""The memory and sharding plan: exact against hand arithmetic and against a real allocation on 8 CPU devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from drgrpo_jax import plan
+from drgrpo_jax.config import ConfigError, load_config
+from drgrpo_jax.models import ModelConfig, Transformer
+from drgrpo_jax.models.config import from_hf_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_7B_V5P = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
+GIB = 2**30
+
+
+def _plan(path, model, overrides=(), **kwargs):
+    config, _ = plan._load(path, list(overrides))
+    return plan.make_plan(config, from_hf_config(plan.PRESETS[model]), **kwargs)
+
+
+def test_7b_plan_matches_the_hand_calculation():
+    """Qwen2.5-Math-7B, bf16, fsdp=32: parameters and Adam exact; activations and KV cache within 10%."""
+    V, D, F, L, N, K, H = 152064, 3584, 18944, 28, 28, 4, 128
+    per_layer = 2 * D + D * N * H + N * H + 2 * (D * K * H + K * H) + N * H * D + 3 * D * F
+    count = 2 * V * D + D + L * per_layer  # untied embedding and lm_head, final norm
+    assert count == 7_615_616_512  # the published size of Qwen2.5-7B
+    biases = L * (N * H + 2 * K * H)  # the only tensors without an embed (fsdp) axis: replicated
+    params_device = (count - biases) * 2 // 32 + biases * 2
+    adam_device = 2 * params_device + 2 * 4  # mu and nu in the param dtype, Adam's and the schedule's int32 counts
+
+    result = _plan(CONFIG_7B_V5P, "Qwen2.5-Math-7B", device=plan.device_spec("v5p"), serve_batch_size=32)
+    trainer, service = result["trainer"], result["service"]
+    assert result["model"]["parameters"] == count
+    assert trainer["params"] == params_device
+    assert trainer["optimizer"] == adam_device
+    assert trainer["gradients"] == params_device * 2 + params_device  # float32 accumulator + one bf16 micro gradient
+
+    # 128 prompts x 8 / 8 minibatches = 128 responses per update, 1 micro-batch, 32 devices: b = 4 rows of
+    # S = 1024 + 3000 - 1 tokens; remat keeps each layer's input and recomputes one layer in the backward pass.
+    b, S = 128 // 1 // 32, 1024 + 3000 - 1
+    one_layer = b * (S * (4 * D + (2 * N + 2 * K) * H + 3 * F) * 2 + N * S * S * 4)
+    live_scores_and_masks = b * N * S * S * 4 + 2 * b * S * S
+    assert trainer["rows_per_device"] == b
+    assert trainer["activations"] == pytest.approx(L * b * S * D * 2 + one_layer + live_scores_and_masks, rel=0.1)
+    assert trainer["activations_without_remat"] == pytest.approx(L * one_layer + live_scores_and_masks, rel=0.1)
+    slots = 1024 + 4096 - 1  # the service buckets prompt and budget to powers of two
+    assert service["kv_cache"] == pytest.approx(2 * L * 32 * slots * K * H * 2, rel=0.1)
+    assert service["weights"] == count * 2
+    assert result["fits"] == {"trainer": True, "service": True}
+
+
+@pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
+def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
+    """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
+    from drgrpo_jax.sharding import state_shardings as param_shardings
+    from drgrpo_jax.train_step import init_state, make_optimizer, place, state_shardings
+
+    data, fsdp, tensor = mesh
+    config = load_config(None, [f"model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                                f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
+    tiny = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
+    result = plan.make_plan(config, tiny)
+
+    jax_dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    optimizer, _ = make_optimizer(1e-3, total_steps=10, weight_decay=0.1)
+    _, state = init_state(Transformer(tiny, rngs=nnx.Rngs(0), dtype=jax_dtype), optimizer, jax.random.key(0))
+    jax_mesh = jax.make_mesh(mesh, ("data", "fsdp", "tensor"), devices=jax.devices()[:8])
+    state = place(state, state_shardings(state, param_shardings(state.params, jax_mesh), jax_mesh))
+    device = jax.devices()[0]
+
+    def on_device(tree) -> int:
+        return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
+                   if shard.device == device)
+
+    assert result["trainer"]["params"] == on_device(state.params)
+    assert result["trainer"]["optimizer"] == on_device(state.opt_state)
+    assert result["model"]["parameters"] == sum(x.size for x in jax.tree.leaves(state.params))
+
+
+def test_presets_have_the_published_sizes():
+    sizes = {name: plan.make_plan(load_config(None, ["model.path=x"]), from_hf_config(hf))["model"]["parameters"]
+             for name, hf in plan.PRESETS.items()}
+    assert sizes == {"Qwen2.5-Math-1.5B": 1_543_714_304, "Qwen2.5-Math-7B": 7_615_616_512}
+
+
+def test_advice_names_values_that_make_it_fit():
+    """Without remat the 1.5B trainer overflows a v5e chip; the advised values, applied, fit."""
+    base = os.path.join(REPO, "configs", "qwen2.5_math_1.5b_dr_grpo_v5e8.yaml")
+    v5e = plan.device_spec("tpu-v5e")
+    broken = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=false", "train.micro_batches=2"], device=v5e,
+                   serve_batch_size=64)
+    assert broken["fits"] == {"trainer": False, "service": False}
+    changes = sorted({m for line in broken["advice"] for m in re.findall(r"\b[a-z_]+\.[a-z_]+=[^\s,;:)]+", line)})
+    assert "model.remat=true" in changes and any(c.startswith("train.micro_batches=") for c in changes), broken
+    batch = int(re.search(r"--max-batch-size (\d+)", " ".join(broken["advice"])).group(1))
+    fixed = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=false", "train.micro_batches=2", *changes], device=v5e,
+                  serve_batch_size=batch)
+    assert fixed["fits"] == {"trainer": True, "service": True}
+    assert not _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=false", "train.micro_batches=2", *changes],
+                     device=v5e, serve_batch_size=batch * 2)["fits"]["service"]
+
+
+@pytest.mark.parametrize("name, model, device, rows", [
+    ("qwen2.5_math_1.5b_dr_grpo_v5e8.yaml", "Qwen2.5-Math-1.5B", "v5e", 16),
+    ("qwen2.5_math_7b_dr_grpo_v5p64.yaml", "Qwen2.5-Math-7B", "v5p", 32),
+    ("qwen2.5_math_7b_dr_grpo_8xh100.yaml", "Qwen2.5-Math-7B", "h100", 32),
+])
+def test_config_headers_state_the_planned_memory(name, model, device, rows):
+    path = os.path.join(REPO, "configs", name)
+    header = open(path).read()
+    stated = re.search(r"-> trainer ([\d.]+) GiB.*\n#\s+service ([\d.]+) GiB", header)
+    assert stated, f"{name}: no plan line in the header"
+    assert f"--device {device} --serve-batch-size {rows}" in header
+    result = _plan(path, model, device=plan.device_spec(device), serve_batch_size=rows)
+    assert float(stated.group(1)) == round(result["trainer"]["total"] / GIB, 2)
+    assert float(stated.group(2)) == round(result["service"]["total"] / GIB, 2)
+    assert result["fits"] == {"trainer": True, "service": True}
+    assert "NOT YET MEASURED" in header
+
+
+def test_cli_text_json_and_one_line_errors(capsys, tmp_path):
+    assert plan.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen/Qwen2.5-Math-7B", "--device-memory", "8",
+                      "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["device"]["memory_bytes"] == 8 * GIB and result["fits"]["service"] is False
+    assert {g["name"]: g["spec"] for g in result["param_groups"]}["blocks/q_proj"] == [None, "fsdp", "tensor", None]
+
+    assert plan.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen2.5-Math-7B", "--device", "v5p"]) == 0
+    text = capsys.readouterr().out
+    assert "mesh: data=1 fsdp=32 tensor=1 -> 32 devices" in text and "P(None, fsdp, tensor, None)" in text
+    assert "trainer:" in text and "-> fits" in text
+
+    hf_dir = tmp_path / "model"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(plan.PRESETS["Qwen2.5-Math-1.5B"]))
+    assert plan.main(["--config", CONFIG_7B_V5P, f"model.path={hf_dir}", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["parameters"] == 1_543_714_304
+
+    for argv, key in [(["--device", "tpu-v9"], "--device"), (["mesh.tensor=3", "mesh.fsdp=1", "train.micro_batches=1"],
+                                                              "mesh.tensor"),
+                      (["--model-config", str(tmp_path / "nothing")], "--model-config")]:
+        assert plan.main(["--config", CONFIG_7B_V5P, *([] if key == "--model-config" else
+                                                       ["--model-config", "Qwen2.5-Math-7B"]), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"python -m drgrpo_jax.plan: config error: {key}:") and "\n" not in err, err
+
+
+def test_unknown_model_says_to_pass_model_config():
+    config = load_config(None, ["model.path=/nowhere/SomeModel"])
+    with pytest.raises(ConfigError, match="model.path: .*--model-config"):
+        plan.resolve_model_config(config)
