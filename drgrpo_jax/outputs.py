@@ -118,8 +118,10 @@ class WeightPublisher:
         if jax.process_index() == 0:
             versions = sorted(int(name[1:]) for name in os.listdir(self.root)
                               if name.startswith("v") and name[1:].isdigit())
-            for old in versions[:-self.keep]:
-                shutil.rmtree(os.path.join(self.root, f"v{old}"), ignore_errors=True)
+            older = [v for v in versions if v < version]
+            # Versions above this one were written by a run that died after its last checkpoint: stale.
+            for stale in older[:max(len(older) - self.keep + 1, 0)] + [v for v in versions if v > version]:
+                shutil.rmtree(os.path.join(self.root, f"v{stale}"), ignore_errors=True)
         return path
 
 

@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         log_path = os.path.join(config.run.output_dir, "error.log")
         with contextlib.suppress(OSError), open(log_path, "w") as f:
             traceback.print_exc(file=f)
-        message = " ".join(str(error).split())[:2000]
+        message = (str(error).strip().splitlines() or [""])[0][:500]  # e.g. a service's log tail stays in error.log
         print(f"{PROG}: {type(error).__name__}: {message} (traceback in {log_path})", file=sys.stderr)
         return 1
     return 0

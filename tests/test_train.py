@@ -283,3 +283,21 @@ def test_plot_run_overlays_runs_into_a_png(tmp_path):
     height, width, _ = matplotlib.image.imread(output).shape
     assert (height, width) == (880, 1320)
     assert plot_run.main([str(tmp_path / "nope"), "-o", str(output)]) == 2
+
+
+def test_weight_publisher_keeps_the_newest_versions_and_drops_stale_ones(tmp_path):
+    from flax import nnx
+
+    from drgrpo_jax.models import ModelConfig, Transformer
+    from drgrpo_jax.outputs import WeightPublisher
+
+    config = ModelConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+    publisher = WeightPublisher(str(tmp_path), graphdef, keep=2)
+    for version in range(4):
+        publisher.publish(params, version)
+    assert sorted(os.listdir(tmp_path)) == ["v2", "v3"]
+    publisher.publish(params, 1)  # a resume from step 1 after a run that got to v3: v2 and v3 are stale
+    assert sorted(os.listdir(tmp_path)) == ["v1"]
+    assert os.path.isfile(tmp_path / "v1" / "config.json")
