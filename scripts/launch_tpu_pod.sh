@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Runs the same `python -m drgrpo_jax.train --config ...` on every worker of a Cloud TPU VM slice, one JAX
+# process per worker, after copying this checkout there and installing it; places the generation services.
+#
+#   scripts/launch_tpu_pod.sh --tpu NAME --zone ZONE --config PATH [options] [-- section.key=value ...]
+#
+#   --project P            gcloud project (default: gcloud's)
+#   --num-workers N        workers (hosts) of the slice; --coordinator IP: worker 0's internal IP
+#                          (both default to `gcloud compute tpus tpu-vm describe`; required with --dry-run)
+#   --chips-per-worker C   TPU chips per worker (default 4; 8 on a v5e-8 / v6e-8 host)
+#   Generation services (python -m drgrpo_jax.serve, one chip each; default: the trainer's own child):
+#   --serve-tpu NAME       on a separate slice, --serve-chips per worker of it (IPs: --serve-ips ip,ip or describe)
+#   --serve-chips K        services per service worker; without --serve-tpu: on the last K chips of a ONE-worker
+#                          slice, the trainer keeping the others (TPU_VISIBLE_CHIPS)
+#   --serve-url URL        running services instead (repeatable): SGLang-JAX, vLLM-TPU or drgrpo_jax.serve
+#   --serve-batch-size B   --max-batch-size of started services (see python -m drgrpo_jax.plan)
+#   --serve-port P         first service port (default 30000); --coordinator-port P (default 8476)
+#   --install CMD          install command on every worker (default below); --log-dir DIR (default launch_logs)
+#   --dry-run              print every command instead of running it
+# model.path, data.path and run.output_dir must be paths every worker (and the service slice) sees: a shared
+# disk, Filestore/NFS or a gcsfuse mount; weights are pushed through run.output_dir/weights.
+set -euo pipefail
+
+tpu="" zone="" project="" config="" workers="" coordinator="" chips=4 serve_tpu="" serve_ips="" serve_chips=0
+serve_batch="" serve_port=30000 coord_port=8476 log_dir=launch_logs dry_run=0
+install="python3 -m pip install -q -e ~/drgrpo_jax 'jax[tpu]'"
+serve_urls=() overrides=()
+die() { echo "launch_tpu_pod.sh: $*" >&2; exit 2; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --tpu) tpu="$2"; shift 2 ;;
+    --zone) zone="$2"; shift 2 ;;
+    --project) project="$2"; shift 2 ;;
+    --config) config="$2"; shift 2 ;;
+    --num-workers) workers="$2"; shift 2 ;;
+    --coordinator) coordinator="$2"; shift 2 ;;
+    --chips-per-worker) chips="$2"; shift 2 ;;
+    --serve-tpu) serve_tpu="$2"; shift 2 ;;
+    --serve-ips) serve_ips="$2"; shift 2 ;;
+    --serve-chips) serve_chips="$2"; shift 2 ;;
+    --serve-url) serve_urls+=("$2"); shift 2 ;;
+    --serve-batch-size) serve_batch="$2"; shift 2 ;;
+    --serve-port) serve_port="$2"; shift 2 ;;
+    --coordinator-port) coord_port="$2"; shift 2 ;;
+    --install) install="$2"; shift 2 ;;
+    --log-dir) log_dir="$2"; shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
+    --) shift; overrides=("$@"); break ;;
+    *) die "unknown option $1 (see the header of scripts/launch_tpu_pod.sh)" ;;
+  esac
+done
+[[ -n "$tpu" ]] || die "--tpu: required (the TPU VM slice name)"
+[[ -n "$zone" ]] || die "--zone: required"
+[[ -n "$config" ]] || die "--config: required"
+[[ -f "$config" ]] || die "--config: no such file $config"
+for n in chips serve_chips serve_port coord_port; do
+  [[ "${!n}" =~ ^[0-9]+$ ]] || die "--${n//_/-}: must be a non-negative integer, got '${!n}'"
+done
+[[ -z "$serve_tpu" || $serve_chips -ge 1 ]] || die "--serve-chips: needs at least 1 with --serve-tpu"
+[[ ${#serve_urls[@]} -eq 0 || ( -z "$serve_tpu" && $serve_chips -eq 0 ) ]] || \
+  die "--serve-url: not together with --serve-tpu/--serve-chips"
+
+q() { if [[ "$1" =~ ^[A-Za-z0-9_./:=,@+-]+$ ]]; then printf '%s' "$1"; else printf "'%s'" "${1//\'/\'\\\'\'}"; fi; }
+show() { local out="" a; for a in "$@"; do out+="$(q "$a") "; done; echo "${out% }"; }
+run() { show "$@"; [[ $dry_run -eq 1 ]] || "$@"; }
+scope=(--zone="$zone"); [[ -n "$project" ]] && scope+=(--project="$project")
+
+ips_of() {  # internal IPs of a slice's workers, comma-separated, worker 0 first
+  gcloud compute tpus tpu-vm describe "$1" "${scope[@]}" --format='value(networkEndpoints[].ipAddress)' | tr ';' ','
+}
+if [[ -z "$workers" || ( -z "$coordinator" && "$workers" != 1 ) ]]; then
+  [[ $dry_run -eq 0 ]] || die "--num-workers and --coordinator: required with --dry-run (or omit --dry-run)"
+  IFS=, read -r -a train_ips <<< "$(ips_of "$tpu")"
+  workers="${workers:-${#train_ips[@]}}"; coordinator="${coordinator:-${train_ips[0]}}"
+fi
+[[ "$workers" =~ ^[1-9][0-9]*$ ]] || die "--num-workers: must be a positive integer, got '$workers'"
+train_chips=$chips
+if [[ -z "$serve_tpu" && $serve_chips -gt 0 ]]; then
+  [[ "$workers" == 1 ]] || die "--serve-chips: without --serve-tpu only on a one-worker slice (all chips of a pod train)"
+  train_chips=$((chips - serve_chips))
+  case $train_chips in 1) bounds=1,1,1 ;; 2) bounds=1,2,1 ;; 4) bounds=2,2,1 ;;
+    *) die "--serve-chips: leaves $train_chips trainer chips; 1, 2 or 4 can form a process's chip bounds" ;; esac
+fi
+if [[ -n "$serve_tpu" && -z "$serve_ips" ]]; then
+  [[ $dry_run -eq 0 ]] || die "--serve-ips: required with --serve-tpu and --dry-run"
+  serve_ips="$(ips_of "$serve_tpu")"
+fi
+
+# 1. This checkout and the config onto every worker, then install.
+archive=/tmp/drgrpo_jax-src.tar.gz
+run git -C "$(dirname "$0")/.." archive --format=tar.gz -o "$archive" HEAD
+slices=("$tpu"); [[ -n "$serve_tpu" ]] && slices+=("$serve_tpu")
+for slice in "${slices[@]}"; do
+  run gcloud compute tpus tpu-vm scp "$archive" "$config" "$slice:" --worker=all "${scope[@]}"
+  run gcloud compute tpus tpu-vm ssh "$slice" --worker=all "${scope[@]}" --command="rm -rf ~/drgrpo_jax && mkdir -p \
+~/drgrpo_jax && tar -xzf ~/$(basename "$archive") -C ~/drgrpo_jax && cp ~/$(basename "$config") ~/drgrpo_run.yaml && $install"
+done
+
+# 2. Generation services, one chip each (TPU_VISIBLE_CHIPS), their URLs passed to the trainer.
+model_args=""
+for o in "${overrides[@]}"; do [[ "$o" == model.path=* ]] && model_args=" --model $(q "${o#model.path=}")"; done
+batch_args=""; [[ -n "$serve_batch" ]] && batch_args=" --max-batch-size $serve_batch"
+start_services() {  # start_services SLICE WORKER FIRST_CHIP: the remote command starting --serve-chips services
+  local k cmd=""
+  for ((k = 0; k < serve_chips; k++)); do
+    cmd+="TPU_VISIBLE_CHIPS=$(($3 + k)) TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1 "
+    cmd+="TPU_PROCESS_PORT=$((coord_port + 1 + k)) nohup python3 -m drgrpo_jax.serve --config drgrpo_run.yaml"
+    cmd+="$model_args --host 0.0.0.0 --port $((serve_port + k))$batch_args > serve_$k.log 2>&1 & "
+    cmd+="echo \$! >> drgrpo_serve.pids; "
+  done
+  run gcloud compute tpus tpu-vm ssh "$1" --worker="$2" "${scope[@]}" --command="${cmd%; }"
+}
+stop_slices=()
+if [[ -n "$serve_tpu" ]]; then
+  IFS=, read -r -a ips <<< "$serve_ips"
+  for w in "${!ips[@]}"; do
+    start_services "$serve_tpu" "$w" 0
+    for ((k = 0; k < serve_chips; k++)); do serve_urls+=("http://${ips[$w]}:$((serve_port + k))"); done
+  done
+  stop_slices+=("$serve_tpu")
+elif [[ $serve_chips -gt 0 ]]; then
+  start_services "$tpu" 0 "$train_chips"
+  for ((k = 0; k < serve_chips; k++)); do serve_urls+=("http://127.0.0.1:$((serve_port + k))"); done
+  stop_slices+=("$tpu")
+fi
+stop_services() {
+  for slice in "${stop_slices[@]}"; do
+    run gcloud compute tpus tpu-vm ssh "$slice" --worker=all "${scope[@]}" \
+      --command='kill $(cat drgrpo_serve.pids) 2>/dev/null; rm -f drgrpo_serve.pids' || true
+  done
+}
+[[ ${#stop_slices[@]} -eq 0 ]] || trap stop_services EXIT
+
+# 3. The trainer on every worker, each with its process id; logs stream back into --log-dir.
+wait_urls="" url_args=""
+if [[ ${#serve_urls[@]} -gt 0 ]]; then
+  wait_urls="for u in ${serve_urls[*]}; do until curl -sf \$u/health > /dev/null; do sleep 5; done; done && "
+  url_args=" $(q "rollout.urls=[$(IFS=,; echo "${serve_urls[*]}")]")"
+fi
+chip_env=""
+[[ $train_chips -lt $chips ]] && chip_env="TPU_VISIBLE_CHIPS=$(seq -s, 0 $((train_chips - 1))) \
+TPU_CHIPS_PER_PROCESS_BOUNDS=$bounds TPU_PROCESS_BOUNDS=1,1,1 "
+extra=""; [[ ${#overrides[@]} -gt 0 ]] && extra=" $(show "${overrides[@]}")"
+[[ $dry_run -eq 1 ]] || mkdir -p "$log_dir"
+pids=()
+for ((i = 0; i < workers; i++)); do
+  dist=""; [[ "$workers" -gt 1 ]] && dist=" mesh.coordinator_address=$coordinator:$coord_port \
+mesh.num_processes=$workers mesh.process_id=$i"
+  cmd="${wait_urls}${chip_env}python3 -m drgrpo_jax.train --config drgrpo_run.yaml$dist$url_args$extra"
+  line=(gcloud compute tpus tpu-vm ssh "$tpu" --worker="$i" "${scope[@]}" --command="$cmd")
+  echo "$(show "${line[@]}") > $log_dir/train_$i.log 2>&1 &"
+  if [[ $dry_run -eq 0 ]]; then "${line[@]}" > "$log_dir/train_$i.log" 2>&1 & pids+=($!); fi
+done
+[[ $dry_run -eq 1 ]] && exit 0
+status=0
+for ((n = 0; n < workers; n++)); do
+  if ! wait -n "${pids[@]}"; then
+    status=1
+    echo "launch_tpu_pod.sh: a worker failed; stopping the others (logs in $log_dir)" >&2
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    break
+  fi
+done
+for ((i = 0; i < workers; i++)); do tail -n 3 "$log_dir/train_$i.log" | sed "s/^/[worker $i] /"; done
+exit $status

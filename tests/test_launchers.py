@@ -1,0 +1,204 @@
+"""The launchers: exact dry-run commands (TPU pod, GPU hosts, SLURM) and a real 2-process local run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TPU = os.path.join(REPO, "scripts", "launch_tpu_pod.sh")
+GPU = os.path.join(REPO, "scripts", "launch_gpu.sh")
+WAIT = ("bash -c 'for u in \"$@\"; do for t in $(seq 450); do curl -sf \"$u/health\" > /dev/null && continue 2; "
+        "sleep 2; done; echo \"$u/health: no answer in 900 s\" >&2; exit 1; done' wait")
+
+
+def launch(script: str, *args: str, env=None, timeout=30) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=env)
+
+
+def commands(output: str) -> list[str]:
+    """The printed commands, one per line."""
+    return output.splitlines()
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU pod launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def test_tpu_dry_run_prints_the_exact_gcloud_commands_for_a_4_worker_slice(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {dtype: bfloat16}\n")
+    result = launch(TPU, "--tpu", "pod", "--zone", "us-east5-a", "--project", "proj", "--config", str(config),
+                    "--num-workers", "4", "--coordinator", "10.0.0.2", "--serve-url", "http://10.0.1.5:30000",
+                    "--dry-run", "--", "model.path=/mnt/m", "train.steps=3")
+    assert result.returncode == 0, result.stderr
+    scope = ["--zone=us-east5-a", "--project=proj"]
+    wait = "for u in http://10.0.1.5:30000; do until curl -sf $u/health > /dev/null; do sleep 5; done; done && "
+    expected = [
+        ["git", "-C", os.path.join(REPO, "scripts", ".."), "archive", "--format=tar.gz", "-o",
+         "/tmp/drgrpo_jax-src.tar.gz", "HEAD"],
+        ["gcloud", "compute", "tpus", "tpu-vm", "scp", "/tmp/drgrpo_jax-src.tar.gz", str(config), "pod:",
+         "--worker=all", *scope],
+        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", "--worker=all", *scope,
+         "--command=rm -rf ~/drgrpo_jax && mkdir -p ~/drgrpo_jax && tar -xzf ~/drgrpo_jax-src.tar.gz -C ~/drgrpo_jax "
+         "&& cp ~/run.yaml ~/drgrpo_run.yaml && python3 -m pip install -q -e ~/drgrpo_jax 'jax[tpu]'"],
+    ]
+    for i in range(4):
+        expected.append(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", f"--worker={i}", *scope,
+                         f"--command={wait}python3 -m drgrpo_jax.train --config drgrpo_run.yaml "
+                         f"mesh.coordinator_address=10.0.0.2:8476 mesh.num_processes=4 mesh.process_id={i} "
+                         "'rollout.urls=[http://10.0.1.5:30000]' model.path=/mnt/m train.steps=3",
+                         ">", f"launch_logs/train_{i}.log", "2>&1", "&"])
+    assert [shlex.split(line) for line in result.stdout.splitlines()] == expected
+
+
+def test_tpu_services_on_a_separate_slice_and_on_spare_chips():
+    config = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
+    result = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "8", "--coordinator",
+                    "10.0.0.2", "--serve-tpu", "gen", "--serve-ips", "10.0.1.5,10.0.1.6", "--serve-chips", "2",
+                    "--serve-batch-size", "32", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(line) for line in result.stdout.splitlines()]
+    starts = [line for line in lines if line[5] == "gen" and line[6].startswith("--worker=") and line[6] != "--worker=all"]
+    assert [line[6] for line in starts] == ["--worker=0", "--worker=1"]
+    assert "TPU_VISIBLE_CHIPS=1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1" in starts[0][-1]
+    assert "--host 0.0.0.0 --port 30001 --max-batch-size 32" in starts[0][-1]
+    trainers = [line for line in lines if line[5] == "pod" and line[6] != "--worker=all"]
+    assert len(trainers) == 8 and all("'rollout.urls=[http://10.0.1.5:30000,http://10.0.1.5:30001,"
+                                      "http://10.0.1.6:30000,http://10.0.1.6:30001]'" in " ".join(t) or
+                                      "rollout.urls=[http://10.0.1.5:30000,http://10.0.1.5:30001,http://10.0.1.6:30000,"
+                                      "http://10.0.1.6:30001]" in t[-5] for t in trainers)
+    assert lines[-1][5:7] == ["gen", "--worker=all"] and "kill $(cat drgrpo_serve.pids)" in lines[-1][-1]
+
+    v5e = launch(TPU, "--tpu", "v5e", "--zone", "z", "--config", config, "--num-workers", "1",
+                 "--chips-per-worker", "8", "--serve-chips", "4", "--dry-run")
+    assert v5e.returncode == 0, v5e.stderr
+    train = shlex.split(v5e.stdout.splitlines()[-2])[-5]
+    assert "TPU_VISIBLE_CHIPS=0,1,2,3 TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_PROCESS_BOUNDS=1,1,1 python3" in train
+    pod = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "4", "--coordinator", "ip",
+                 "--serve-chips", "2", "--dry-run")
+    assert pod.returncode == 2 and "--serve-chips: without --serve-tpu only on a one-worker slice" in pod.stderr
+    missing = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--dry-run")
+    assert missing.returncode == 2 and "--num-workers and --coordinator: required with --dry-run" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gpu_hosts_dry_run_sets_coordinator_process_count_and_ids():
+    result = launch(GPU, "--config", "c.yaml", "--hosts", "node1,node2", "--serve-url", "http://gen:30000",
+                    "--dry-run", "--", "model.path=/m", "train.steps=3")
+    assert result.returncode == 0, result.stderr
+    lines = commands(result.stdout)
+    assert shlex.split(lines[0]) == ["ssh", "node1", WAIT + " http://gen:30000"]
+    urls = shlex.quote("rollout.urls=[http://gen:30000]")
+    for i, host in enumerate(["node1", "node2"]):
+        remote = (f"cd . && env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m drgrpo_jax.train --config c.yaml "
+                  f"mesh.coordinator_address=node1:8476 mesh.num_processes=2 mesh.process_id={i} {urls} "
+                  "model.path=/m train.steps=3")
+        assert shlex.split(lines[1 + i]) == ["ssh", host, remote, ">", f"launch_logs/train_{i}.log", "2>&1", "&"]
+    assert len(lines) == 3
+    assert not os.path.exists(os.path.join(REPO, "launch_logs"))  # a dry run writes nothing
+
+
+def test_gpu_single_host_services_take_the_last_gpus():
+    result = launch(GPU, "--config", "c.yaml", "--hosts", "localhost", "--gpus-per-host", "8", "--serve-gpus", "2",
+                    "--serve-batch-size", "32", "--log-dir", "/tmp/l", "--dry-run", "--", "model.path=/m")
+    assert result.returncode == 0, result.stderr
+    lines = commands(result.stdout)
+    for k in range(2):
+        assert shlex.split(lines[k]) == shlex.split(f"env CUDA_VISIBLE_DEVICES={6 + k} python3 -m drgrpo_jax.serve --config c.yaml --model /m "
+                            f"--host 127.0.0.1 --port {30000 + k} --max-batch-size 32 > /tmp/l/serve_{k}.log 2>&1 &")
+    assert shlex.split(lines[-1]) == shlex.split("env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 python3 -m "
+                         "drgrpo_jax.train --config c.yaml 'rollout.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]' "
+                         "model.path=/m > /tmp/l/train_0.log 2>&1 &")
+
+
+def test_gpu_slurm_dry_run_derives_ids_from_srun():
+    result = launch(GPU, "--config", "c.yaml", "--slurm", "--coordinator-port", "9999", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    (line,) = commands(result.stdout)
+    argv = shlex.split(line)
+    assert argv[:4] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--output=launch_logs/train_%t.log"]
+    assert "mesh.coordinator_address=$head:9999 mesh.num_processes=$SLURM_NTASKS mesh.process_id=$SLURM_PROCID" in \
+        argv[8]
+    assert argv[9:] == ["drgrpo", "python3", "-m", "drgrpo_jax.train", "--config", "c.yaml"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hosts", "a"], "--config: required"),
+    (["--config", "c.yaml"], "one of --hosts, --slurm or --local"),
+    (["--config", "c.yaml", "--local", "x"], "--local-procs: must be a non-negative integer, got"),
+    (["--config", "c.yaml", "--hosts", "a", "--serve-gpus", "8"], "--serve-gpus: 8 leaves no GPU"),
+    (["--config", "c.yaml", "--hosts", "a", "--bogus"], "unknown option --bogus"),
+])
+def test_gpu_bad_arguments_fail_in_one_line(args, message):
+    result = launch(GPU, *args, "--dry-run")
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU launcher, local mode: 2 processes on loopback through one generation service
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_run(tmp_path, inputs_dir, processes: int, devices: int) -> list[dict]:
+    """2 steps of the tiny model through the launcher's local mode; the metrics rows."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_train import _overrides
+
+    out = tmp_path / f"run_{processes}"
+    inputs = {"model": str(inputs_dir / "model"), "prompts": str(inputs_dir / "prompts.jsonl")}
+    overrides = [o for o in _overrides(inputs, out, 2) if not o.startswith(("train.eval_every", "mesh.data"))]
+    overrides += ["train.eval_every=0", "mesh.data=2"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, here]), "HF_HUB_OFFLINE": "1"}
+    env.pop("XLA_FLAGS", None)
+    result = launch(GPU, "--config", str(inputs_dir / "base.yaml"), "--local", str(processes), "--local-devices",
+                    str(devices), "--serve-gpus", "1", "--serve-port", str(_free_port()), "--coordinator-port",
+                    str(_free_port()), "--log-dir", str(tmp_path / f"logs_{processes}"), "--python", sys.executable,
+                    "--", *overrides, env=env, timeout=600)
+    logs = "".join(p.read_text()[-3000:] for p in sorted((tmp_path / f"logs_{processes}").glob("*.log")))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:] + logs
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow  # two trainer runs, each starting a service and compiling the step: ~3 minutes on 2 cores
+# train.py's setup places the train state with jax.device_put, which refuses shardings spanning other processes;
+# with a multi-process-safe placement the two runs' metrics were measured identical (see docs/scaling_out.md).
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="train.setup: jax.device_put of a multi-process state")
+def test_local_mode_two_processes_match_one(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_train import write_prompts, write_tiny_model
+
+    write_tiny_model(str(tmp_path / "model"))
+    write_prompts(str(tmp_path / "prompts.jsonl"), 40)
+    (tmp_path / "base.yaml").write_text("model: {dtype: float32}\n")  # serve.py reads model.* from it
+    one = _local_run(tmp_path, tmp_path, processes=1, devices=2)
+    two = _local_run(tmp_path, tmp_path, processes=2, devices=1)
+    assert [row["step"] for row in one] == [row["step"] for row in two] == [1, 2]
+    timing = ("seconds", "per_second")
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys()
+        for key in a:
+            if any(word in key for word in timing) or a[key] is None:
+                assert (a[key] is None) == (b[key] is None), key
+                continue
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
