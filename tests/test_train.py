@@ -205,7 +205,7 @@ def _reproducible(row: dict) -> dict:
     return {k: v for k, v in row.items() if "seconds" not in k and "per_second" not in k}
 
 
-@pytest.mark.slow  # two more trainer runs with their service child processes (~100 s on 2 cores)
+@pytest.mark.slow  # two more trainer runs, each with its service child process (146 s measured on 2 busy cores)
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterrupted):
     reference_dir = uninterrupted[0]
     output_dir = inputs["root"] / "killed"
