@@ -190,6 +190,14 @@ def test_length_bias_toy_grpo_grows_incorrect_answers():
     assert grpo[-1][1] < dr_grpo[-1][1] - 2
 
 
+def test_length_bias_toy_comes_from_the_aggregation():
+    # The notebook's crossing: std scaling with 1/B stays flat, centring with 1/|o_i| still drifts.
+    per_response = toy_run(advantages.dr_grpo, LossConfig("seq_mean_token_mean", budget=BUDGET), steps=60, seed=1)
+    fixed = toy_run(advantages.grpo, LossConfig("fixed_budget", budget=BUDGET), steps=60, seed=1)
+    assert per_response[-1][0] > fixed[-1][0] + 10, (per_response[-1], fixed[-1])
+    assert abs(fixed[-1][0] - fixed[0][0]) < 3
+
+
 # ---------------------------------------------------------------------------------------------
 # difficulty_bias: measured weights of the package's estimators match the analytic curve
 # ---------------------------------------------------------------------------------------------
