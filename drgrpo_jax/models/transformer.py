@@ -2,7 +2,8 @@
 
 Einsum letters:
   B batch, T query length, S key length (cache slots), L layers, D model dim, F MLP dim,
-  N query heads, K key/value heads, G query heads per kv head (N = K * G), H head dim, V vocab.
+  N query heads, K key/value heads, G query heads per kv head (N = K * G), H head dim, V vocab,
+  M flattened tokens (B * T), I and O the input and output features of a projection.
 
 Layers are stored stacked ([L, ...]) and run with `lax.scan`, so a 30-layer model compiles one
 block, and the KV cache is one [L, B, S, K, H] array per key/value.
@@ -124,9 +125,48 @@ class Blocks(nnx.Module):
 # ---------------------------------------------------------------- pure building blocks
 
 
-def _matmul(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """Einsum accumulating in float32 (bf16 with f32 accumulation is fast on CPU), cast back to x's dtype."""
-    return jnp.einsum(spec, x, w, preferred_element_type=_F32).astype(x.dtype)
+def _transposed(x_MI: jax.Array) -> jax.Array:
+    """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own."""
+    return jax.lax.optimization_barrier(x_MI.T)
+
+
+@jax.custom_vjp
+def _dense(x_MI: jax.Array, w_IO: jax.Array) -> jax.Array:
+    """[M, I] @ [I, O] as one plain GEMM accumulating in float32 (bf16 with f32 accumulation is fast on CPU),
+    cast back to x's dtype."""
+    return jnp.dot(x_MI, w_IO, preferred_element_type=_F32).astype(x_MI.dtype)
+
+
+def _dense_fwd(x_MI: jax.Array, w_IO: jax.Array):
+    return _dense(x_MI, w_IO), (x_MI, w_IO)
+
+
+def _dense_bwd(residuals, dy_MO: jax.Array):
+    """The weight gradient transposes the narrower of x and dy (one copy of [M, min(I, O)]).
+
+    Left to itself, XLA's CPU layout assignment transposes the wider operand (the [M, F] MLP activations)
+    inside the layer scan, fused with the residual's dynamic-slice into a strided loop that cost as much
+    as the GEMMs themselves (benchmarks/model_step.py measures the difference).
+    """
+    x_MI, w_IO = residuals
+    dx_MI = jnp.dot(dy_MO, w_IO.T, preferred_element_type=_F32).astype(x_MI.dtype)
+    if x_MI.shape[1] <= dy_MO.shape[1]:
+        dw_IO = jnp.dot(_transposed(x_MI), dy_MO, preferred_element_type=_F32)
+    else:
+        dw_IO = jnp.dot(_transposed(dy_MO), x_MI, preferred_element_type=_F32).T
+    return dx_MI, dw_IO.astype(w_IO.dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def project(x_BTI: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
+    """x [B, T, *in] times w [*in, *out] over the `in_dims` trailing axes of x: [B, T, *out], as a 2-D GEMM."""
+    B, T = x_BTI.shape[:2]
+    in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
+    size_in, size_out = math.prod(in_shape), math.prod(out_shape)
+    y_MO = _dense(x_BTI.reshape(B * T, size_in), w.reshape(size_in, size_out))
+    return y_MO.reshape(B, T, *out_shape)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
@@ -196,9 +236,9 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
         p, sliding, index = layer
         with jax.named_scope("attention"):
             h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
-            q_BTNH = _matmul("btd,dnh->btnh", h_BTD, p["q_proj"])
-            k_BTKH = _matmul("btd,dkh->btkh", h_BTD, p["k_proj"])
-            v_BTKH = _matmul("btd,dkh->btkh", h_BTD, p["v_proj"])
+            q_BTNH = project(h_BTD, p["q_proj"])
+            k_BTKH = project(h_BTD, p["k_proj"])
+            v_BTKH = project(h_BTD, p["v_proj"])
             if config.qkv_bias:
                 q_BTNH, k_BTKH, v_BTKH = (
                     q_BTNH + p["q_bias"][None, None], k_BTKH + p["k_bias"][None, None], v_BTKH + p["v_bias"][None, None])
@@ -218,7 +258,7 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
                 values_BSKH = v_cache[index].astype(q_BTNH.dtype)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
             o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale)
-            a_BTD = _matmul("btnh,nhd->btd", o_BTNH, p["o_proj"])
+            a_BTD = project(o_BTNH, p["o_proj"], in_dims=2)
             if config.o_bias:
                 a_BTD = a_BTD + p["o_bias"][None, None]
             if config.post_norms:
@@ -226,9 +266,9 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
             x_BTD = x_BTD + a_BTD
         with jax.named_scope("mlp"):
             h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
-            gate_BTF = _activation(config.activation, _matmul("btd,df->btf", h_BTD, p["gate_proj"]))
-            up_BTF = _matmul("btd,df->btf", h_BTD, p["up_proj"])
-            m_BTD = _matmul("btf,fd->btd", gate_BTF * up_BTF, p["down_proj"])
+            gate_BTF = _activation(config.activation, project(h_BTD, p["gate_proj"]))
+            up_BTF = project(h_BTD, p["up_proj"])
+            m_BTD = project(gate_BTF * up_BTF, p["down_proj"])
             if config.post_norms:
                 m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
             x_BTD = x_BTD + m_BTD
