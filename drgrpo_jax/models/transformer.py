@@ -132,22 +132,21 @@ def _transposed(x_MI: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _dense(x_MI: jax.Array, w_IO: jax.Array) -> jax.Array:
-    """[M, I] @ [I, O] as one plain GEMM accumulating in float32 (bf16 with f32 accumulation is fast on CPU),
-    cast back to x's dtype."""
+    """[M, I] @ [I, O] as one plain GEMM accumulating in float32, cast back to x's dtype."""
+    # float32 accumulation also makes bf16 fast on CPU (PERF_NOTES: bf16 output is slower than f32).
     return jnp.dot(x_MI, w_IO, preferred_element_type=_F32).astype(x_MI.dtype)
 
 
 def _dense_fwd(x_MI: jax.Array, w_IO: jax.Array):
+    """Output and the residuals the backward needs (the GEMM's inputs)."""
     return _dense(x_MI, w_IO), (x_MI, w_IO)
 
 
 def _dense_bwd(residuals, dy_MO: jax.Array):
-    """The weight gradient transposes the narrower of x and dy (one copy of [M, min(I, O)]).
-
-    Left to itself, XLA's CPU layout assignment transposes the wider operand (the [M, F] MLP activations)
-    inside the layer scan, fused with the residual's dynamic-slice into a strided loop that cost as much
-    as the GEMMs themselves (benchmarks/model_step.py measures the difference).
-    """
+    """(dx, dw), the weight gradient transposing the narrower of x and dy: one copy of [M, min(I, O)]."""
+    # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, F] MLP activations)
+    # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
+    # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
     x_MI, w_IO = residuals
     dx_MI = jnp.dot(dy_MO, w_IO.T, preferred_element_type=_F32).astype(x_MI.dtype)
     if x_MI.shape[1] <= dy_MO.shape[1]:
