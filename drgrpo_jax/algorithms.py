@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from drgrpo_jax import advantages as adv
 from drgrpo_jax.losses import Aggregation
 
-__all__ = ["Algorithm", "ALGORITHMS", "check_algorithm_options", "compute_advantages"]
+__all__ = ["Algorithm", "ALGORITHMS", "check_algorithm_options", "compute_advantages", "group_signal"]
 
 # Why each option can be forbidden; the message a user sees names the option and this reason.
 _REASONS = {
@@ -107,3 +107,26 @@ def compute_advantages(
     if whiten_advantages:
         result = adv.whiten(result, valid, eps=1e-6, axis_name=axis_name)
     return result
+
+
+def group_signal(
+    name: str,
+    rewards: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    weights: jax.Array | Sequence[float] | None = None,
+) -> jax.Array:
+    """bool [P]: groups that carry a learning signal, by the algorithm's own test.
+
+    gdpo: the combined advantage before whitening is not all equal (components that cancel
+    give no signal); the others: the scalar reward [P, G] varies within the group. Dynamic
+    sampling keeps exactly the groups the optimiser would learn from.
+    """
+    algorithm = _get(name)
+    if algorithm.multi_reward:
+        if weights is None:
+            raise ValueError(f"reward.weights: {name} needs one weight per reward component")
+        signal_input = adv.gdpo_combined(rewards, weights, valid)
+    else:
+        signal_input = rewards
+    return ~adv.zero_signal_groups(signal_input, valid)

@@ -16,6 +16,7 @@ import re
 import sys
 from typing import Any, Literal
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -117,6 +118,10 @@ class RolloutConfig:
     top_k: int = _f(0, "sample among the k most likely tokens; 0 = off")
     max_staleness: int = _f(0, "rollouts may come from a policy this many versions old; 0 = strictly on-policy")
     timeout_s: float = _f(600.0, "seconds to wait for one generation request before failing")
+    dynamic_sampling: bool = _f(
+        False, "drop groups with no learning signal and draw more prompts until the batch is full (DAPO's filter)"
+    )
+    max_resample_rounds: int = _f(4, "dynamic sampling: extra rollouts per step at most; a batch still short is padded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +347,7 @@ def _check_ranges(config: Config) -> None:
         ("rollout.max_prompt_tokens", c.rollout.max_prompt_tokens, 1),
         ("rollout.top_k", c.rollout.top_k, 0),
         ("rollout.max_staleness", c.rollout.max_staleness, 0),
+        ("rollout.max_resample_rounds", c.rollout.max_resample_rounds, 0),
         ("algorithm.clip_low", c.algorithm.clip_low, 0.0),
         ("algorithm.kl_coef", c.algorithm.kl_coef, 0.0),
         ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
@@ -465,10 +471,35 @@ def _check_rest(config: Config) -> None:
         )
     for i, weight in enumerate(c.reward.weights):
         _finite(f"reward.weights[{i}]", weight)
+    _check_float32_weights(c)
     if c.mesh.process_id >= c.mesh.num_processes:
         raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
     if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
         raise ConfigError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
+
+
+def _check_float32_weights(config: Config) -> None:
+    """The trainer multiplies in float32: a weight must survive the cast, and GDPO's must stay apart."""
+    weights = config.reward.weights
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the weight
+        cast = np.asarray(weights, np.float64).astype(np.float32) if weights else np.zeros(0, np.float32)
+    for i, (weight, value) in enumerate(zip(weights, cast)):
+        if not np.isfinite(value):
+            raise ConfigError(f"reward.weights[{i}]", f"{weight} overflows float32 (|w| must be < {np.finfo(np.float32).max:.4g})")
+        if weight != 0 and value == 0:
+            raise ConfigError(f"reward.weights[{i}]", f"{weight} underflows to 0 in float32")
+    if config.algorithm.name != "gdpo":
+        return
+    for j in range(len(weights)):
+        for i in range(j):
+            if weights[i] != weights[j] and cast[i] == cast[j]:
+                raise ConfigError(
+                    f"reward.weights[{j}]",
+                    f"{weights[j]} and reward.weights[{i}] = {weights[i]} collapse to one float32 value {float(cast[i])!r}; "
+                    "gdpo would weight the two components the same",
+                )
+    if weights and not np.any(cast):
+        raise ConfigError("reward.weights", "gdpo needs at least one nonzero weight (all are 0: no learning signal)")
 
 
 def validate(config: Config) -> None:
