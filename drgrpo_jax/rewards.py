@@ -53,7 +53,7 @@ class RewardResult:
     names: tuple[str, ...]  # K component names
     weights: tuple[float, ...]  # K weights of the scalar reward
     timeouts_K: np.ndarray  # int [K]: calls killed at the time limit
-    errors_K: np.ndarray  # int [K]: calls that raised, returned a non-number, or killed their worker
+    errors_K: np.ndarray  # int [K]: calls that raised or killed their worker
     error_messages: tuple[str, ...] = ()  # the first few failures, for the log
 
     def total_N(self) -> np.ndarray:
@@ -222,7 +222,8 @@ def _worker_main(fd: int, parent_pid: int) -> None:
         try:
             value = fns[k](completion, example)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"returned {type(value).__name__}, not a number")
+                conn.send(("bad", call_id, f"{type(value).__name__} {value!r:.40}"))
+                continue
             conn.send(("ok", call_id, float(value)))
         except Exception as error:
             conn.send(("error", call_id, f"{type(error).__name__}: {error}"))
@@ -289,6 +290,7 @@ class RewardScorer:
         timeouts_K = np.zeros(num_components, np.int64)
         errors_K = np.zeros(num_components, np.int64)
         messages: list[str] = []
+        non_numbers: list[tuple[int, int, str]] = []  # (response, component, what it returned)
         pending = collections.deque((i, k) for i in range(num) for k in range(num_components))
 
         def fail(i: int, k: int, counter: np.ndarray, why: str) -> None:
@@ -326,6 +328,8 @@ class RewardScorer:
                 i, k = divmod(call_id, num_components)
                 if status == "ok":
                     scores_NK[i, k] = value
+                elif status == "bad":
+                    non_numbers.append((i, k, value))
                 else:
                     fail(i, k, errors_K, value)
                 worker.call = None
@@ -336,6 +340,12 @@ class RewardScorer:
                     self._replace(worker)
                 elif not worker.ready and now - worker.started > self.STARTUP_TIMEOUT_S:
                     raise RewardError(f"a reward worker did not start within {self.STARTUP_TIMEOUT_S:.0f} s")
+        if non_numbers:  # raised only now, with no call in flight, so the pool stays usable
+            i, k, what = non_numbers[0]
+            raise RewardError(
+                f"reward component {self.specs[k].name!r} returned {what}, not a number, for prompt "
+                f"{examples[i].prompt_id} (response {i}); {len(non_numbers)} such value(s) in this batch"
+            )
         self._check_finite(scores_NK, examples)
         return RewardResult(
             scores_NK, self.names, tuple(s.weight for s in self.specs), timeouts_K, errors_K, tuple(messages)

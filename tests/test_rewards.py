@@ -26,6 +26,8 @@ def user_reward(completion: str, example: Example) -> float:
         return float("nan")
     if "STR" in completion:
         return "0.5"  # type: ignore[return-value]
+    if "NONE" in completion:
+        return None  # type: ignore[return-value]  # a missing component
     return 0.5
 
 
@@ -94,13 +96,22 @@ def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
 
 
 def test_crashes_score_zero_and_are_counted(scorer, examples):
-    completions = ["RAISE", "EXIT", "STR", "fine"]
-    result = scorer.score(completions, examples[:4])
-    np.testing.assert_array_equal(result.components_NK[:, 3], [0.0, 0.0, 0.0, 0.5])
-    assert result.errors_K[3] == 3 and result.timeouts_K.sum() == 0
+    completions = ["RAISE", "EXIT", "fine"]
+    result = scorer.score(completions, examples[:3])
+    np.testing.assert_array_equal(result.components_NK[:, 3], [0.0, 0.0, 0.5])
+    assert result.errors_K[3] == 2 and result.timeouts_K.sum() == 0
     joined = " | ".join(result.error_messages)
     assert "RuntimeError: user code failed" in joined and "worker died (exit code 3)" in joined
-    assert "not a number" in joined
+
+
+@pytest.mark.parametrize("completion, what", [("STR", "str '0.5'"), ("NONE", "NoneType None")])
+def test_missing_or_non_numeric_component_stops_with_prompt_and_component(scorer, examples, completion, what):
+    with pytest.raises(RewardError) as info:
+        scorer.score(["fine", completion], examples[:2])
+    message = str(info.value)
+    assert f"'user_reward' returned {what}, not a number, for prompt {examples[1].prompt_id}" in message, message
+    assert "\n" not in message
+    assert scorer.score(["fine"], examples[:1]).components_NK[0, 3] == 0.5  # the pool still serves the next batch
 
 
 def test_nan_reward_stops_with_prompt_and_component(scorer, examples):
