@@ -80,23 +80,48 @@ def left_pad(prompts: list[list[int]], length: int, repeat: int) -> tuple[np.nda
     return ids, np.arange(length)[None, :] >= length - lengths[:, None]
 
 
-def advantages_N(config: Config, names: tuple[str, ...], weights: tuple[float, ...], components_NK: np.ndarray,
-                 num_prompts: int) -> np.ndarray:
-    """float32 [N] advantages of prompt-major responses with the configured estimator."""
+def advantages_N(config: Config, weights: tuple[float, ...], components_NK: np.ndarray,
+                 valid_P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 [N] advantages of prompt-major responses, bool [P] groups with a learning signal).
+
+    gdpo's advantages come back before the batch whitening: each optimizer window whitens
+    its own rows (`window_advantages`), never the concatenation of several windows.
+    Padding groups (valid_P False) get 0 and no signal.
+    """
     import jax.numpy as jnp
 
-    from drgrpo_jax.algorithms import ALGORITHMS, compute_advantages
+    from drgrpo_jax.advantages import gdpo_combined
+    from drgrpo_jax.algorithms import ALGORITHMS, compute_advantages, group_signal
 
-    a = config.algorithm
+    a, num_prompts = config.algorithm, len(valid_P)
     group = components_NK.shape[0] // num_prompts
+    valid = jnp.asarray(np.repeat(valid_P[:, None], group, axis=1))
     if ALGORITHMS[a.name].multi_reward:  # GDPO normalises each component on its own
-        rewards = jnp.asarray(components_NK.reshape(num_prompts, group, len(names)))
-        result = compute_advantages(a.name, rewards, weights=jnp.asarray(weights, jnp.float32))
+        rewards = jnp.asarray(components_NK.reshape(num_prompts, group, -1))
+        result = gdpo_combined(rewards, jnp.asarray(weights, jnp.float32), valid)
     else:
-        total = (components_NK @ np.asarray(weights, np.float32)).reshape(num_prompts, group)
-        result = compute_advantages(a.name, jnp.asarray(total), scale_rewards=a.scale_rewards,
+        rewards = jnp.asarray((components_NK @ np.asarray(weights, np.float32)).reshape(num_prompts, group))
+        result = compute_advantages(a.name, rewards, valid, scale_rewards=a.scale_rewards,
                                     whiten_advantages=a.whiten_advantages)
-    return np.asarray(result, np.float32).reshape(-1)
+    signal = group_signal(a.name, rewards, valid, weights=jnp.asarray(weights, jnp.float32))
+    return np.asarray(result, np.float32).reshape(-1), np.asarray(signal, bool)
+
+
+def window_advantages(advantages_N: np.ndarray, row_valid_N: np.ndarray,
+                      signal_N: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """GDPO's batch whitening of one optimizer window: (advantages, mean, std) over its valid rows.
+
+    Every process holds the whole window, so the statistics are the same on every shard
+    without a collective. Rows of groups with no signal stay exactly 0 (see advantages.gdpo).
+    """
+    import jax.numpy as jnp
+
+    from drgrpo_jax.advantages import whiten, whiten_stats
+
+    x, valid = jnp.asarray(advantages_N)[None, :], jnp.asarray(row_valid_N)[None, :]
+    mean, std = whiten_stats(x, valid)
+    whitened = np.asarray(whiten(x, valid, eps=1e-4), np.float32)[0]
+    return np.where(signal_N & row_valid_N, whitened, 0.0).astype(np.float32), float(mean), float(std)
 
 
 def _mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -293,35 +318,51 @@ def _stop_ids(run: Run) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
-def _sample(run: Run, step: int, prompts: list[list[int]], examples: tuple[Example, ...]) -> tuple[dict, Any]:
-    """Process 0 samples and scores; every process gets the arrays. Returns (arrays, process 0's extras)."""
+def _sample(run: Run, step: int, prompts: list[list[int]], examples: tuple[Example, ...],
+            seed: int) -> tuple[dict, Any]:
+    """Process 0 samples and scores; every process gets the arrays. Returns (arrays, process 0's extras).
+
+    A reward that stops the run (NaN/inf, a non-number) is raised on every process together:
+    process 0 shares a failure flag first, so no other host waits in a collective forever.
+    """
     import jax
+
+    from drgrpo_jax.rewards import RewardError
 
     c, r = run.config, run.config.rollout
     num, budget, k = len(prompts) * r.group_size, r.max_new_tokens, len(c.reward.functions)
     arrays = {"output_ids": np.zeros((num, budget), np.int32), "logprobs": np.zeros((num, budget), np.float32),
               "mask": np.zeros((num, budget), bool), "lengths": np.zeros(num, np.int32),
               "truncated": np.zeros(num, bool), "versions": np.zeros(num, np.int64),
-              "components": np.zeros((num, k), np.float32), "seconds": np.zeros(2, np.float64)}
-    extras = None
+              "components": np.zeros((num, k), np.float32), "seconds": np.zeros(2, np.float64),
+              "reward_failed": np.zeros(1, bool)}
+    extras, failure = None, None
     if jax.process_index() == 0:
         start = time.perf_counter()
         rollout = run.client.generate(prompts, r.group_size, max_new_tokens=budget, temperature=r.temperature,
                                       top_p=r.top_p, top_k=r.top_k, stop_token_ids=_stop_ids(run),
-                                      seed=step_seed(c.run.seed, step, 0), expected_version=step,
+                                      seed=seed, expected_version=step,
                                       max_staleness=r.max_staleness)
         rollout_seconds = time.perf_counter() - start
         texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
                                            skip_special_tokens=True)
         start = time.perf_counter()
-        result = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)])
-        arrays.update(output_ids=rollout.output_ids, logprobs=rollout.logprobs, mask=rollout.mask,
-                      lengths=rollout.lengths, truncated=rollout.truncated,
-                      versions=np.asarray([int(v) for v in rollout.weight_versions], np.int64),
-                      components=result.components_NK,
-                      seconds=np.asarray([rollout_seconds, time.perf_counter() - start]))
-        extras = (texts, result)
-    return share(arrays), extras
+        try:
+            result = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)])
+        except RewardError as error:
+            failure = error
+            arrays["reward_failed"][0] = True
+        else:
+            arrays.update(output_ids=rollout.output_ids, logprobs=rollout.logprobs, mask=rollout.mask,
+                          lengths=rollout.lengths, truncated=rollout.truncated,
+                          versions=np.asarray([int(v) for v in rollout.weight_versions], np.int64),
+                          components=result.components_NK,
+                          seconds=np.asarray([rollout_seconds, time.perf_counter() - start]))
+            extras = (texts, result)
+    arrays = share(arrays)
+    if arrays["reward_failed"][0]:
+        raise failure or RewardError("a reward stopped the run on process 0 (see its log)")
+    return arrays, extras
 
 
 def _global_batch(arrays: dict[str, np.ndarray], mesh: Any) -> Any:
@@ -337,23 +378,33 @@ def _global_batch(arrays: dict[str, np.ndarray], mesh: Any) -> Any:
                     for name, value in arrays.items()})
 
 
-def _update(run: Run, step: int, batch: dict[str, np.ndarray]) -> list[dict[str, float]]:
-    """Old log-probs, then ppo_epochs x minibatches_per_rollout updates; returns each update's metrics."""
+def _update(run: Run, step: int, batch: dict[str, np.ndarray],
+            signal_N: np.ndarray) -> tuple[list[dict[str, float]], list[tuple[float, float]]]:
+    """Old log-probs, then ppo_epochs x minibatches_per_rollout updates: (each update's metrics, whitening stats).
+
+    For gdpo each minibatch (one optimizer window) is whitened on its own rows.
+    """
     import jax
+
+    from drgrpo_jax.algorithms import ALGORITHMS
 
     a = run.config.algorithm
     batch["old_logprobs"] = host_array(run.logprob_fn(run.state.params, _global_batch(batch, run.mesh)))
     num = batch["row_valid"].shape[0]
     size = num // a.minibatches_per_rollout
-    history = []
+    history, whitening = [], []
     for epoch in range(a.ppo_epochs):
         order = np.random.default_rng(step_seed(run.config.run.seed, step, 1 + epoch)).permutation(num)
         for m in range(a.minibatches_per_rollout):
             rows = order[m * size:(m + 1) * size]
-            window = _global_batch({k: v[rows] for k, v in batch.items()}, run.mesh)
-            run.state, metrics = run.train_fn(run.state, window)
+            window = {k: v[rows] for k, v in batch.items()}
+            if ALGORITHMS[a.name].multi_reward:
+                window["advantages"], mean, std = window_advantages(window["advantages"], window["row_valid"],
+                                                                    signal_N[rows])
+                whitening.append((mean, std))
+            run.state, metrics = run.train_fn(run.state, _global_batch(window, run.mesh))
             history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return history
+    return history, whitening
 
 
 def _sample_rows(run: Run, step: int, examples, texts, result, arrays) -> list[dict[str, Any]]:
@@ -368,23 +419,87 @@ def _sample_rows(run: Run, step: int, examples, texts, result, arrays) -> list[d
     return rows
 
 
+_RESAMPLE_PURPOSE = 1000  # step_seed purposes 1000 + r: dynamic sampling's extra rollouts (1 + epoch: minibatch order)
+_NOT_PER_ROW = ("seconds", "reward_failed")  # _sample arrays that are not one entry per response
+
+
+def _reward_weights(config: Config) -> tuple[float, ...]:
+    return tuple(config.reward.weights) or (1.0,) * len(config.reward.functions)
+
+
+def _select_groups(rounds: list[tuple], chosen: list[int], group: int) -> tuple[tuple, list, dict, Any]:
+    """The chosen groups (indices over every round, in order) as one rollout: (examples, prompts, arrays, extras)."""
+    from drgrpo_jax.rewards import RewardResult
+
+    rows = (np.asarray(chosen, np.int64)[:, None] * group + np.arange(group)).reshape(-1)
+    examples = tuple(e for rd in rounds for e in rd[0])
+    prompts = [p for rd in rounds for p in rd[1]]
+    arrays = {k: np.concatenate([rd[2][k] for rd in rounds])[rows] for k in rounds[0][2] if k not in _NOT_PER_ROW}
+    arrays["seconds"] = np.sum([rd[2]["seconds"] for rd in rounds], axis=0)
+    extras = None
+    if rounds[0][3] is not None:  # process 0: texts and reward results of every round
+        results = [rd[3][1] for rd in rounds]
+        texts = [t for rd in rounds for t in rd[3][0]]
+        first = results[0]
+        merged = RewardResult(np.concatenate([res.components_NK for res in results])[rows], first.names, first.weights,
+                              np.sum([res.timeouts_K for res in results], axis=0),
+                              np.sum([res.errors_K for res in results], axis=0),
+                              tuple(m for res in results for m in res.error_messages)[:5])
+        extras = ([texts[i] for i in rows], merged)
+    return tuple(examples[g] for g in chosen), [prompts[g] for g in chosen], arrays, extras
+
+
+def _rollout(run: Run, step: int) -> tuple[tuple, list, dict, Any, np.ndarray, dict[str, Any]]:
+    """The step's P groups: (examples, prompt ids, arrays, extras, valid_P, sampling metrics).
+
+    With rollout.dynamic_sampling, groups without a learning signal (the algorithm's own test,
+    `algorithms.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
+    of P prompts are drawn until P groups have one; a batch still short is filled with dropped
+    groups marked as padding (row_valid False: no loss, no whitening statistics), so the step
+    keeps its static shapes. Every process takes the same decisions from the shared rewards.
+    """
+    c, r = run.config, run.config.rollout
+    rounds: list[tuple] = []
+    with_signal = 0
+    while True:
+        examples = next(run.stream)
+        prompts = _prompt_ids(run, examples)
+        seed = step_seed(c.run.seed, step, _RESAMPLE_PURPOSE + len(rounds) if rounds else 0)
+        arrays, extras = _sample(run, step, prompts, examples, seed)
+        _, signal_P = advantages_N(c, _reward_weights(c), arrays["components"], np.ones(len(prompts), bool))
+        rounds.append((examples, prompts, arrays, extras, signal_P))
+        with_signal += int(signal_P.sum())
+        if not r.dynamic_sampling or with_signal >= r.prompts_per_step or len(rounds) > r.max_resample_rounds:
+            break
+    signal_all = np.concatenate([rd[4] for rd in rounds])
+    metrics: dict[str, Any] = {"zero_signal_fraction": float(1.0 - signal_all.mean())}
+    if not r.dynamic_sampling:
+        return examples, prompts, arrays, extras, np.ones(len(prompts), bool), metrics
+    keep = np.flatnonzero(signal_all)[:r.prompts_per_step].tolist()
+    fill = np.flatnonzero(~signal_all)[:r.prompts_per_step - len(keep)].tolist()
+    metrics.update({"sampling_rounds": len(rounds), "groups_drawn": len(signal_all),
+                    "groups_dropped": int((~signal_all).sum()), "groups_padded": len(fill),
+                    "groups_surplus": int(signal_all.sum()) - len(keep)})
+    valid_P = np.asarray([True] * len(keep) + [False] * len(fill))
+    return (*_select_groups(rounds, keep + fill, r.group_size), valid_P, metrics)
+
+
 def train_one_step(run: Run, step: int) -> dict[str, Any]:
     """Rollout, rewards, advantages, updates and the weight push of step `step` (0-based); its metrics row."""
     c = run.config
     started = time.perf_counter()
-    examples = next(run.stream)
-    prompts = _prompt_ids(run, examples)
-    arrays, extras = _sample(run, step, prompts, examples)
+    examples, prompts, arrays, extras, valid_P, sampling = _rollout(run, step)
     names = tuple(n.rpartition(":")[2] for n in c.reward.functions)
-    weights = tuple(c.reward.weights) or (1.0,) * len(names)
-    advantages = advantages_N(c, names, weights, arrays["components"], len(prompts))
+    weights = _reward_weights(c)
+    advantages, signal_P = advantages_N(c, weights, arrays["components"], valid_P)
+    valid = np.repeat(valid_P, c.rollout.group_size)
     prompt_ids, prompt_mask = left_pad(prompts, c.rollout.max_prompt_tokens, c.rollout.group_size)
     batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": arrays["output_ids"],
              "response_mask": arrays["mask"], "advantages": advantages,
              "old_logprobs": np.zeros_like(arrays["logprobs"]), "behaviour_logprobs": arrays["logprobs"],
-             "row_valid": np.ones(len(advantages), bool)}
+             "row_valid": valid}
     train_start = time.perf_counter()
-    history = _update(run, step, batch)
+    history, whitening = _update(run, step, batch, np.repeat(signal_P, c.rollout.group_size))
     train_seconds = time.perf_counter() - train_start
     push_start = time.perf_counter()
     path = run.publisher.publish(run.state.params, step + 1)
@@ -393,14 +508,16 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     push_seconds = time.perf_counter() - push_start
     step_seconds = time.perf_counter() - started
 
-    correct = correct_mask(names, arrays["components"])
+    components = arrays["components"][valid]  # the trained responses (padding groups left out)
+    correct = correct_mask(names, components)
     generated = int(arrays["lengths"].sum())
-    trained = int(prompt_mask.sum() + arrays["mask"].sum()) * c.algorithm.ppo_epochs
-    total = arrays["components"] @ np.asarray(weights, np.float32)
+    trained = int(prompt_mask[valid].sum() + arrays["mask"][valid].sum()) * c.algorithm.ppo_epochs
+    total = components @ np.asarray(weights, np.float32)
     row: dict[str, Any] = {"step": step + 1, **_mean_metrics(history), "grad_norm_max": max(h["grad_norm"] for h in history),
                            "reward_mean": float(total.mean()), "reward_std": float(total.std()),
-                           **response_stats(arrays["lengths"], arrays["truncated"], correct),
-                           "advantage_abs_mean": float(np.abs(advantages).mean()),
+                           **response_stats(arrays["lengths"][valid], arrays["truncated"][valid], correct),
+                           "advantage_abs_mean": float(np.abs(advantages[valid]).mean()),
+                           **sampling,
                            "weight_version": int(arrays["versions"].min()),
                            "staleness": int(step - arrays["versions"].min()),
                            "data_position": run.stream.state(),
@@ -409,8 +526,11 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
                            "train_tokens_per_second": trained / train_seconds,
                            "rollout_seconds": float(arrays["seconds"][0]), "reward_seconds": float(arrays["seconds"][1]),
                            "train_seconds": train_seconds, "push_seconds": push_seconds, "step_seconds": step_seconds}
+    if whitening:  # gdpo: the batch whitening statistics, averaged over the step's windows
+        row["whiten_mean"] = float(np.mean([m for m, _ in whitening]))
+        row["whiten_std"] = float(np.mean([sd for _, sd in whitening]))
     for k, name in enumerate(names):
-        row[f"reward/{name}"] = float(arrays["components"][:, k].mean())
+        row[f"reward/{name}"] = float(components[:, k].mean())
     if extras is not None:
         texts, result = extras
         row.update({k: v for k, v in result.metrics().items() if k not in row})

@@ -178,3 +178,56 @@ def test_equal_weights_are_fine_and_other_algorithms_may_repeat_a_float32_value(
     assert load_config(None, other).algorithm.name == "dr_grpo"
     with pytest.raises(ConfigError, match="reward.weights\\[0\\]: 1e\\+39 overflows"):
         load_config(None, other[:2] + ["reward.weights=[1e39,1.0]"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer end to end with gdpo and dynamic sampling (tiny random model, real service child)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
+    import json
+    import os
+
+    from test_train import _overrides, _start, write_prompts, write_tiny_model
+
+    inputs = {"model": write_tiny_model(str(tmp_path / "model")), "prompts": write_prompts(str(tmp_path / "p.jsonl"), 40)}
+    output_dir = tmp_path / "gdpo"
+    overrides = _overrides(inputs, output_dir, steps=2) + [
+        "algorithm.name=gdpo", "reward.weights=[1.0,0.5]", "train.eval_every=0", "rollout.dynamic_sampling=true",
+        "rollout.max_resample_rounds=2"]
+    process = _start(overrides)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        keys = ["loss", "grad_norm", "whiten_mean", "whiten_std", "zero_signal_fraction", "reward/has_letter_a",
+                "reward/format"]
+        assert all(np.isfinite(row[k]) for k in keys), row
+        assert 1 <= row["sampling_rounds"] <= 3 and row["groups_drawn"] == 4 * row["sampling_rounds"]
+        assert row["groups_padded"] == max(0, 4 - (row["groups_drawn"] - row["groups_dropped"]))
+        assert row["zero_signal_fraction"] == row["groups_dropped"] / row["groups_drawn"]
+        assert abs(row["whiten_mean"]) < 1e-5  # every group's z-scores sum to 0, so the batch mean is 0
+    assert sum(r["groups_dropped"] for r in rows) > 0 and max(r["sampling_rounds"] for r in rows) > 1  # it resampled
+
+
+def test_dynamic_sampling_selects_groups_across_rounds_and_merges_rewards():
+    from drgrpo_jax.rewards import RewardResult
+    from drgrpo_jax.train import _select_groups
+
+    def round_(offset):  # two prompts x two samples; row values say where they came from
+        arrays = {"lengths": np.arange(4) + offset, "components": np.arange(4, dtype=np.float32)[:, None] + offset,
+                  "seconds": np.array([1.0, 2.0]), "reward_failed": np.zeros(1, bool)}
+        result = RewardResult(arrays["components"], ("r",), (1.0,), np.array([1]), np.array([0]), ("m",))
+        return ((f"e{offset}", f"e{offset + 1}"), [[offset], [offset + 1]], arrays,
+                ([f"t{offset + i}" for i in range(4)], result), np.array([True, False]))
+
+    examples, prompts, arrays, extras = _select_groups([round_(0), round_(10)], [2, 1], group=2)
+    assert examples == ("e10", "e1") and prompts == [[10], [1]]
+    np.testing.assert_array_equal(arrays["lengths"], [10, 11, 2, 3])
+    np.testing.assert_array_equal(arrays["seconds"], [2.0, 4.0])
+    texts, result = extras
+    assert texts == ["t10", "t11", "t2", "t3"] and result.timeouts_K.tolist() == [2]
+    np.testing.assert_array_equal(result.components_NK[:, 0], [10, 11, 2, 3])
