@@ -290,9 +290,20 @@ def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.Stat
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """Puts host-identical values on global shardings; works across processes (unlike device_put)."""
+    """Puts a tree on global shardings, in one process or many (where device_put cannot).
+
+    Arrays already spanning several processes (e.g. loaded straight onto the mesh) must carry
+    the asked sharding and are kept; other jax arrays move with device_put in one process; host
+    values identical on every process become global arrays shard by shard.
+    """
 
     def one(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.sharding.is_equivalent_to(sharding, x.ndim):
+                raise ValueError(f"place: a multi-process array has sharding {x.sharding}, expected {sharding}")
+            return x
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
         host = np.asarray(jax.device_get(x))
