@@ -231,3 +231,15 @@ def test_dynamic_sampling_selects_groups_across_rounds_and_merges_rewards():
     texts, result = extras
     assert texts == ["t10", "t11", "t2", "t3"] and result.timeouts_K.tolist() == [2]
     np.testing.assert_array_equal(result.components_NK[:, 0], [10, 11, 2, 3])
+
+
+def test_group_signal_asks_each_algorithm_its_own_question():
+    rewards = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.5, 0.5]], np.float32)
+    valid = np.array([[True, True, True], [False, True, True], [True, True, False]])
+    for name in ("dr_grpo", "grpo", "dapo", "rloo"):  # the scalar reward varies among the valid slots
+        np.testing.assert_array_equal(group_signal(name, rewards, valid), [False, False, False])
+        np.testing.assert_array_equal(group_signal(name, rewards), [False, True, False])
+    # gdpo: two components that each vary but cancel give no signal; the combined advantage decides.
+    components = np.stack([rewards, 1.0 - rewards], -1)
+    np.testing.assert_array_equal(group_signal("gdpo", components, weights=[1.0, 1.0]), [False, False, False])
+    np.testing.assert_array_equal(group_signal("gdpo", components, weights=[1.0, 0.5]), [False, True, False])
