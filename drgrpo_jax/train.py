@@ -238,7 +238,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     from drgrpo_jax.rewards import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.sharding import state_shardings as param_shardings_of
-    from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, make_optimizer, state_shardings
+    from drgrpo_jax.train_step import (init_state, jit_policy_logprobs, jit_train_step, make_optimizer, place,
+                                       state_shardings)
 
     c, main_process = config, jax.process_index() == 0
     check_paths(c)
@@ -269,10 +270,10 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     del model
     params_shardings = param_shardings_of(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
-    state = jax.device_put(state, shardings)
+    state = place(state, shardings)  # works across processes, where device_put cannot
     start_step, position = 0, 0
     if resume:
-        restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding device_put gave it
+        restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding place gave it
         state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:

@@ -181,9 +181,6 @@ def _local_run(tmp_path, inputs_dir, processes: int, devices: int) -> list[dict]
 
 
 @pytest.mark.slow  # two trainer runs, each starting a service and compiling the step: ~3 minutes on 2 cores
-# train.py's setup places the train state with jax.device_put, which refuses shardings spanning other processes;
-# with a multi-process-safe placement the two runs' metrics were measured identical (see docs/scaling_out.md).
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="train.setup: jax.device_put of a multi-process state")
 def test_local_mode_two_processes_match_one(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from test_train import write_prompts, write_tiny_model
