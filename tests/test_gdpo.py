@@ -185,6 +185,7 @@ def test_equal_weights_are_fine_and_other_algorithms_may_repeat_a_float32_value(
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a trainer run with its service child process: 47 s measured on 2 busy cores
 def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
     import json
     import os
