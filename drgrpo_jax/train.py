@@ -135,7 +135,7 @@ def _mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
-    """The HF tokenizer of an HF folder, of a .gguf file (transformers' gguf_file=), or of tokenizer_path."""
+    """The HF tokenizer of an HF folder, of a .gguf file (read without torch), or of tokenizer_path."""
     from transformers import AutoTokenizer
 
     key = "model.tokenizer_path" if tokenizer_path else "model.path"
@@ -143,7 +143,9 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
         if tokenizer_path:
             return AutoTokenizer.from_pretrained(tokenizer_path)
         if model_path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+            from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(model_path)
         return AutoTokenizer.from_pretrained(model_path)
     except Exception as error:  # OSError, ValueError, missing files: the message names the key
         raise ConfigError(key, f"cannot load a tokenizer: {type(error).__name__}: {error}") from None

@@ -149,3 +149,21 @@ def test_real_gguf_matches_transformers(which):
     # 18-30 float32 layers summed in another order: ~1e-4 on logits of magnitude ~25.
     np.testing.assert_allclose(logits, ref_logits, atol=1e-3, rtol=0)
     assert _greedy(ours, ids, 8) == ref_tokens.tolist()
+
+
+def test_gguf_tokenizer_without_torch_matches_transformers():
+    """The trainer's torch-free GGUF tokenizer equals transformers' gguf_file= one (ids and chat template)."""
+    from transformers import AutoTokenizer
+
+    from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
+
+    path = _smollm2_path()
+    ours = load_gguf_tokenizer(path)
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    messages = [{"role": "user", "content": "What is 2 + 3? Put your answer in \\boxed{}."}]
+    chat = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for text in (chat, "hello world  12+7=19 \\boxed{19}", " leading space"):
+        assert ours(text)["input_ids"] == reference(text)["input_ids"]
+        assert ours(text, add_special_tokens=False)["input_ids"] == reference(text, add_special_tokens=False)["input_ids"]
+    assert ours.eos_token == reference.eos_token

@@ -143,3 +143,29 @@ def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: 
         config = dataclasses.replace(config, remat=True)
     index = GGUFIndex(reader, config.num_heads, config.num_kv_heads)
     return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The HF fast tokenizer (with chat template) a GGUF file describes, read without torch.
+
+    transformers' `gguf_file=` path reads the metadata through a module that imports torch; the
+    trainer must not need torch, so the metadata comes from the `gguf` package and only the
+    conversion is transformers'.
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    reader = gguf.GGUFReader(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items()
+                if key.startswith("tokenizer.") or key == "general.architecture"}
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece files
+    for name, key in mapping._SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = mapping.convert_gguf_tokenizer(metadata["general.architecture"], tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
