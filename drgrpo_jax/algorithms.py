@@ -11,7 +11,6 @@ import types
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from drgrpo_jax import advantages as adv
 from drgrpo_jax.losses import Aggregation

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from drgrpo_jax.train import correct_mask, left_pad, response_stats, step_seed
+from drgrpo_jax.rollout_batch import correct_mask, left_pad, response_stats, step_seed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()"
