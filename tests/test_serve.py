@@ -17,10 +17,9 @@ EOS = 2
 
 def write_tiny_llama(path: str, seed: int, hidden_size: int = 32) -> str:
     """A random 2-layer Llama (transformers, saved offline) with a character-level tokenizer."""
-    import tokenizers
     import torch
     import transformers
-    from tokenizers import decoders, models, pre_tokenizers
+    from char_tokenizer import save_char_tokenizer
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
@@ -28,14 +27,7 @@ def write_tiny_llama(path: str, seed: int, hidden_size: int = 32) -> str:
         num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS,
         tie_word_embeddings=False, initializer_range=0.5)  # large init: peaked, seed-dependent continuations
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for char in "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()ABCDEFGHIJKLMNOPQRSTU"[:VOCAB - 3]:
-        vocab[char] = len(vocab)
-    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(path)
+    save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()ABCDEFGHIJKLMNOPQRSTU"[:VOCAB - 3])
     return path
 
 

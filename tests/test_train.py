@@ -20,23 +20,17 @@ VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()"
 
 def write_tiny_model(path: str, seed: int = 0) -> str:
     """A random 2-layer Llama saved by transformers with a character-level tokenizer (offline)."""
-    import tokenizers
     import torch
     import transformers
-    from tokenizers import decoders, models, pre_tokenizers
+    from char_tokenizer import save_char_tokenizer
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(VOCAB_CHARS)}}
+    vocab = save_char_tokenizer(path, VOCAB_CHARS)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False, initializer_range=0.3)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(path)
     return path
 
 
