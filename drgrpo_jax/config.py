@@ -35,6 +35,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "check_paths",
+    "component_names",
     "config_from_argv",
     "describe_config",
     "dump_config",
@@ -145,12 +146,16 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-    """Reward components; each function is one named component."""
+    """Reward components: each function is one named component, or returns a dict of named ones."""
 
     functions: tuple[str, ...] = _f(
         ("math_verify",), "built-ins (math_verify, format, task) or 'package.module:function' import paths"
     )
-    weights: tuple[float, ...] = _f((), "one weight per function for the scalar reward (empty = all 1.0)")
+    components: tuple[str, ...] = _f(
+        (), "component names: a function's name (it returns a number) or a key of the dict a function "
+            "returns (empty = one component per function, named after it)"
+    )
+    weights: tuple[float, ...] = _f((), "one weight per component for the scalar reward (empty = all 1.0)")
     answer_format: Literal["boxed", "answer_tags"] = _f(
         "boxed", "where the final answer sits: \\boxed{...} or <answer>...</answer>"
     )
@@ -465,10 +470,12 @@ def _check_rest(config: Config) -> None:
             raise ConfigError(f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym")
     if len(set(c.reward.functions)) != len(c.reward.functions):
         raise ConfigError("reward.functions", f"lists a function twice: {list(c.reward.functions)}")
-    if c.reward.weights and len(c.reward.weights) != len(c.reward.functions):
-        raise ConfigError(
-            "reward.weights", f"has {len(c.reward.weights)} entries for {len(c.reward.functions)} reward.functions"
-        )
+    if len(set(c.reward.components)) != len(c.reward.components):
+        raise ConfigError("reward.components", f"lists a component twice: {list(c.reward.components)}")
+    names = component_names(c.reward)
+    if c.reward.weights and len(c.reward.weights) != len(names):
+        what = "reward.components" if c.reward.components else "reward.functions"
+        raise ConfigError("reward.weights", f"has {len(c.reward.weights)} entries for {len(names)} {what}")
     for i, weight in enumerate(c.reward.weights):
         _finite(f"reward.weights[{i}]", weight)
     _check_float32_weights(c)
@@ -476,6 +483,16 @@ def _check_rest(config: Config) -> None:
         raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
     if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
         raise ConfigError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
+
+
+def function_name(target: str) -> str:
+    """A reward function's component name: the built-in's name or the import path's function name."""
+    return target.rpartition(":")[2]
+
+
+def component_names(reward: RewardConfig) -> tuple[str, ...]:
+    """The K reward components, in order: reward.components, else one per function."""
+    return tuple(reward.components) or tuple(function_name(t) for t in reward.functions)
 
 
 def _check_float32_weights(config: Config) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import Config, ConfigError, check_paths, config_from_argv, dump_config, resolve_model_path
+from drgrpo_jax.config import (Config, ConfigError, check_paths, component_names, config_from_argv, dump_config,
+                               resolve_model_path)
 from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
 from drgrpo_jax.outputs import RunLog, WeightPublisher, host_array, share
 from drgrpo_jax.rollout_batch import advantages_N, correct_mask, left_pad, response_stats, step_seed, window_advantages
@@ -251,7 +252,7 @@ def _sample(run: Run, step: int, prompts: list[list[int]], examples: tuple[Examp
     from drgrpo_jax.rewards import RewardError
 
     c, r = run.config, run.config.rollout
-    num, budget, k = len(prompts) * r.group_size, r.max_new_tokens, len(c.reward.functions)
+    num, budget, k = len(prompts) * r.group_size, r.max_new_tokens, len(component_names(c.reward))
     arrays = {"output_ids": np.zeros((num, budget), np.int32), "logprobs": np.zeros((num, budget), np.float32),
               "mask": np.zeros((num, budget), bool), "lengths": np.zeros(num, np.int32),
               "truncated": np.zeros(num, bool), "versions": np.zeros(num, np.int64),
@@ -345,7 +346,7 @@ _NOT_PER_ROW = ("seconds", "reward_failed")  # _sample arrays that are not one e
 
 
 def _reward_weights(config: Config) -> tuple[float, ...]:
-    return tuple(config.reward.weights) or (1.0,) * len(config.reward.functions)
+    return tuple(config.reward.weights) or (1.0,) * len(component_names(config.reward))
 
 
 def _select_groups(rounds: list[tuple], chosen: list[int], group: int) -> tuple[tuple, list, dict, Any]:
@@ -410,7 +411,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     c = run.config
     started = time.perf_counter()
     examples, prompts, arrays, extras, valid_P, sampling = _rollout(run, step)
-    names = tuple(n.rpartition(":")[2] for n in c.reward.functions)
+    names = component_names(c.reward)
     weights = _reward_weights(c)
     advantages, signal_P = advantages_N(c, weights, arrays["components"], valid_P)
     valid = np.repeat(valid_P, c.rollout.group_size)
