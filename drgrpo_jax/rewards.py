@@ -4,6 +4,11 @@ math-verify times itself out with `signal.alarm`, which only works in a process'
 and user functions may hang or crash: every call therefore runs in a worker process; a call
 past `reward.timeout_s` gets its worker killed and replaced, scores 0 and is counted, as is
 a call that raises or kills its worker. A NaN or infinite reward stops the run (RewardError).
+
+A function returns a number (the component of its own name) or a dict of named components
+(`reward.components` lists the ones the trainer uses; other keys are ignored). A missing or
+non-numeric component stops the run naming the prompt id and the component, unless the call
+that should have given it timed out or failed: that is already counted, and scores 0.
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import ConfigError, RewardConfig
+from drgrpo_jax.config import ConfigError, RewardConfig, component_names, function_name
 from drgrpo_jax.data import Example
 
 __all__ = ["RewardError", "RewardResult", "RewardScorer", "RewardSpec", "build_reward_fns", "extract_answer"]
 
-RewardFn = Callable[[str, Example], float]  # (completion, example) -> reward
+RewardFn = Callable[[str, Example], "float | dict[str, float]"]  # (completion, example) -> reward(s)
 
 
 class RewardError(RuntimeError):
@@ -38,22 +43,22 @@ class RewardError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """One named reward component."""
+    """One named reward function."""
 
     name: str
     fn: RewardFn  # workers rebuild it from the RewardConfig, so it never crosses a process boundary
-    weight: float
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardResult:
     """Per-response component rewards and what went wrong while scoring them."""
 
-    components_NK: np.ndarray  # float32 [N, K]; a timed-out or failed call scores 0
+    components_NK: np.ndarray  # float32 [N, K]; what a timed-out or failed call should have given is 0
     names: tuple[str, ...]  # K component names
     weights: tuple[float, ...]  # K weights of the scalar reward
-    timeouts_K: np.ndarray  # int [K]: calls killed at the time limit
-    errors_K: np.ndarray  # int [K]: calls that raised or killed their worker
+    functions: tuple[str, ...]  # F reward function names
+    timeouts_F: np.ndarray  # int [F]: calls killed at the time limit
+    errors_F: np.ndarray  # int [F]: calls that raised or killed their worker
     error_messages: tuple[str, ...] = ()  # the first few failures, for the log
 
     def total_N(self) -> np.ndarray:
@@ -65,10 +70,11 @@ class RewardResult:
         out = {"reward_mean": float(self.total_N().mean()) if len(self.components_NK) else 0.0}
         for k, name in enumerate(self.names):
             out[f"reward/{name}"] = float(self.components_NK[:, k].mean()) if len(self.components_NK) else 0.0
-            out[f"reward/{name}_timeouts"] = int(self.timeouts_K[k])
-            out[f"reward/{name}_errors"] = int(self.errors_K[k])
-        out["reward_timeouts"] = int(self.timeouts_K.sum())
-        out["reward_errors"] = int(self.errors_K.sum())
+        for f, name in enumerate(self.functions):
+            out[f"reward/{name}_timeouts"] = int(self.timeouts_F[f])
+            out[f"reward/{name}_errors"] = int(self.errors_F[f])
+        out["reward_timeouts"] = int(self.timeouts_F.sum())
+        out["reward_errors"] = int(self.errors_F.sum())
         return out
 
 
@@ -170,17 +176,33 @@ def _import_fn(path: str, key: str) -> RewardFn:
 
 def build_reward_fns(config: RewardConfig) -> tuple[RewardSpec, ...]:
     """One RewardSpec per `reward.functions` entry; import failures raise ConfigError."""
-    weights = config.weights or (1.0,) * len(config.functions)
     specs = []
-    for i, (target, weight) in enumerate(zip(config.functions, weights, strict=True)):
+    for i, target in enumerate(config.functions):
         if target in _BUILTINS:
-            name, fn = target, functools.partial(_BUILTINS[target], answer_format=config.answer_format)
+            fn = functools.partial(_BUILTINS[target], answer_format=config.answer_format)
         else:
-            name, fn = target.rpartition(":")[2], _import_fn(target, f"reward.functions[{i}]")
+            fn = _import_fn(target, f"reward.functions[{i}]")
+        name = function_name(target)
         if name in {spec.name for spec in specs}:
-            raise ConfigError(f"reward.functions[{i}]", f"a second component named {name!r}")
-        specs.append(RewardSpec(name, fn, float(weight)))
+            raise ConfigError(f"reward.functions[{i}]", f"a second function named {name!r}")
+        specs.append(RewardSpec(name, fn))
     return tuple(specs)
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+def _checked(value: Any) -> tuple[str, Any]:
+    """One call's answer as sent back: ("ok", float or {key: float}) or ("bad", (key or None, what it was))."""
+    if _is_number(value):
+        return "ok", float(value)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _is_number(item):
+                return "bad", (str(key), f"{type(item).__name__} {item!r:.40}")
+        return "ok", {str(key): float(item) for key, item in value.items()}
+    return "bad", (None, f"{type(value).__name__} {value!r:.40}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,11 +242,8 @@ def _worker_main(fd: int, parent_pid: int) -> None:
             return
         call_id, k, completion, example = task
         try:
-            value = fns[k](completion, example)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                conn.send(("bad", call_id, f"{type(value).__name__} {value!r:.40}"))
-                continue
-            conn.send(("ok", call_id, float(value)))
+            status, value = _checked(fns[k](completion, example))
+            conn.send((status, call_id, value))
         except Exception as error:
             conn.send(("error", call_id, f"{type(error).__name__}: {error}"))
 
@@ -252,14 +271,13 @@ class RewardScorer:
 
     def __init__(self, config: RewardConfig):
         self.specs = build_reward_fns(config)  # import errors surface here, in the parent
+        self.names = component_names(config)
+        self.weights = tuple(float(w) for w in config.weights) or (1.0,) * len(self.names)
+        self._column = {name: k for k, name in enumerate(self.names)}
+        self._dicts_allowed = bool(config.components)  # without reward.components, each function is one number
         self.timeout_s = config.timeout_s
         self._config = config
         self._workers = [self._start() for _ in range(config.num_workers)]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The K component names, in reward.functions order."""
-        return tuple(spec.name for spec in self.specs)
 
     def _start(self) -> _Worker:
         parent_conn, child_conn = multiprocessing.Pipe()
@@ -282,31 +300,34 @@ class RewardScorer:
         self._workers[self._workers.index(worker)] = self._start()
 
     def score(self, completions: Sequence[str], examples: Sequence[Example]) -> RewardResult:
-        """Scores completion i against examples[i] with every component; raises RewardError on NaN/inf."""
+        """Scores completion i against examples[i] with every function; raises RewardError on a bad component."""
         if len(completions) != len(examples):
             raise ValueError(f"score: {len(completions)} completions for {len(examples)} examples")
-        num, num_components = len(completions), len(self.specs)
-        scores_NK = np.zeros((num, num_components), np.float32)
-        timeouts_K = np.zeros(num_components, np.int64)
-        errors_K = np.zeros(num_components, np.int64)
+        num, num_functions = len(completions), len(self.specs)
+        scores_NK = np.zeros((num, len(self.names)), np.float32)
+        given_NK = np.zeros(scores_NK.shape, bool)  # which components some call supplied
+        failed_N = np.zeros(num, bool)  # a call timed out or failed: its components score 0, counted
+        timeouts_F = np.zeros(num_functions, np.int64)
+        errors_F = np.zeros(num_functions, np.int64)
         messages: list[str] = []
-        non_numbers: list[tuple[int, int, str]] = []  # (response, component, what it returned)
-        pending = collections.deque((i, k) for i in range(num) for k in range(num_components))
+        problems: list[str] = []  # values that stop the run, raised once no call is in flight
+        pending = collections.deque((i, f) for i in range(num) for f in range(num_functions))
 
-        def fail(i: int, k: int, counter: np.ndarray, why: str) -> None:
-            counter[k] += 1
+        def fail(i: int, f: int, counter: np.ndarray, why: str) -> None:
+            counter[f] += 1
+            failed_N[i] = True
             if len(messages) < 5:
-                messages.append(f"{self.specs[k].name} on {examples[i].prompt_id}: {why}")
+                messages.append(f"{self.specs[f].name} on {examples[i].prompt_id}: {why}")
 
         while pending or any(w.call for w in self._workers):
             for worker in self._workers:  # hand out work
                 if worker.ready and worker.call is None and pending:
-                    i, k = pending.popleft()
-                    worker.call = (i, k, time.monotonic() + self.timeout_s)
+                    i, f = pending.popleft()
+                    worker.call = (i, f, time.monotonic() + self.timeout_s)
                     try:
-                        worker.conn.send((i * num_components + k, k, completions[i], examples[i]))
+                        worker.conn.send((i * num_functions + f, f, completions[i], examples[i]))
                     except (OSError, ValueError):  # died while idle; the call goes to a fresh worker
-                        pending.appendleft((i, k))
+                        pending.appendleft((i, f))
                         worker.call = None
                         self._replace(worker)
             now = time.monotonic()
@@ -319,37 +340,68 @@ class RewardScorer:
                     code = worker.process.wait(timeout=10)
                     if worker.call is None:
                         raise RewardError(f"a reward worker exited while starting (exit code {code})") from None
-                    fail(worker.call[0], worker.call[1], errors_K, f"worker died (exit code {code})")
+                    fail(worker.call[0], worker.call[1], errors_F, f"worker died (exit code {code})")
                     self._replace(worker)
                     continue
                 if status == "ready":
                     worker.ready = True
                     continue
-                i, k = divmod(call_id, num_components)
-                if status == "ok":
-                    scores_NK[i, k] = value
-                elif status == "bad":
-                    non_numbers.append((i, k, value))
+                i, f = divmod(call_id, num_functions)
+                if status == "error":
+                    fail(i, f, errors_F, value)
                 else:
-                    fail(i, k, errors_K, value)
+                    problem = self._record(status, value, i, f, scores_NK, given_NK, examples)
+                    if problem:
+                        problems.append(problem)
                 worker.call = None
             now = time.monotonic()
             for worker in list(self._workers):
                 if worker.call and now > worker.call[2]:
-                    fail(worker.call[0], worker.call[1], timeouts_K, f"over {self.timeout_s} s")
+                    fail(worker.call[0], worker.call[1], timeouts_F, f"over {self.timeout_s} s")
                     self._replace(worker)
                 elif not worker.ready and now - worker.started > self.STARTUP_TIMEOUT_S:
                     raise RewardError(f"a reward worker did not start within {self.STARTUP_TIMEOUT_S:.0f} s")
-        if non_numbers:  # raised only now, with no call in flight, so the pool stays usable
-            i, k, what = non_numbers[0]
-            raise RewardError(
-                f"reward component {self.specs[k].name!r} returned {what}, not a number, for prompt "
-                f"{examples[i].prompt_id} (response {i}); {len(non_numbers)} such value(s) in this batch"
-            )
+        if problems:  # raised only now, with no call in flight, so the pool stays usable
+            raise RewardError(f"{problems[0]}; {len(problems)} such value(s) in this batch")
+        self._check_complete(given_NK | failed_N[:, None], examples)
         self._check_finite(scores_NK, examples)
-        return RewardResult(
-            scores_NK, self.names, tuple(s.weight for s in self.specs), timeouts_K, errors_K, tuple(messages)
-        )
+        return RewardResult(scores_NK, self.names, self.weights, tuple(s.name for s in self.specs),
+                            timeouts_F, errors_F, tuple(messages))
+
+    def _record(self, status: str, value: Any, i: int, f: int, scores_NK: np.ndarray, given_NK: np.ndarray,
+                examples: Sequence[Example]) -> str | None:
+        """Puts call (response i, function f)'s answer in its component columns; what is wrong with it, if anything."""
+        function, where = self.specs[f].name, f"for prompt {examples[i].prompt_id} (response {i})"
+        if status == "bad":
+            key, what = value
+            name = function if key is None else key
+            return f"reward component {name!r} returned {what}, not a number, {where}"
+        if isinstance(value, dict):
+            if not self._dicts_allowed:
+                return (f"reward function {function!r} returned a dict {where}; list the keys to use in "
+                        "reward.components")
+            items = [(key, v) for key, v in value.items() if key in self._column]
+        elif function in self._column:
+            items = [(function, value)]
+        else:
+            return (f"reward function {function!r} returned a number {where}, but {function!r} is not in "
+                    f"reward.components {list(self.names)}")
+        for key, v in items:
+            k = self._column[key]
+            if given_NK[i, k]:
+                return f"reward component {key!r} was given by two functions {where}"
+            scores_NK[i, k], given_NK[i, k] = v, True
+        return None
+
+    def _check_complete(self, given_NK: np.ndarray, examples: Sequence[Example]) -> None:
+        """Every component of every response came from some call (or its call failed and was counted)."""
+        missing = np.argwhere(~given_NK)
+        if len(missing):
+            i, k = (int(x) for x in missing[0])
+            raise RewardError(
+                f"reward component {self.names[k]!r} is missing for prompt {examples[i].prompt_id} (response {i}): "
+                f"no reward function returned it; {len(missing)} missing value(s) in this batch"
+            )
 
     def _check_finite(self, scores_NK: np.ndarray, examples: Sequence[Example]) -> None:
         """A NaN/inf reward would poison every advantage of its group: stop and say where it came from."""
@@ -357,7 +409,7 @@ class RewardScorer:
         if len(bad):
             i, k = (int(x) for x in bad[0])
             raise RewardError(
-                f"reward component {self.specs[k].name!r} returned {scores_NK[i, k]} for prompt "
+                f"reward component {self.names[k]!r} returned {scores_NK[i, k]} for prompt "
                 f"{examples[i].prompt_id} (response {i}); {len(bad)} non-finite value(s) in this batch"
             )
 

@@ -351,8 +351,6 @@ def _reward_weights(config: Config) -> tuple[float, ...]:
 
 def _select_groups(rounds: list[tuple], chosen: list[int], group: int) -> tuple[tuple, list, dict, Any]:
     """The chosen groups (indices over every round, in order) as one rollout: (examples, prompts, arrays, extras)."""
-    from drgrpo_jax.rewards import RewardResult
-
     rows = (np.asarray(chosen, np.int64)[:, None] * group + np.arange(group)).reshape(-1)
     examples = tuple(e for rd in rounds for e in rd[0])
     prompts = [p for rd in rounds for p in rd[1]]
@@ -362,11 +360,10 @@ def _select_groups(rounds: list[tuple], chosen: list[int], group: int) -> tuple[
     if rounds[0][3] is not None:  # process 0: texts and reward results of every round
         results = [rd[3][1] for rd in rounds]
         texts = [t for rd in rounds for t in rd[3][0]]
-        first = results[0]
-        merged = RewardResult(np.concatenate([res.components_NK for res in results])[rows], first.names, first.weights,
-                              np.sum([res.timeouts_K for res in results], axis=0),
-                              np.sum([res.errors_K for res in results], axis=0),
-                              tuple(m for res in results for m in res.error_messages)[:5])
+        merged = dataclasses.replace(results[0], components_NK=np.concatenate([res.components_NK for res in results])[rows],
+                                     timeouts_F=np.sum([res.timeouts_F for res in results], axis=0),
+                                     errors_F=np.sum([res.errors_F for res in results], axis=0),
+                                     error_messages=tuple(m for res in results for m in res.error_messages)[:5])
         extras = ([texts[i] for i in rows], merged)
     return tuple(examples[g] for g in chosen), [prompts[g] for g in chosen], arrays, extras
 

@@ -1,6 +1,5 @@
 """Rewards: built-in components, user functions by import path, time limits, crashes, NaN, clean shutdown."""
 
-import dataclasses
 import os
 import time
 
@@ -68,7 +67,7 @@ def test_builtins_and_user_components(scorer, examples):
     expected_NK = np.array([[1.0, 1.0, 1.0, 0.5], [1.0, 0.0, 0.0, 0.5], [0.0, 1.0, 0.0, 0.5]], np.float32)
     np.testing.assert_array_equal(result.components_NK, expected_NK)
     np.testing.assert_allclose(result.total_N(), expected_NK @ np.array([1.0, 0.1, 1.0, 2.0], np.float32))
-    assert result.timeouts_K.sum() == 0 and result.errors_K.sum() == 0
+    assert result.timeouts_F.sum() == 0 and result.errors_F.sum() == 0
     metrics = result.metrics()
     assert metrics["reward/format"] == pytest.approx(2 / 3) and metrics["reward_errors"] == 0
 
@@ -77,7 +76,7 @@ def test_math_verify_is_equivalence_not_string_match(scorer):
     half = Example("x/0", "q", "\\frac{1}{2}")
     result = scorer.score(["so \\boxed{0.5}", "so \\boxed{1/2}", "so \\boxed{2}"], [half] * 3)
     np.testing.assert_array_equal(result.components_NK[:, 0], [1.0, 1.0, 0.0])
-    assert result.errors_K[2] == 3  # 'task' on a prompt without a reasoning-gym entry: counted, scored 0
+    assert result.errors_F[2] == 3  # 'task' on a prompt without a reasoning-gym entry: counted, scored 0
 
 
 def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
@@ -85,7 +84,7 @@ def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
     start = time.monotonic()
     result = scorer.score(completions, examples[:4])
     elapsed = time.monotonic() - start
-    np.testing.assert_array_equal(result.timeouts_K, [0, 0, 0, 2])
+    np.testing.assert_array_equal(result.timeouts_F, [0, 0, 0, 2])
     np.testing.assert_array_equal(result.components_NK[:, 3], [0.0, 0.5, 0.0, 0.5])
     np.testing.assert_array_equal(result.components_NK[:, 1], [1.0] * 4)  # other components unaffected
     # Two workers time out side by side, so the messages may come in either order.
@@ -94,14 +93,14 @@ def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
     # Two hung calls on two workers run side by side: about one time limit plus worker restarts, not an hour.
     assert elapsed < 3 * TIMEOUT_S + 60
     again = scorer.score(["\\boxed{1}"], examples[:1])  # the replaced workers serve the next batch
-    assert again.timeouts_K.sum() == 0 and again.components_NK[0, 3] == 0.5
+    assert again.timeouts_F.sum() == 0 and again.components_NK[0, 3] == 0.5
 
 
 def test_crashes_score_zero_and_are_counted(scorer, examples):
     completions = ["RAISE", "EXIT", "fine"]
     result = scorer.score(completions, examples[:3])
     np.testing.assert_array_equal(result.components_NK[:, 3], [0.0, 0.0, 0.5])
-    assert result.errors_K[3] == 2 and result.timeouts_K.sum() == 0
+    assert result.errors_F[3] == 2 and result.timeouts_F.sum() == 0
     joined = " | ".join(result.error_messages)
     assert "RuntimeError: user code failed" in joined and "worker died (exit code 3)" in joined
 
@@ -141,9 +140,65 @@ def test_close_stops_every_worker():
     assert all(process.poll() is not None for process in processes)
 
 
-def test_weights_default_to_one():
-    specs = build_reward_fns(RewardConfig(functions=("math_verify", "format")))
-    assert [dataclasses.astuple(s)[::2] for s in specs] == [("math_verify", 1.0), ("format", 1.0)]
+def test_functions_are_named_after_the_builtin_or_the_imported_function():
+    specs = build_reward_fns(RewardConfig(functions=("math_verify", "test_rewards:user_reward")))
+    assert [s.name for s in specs] == ["math_verify", "user_reward"]
+
+
+def user_dict_reward(completion: str, example: Example) -> dict:
+    """Several components from one call; the completion picks a missing key, a bad value or a failure."""
+    if "RAISE" in completion:
+        raise RuntimeError("user code failed")
+    out = {"correct": float("right" in completion), "length": float(len(completion)), "debug": 7.0}
+    if "DROP" in completion:
+        del out["length"]
+    if "BAD" in completion:
+        out["length"] = [1.0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def dict_scorer():
+    config = RewardConfig(functions=("test_rewards:user_dict_reward", "format"),
+                          components=("length", "format", "correct"), timeout_s=TIMEOUT_S, num_workers=1)
+    with RewardScorer(config) as scorer:
+        yield scorer
+
+
+def test_components_can_be_keys_of_a_returned_dict(dict_scorer, examples):
+    result = dict_scorer.score(["right \\boxed{1}", "wrong"], examples[:2])
+    assert result.names == ("length", "format", "correct") and result.weights == (1.0, 1.0, 1.0)
+    assert result.functions == ("user_dict_reward", "format")
+    np.testing.assert_array_equal(result.components_NK, [[15.0, 1.0, 1.0], [5.0, 0.0, 0.0]])  # 'debug' unused
+    assert set(result.metrics()) >= {"reward/length", "reward/correct", "reward/user_dict_reward_errors"}
+
+
+def test_a_failed_call_scores_its_components_zero_and_is_counted(dict_scorer, examples):
+    result = dict_scorer.score(["RAISE \\boxed{1}", "right"], examples[:2])
+    np.testing.assert_array_equal(result.components_NK, [[0.0, 1.0, 0.0], [5.0, 0.0, 1.0]])
+    assert result.errors_F.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("completion, message", [
+    ("DROP", "reward component 'length' is missing for prompt {id} (response 1): no reward function returned it"),
+    ("BAD", "reward component 'length' returned list [1.0], not a number, for prompt {id} (response 1)"),
+])
+def test_a_missing_or_bad_dict_component_stops_with_prompt_and_component(dict_scorer, examples, completion, message):
+    with pytest.raises(RewardError) as info:
+        dict_scorer.score(["fine", completion], examples[:2])
+    assert message.format(id=examples[1].prompt_id) in str(info.value), str(info.value)
+    assert dict_scorer.score(["fine"], examples[:1]).components_NK[0, 0] == 4.0  # still serving
+
+
+def test_a_dict_needs_reward_components_and_a_number_needs_its_name_listed(examples):
+    with RewardScorer(RewardConfig(functions=("test_rewards:user_dict_reward",), num_workers=1)) as scorer:
+        with pytest.raises(RewardError, match="'user_dict_reward' returned a dict .* list the keys to use in "
+                                              "reward.components"):
+            scorer.score(["fine"], examples[:1])
+    config = RewardConfig(functions=("format",), components=("correct",), num_workers=1)
+    with RewardScorer(config) as scorer:
+        with pytest.raises(RewardError, match="'format' returned a number .* not in reward.components"):
+            scorer.score(["fine"], examples[:1])
 
 
 def test_works_from_a_script_without_main_guard(tmp_path):
