@@ -320,7 +320,7 @@ def trainer_advice(config: Config, model: ModelConfig, figures: dict[str, int], 
     rest = _total(figures) - state - figures["activations"]
     advice = []
     if config.model.dtype == "float32":
-        advice.append("model.dtype=bfloat16 halves parameters, optimizer state and activations")
+        advice.append("model.dtype=bfloat16 halves parameters and activations (Adam's moments stay float32)")
     if state > usable * 0.5:
         ways = config.mesh.fsdp * 2 ** math.ceil(math.log2(max(state / (usable * 0.5), 1.0)))
         advice.append(f"mesh.fsdp={ways} (or more devices): parameters, optimizer state and gradients are "

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
 
-__all__ = ["Batch", "StepConfig", "TrainState", "make_optimizer", "init_state", "policy_logprobs", "train_step",
+__all__ = ["Batch", "StepConfig", "TrainState", "in_float32", "make_optimizer", "init_state", "policy_logprobs", "train_step",
            "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
@@ -108,7 +108,30 @@ def make_optimizer(
         optax.join_schedules([warmup, after_warmup[decay]()], [warmup_steps]) if warmup else after_warmup[decay]()
     )
     clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-    return optax.chain(*clip, optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)), schedule
+    adamw = optax.chain(*clip, optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+    return in_float32(adamw), schedule
+
+
+def _to_float32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` with float32 state and arithmetic whatever the param dtype; updates come back in the param dtype.
+
+    Adam's second moment of a bfloat16 run underflows and rounds (8 mantissa bits), so the moments,
+    the clipping norm and the weight decay are float32; only the update is cast to each parameter's dtype.
+    """
+
+    def init(params):
+        return inner.init(_to_float32(params))
+
+    def update(grads, state, params=None):
+        updates, state = inner.update(_to_float32(grads), state, None if params is None else _to_float32(params))
+        like = grads if params is None else params
+        return jax.tree.map(lambda u, p: u.astype(p.dtype), updates, like), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
@@ -221,7 +244,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names})
     (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, _split(batch, config.micro_batches))
 
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = window.num_tokens == 0

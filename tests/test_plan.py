@@ -34,7 +34,7 @@ def test_7b_plan_matches_the_hand_calculation():
     assert count == 7_615_616_512  # the published size of Qwen2.5-7B
     biases = L * (N * H + 2 * K * H)  # the only tensors without an embed (fsdp) axis: replicated
     params_device = (count - biases) * 2 // 32 + biases * 2
-    adam_device = 2 * params_device + 2 * 4  # mu and nu in the param dtype, Adam's and the schedule's int32 counts
+    adam_device = 2 * (params_device * 2) + 2 * 4  # mu and nu in float32 (twice the bf16 bytes), two int32 counts
 
     result = _plan(CONFIG_7B_V5P, "Qwen2.5-Math-7B", device=plan.device_spec("v5p"), serve_batch_size=32)
     trainer, service = result["trainer"], result["service"]
@@ -83,6 +83,8 @@ def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
 
     assert result["trainer"]["params"] == on_device(state.params)
     assert result["trainer"]["optimizer"] == on_device(state.opt_state)
+    floats = {x.dtype for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert floats == {jnp.dtype(jnp.float32)}  # Adam's moments stay float32 for bfloat16 params
     assert result["model"]["parameters"] == sum(x.size for x in jax.tree.leaves(state.params))
 
 

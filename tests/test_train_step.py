@@ -186,6 +186,24 @@ def test_truncated_importance_sampling():
     np.testing.assert_allclose(history[0]["pg_loss"], 2.0 * plain_history[0]["pg_loss"], rtol=1e-5)
 
 
+def test_adam_moments_are_float32_for_bfloat16_params():
+    """make_optimizer keeps float32 state whatever the param dtype; the update comes back in the param dtype."""
+    model = Transformer(TINY, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    optimizer, _ = make_optimizer(1e-2, total_steps=2, weight_decay=0.1)
+    _, state = init_state(model, optimizer, jax.random.key(0))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert len(floats) == 2 * len(jax.tree.leaves(state.params)) and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)} == \
+        {jnp.dtype(jnp.float32)}
+    # nu = (1 - b2) * g^2 = 1e-9 to float32 precision; a bfloat16 moment would be off by up to 2^-8 relative
+    nu = [x for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)][-1]
+    np.testing.assert_allclose(np.asarray(nu), (1 - 0.999) * 1e-6, rtol=1e-6)
+
+
 def test_bad_step_config_names_the_field():
     with pytest.raises(ValueError, match="^train.micro_batches"):
         StepConfig(loss=LossConfig(budget=4), micro_batches=0)
