@@ -143,13 +143,19 @@ class RolloutClient:
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
-                 expected_version: str | int | None = None, max_staleness: int = 0) -> Rollout:
-        """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version."""
+                 expected_version: str | int | None = None, max_staleness: int = 0, prompt_offset: int = 0,
+                 first_url: int = 0) -> Rollout:
+        """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version.
+
+        `prompt_offset`: the index of prompts[0] in the whole rollout, so that a host sampling its share
+        draws the same per-prompt seeds as one client sampling everything. `first_url`: the URL that
+        takes the first share (hosts start at different URLs to spread the load).
+        """
         if group_size < 1 or max_new_tokens < 1:
             raise ValueError(f"group_size, max_new_tokens: must be >= 1, got {group_size}, {max_new_tokens}")
         if not prompts:
             raise ValueError("prompts: need at least one prompt")
-        seeds = prompt_seeds(random.getrandbits(32) if seed is None else seed, len(prompts))
+        seeds = prompt_seeds(random.getrandbits(32) if seed is None else seed, len(prompts), prompt_offset)
         shares = _split(len(prompts), len(self.urls))
 
         def body(start: int, stop: int) -> dict:
@@ -159,7 +165,7 @@ class RolloutClient:
             return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
                     "return_logprob": True}
 
-        futures = [self._pool.submit(self._with_failover, k, "/generate", body(a, b))
+        futures = [self._pool.submit(self._with_failover, (first_url + k) % len(self.urls), "/generate", body(a, b))
                    for k, (a, b) in enumerate(shares)]
         items: list[dict] = []
         for (a, b), future in zip(shares, futures):
@@ -174,13 +180,24 @@ class RolloutClient:
         return rollout
 
     def update_weights(self, model_path: str, weight_version: str | int) -> None:
-        """Tells every service to load `model_path` as `weight_version`; raises if any refuses."""
+        """Tells every service to load `model_path` as `weight_version`; raises naming every URL that refused.
+
+        Every URL is asked (in parallel) even when one fails, so no service is left on stale weights
+        without being named.
+        """
         body = {"model_path": os.fspath(model_path), "weight_version": str(weight_version)}
-        answers = list(self._pool.map(lambda url: self._request("POST", url, "/update_weights_from_disk", body),
-                                      self.urls))
-        for url, answer in zip(self.urls, answers):
-            if not answer.get("success", False):
-                raise RolloutError(f"{url}/update_weights_from_disk: {answer.get('message')}")
+
+        def push(url: str) -> str | None:
+            try:
+                answer = self._request("POST", url, "/update_weights_from_disk", body)
+            except RolloutError as error:
+                return str(error)
+            return None if answer.get("success", False) else f"{url}/update_weights_from_disk: {answer.get('message')}"
+
+        failures = [error for error in self._pool.map(push, self.urls) if error]
+        if failures:
+            raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "
+                               "service(s): " + " | ".join(failures))
 
     def model_info(self, index: int = 0) -> dict:
         """The service's /get_model_info."""

@@ -71,6 +71,47 @@ def test_the_fleet_shares_prompts_by_whole_groups():
     assert sorted(seen) == [("a", 2), ("b", 2)]
 
 
+def test_a_hosts_share_samples_as_the_whole_rollout_does():
+    """Host h sends prompts[a:b] with prompt_offset=a: the same seeds, so the same completions, as one client."""
+    seen = []
+
+    def handler(request):
+        seen.append((request.url.host, json.loads(request.content)["input_ids"][0][0]))
+        return fake_generate(request)
+
+    with client_with(handler, ["http://a", "http://b"]) as client:
+        whole = client.generate(PROMPTS, 2, max_new_tokens=3, seed=7)
+        seen.clear()
+        halves = [client.generate(PROMPTS[a:b], 2, max_new_tokens=3, seed=7, prompt_offset=a, first_url=h)
+                  for h, (a, b) in enumerate([(0, 2), (2, 4)])]
+    np.testing.assert_array_equal(np.concatenate([r.output_ids for r in halves]), whole.output_ids)
+    # host 0 starts at URL a, host 1 at URL b: each service gets one prompt of each host
+    assert sorted(seen) == [("a", 10), ("a", 40), ("b", 20), ("b", 30)]
+
+
+def test_weights_go_to_every_url_and_each_refusal_is_named():
+    pushed = []
+
+    def handler(request):
+        pushed.append(request.url.host)
+        if request.url.host == "c":
+            return httpx.Response(200, json={"success": False, "message": "no such folder"})
+        if request.url.host == "d":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+
+    with client_with(handler, ["http://a", "http://b"], max_retries=0) as client:
+        client.update_weights("/w/v1", 1)
+    assert sorted(pushed) == ["a", "b"]
+    pushed.clear()
+    with client_with(handler, ["http://a", "http://c", "http://d", "http://b"], max_retries=0) as client:
+        with pytest.raises(RolloutError, match="not loaded by 2 of 4") as error:
+            client.update_weights("/w/v2", 2)
+    assert "http://c/update_weights_from_disk: no such folder" in str(error.value)
+    assert "http://d/update_weights_from_disk" in str(error.value)
+    assert sorted(pushed) == ["a", "b", "c", "d"]  # the healthy services still got the push
+
+
 def test_transient_errors_are_retried_with_backoff():
     calls = []
 
