@@ -130,16 +130,49 @@ def test_d_each_window_is_whitened_on_its_own():
     np.testing.assert_allclose(mean, combined[:8][valid[:8]].mean(), rtol=1e-5)
 
 
+def eight_group_batch():
+    """The mixed batch with one more group, so 8 devices (or 2 processes x 4) hold whole groups each."""
+    components, valid = _mixed_batch()
+    return np.concatenate([components, components[:1]]), np.concatenate([valid, valid[:1]])
+
+
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_sharded_batch_gives_the_same_advantages(devices):
-    components, valid = _mixed_batch()
-    components, valid = np.concatenate([components, components[:1]]), np.concatenate([valid, valid[:1]])  # P = 8
+    components, valid = eight_group_batch()
     whole = advantages.gdpo(components, WEIGHTS, valid)
     mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
     sharded = jax.jit(jax.shard_map(lambda c, v: advantages.gdpo(c, jnp.asarray(WEIGHTS), v, axis_name="data"),
                                     mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))(
         *(jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (components, valid)))
     np.testing.assert_allclose(sharded, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_two_processes_each_feeding_half_give_the_same_advantages(tmp_path):
+    """jax.distributed on loopback: each process holds 4 of the 8 groups; the whitening spans both."""
+    import os
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.npz"
+    worker = [sys.executable, str(pathlib.Path(__file__).with_name("gdpo_two_process_worker.py"))]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([*worker, str(i), str(port), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
+    components, valid = eight_group_batch()
+    two_processes = np.load(out)["advantages"]
+    np.testing.assert_allclose(two_processes, advantages.gdpo(components, WEIGHTS, valid), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(two_processes, oracle(components, WEIGHTS, valid), rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
