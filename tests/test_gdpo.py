@@ -218,6 +218,11 @@ def test_equal_weights_are_fine_and_other_algorithms_may_repeat_a_float32_value(
 # ---------------------------------------------------------------------------------------------
 
 
+def letters(completion: str, example) -> dict[str, float]:
+    """Three components from one reward call; the trainer uses two of them (reward.components)."""
+    return {"has_letter_a": float("a" in completion), "count_b": float(completion.count("b")), "unused": 1.0}
+
+
 @pytest.mark.slow  # a trainer run with its service child process: 47 s measured on 2 busy cores
 def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
     import json
@@ -228,8 +233,9 @@ def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
     inputs = {"model": write_tiny_model(str(tmp_path / "model")), "prompts": write_prompts(str(tmp_path / "p.jsonl"), 40)}
     output_dir = tmp_path / "gdpo"
     overrides = _overrides(inputs, output_dir, steps=2) + [
-        "algorithm.name=gdpo", "reward.weights=[1.0,0.5]", "train.eval_every=0", "rollout.dynamic_sampling=true",
-        "rollout.max_resample_rounds=2"]
+        "algorithm.name=gdpo", "reward.functions=[test_gdpo:letters,format]",
+        "reward.components=[has_letter_a,count_b,format]", "reward.weights=[1.0,0.25,0.5]", "train.eval_every=0",
+        "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=2"]
     process = _start(overrides)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
@@ -238,7 +244,7 @@ def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         keys = ["loss", "grad_norm", "whiten_mean", "whiten_std", "zero_signal_fraction", "reward/has_letter_a",
-                "reward/format"]
+                "reward/count_b", "reward/format", "reward/letters_errors"]
         assert all(np.isfinite(row[k]) for k in keys), row
         assert 1 <= row["sampling_rounds"] <= 3 and row["groups_drawn"] == 4 * row["sampling_rounds"]
         assert row["groups_padded"] == max(0, 4 - (row["groups_drawn"] - row["groups_dropped"]))
