@@ -123,6 +123,9 @@ class RolloutConfig:
         False, "drop groups with no learning signal and draw more prompts until the batch is full (DAPO's filter)"
     )
     max_resample_rounds: int = _f(4, "dynamic sampling: extra rollouts per step at most; a batch still short is padded")
+    service_batch_size: int | None = _f(
+        None, "--max-batch-size of the trainer's local child service (null = prompts_per_step * group_size)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,6 +356,7 @@ def _check_ranges(config: Config) -> None:
         ("rollout.top_k", c.rollout.top_k, 0),
         ("rollout.max_staleness", c.rollout.max_staleness, 0),
         ("rollout.max_resample_rounds", c.rollout.max_resample_rounds, 0),
+        ("rollout.service_batch_size", 1 if c.rollout.service_batch_size is None else c.rollout.service_batch_size, 1),
         ("algorithm.clip_low", c.algorithm.clip_low, 0.0),
         ("algorithm.kl_coef", c.algorithm.kl_coef, 0.0),
         ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
@@ -435,6 +439,12 @@ def _check_batches(config: Config) -> None:
         raise ConfigError(
             "train.micro_batches", f"{per_update} responses per optimizer step do not split into {t.micro_batches}"
         )
+    if r.prompts_per_step % m.num_processes:
+        raise ConfigError(
+            "rollout.prompts_per_step",
+            f"{r.prompts_per_step} prompts do not split evenly over mesh.num_processes = {m.num_processes} hosts "
+            "(each host samples and scores an equal share)",
+        )
     per_micro = per_update // t.micro_batches
     data_parallel = m.data * m.fsdp
     if per_micro % data_parallel:
@@ -483,6 +493,10 @@ def _check_rest(config: Config) -> None:
         raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
     if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
         raise ConfigError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
+    if c.mesh.num_processes > 1 and not c.rollout.urls:
+        raise ConfigError("rollout.urls", f"must list the generation services when mesh.num_processes = "
+                                          f"{c.mesh.num_processes}: the trainer's mesh takes every device of every "
+                                          "host, so start the services apart (scripts/launch_*.sh --serve-*)")
 
 
 def function_name(target: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunLog", "WeightPublisher", "host_array", "share"]
+__all__ = ["RunLog", "WeightPublisher", "gather_hosts", "host_array"]
 
 
 def _json_value(value: Any) -> Any:
@@ -136,12 +136,17 @@ def host_array(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def share(tree: Any) -> Any:
-    """Process 0's pytree of numpy arrays on every process (no-op on one host)."""
+def gather_hosts(tree: Any) -> Any:
+    """Every process's pytree of numpy arrays (same shapes everywhere), stacked on a new leading host axis.
+
+    A collective: every process must call it. dtypes come back as they went in (the all-gather
+    itself narrows 64-bit values when jax_enable_x64 is off).
+    """
     import jax
 
     if jax.process_count() == 1:
-        return tree
+        return jax.tree.map(lambda x: np.asarray(x)[None], tree)
     from jax.experimental import multihost_utils
 
-    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree, is_source=jax.process_index() == 0))
+    gathered = multihost_utils.process_allgather(tree, tiled=False)
+    return jax.tree.map(lambda g, x: np.asarray(g).astype(np.asarray(x).dtype), gathered, tree)

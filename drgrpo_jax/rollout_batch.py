@@ -1,7 +1,8 @@
 """From a scored rollout to the arrays of a training batch: pure host-side helpers of the trainer.
 
-Seeds per (run, step), correctness and length statistics, left padding of prompt groups, and
-the algorithm's advantages with the per-window whitening GDPO needs.
+Seeds per (run, step), each host's share of a rollout and the merge of the hosts' rows,
+correctness and length statistics, left padding of prompt groups, and the algorithm's
+advantages with the per-window whitening GDPO needs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import numpy as np
 
 from drgrpo_jax.config import Config
 
-__all__ = ["advantages_N", "correct_mask", "left_pad", "response_stats", "step_seed", "window_advantages"]
+__all__ = ["advantages_N", "correct_mask", "host_share", "left_pad", "merge_host_rows", "response_stats", "step_seed",
+           "window_advantages"]
 
 _CORRECTNESS = ("math_verify", "task")  # components that say whether the answer is right
 
@@ -20,6 +22,34 @@ _CORRECTNESS = ("math_verify", "task")  # components that say whether the answer
 def step_seed(seed: int, step: int, purpose: int) -> int:
     """A uint32 seed for (run.seed, step, purpose): 0 = rollout sampling, 1 = minibatch order."""
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, step, purpose]).generate_state(1)[0])
+
+
+def host_share(num_prompts: int, num_hosts: int, host: int) -> tuple[int, int]:
+    """[start, stop) of the prompts host `host` samples and scores: equal contiguous shares in host order."""
+    if num_prompts % num_hosts:
+        raise ValueError(f"rollout.prompts_per_step: {num_prompts} prompts do not split evenly over {num_hosts} hosts")
+    if not 0 <= host < num_hosts:
+        raise ValueError(f"host: {host} is not in [0, {num_hosts})")
+    size = num_prompts // num_hosts
+    return host * size, (host + 1) * size
+
+
+def merge_host_rows(stacked: dict[str, np.ndarray], reductions: dict[str, str] | None = None) -> dict[str, np.ndarray]:
+    """Every host's arrays stacked on a leading host axis [H, rows, ...] -> the whole rollout [H * rows, ...].
+
+    Host h's rows follow host h - 1's, which is the prompt order of a one-host rollout because the
+    shares are contiguous (`host_share`). Arrays named in `reductions` are not per row: they are
+    reduced over the hosts instead ("sum": counters, "max": wall-clock of the slowest host).
+    """
+    reductions = reductions or {}
+    reducers = {"sum": np.sum, "max": np.max}
+    out = {}
+    for name, value in stacked.items():
+        if name in reductions:
+            out[name] = reducers[reductions[name]](value, axis=0)
+        else:
+            out[name] = value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
+    return out
 
 
 def correct_mask(names: tuple[str, ...], components_NK: np.ndarray) -> np.ndarray:

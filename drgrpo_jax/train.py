@@ -1,7 +1,9 @@
 """The trainer: `python -m drgrpo_jax.train --config PATH [section.key=value ...]` and its host loop.
 
-One step: draw P prompts; sample G completions of each from the generation service (a local
-child process unless rollout.urls is set); score them; compute the algorithm's advantages;
+One step: draw P prompts; every process samples G completions of its contiguous share of them
+from the generation service(s) (a local child process unless rollout.urls is set; several hosts
+need rollout.urls) and scores them, then the hosts all-gather the rows so each holds the whole
+batch in prompt order; compute the algorithm's advantages;
 recompute the policy's log-probs ("old"); run ppo_epochs x minibatches_per_rollout jitted
 updates; export the new weights to run_dir/weights/v{step} and point the service at them; log.
 Every random choice derives from (run.seed, step), and the data position and weight version
@@ -29,8 +31,9 @@ import numpy as np
 from drgrpo_jax.config import (Config, ConfigError, check_paths, component_names, config_from_argv, dump_config,
                                resolve_model_path)
 from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
-from drgrpo_jax.outputs import RunLog, WeightPublisher, host_array, share
-from drgrpo_jax.rollout_batch import advantages_N, correct_mask, left_pad, response_stats, step_seed, window_advantages
+from drgrpo_jax.outputs import RunLog, WeightPublisher, gather_hosts, host_array
+from drgrpo_jax.rollout_batch import (advantages_N, correct_mask, host_share, left_pad, merge_host_rows, response_stats,
+                                      step_seed, window_advantages)
 
 __all__ = ["main", "train"]
 
@@ -117,6 +120,25 @@ def connect_urls(config: Config) -> Any:
     return client
 
 
+def service_batch_size(config: Config) -> int:
+    """--max-batch-size of the local child service: rollout.service_batch_size, else a whole rollout (or eval)."""
+    r = config.rollout
+    return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
+
+
+def push_weights(client: Any, path: str, version: int) -> None:
+    """Process 0 tells every service to load `path`; then every process waits for it (and fails with it)."""
+    import jax
+
+    error = None
+    if jax.process_index() == 0:
+        try:
+            client.update_weights(os.path.abspath(path), version)
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
+            error = e
+    all_hosts_ok(error, f"pushing weight version {version}")
+
+
 @dataclasses.dataclass
 class Run:
     """What the host loop holds; built once by `setup`."""
@@ -134,9 +156,9 @@ class Run:
     log: RunLog
     stream: PromptStream
     start_step: int
-    client: Any = None  # process 0 only
-    scorer: Any = None  # process 0 only
-    server: Any = None  # the local child service, when started
+    client: Any = None  # every process: its rollouts and (process 0) the weight pushes
+    scorer: Any = None  # every process scores its own share
+    server: Any = None  # the local child service, when started (one process, no rollout.urls)
 
 
 def _initialize_distributed(config: Config) -> None:
@@ -146,6 +168,34 @@ def _initialize_distributed(config: Config) -> None:
         import jax
 
         jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
+
+
+def _failure_types() -> tuple[type[Exception], ...]:
+    """Errors re-raised as themselves on every process (code = index + 1); anything else as a RuntimeError."""
+    from drgrpo_jax.rewards import RewardError
+    from drgrpo_jax.rollout import RolloutError
+
+    return ConfigError, RewardError, RolloutError
+
+
+def all_hosts_ok(error: Exception | None, what: str) -> None:
+    """Raises on every process when `error` happened on any: a small all-gather first, so none waits forever.
+
+    Also a barrier: no process passes it before every process has reached it.
+    """
+    import jax
+
+    types = _failure_types()
+    code = 0 if error is None else next((i + 1 for i, t in enumerate(types) if isinstance(error, t)), len(types) + 1)
+    codes = gather_hosts(np.asarray([code], np.int32))[:, 0] if jax.process_count() > 1 else np.asarray([code])
+    if error is not None:
+        raise error
+    failed = np.flatnonzero(codes)
+    if failed.size:
+        first = int(failed[0])
+        kind = types[codes[first] - 1] if codes[first] <= len(types) else RuntimeError
+        message = f"{what} failed on process {first} (see its log)"
+        raise ConfigError("process", message) if kind is ConfigError else kind(message)
 
 
 def setup(config: Config, stack: contextlib.ExitStack) -> Run:
@@ -163,12 +213,19 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
                                        state_shardings)
 
     c, main_process = config, jax.process_index() == 0
+    if jax.process_count() > 1 and not c.rollout.urls:
+        raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
     check_paths(c)
     model_path = resolve_model_path(c.model.path)
     train_config, logprob_config = step_configs(c)
     dataset = load_dataset(c.data, c.run.seed)
-    client = connect_urls(c) if c.rollout.urls and main_process else None
-    if client is not None:
+    client, error = None, None
+    if c.rollout.urls:  # every host checks that it reaches every service; all fail together if one does not
+        try:
+            client = connect_urls(c)
+        except ConfigError as e:
+            error = e
+        all_hosts_ok(error, "reaching rollout.urls")
         stack.callback(client.close)
     tokenizer = load_tokenizer(model_path, c.model.tokenizer_path)
     out = c.run.output_dir
@@ -176,7 +233,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
                                                     keep=c.train.keep_checkpoints))
     resume = checkpointer.should_resume(c.train.resume)
-    scorer = stack.enter_context(RewardScorer(c.reward)) if main_process else None
+    scorer = stack.enter_context(RewardScorer(c.reward))
 
     mesh = build_mesh(c)
     dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
@@ -204,14 +261,13 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     publisher = WeightPublisher(os.path.join(out, "weights"), graphdef)
     weights = publisher.publish(state.params, start_step)
     server = None
-    if main_process and client is None:
-        rows = max(c.rollout.prompts_per_step * c.rollout.group_size, c.data.eval_size)
+    if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(
             weights, dtype=c.model.dtype, weight_version=start_step, log_path=os.path.join(out, "serve.log"),
-            extra_args=["--max-batch-size", str(rows)]))
+            extra_args=["--max-batch-size", str(service_batch_size(c))]))
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s))
-    elif client is not None:
-        client.update_weights(os.path.abspath(weights), start_step)
+    else:
+        push_weights(client, weights, start_step)
     return Run(c, dataset, tokenizer, mesh, graphdef, state,
                jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
                jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),
@@ -240,51 +296,61 @@ def _stop_ids(run: Run) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
+def _sample_share(run: Run, step: int, prompts: list[list[int]], examples: tuple[Example, ...], seed: int,
+                  offset: int) -> tuple[dict[str, np.ndarray], Any]:
+    """This process's share: its rollout from the service(s) and its rewards, as per-row arrays (and the result)."""
+    import jax
+
+    r = run.config.rollout
+    start = time.perf_counter()
+    rollout = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                  top_p=r.top_p, top_k=r.top_k, stop_token_ids=_stop_ids(run), seed=seed,
+                                  expected_version=step, max_staleness=r.max_staleness, prompt_offset=offset,
+                                  first_url=jax.process_index())
+    rollout_seconds = time.perf_counter() - start
+    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
+                                       skip_special_tokens=True)
+    start = time.perf_counter()
+    result = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)])
+    arrays = {"output_ids": rollout.output_ids, "logprobs": rollout.logprobs, "mask": rollout.mask,
+              "lengths": rollout.lengths, "truncated": rollout.truncated,
+              "versions": np.asarray([int(v) for v in rollout.weight_versions], np.int64),
+              "components": result.components_NK,
+              "seconds": np.asarray([rollout_seconds, time.perf_counter() - start]),
+              "timeouts_F": np.asarray(result.timeouts_F, np.int64), "errors_F": np.asarray(result.errors_F, np.int64)}
+    return arrays, result
+
+
+_HOST_REDUCTIONS = {"seconds": "max", "timeouts_F": "sum", "errors_F": "sum"}  # arrays that are not one per row
+_NOT_PER_ROW = tuple(_HOST_REDUCTIONS)
+
+
 def _sample(run: Run, step: int, prompts: list[list[int]], examples: tuple[Example, ...],
             seed: int) -> tuple[dict, Any]:
-    """Process 0 samples and scores; every process gets the arrays. Returns (arrays, process 0's extras).
+    """Each process samples and scores its share; every process gets all rows. Returns (arrays, RewardResult).
 
-    A reward that stops the run (NaN/inf, a non-number) is raised on every process together:
-    process 0 shares a failure flag first, so no other host waits in a collective forever.
+    A failure on any process (a reward that stops the run, a service that does not answer) is raised
+    on every process together: the hosts all-gather a failure flag before the arrays, so no host
+    waits in a collective forever. The RewardResult's counters are summed over the hosts; its
+    error messages are this host's own.
     """
     import jax
 
-    from drgrpo_jax.rewards import RewardError
-
-    c, r = run.config, run.config.rollout
-    num, budget, k = len(prompts) * r.group_size, r.max_new_tokens, len(component_names(c.reward))
-    arrays = {"output_ids": np.zeros((num, budget), np.int32), "logprobs": np.zeros((num, budget), np.float32),
-              "mask": np.zeros((num, budget), bool), "lengths": np.zeros(num, np.int32),
-              "truncated": np.zeros(num, bool), "versions": np.zeros(num, np.int64),
-              "components": np.zeros((num, k), np.float32), "seconds": np.zeros(2, np.float64),
-              "reward_failed": np.zeros(1, bool)}
-    extras, failure = None, None
-    if jax.process_index() == 0:
-        start = time.perf_counter()
-        rollout = run.client.generate(prompts, r.group_size, max_new_tokens=budget, temperature=r.temperature,
-                                      top_p=r.top_p, top_k=r.top_k, stop_token_ids=_stop_ids(run),
-                                      seed=seed, expected_version=step,
-                                      max_staleness=r.max_staleness)
-        rollout_seconds = time.perf_counter() - start
-        texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
-                                           skip_special_tokens=True)
-        start = time.perf_counter()
-        try:
-            result = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)])
-        except RewardError as error:
-            failure = error
-            arrays["reward_failed"][0] = True
-        else:
-            arrays.update(output_ids=rollout.output_ids, logprobs=rollout.logprobs, mask=rollout.mask,
-                          lengths=rollout.lengths, truncated=rollout.truncated,
-                          versions=np.asarray([int(v) for v in rollout.weight_versions], np.int64),
-                          components=result.components_NK,
-                          seconds=np.asarray([rollout_seconds, time.perf_counter() - start]))
-            extras = (texts, result)
-    arrays = share(arrays)
-    if arrays["reward_failed"][0]:
-        raise failure or RewardError("a reward stopped the run on process 0 (see its log)")
-    return arrays, extras
+    host, hosts = jax.process_index(), jax.process_count()
+    start, stop = host_share(len(prompts), hosts, host)
+    local, result, error = None, None, None
+    try:
+        local, result = _sample_share(run, step, prompts[start:stop], examples[start:stop], seed, start)
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
+        error = e
+    all_hosts_ok(error, f"sampling or scoring step {step + 1}")
+    arrays = merge_host_rows(gather_hosts(local), _HOST_REDUCTIONS)
+    if hosts > 1 and (step + 1) % run.config.run.log_every == 0:
+        print(f"[process {host}/{hosts}] step {step + 1}: sampled and scored prompts {start}-{stop - 1} "
+              f"({len(local['lengths'])} responses)", file=sys.stderr, flush=True)
+    merged = dataclasses.replace(result, components_NK=arrays["components"], timeouts_F=arrays["timeouts_F"],
+                                 errors_F=arrays["errors_F"])
+    return arrays, merged
 
 
 def _global_batch(arrays: dict[str, np.ndarray], mesh: Any) -> Any:
@@ -329,20 +395,23 @@ def _update(run: Run, step: int, batch: dict[str, np.ndarray],
     return history, whitening
 
 
-def _sample_rows(run: Run, step: int, examples, texts, result, arrays) -> list[dict[str, Any]]:
-    """samples.jsonl rows: every completion of the step's first two prompts."""
+def _sample_rows(run: Run, step: int, examples, result, arrays) -> list[dict[str, Any]]:
+    """samples.jsonl rows: every completion of the step's first two prompts (decoded here: any host sampled them)."""
     rows, group = [], run.config.rollout.group_size
+    total = result.total_N()
     for p, example in enumerate(examples[:2]):
-        for i in range(p * group, (p + 1) * group):
+        picked = range(p * group, (p + 1) * group)
+        texts = run.tokenizer.batch_decode([arrays["output_ids"][i][:arrays["lengths"][i]] for i in picked],
+                                           skip_special_tokens=True)
+        for i, text in zip(picked, texts):
             rows.append({"step": step, "prompt_id": example.prompt_id, "question": example.question,
-                         "answer": example.answer, "completion": texts[i], "reward": float(result.total_N()[i]),
+                         "answer": example.answer, "completion": text, "reward": float(total[i]),
                          **{f"reward/{n}": float(result.components_NK[i, k]) for k, n in enumerate(result.names)},
                          "length": int(arrays["lengths"][i]), "truncated": bool(arrays["truncated"][i])})
     return rows
 
 
 _RESAMPLE_PURPOSE = 1000  # step_seed purposes 1000 + r: dynamic sampling's extra rollouts (1 + epoch: minibatch order)
-_NOT_PER_ROW = ("seconds", "reward_failed")  # _sample arrays that are not one entry per response
 
 
 def _reward_weights(config: Config) -> tuple[float, ...]:
@@ -350,26 +419,22 @@ def _reward_weights(config: Config) -> tuple[float, ...]:
 
 
 def _select_groups(rounds: list[tuple], chosen: list[int], group: int) -> tuple[tuple, list, dict, Any]:
-    """The chosen groups (indices over every round, in order) as one rollout: (examples, prompts, arrays, extras)."""
+    """The chosen groups (indices over every round, in order) as one rollout: (examples, prompts, arrays, result)."""
     rows = (np.asarray(chosen, np.int64)[:, None] * group + np.arange(group)).reshape(-1)
     examples = tuple(e for rd in rounds for e in rd[0])
     prompts = [p for rd in rounds for p in rd[1]]
     arrays = {k: np.concatenate([rd[2][k] for rd in rounds])[rows] for k in rounds[0][2] if k not in _NOT_PER_ROW}
-    arrays["seconds"] = np.sum([rd[2]["seconds"] for rd in rounds], axis=0)
-    extras = None
-    if rounds[0][3] is not None:  # process 0: texts and reward results of every round
-        results = [rd[3][1] for rd in rounds]
-        texts = [t for rd in rounds for t in rd[3][0]]
-        merged = dataclasses.replace(results[0], components_NK=np.concatenate([res.components_NK for res in results])[rows],
-                                     timeouts_F=np.sum([res.timeouts_F for res in results], axis=0),
-                                     errors_F=np.sum([res.errors_F for res in results], axis=0),
-                                     error_messages=tuple(m for res in results for m in res.error_messages)[:5])
-        extras = ([texts[i] for i in rows], merged)
-    return tuple(examples[g] for g in chosen), [prompts[g] for g in chosen], arrays, extras
+    for key in _NOT_PER_ROW:  # wall-clock and failure counters add up over the rounds
+        arrays[key] = np.sum([rd[2][key] for rd in rounds], axis=0)
+    results = [rd[3] for rd in rounds]
+    result = dataclasses.replace(results[0], components_NK=arrays["components"], timeouts_F=arrays["timeouts_F"],
+                                 errors_F=arrays["errors_F"],
+                                 error_messages=tuple(m for res in results for m in res.error_messages)[:5])
+    return tuple(examples[g] for g in chosen), [prompts[g] for g in chosen], arrays, result
 
 
 def _rollout(run: Run, step: int) -> tuple[tuple, list, dict, Any, np.ndarray, dict[str, Any]]:
-    """The step's P groups: (examples, prompt ids, arrays, extras, valid_P, sampling metrics).
+    """The step's P groups: (examples, prompt ids, arrays, RewardResult, valid_P, sampling metrics).
 
     With rollout.dynamic_sampling, groups without a learning signal (the algorithm's own test,
     `algorithms.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
@@ -384,16 +449,16 @@ def _rollout(run: Run, step: int) -> tuple[tuple, list, dict, Any, np.ndarray, d
         examples = next(run.stream)
         prompts = _prompt_ids(run, examples)
         seed = step_seed(c.run.seed, step, _RESAMPLE_PURPOSE + len(rounds) if rounds else 0)
-        arrays, extras = _sample(run, step, prompts, examples, seed)
+        arrays, result = _sample(run, step, prompts, examples, seed)
         _, signal_P = advantages_N(c, _reward_weights(c), arrays["components"], np.ones(len(prompts), bool))
-        rounds.append((examples, prompts, arrays, extras, signal_P))
+        rounds.append((examples, prompts, arrays, result, signal_P))
         with_signal += int(signal_P.sum())
         if not r.dynamic_sampling or with_signal >= r.prompts_per_step or len(rounds) > r.max_resample_rounds:
             break
     signal_all = np.concatenate([rd[4] for rd in rounds])
     metrics: dict[str, Any] = {"zero_signal_fraction": float(1.0 - signal_all.mean())}
     if not r.dynamic_sampling:
-        return examples, prompts, arrays, extras, np.ones(len(prompts), bool), metrics
+        return examples, prompts, arrays, result, np.ones(len(prompts), bool), metrics
     keep = np.flatnonzero(signal_all)[:r.prompts_per_step].tolist()
     fill = np.flatnonzero(~signal_all)[:r.prompts_per_step - len(keep)].tolist()
     metrics.update({"sampling_rounds": len(rounds), "groups_drawn": len(signal_all),
@@ -407,7 +472,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     """Rollout, rewards, advantages, updates and the weight push of step `step` (0-based); its metrics row."""
     c = run.config
     started = time.perf_counter()
-    examples, prompts, arrays, extras, valid_P, sampling = _rollout(run, step)
+    examples, prompts, arrays, result, valid_P, sampling = _rollout(run, step)
     names = component_names(c.reward)
     weights = _reward_weights(c)
     advantages, signal_P = advantages_N(c, weights, arrays["components"], valid_P)
@@ -421,9 +486,8 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     history, whitening = _update(run, step, batch, np.repeat(signal_P, c.rollout.group_size))
     train_seconds = time.perf_counter() - train_start
     push_start = time.perf_counter()
-    path = run.publisher.publish(run.state.params, step + 1)
-    if run.client is not None:
-        run.client.update_weights(os.path.abspath(path), step + 1)
+    path = run.publisher.publish(run.state.params, step + 1)  # process 0 writes; every process joins the gather
+    push_weights(run.client, path, step + 1)
     push_seconds = time.perf_counter() - push_start
     step_seconds = time.perf_counter() - started
 
@@ -450,18 +514,32 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
         row["whiten_std"] = float(np.mean([sd for _, sd in whitening]))
     for k, name in enumerate(names):
         row[f"reward/{name}"] = float(components[:, k].mean())
-    if extras is not None:
-        texts, result = extras
-        row.update({k: v for k, v in result.metrics().items() if k not in row})
-        if c.run.sample_every and (step + 1) % c.run.sample_every == 0:
-            run.log.samples(_sample_rows(run, step + 1, examples, texts, result, arrays))
+    row.update({k: v for k, v in result.metrics().items() if k not in row})
+    if run.log.enabled and c.run.sample_every and (step + 1) % c.run.sample_every == 0:
+        run.log.samples(_sample_rows(run, step + 1, examples, result, arrays))
     return row
 
 
 def evaluate(run: Run, step: int) -> dict[str, Any] | None:
-    """Greedy accuracy on the held-out split with the policy after `step` steps (process 0; None elsewhere)."""
-    if run.client is None or not run.dataset.eval:
-        return None
+    """Greedy accuracy on the held-out split after `step` steps: process 0 evaluates (None elsewhere).
+
+    The other processes wait for it (and raise with it if it fails), so none runs ahead into the
+    next step's collectives.
+    """
+    import jax
+
+    row, error = None, None
+    if jax.process_index() == 0 and run.dataset.eval:
+        try:
+            row = _evaluate(run, step)
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
+            error = e
+    all_hosts_ok(error, f"evaluation after step {step}")
+    return row
+
+
+def _evaluate(run: Run, step: int) -> dict[str, Any]:
+    """evaluate's work on process 0."""
     c = run.config
     start = time.perf_counter()
     examples = run.dataset.eval

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from drgrpo_jax.rollout_batch import correct_mask, left_pad, response_stats, step_seed
+from drgrpo_jax.rollout_batch import correct_mask, host_share, left_pad, merge_host_rows, response_stats, step_seed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()"
@@ -77,6 +77,40 @@ def test_response_stats_split_lengths_and_say_null_when_a_side_is_empty():
     assert stats == {"accuracy": 2 / 3, "response_length_mean": 20 / 3, "response_length_correct": 5.0,
                      "response_length_incorrect": 10.0, "truncated_fraction": 1 / 3}
     assert response_stats(np.array([3]), np.array([False]), np.array([False]))["response_length_correct"] is None
+
+
+def test_host_shares_merge_back_into_the_one_host_rollout():
+    """Contiguous equal shares; stacking each host's rows and merging restores prompt order; counters add up."""
+    prompts, group, hosts = 6, 2, 3
+    assert [host_share(prompts, hosts, h) for h in range(hosts)] == [(0, 2), (2, 4), (4, 6)]
+    assert host_share(prompts, 1, 0) == (0, 6)
+    whole = {"ids": np.arange(prompts * group * 3).reshape(prompts * group, 3),
+             "lengths": np.arange(prompts * group, dtype=np.int32)}
+    local = [{k: v[a * group:b * group] for k, v in whole.items()} | {"seconds": np.array([h + 1.0, 0.5]),
+                                                                     "errors_F": np.array([h, 1])}
+             for h, (a, b) in enumerate(host_share(prompts, hosts, h) for h in range(hosts))]
+    stacked = {k: np.stack([x[k] for x in local]) for k in local[0]}
+    merged = merge_host_rows(stacked, {"seconds": "max", "errors_F": "sum"})
+    np.testing.assert_array_equal(merged["ids"], whole["ids"])
+    np.testing.assert_array_equal(merged["lengths"], whole["lengths"])
+    np.testing.assert_array_equal(merged["seconds"], [3.0, 0.5])
+    np.testing.assert_array_equal(merged["errors_F"], [3, 3])
+    with pytest.raises(ValueError, match="^rollout.prompts_per_step: 6 prompts do not split evenly over 4 hosts"):
+        host_share(6, 4, 0)
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["mesh.num_processes=3", "mesh.coordinator_address=h:1", "rollout.urls=[http://g:1]"],
+     "rollout.prompts_per_step", "8 prompts do not split evenly over mesh.num_processes = 3"),
+    (["mesh.num_processes=2", "mesh.coordinator_address=h:1"], "rollout.urls", "must list the generation services"),
+    (["rollout.service_batch_size=0"], "rollout.service_batch_size", "must be >= 1"),
+])
+def test_multi_host_config_errors_name_the_key(overrides, key, reason):
+    from drgrpo_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"^{key}: {reason}"):
+        load_config(None, ["model.path=m", *overrides])
+    assert load_config(None, ["model.path=m", "rollout.service_batch_size=16"]).rollout.service_batch_size == 16
 
 
 # ---------------------------------------------------------------------------------------------
