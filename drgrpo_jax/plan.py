@@ -3,6 +3,8 @@
     python -m drgrpo_jax.plan --config PATH [section.key=value ...] [--device NAME | --device-memory GiB]
                               [--model-config NAME|PATH] [--serve-batch-size ROWS] [--format text|json]
 
+--serve-batch-size defaults to rollout.service_batch_size (the services' --max-batch-size).
+
 Parameters and optimizer state are exact: their shapes come from `jax.eval_shape` of the real model
 and optax chain, split by the same logical-axis rules the trainer uses. Activations, log-prob chunks
 and the generation service's prefill are estimates from the formulas below (docs/scaling_out.md):
@@ -242,9 +244,13 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 
 def service_rows(config: Config, serve_batch_size: int | None) -> int:
-    """Rows one service samples at once: the trainer's child takes a whole rollout; URLs split it."""
+    """Rows one service samples at once: --serve-batch-size, else rollout.service_batch_size, else the default.
+
+    The default: the trainer's child takes a whole rollout (or the eval set); URLs split a rollout.
+    """
     r = config.rollout
     rollout_rows = r.prompts_per_step * r.group_size
+    serve_batch_size = serve_batch_size or r.service_batch_size
     if serve_batch_size is None:
         if r.urls:  # each service gets its share, capped by serve.py's default --max-batch-size (32)
             return bucket(min(math.ceil(rollout_rows / len(r.urls)), 32), minimum=1)
@@ -347,7 +353,8 @@ def service_advice(config: Config, model: ModelConfig, weights: int, usable: int
         fits //= 2
     if _total(service_memory(config, model, weights, fits)) > usable:
         return ["even one row does not fit: lower rollout.max_new_tokens or rollout.max_prompt_tokens"]
-    return [f"start each generation service with --max-batch-size {fits} (and list them in rollout.urls); "
+    return [f"start each generation service with --max-batch-size {fits} (and list them in rollout.urls; "
+            f"rollout.service_batch_size={fits} starts the trainer's own child so and lets the plan check it); "
             f"{rows} rows at once need {_total(service_memory(config, model, weights, rows)) / GIB:.1f} GiB"]
 
 
@@ -451,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--device", help=f"target device: {', '.join(DEVICES)}")
     target.add_argument("--device-memory", type=float, help="target device memory in GiB")
     parser.add_argument("--model-config", help=f"HF folder, config.json or preset ({', '.join(PRESETS)})")
-    parser.add_argument("--serve-batch-size", type=int, help="rows one generation service samples at once")
+    parser.add_argument("--serve-batch-size", type=int,
+                        help="rows one generation service samples at once (default: rollout.service_batch_size)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # eval_shape needs no accelerator

@@ -123,6 +123,7 @@ def test_config_headers_state_the_planned_memory(name, model, device, rows):
     assert stated, f"{name}: no plan line in the header"
     assert f"--device {device} --serve-batch-size {rows}" in header
     result = _plan(path, model, device=plan.device_spec(device), serve_batch_size=rows)
+    assert _plan(path, model)["service"]["rows"] == rows  # rollout.service_batch_size says the same as the header
     assert float(stated.group(1)) == round(result["trainer"]["total"] / GIB, 2)
     assert float(stated.group(2)) == round(result["service"]["total"] / GIB, 2)
     assert result["fits"] == {"trainer": True, "service": True}
