@@ -20,8 +20,11 @@
 #   --log-dir DIR         logs of every process and service (default launch_logs)
 #   --python PY           interpreter on every host (default python3); --workdir DIR on remote hosts (default .)
 #   --dry-run             print every command instead of running it
-# Without --serve-gpus or --serve-url the trainer starts its own child service on process 0.
-# The run's output_dir must be one path every host sees (NFS): weights are pushed through it.
+# Every trainer process samples and scores its share of each step's prompts from the services (process i
+# starts at URL i mod n). Without --serve-gpus or --serve-url only a single process may run: it starts its own
+# child service (several processes without rollout.urls stop with a config error naming it).
+# The run's output_dir must be one path every host and service sees (NFS): process 0 writes each weight
+# version there and tells every service to load it.
 set -euo pipefail
 
 config="" mode="" hosts="" local_procs=0 gpus_per_host=8 serve_gpus=0 serve_batch="" serve_port=30000

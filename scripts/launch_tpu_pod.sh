@@ -8,7 +8,9 @@
 #   --num-workers N        workers (hosts) of the slice; --coordinator IP: worker 0's internal IP
 #                          (both default to `gcloud compute tpus tpu-vm describe`; required with --dry-run)
 #   --chips-per-worker C   TPU chips per worker (default 4; 8 on a v5e-8 / v6e-8 host)
-#   Generation services (python -m drgrpo_jax.serve, one chip each; default: the trainer's own child):
+#   Generation services (python -m drgrpo_jax.serve, one chip each). Every worker's trainer samples and scores its
+#   share of each step's prompts from all of them (worker i starts at URL i mod n), so a multi-worker slice
+#   needs them; only a one-worker trainer without any starts its own child service:
 #   --serve-tpu NAME       on a separate slice, --serve-chips per worker of it (IPs: --serve-ips ip,ip or describe)
 #   --serve-chips K        services per service worker; without --serve-tpu: on the last K chips of a ONE-worker
 #                          slice, the trainer keeping the others (TPU_VISIBLE_CHIPS)
@@ -18,7 +20,8 @@
 #   --install CMD          install command on every worker (default below); --log-dir DIR (default launch_logs)
 #   --dry-run              print every command instead of running it
 # model.path, data.path and run.output_dir must be paths every worker (and the service slice) sees: a shared
-# disk, Filestore/NFS or a gcsfuse mount; weights are pushed through run.output_dir/weights.
+# disk, Filestore/NFS or a gcsfuse mount; weights are pushed through run.output_dir/weights (process 0 writes each
+# version and tells every service to load it; no worker samples before every service has it).
 set -euo pipefail
 
 tpu="" zone="" project="" config="" workers="" coordinator="" chips=4 serve_tpu="" serve_ips="" serve_chips=0

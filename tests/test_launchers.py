@@ -158,18 +158,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _local_run(tmp_path, inputs_dir, processes: int, devices: int) -> list[dict]:
-    """2 steps of the tiny model through the launcher's local mode; the metrics rows."""
+def recorded_letter_a(completion: str, example) -> float:
+    """test_train.has_letter_a, recording which trainer process (the reward worker's parent) scored what."""
+    folder = os.environ.get("REWARD_RECORD_DIR")
+    if folder:
+        with open(os.path.join(folder, f"{os.getppid()}.txt"), "a") as f:
+            f.write(f"{example.prompt_id}\n")
+    return 1.0 if "a" in completion else 0.0
+
+
+def nan_on_flagged_host(completion: str, example) -> float:
+    """A reward that stops the run (NaN) on the host whose environment sets FAIL_REWARD, and only there."""
+    return float("nan") if os.environ.get("FAIL_REWARD") else 1.0
+
+
+def _overrides_2p(inputs_dir, out, reward: str = "test_launchers:recorded_letter_a") -> list[str]:
+    """test_train's tiny 2-step run (4 prompts x 4), without eval, on 2 data-parallel devices."""
     sys.path.insert(0, os.path.dirname(__file__))
     from test_train import _overrides
 
-    out = tmp_path / f"run_{processes}"
     inputs = {"model": str(inputs_dir / "model"), "prompts": str(inputs_dir / "prompts.jsonl")}
-    overrides = [o for o in _overrides(inputs, out, 2) if not o.startswith(("train.eval_every", "mesh.data"))]
-    overrides += ["train.eval_every=0", "mesh.data=2"]
+    overrides = [o for o in _overrides(inputs, out, 2)
+                 if not o.startswith(("train.eval_every", "mesh.data", "reward.functions"))]
+    return overrides + ["train.eval_every=0", "mesh.data=2", f"reward.functions=[{reward},format]"]
+
+
+def _env_2p(**extra) -> dict[str, str]:
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, here]), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, here]), "HF_HUB_OFFLINE": "1", **extra}
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _local_run(tmp_path, inputs_dir, processes: int, devices: int) -> list[dict]:
+    """2 steps of the tiny model through the launcher's local mode; the metrics rows."""
+    out = tmp_path / f"run_{processes}"
+    overrides = _overrides_2p(inputs_dir, out)
+    record = tmp_path / f"scored_{processes}"
+    record.mkdir()
+    env = _env_2p(REWARD_RECORD_DIR=str(record))
     result = launch(GPU, "--config", str(inputs_dir / "base.yaml"), "--local", str(processes), "--local-devices",
                     str(devices), "--serve-gpus", "1", "--serve-port", str(_free_port()), "--coordinator-port",
                     str(_free_port()), "--log-dir", str(tmp_path / f"logs_{processes}"), "--python", sys.executable,
@@ -180,17 +207,34 @@ def _local_run(tmp_path, inputs_dir, processes: int, devices: int) -> list[dict]
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.slow  # two trainer runs, each starting a service and compiling the step: ~3 minutes on 2 cores
-def test_local_mode_two_processes_match_one(tmp_path):
+def _scored(tmp_path, processes: int) -> list[list[str]]:
+    """Prompt ids each trainer process scored (one list per process; order of the files is not the process order)."""
+    return [p.read_text().split() for p in sorted((tmp_path / f"scored_{processes}").glob("*.txt"))]
+
+
+def _inputs(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from test_train import write_prompts, write_tiny_model
 
     write_tiny_model(str(tmp_path / "model"))
     write_prompts(str(tmp_path / "prompts.jsonl"), 40)
     (tmp_path / "base.yaml").write_text("model: {dtype: float32}\n")  # serve.py reads model.* from it
+
+
+@pytest.mark.slow  # two trainer runs, each starting a service and compiling the step: ~3 minutes on 2 cores
+def test_local_mode_two_processes_match_one(tmp_path):
+    _inputs(tmp_path)
     one = _local_run(tmp_path, tmp_path, processes=1, devices=2)
     two = _local_run(tmp_path, tmp_path, processes=2, devices=1)
     assert [row["step"] for row in one] == [row["step"] for row in two] == [1, 2]
+    # Each process scored its own half: 2 steps x 2 of the 4 prompts x 4 samples, the same prompts in all.
+    (alone,), shares = _scored(tmp_path, 1), _scored(tmp_path, 2)
+    assert len(alone) == 2 * 4 * 4 and [len(share) for share in shares] == [2 * 2 * 4, 2 * 2 * 4]
+    assert sorted(shares[0] + shares[1]) == sorted(alone) and not set(shares[0]) & set(shares[1])
+    logs = {i: (tmp_path / "logs_2" / f"train_{i}.log").read_text() for i in range(2)}
+    for step in (1, 2):
+        assert f"[process 0/2] step {step}: sampled and scored prompts 0-1 (8 responses)" in logs[0]
+        assert f"[process 1/2] step {step}: sampled and scored prompts 2-3 (8 responses)" in logs[1]
     timing = ("seconds", "per_second")
     for a, b in zip(one, two):
         assert a.keys() == b.keys()
@@ -199,3 +243,37 @@ def test_local_mode_two_processes_match_one(tmp_path):
                 assert (a[key] is None) == (b[key] is None), key
                 continue
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow  # one service and two trainer processes up to their first rollout: ~1.5 minutes on 2 cores
+def test_a_reward_failure_on_process_1_stops_both(tmp_path):
+    """A NaN reward on process 1 only: both processes exit 1 naming RewardError, neither hangs."""
+    from drgrpo_jax.rollout import LocalServer
+
+    _inputs(tmp_path)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    with LocalServer(str(tmp_path / "model"), log_path=str(tmp_path / "serve.log"),
+                     env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}) as server:
+        overrides = _overrides_2p(tmp_path, tmp_path / "run", reward="test_launchers:nan_on_flagged_host")
+        processes = []
+        for i in range(2):
+            env = _env_2p(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+                          XLA_FLAGS="--xla_force_host_platform_device_count=1", **({"FAIL_REWARD": "1"} if i else {}))
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "drgrpo_jax.train", *overrides, f"rollout.urls=[{server.url}]",
+                 f"mesh.coordinator_address={coordinator}", "mesh.num_processes=2", f"mesh.process_id={i}"],
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        errors = []
+        for process in processes:
+            try:
+                errors.append(process.communicate(timeout=400)[1])
+            except subprocess.TimeoutExpired:
+                for p in processes:
+                    p.kill()
+                pytest.fail("a process hung after the other's reward failure")
+    for i, (process, stderr) in enumerate(zip(processes, errors)):
+        last = [line for line in stderr.splitlines() if line.strip()][-1]
+        assert process.returncode == 1 and last.startswith("python -m drgrpo_jax.train: RewardError: "), (i, stderr[-2000:])
+    assert "sampling or scoring step 1 failed on process 1" in errors[0]
+    assert "nan" in errors[1].lower()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
