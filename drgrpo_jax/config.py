@@ -67,6 +67,10 @@ class RunConfig:
     seed: int = _f(0, "root PRNG seed; data order, sampling and init all derive from it")
     log_every: int = _f(1, "print a progress line every N steps (metrics.jsonl gets every step)")
     sample_every: int = _f(10, "write sample completions every N steps (0 = never)")
+    weights_dir: str | None = _f(
+        None, "where each weight version is copied for the services to load: a folder they all read or "
+              "gs://bucket/path (needs gcsfs); null = run.output_dir/weights"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from drgrpo_jax.paths import copy_folder, is_remote, remove_folder, versions_in
+
 __all__ = ["RunLog", "WeightPublisher", "gather_hosts", "host_array"]
 
 
@@ -89,10 +91,15 @@ class RunLog:
 
 
 class WeightPublisher:
-    """Exports params to weights/v{version} (process 0 writes; every process joins the gather)."""
+    """Exports params to root/v{version} (process 0 writes; every process joins the gather).
 
-    def __init__(self, root: str, graphdef: Any, keep: int = 2):
-        self.root, self.graphdef, self.keep = root, graphdef, keep
+    With `mirror` (run.weights_dir: a folder every service reads, or gs://bucket/path) each version
+    is also copied to mirror/v{version}, which is then the path the services are told to load.
+    """
+
+    def __init__(self, root: str, graphdef: Any, keep: int = 2, mirror: str | None = None):
+        self.root, self.graphdef, self.keep = os.path.abspath(root), graphdef, keep
+        self.mirror = mirror if mirror is None or is_remote(mirror) else os.path.abspath(mirror)
 
     def export(self, params: Any, path: str, tokenizer: Any = None) -> str:
         """Writes `params` as an HF folder at `path` atomically (tmp folder, then rename)."""
@@ -110,19 +117,34 @@ class WeightPublisher:
             os.replace(tmp, path)
         return path
 
+    def local_path(self, version: int) -> str:
+        """The trainer's own copy of version `version`."""
+        return os.path.join(self.root, f"v{version}")
+
     def publish(self, params: Any, version: int) -> str:
-        """Exports version `version` and deletes all but the newest `keep` versions."""
-        path = self.export(params, os.path.join(self.root, f"v{version}"))
+        """Exports version `version` (and mirrors it), keeps the newest `keep`; returns the path services load."""
         import jax
 
-        if jax.process_index() == 0:
-            versions = sorted(int(name[1:]) for name in os.listdir(self.root)
-                              if name.startswith("v") and name[1:].isdigit())
-            older = [v for v in versions if v < version]
-            # Versions above this one were written by a run that died after its last checkpoint: stale.
-            for stale in older[:max(len(older) - self.keep + 1, 0)] + [v for v in versions if v > version]:
-                shutil.rmtree(os.path.join(self.root, f"v{stale}"), ignore_errors=True)
-        return path
+        path = self.export(params, self.local_path(version))
+        if jax.process_index() != 0:
+            return path if self.mirror is None else f"{self.mirror.rstrip('/')}/v{version}"
+        _prune(self.root, version, self.keep)
+        if self.mirror is None:
+            return path
+        target = f"{self.mirror.rstrip('/')}/v{version}"
+        remove_folder(target)  # a partial copy left by a run that died mid-copy
+        copy_folder(path, target)
+        _prune(self.mirror, version, self.keep)
+        return target
+
+
+def _prune(root: str, version: int, keep: int) -> None:
+    """Deletes all but the newest `keep` versions up to `version`, and every version above it."""
+    versions = versions_in(root)
+    older = [v for v in versions if v < version]
+    # Versions above this one were written by a run that died after its last checkpoint: stale.
+    for stale in older[:max(len(older) - keep + 1, 0)] + [v for v in versions if v > version]:
+        remove_folder(f"{root.rstrip('/')}/v{stale}")
 
 
 def host_array(x: Any) -> np.ndarray:

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from drgrpo_jax import sampling
 from drgrpo_jax.models import from_pretrained
+from drgrpo_jax.paths import local_folder
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
 log = logging.getLogger("drgrpo_jax.serve")
@@ -185,8 +186,8 @@ class Engine:
 
     def update_weights(self, path: str, version: str) -> Weights:
         """Loads, checks and swaps in new weights; on any error the served weights stay as they were."""
-        with self._update_lock:
-            new = load_weights(path, self.config.dtype, version)
+        with self._update_lock, local_folder(path) as folder:  # a gs:// folder is copied to local disk first
+            new = load_weights(folder, self.config.dtype, version)
             old = self.weights
             check_compatible(old, new)
             # Keep the old graphdef: it is the static key of the compiled programs (no recompiles).

@@ -5,7 +5,8 @@ from the generation service(s) (a local child process unless rollout.urls is set
 need rollout.urls) and scores them, then the hosts all-gather the rows so each holds the whole
 batch in prompt order; compute the algorithm's advantages;
 recompute the policy's log-probs ("old"); run ppo_epochs x minibatches_per_rollout jitted
-updates; export the new weights to run_dir/weights/v{step} and point the service at them; log.
+updates; export the new weights to run_dir/weights/v{step} (copied to run.weights_dir when set)
+and point every service at them; log.
 Every random choice derives from (run.seed, step), and the data position and weight version
 are checkpointed with the train state, so a resumed run reproduces an uninterrupted one.
 
@@ -126,17 +127,23 @@ def service_batch_size(config: Config) -> int:
     return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
 
 
-def push_weights(client: Any, path: str, version: int) -> None:
-    """Process 0 tells every service to load `path`; then every process waits for it (and fails with it)."""
+def publish_weights(publisher: WeightPublisher, client: Any, params: Any, version: int) -> str:
+    """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0).
+
+    Every process waits for it and raises with it if it fails anywhere, so no host samples before the
+    services hold the new weights.
+    """
     import jax
 
-    error = None
-    if jax.process_index() == 0:
-        try:
-            client.update_weights(os.path.abspath(path), version)
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
-            error = e
-    all_hosts_ok(error, f"pushing weight version {version}")
+    path, error = "", None
+    try:
+        path = publisher.publish(params, version)  # every process joins its gather
+        if client is not None and jax.process_index() == 0:
+            client.update_weights(path, version)
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
+        error = e
+    all_hosts_ok(error, f"publishing weight version {version}")
+    return path
 
 
 @dataclasses.dataclass
@@ -258,16 +265,14 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
             f.write(dump_config(c))
     log = RunLog(out, start_step, main_process)
     stack.callback(log.close)
-    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef)
-    weights = publisher.publish(state.params, start_step)
+    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir)
+    publish_weights(publisher, client, state.params, start_step)
     server = None
     if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(
-            weights, dtype=c.model.dtype, weight_version=start_step, log_path=os.path.join(out, "serve.log"),
-            extra_args=["--max-batch-size", str(service_batch_size(c))]))
+            publisher.local_path(start_step), dtype=c.model.dtype, weight_version=start_step,
+            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))]))
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s))
-    else:
-        push_weights(client, weights, start_step)
     return Run(c, dataset, tokenizer, mesh, graphdef, state,
                jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
                jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),
@@ -486,8 +491,7 @@ def train_one_step(run: Run, step: int) -> dict[str, Any]:
     history, whitening = _update(run, step, batch, np.repeat(signal_P, c.rollout.group_size))
     train_seconds = time.perf_counter() - train_start
     push_start = time.perf_counter()
-    path = run.publisher.publish(run.state.params, step + 1)  # process 0 writes; every process joins the gather
-    push_weights(run.client, path, step + 1)
+    publish_weights(run.publisher, run.client, run.state.params, step + 1)
     push_seconds = time.perf_counter() - push_start
     step_seconds = time.perf_counter() - started
 

@@ -1,6 +1,7 @@
 """The rollout client: retries, failover, version checks, assembly, and the local child-process mode."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -208,6 +209,12 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
                                           fleet.generate(PROMPTS, 3, max_new_tokens=8, seed=1).output_ids)
             client.update_weights(model_dir, 6)
             assert client.model_info()["weight_version"] == "6"
+            # A URI (gs://... in a real run) is copied to a local temp folder first: file:// takes that path here.
+            client.update_weights("file://" + os.path.abspath(model_dir), 8)
+            info = client.model_info()
+            assert info["weight_version"] == "8" and info["model_path"] == "file://" + os.path.abspath(model_dir)
+            with pytest.raises(RolloutError, match="model_path"):
+                client.update_weights("file://" + os.path.abspath(model_dir) + "/missing", 9)
             with pytest.raises(RolloutError, match="model_path"):
                 client.update_weights(model_dir + "/missing", 7)
         url = server.url

@@ -329,3 +329,24 @@ def test_weight_publisher_keeps_the_newest_versions_and_drops_stale_ones(tmp_pat
     publisher.publish(params, 1)  # a resume from step 1 after a run that got to v3: v2 and v3 are stale
     assert sorted(os.listdir(tmp_path)) == ["v1"]
     assert os.path.isfile(tmp_path / "v1" / "config.json")
+
+
+def test_weight_publisher_mirrors_each_version_to_run_weights_dir(tmp_path):
+    """run.weights_dir: each version is copied there (through etils.epath, as gs:// would be) and that path is pushed."""
+    from flax import nnx
+
+    from drgrpo_jax.models import ModelConfig, Transformer
+    from drgrpo_jax.outputs import WeightPublisher
+
+    config = ModelConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+    for mirror, shared in [(str(tmp_path / "shared"), tmp_path / "shared"),
+                           ("file://" + str(tmp_path / "bucket"), tmp_path / "bucket")]:
+        publisher = WeightPublisher(str(tmp_path / "local"), graphdef, keep=2, mirror=mirror)
+        paths = [publisher.publish(params, version) for version in range(3)]
+        assert paths == [f"{mirror}/v{v}" for v in range(3)]
+        assert sorted(os.listdir(shared)) == ["v1", "v2"] and sorted(os.listdir(tmp_path / "local")) == ["v1", "v2"]
+        assert sorted(os.listdir(shared / "v2")) == sorted(os.listdir(tmp_path / "local" / "v2"))
+        assert (shared / "v2" / "model.safetensors").read_bytes() == \
+            (tmp_path / "local" / "v2" / "model.safetensors").read_bytes()
