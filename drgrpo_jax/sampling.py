@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from drgrpo_jax.models import init_cache
+from drgrpo_jax.models.transformer import layer_params, split_cache
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
 _CDF_CHUNK = 256  # vocabulary chunk of the two-level inverse-CDF sampler
@@ -296,6 +297,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     if prompt_len > 1:
         _, cache = model.decode(batch.prompt_ids_BP[:, :-1], batch.prompt_positions_BP[:, :-1], cache)
     logits_B1V, cache = model.decode(batch.prompt_ids_BP[:, -1:], batch.prompt_positions_BP[:, -1:], cache)
+    # Split the stacked layers and cache once, so the loop body reads and writes each layer in place.
+    layers = layer_params(model.blocks.arrays(), model.config.num_layers)
+    cache = split_cache(cache)
     keys_B = row_keys(batch.seeds_B, batch.streams_B, batch.samples_B)
     out = SamplerOutput(
         tokens_BN=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
@@ -314,7 +318,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     def decode_one(s: _LoopState) -> _LoopState:
         # Position of the token fed now = prompt length + index of that token in the completion.
         positions_B1 = (batch.prompt_lengths_B + s.step - 1)[:, None]
-        logits_B1V, cache = nnx.merge(graphdef, state).decode(s.tokens_B[:, None], positions_B1, s.cache)
+        logits_B1V, cache = model.decode(s.tokens_B[:, None], positions_B1, s.cache, layers)
         tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, s.step, batch)
         s = _LoopState(s.step, cache, s.tokens_B, s.out.replace(num_steps=s.out.num_steps + 1), s.done_B)
         return _record(s, tokens_B, logprobs_B, batch)

@@ -31,8 +31,8 @@ _MASKED = -1e30
 class KVCache:
     """Explicit decode state: keys/values per layer and the position stored in each slot."""
 
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, S, K, H]; a decode loop carries a tuple of L [B, S, K, H] arrays (`split_cache`)
+    v: jax.Array  # as k
     positions_BS: jax.Array  # int32, -1 = empty slot or padding token
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
 
@@ -222,10 +222,44 @@ def _rope_for_layers(config: ModelConfig, positions_BT: jax.Array):
     return global_tables, rope_tables(positions_BT, config.local_rope.inv_freq(config.head_dim))
 
 
+def _qkv(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array):
+    """A layer's normed, roped queries [B, T, N, H] and new keys/values [B, T, K, H]."""
+    eps, plus_one = config.rms_norm_eps, config.gemma_norms
+    h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
+    q_BTNH = project(h_BTD, p["q_proj"])
+    k_BTKH = project(h_BTD, p["k_proj"])
+    v_BTKH = project(h_BTD, p["v_proj"])
+    if config.qkv_bias:
+        q_BTNH, k_BTKH, v_BTKH = (
+            q_BTNH + p["q_bias"][None, None], k_BTKH + p["k_bias"][None, None], v_BTKH + p["v_bias"][None, None])
+    if config.qk_norm:
+        q_BTNH = rms_norm(q_BTNH, p["q_norm"], eps, plus_one)
+        k_BTKH = rms_norm(k_BTKH, p["k_norm"], eps, plus_one)
+    return apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH), v_BTKH
+
+
+def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTNH: jax.Array) -> jax.Array:
+    """Output projection and residual, then the MLP block and its residual."""
+    eps, plus_one = config.rms_norm_eps, config.gemma_norms
+    a_BTD = project(o_BTNH, p["o_proj"], in_dims=2)
+    if config.o_bias:
+        a_BTD = a_BTD + p["o_bias"][None, None]
+    if config.post_norms:
+        a_BTD = rms_norm(a_BTD, p["post_attn_norm"], eps, plus_one)
+    x_BTD = x_BTD + a_BTD
+    with jax.named_scope("mlp"):
+        h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
+        gate_BTF = _activation(config.activation, project(h_BTD, p["gate_proj"]))
+        up_BTF = project(h_BTD, p["up_proj"])
+        m_BTD = project(gate_BTF * up_BTF, p["down_proj"])
+        if config.post_norms:
+            m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
+        return x_BTD + m_BTD
+
+
 def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
                 masks: tuple[jax.Array, jax.Array], cache: KVCache | None):
     """All decoder layers via lax.scan; with a cache, new keys/values are written at cache.length first."""
-    eps, plus_one = config.rms_norm_eps, config.gemma_norms
     (cos_g, sin_g), (cos_l, sin_l) = _rope_for_layers(config, positions_BT)
     mask_full_BTS, mask_local_BTS = masks
     sliding_L = jnp.asarray(config.sliding_layers)
@@ -234,18 +268,8 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
         x_BTD, k_cache, v_cache = carry
         p, sliding, index = layer
         with jax.named_scope("attention"):
-            h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
-            q_BTNH = project(h_BTD, p["q_proj"])
-            k_BTKH = project(h_BTD, p["k_proj"])
-            v_BTKH = project(h_BTD, p["v_proj"])
-            if config.qkv_bias:
-                q_BTNH, k_BTKH, v_BTKH = (
-                    q_BTNH + p["q_bias"][None, None], k_BTKH + p["k_bias"][None, None], v_BTKH + p["v_bias"][None, None])
-            if config.qk_norm:
-                q_BTNH = rms_norm(q_BTNH, p["q_norm"], eps, plus_one)
-                k_BTKH = rms_norm(k_BTKH, p["k_norm"], eps, plus_one)
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
-            q_BTNH, k_BTKH = apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin)
+            q_BTNH, k_BTKH, v_BTKH = _qkv(config, p, x_BTD, cos, sin)
             if cache is None:
                 keys_BSKH, values_BSKH = k_BTKH, v_BTKH
             else:
@@ -257,21 +281,7 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
                 values_BSKH = v_cache[index].astype(q_BTNH.dtype)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
             o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale)
-            a_BTD = project(o_BTNH, p["o_proj"], in_dims=2)
-            if config.o_bias:
-                a_BTD = a_BTD + p["o_bias"][None, None]
-            if config.post_norms:
-                a_BTD = rms_norm(a_BTD, p["post_attn_norm"], eps, plus_one)
-            x_BTD = x_BTD + a_BTD
-        with jax.named_scope("mlp"):
-            h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
-            gate_BTF = _activation(config.activation, project(h_BTD, p["gate_proj"]))
-            up_BTF = project(h_BTD, p["up_proj"])
-            m_BTD = project(gate_BTF * up_BTF, p["down_proj"])
-            if config.post_norms:
-                m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
-            x_BTD = x_BTD + m_BTD
-        return (x_BTD, k_cache, v_cache), None
+        return (_after_attention(config, p, x_BTD, o_BTNH), k_cache, v_cache), None
 
     if config.remat:
         block = jax.checkpoint(block)
@@ -280,6 +290,62 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
     layers = (params, sliding_L, jnp.arange(config.num_layers))
     (x_BTD, k_cache, v_cache), _ = jax.lax.scan(block, (x_BTD, k0, v0), layers)
     return x_BTD, k_cache, v_cache
+
+
+def attend_step(q_BNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BS: jax.Array,
+                scale: float) -> jax.Array:
+    """`attend` for one query token per row, reading the cache in its stored [B, S, K, H] layout.
+
+    Multiply-reduce fusions instead of dots: a batched dot wants its batch axes (B, K) leading, so XLA
+    would copy each layer's cache to [B, K, S, H] every step (~20% of a SmolLM2 decode step), while at
+    T = 1 the attention FLOPs are negligible next to reading the cache once.
+    """
+    B, N, H = q_BNH.shape
+    K = k_BSKH.shape[2]
+    q_B1KGH = q_BNH.astype(_F32).reshape(B, 1, K, N // K, H)
+    scores_BSKG = jnp.sum(q_B1KGH * k_BSKH[:, :, :, None, :].astype(_F32), axis=-1) * scale
+    scores_BSKG = jnp.where(mask_BS[:, :, None, None], scores_BSKG, _MASKED)
+    probs_BSKG = jax.nn.softmax(scores_BSKG, axis=1)
+    out_BKGH = jnp.sum(probs_BSKG[..., None] * v_BSKH[:, :, :, None, :].astype(_F32), axis=1)
+    return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+
+
+def _run_blocks_step(config: ModelConfig, layers: tuple[dict[str, jax.Array], ...], x_B1D: jax.Array,
+                     positions_B1: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache):
+    """One decode step (T = 1) through every layer as straight-line code over a per-layer cache.
+
+    Static layer indices and per-layer buffers: a scan step dynamic-slices every weight and the layer's
+    cache out of the stacked arrays (copies); here each layer's slots are written in place, then read.
+    """
+    tables = _rope_for_layers(config, positions_B1)
+    start = (0, cache.length, 0, 0)
+    keys, values = [], []
+    for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
+        with jax.named_scope(f"layer_{index}"):
+            q_B1NH, k_B1KH, v_B1KH = _qkv(config, p, x_B1D, *tables[int(sliding)])
+            keys.append(jax.lax.dynamic_update_slice(cache.k[index], k_B1KH.astype(cache.k[index].dtype), start))
+            values.append(jax.lax.dynamic_update_slice(cache.v[index], v_B1KH.astype(cache.v[index].dtype), start))
+            o_BNH = attend_step(q_B1NH[:, 0], keys[-1], values[-1], masks[int(sliding)][:, 0], config.attn_scale)
+            x_B1D = _after_attention(config, p, x_B1D, o_BNH[:, None])
+    return x_B1D, tuple(keys), tuple(values)
+
+
+def split_cache(cache: KVCache) -> KVCache:
+    """The cache with keys/values as tuples of per-layer [B, S, K, H] arrays (what a decode loop carries).
+
+    Each layer's slots are then their own buffer, which a decode step updates in place; slicing a layer
+    out of the stacked array is a copy. `Transformer.decode` accepts either form and returns the same.
+    """
+    num_layers = cache.k.shape[0]
+    return cache.replace(k=tuple(cache.k[i] for i in range(num_layers)), v=tuple(cache.v[i] for i in range(num_layers)))
+
+
+def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[str, jax.Array], ...]:
+    """The stacked block parameters split into one dict per layer (what `decode` steps read).
+
+    Split once outside a decode loop, so the loop body reads each layer's weights in place.
+    """
+    return tuple({name: value[index] for name, value in params.items()} for index in range(num_layers))
 
 
 def _window(config: ModelConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
@@ -356,18 +422,30 @@ class Transformer(nnx.Module):
         """float32 logits [B, T, V]."""
         return self.logits_from_hidden(self.hidden_states(input_ids_BT, positions_BT, segment_ids_BT))
 
-    def decode(self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode(self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
+               layers: tuple[dict[str, jax.Array], ...] | None = None) -> tuple[jax.Array, KVCache]:
         """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache).
 
         Tokens with position -1 (padding) are stored as empty slots and are never visible. The caller sizes the
-        cache: XLA clamps a write past its end onto the last slots.
+        cache: XLA clamps a write past its end onto the last slots. A single token (T = 1, a decode step) runs
+        the layers unrolled, reading `layers` (`layer_params` of the blocks, split here when not given: a
+        decode loop passes them in so the split happens once, outside the loop); longer inputs run the scan.
         """
         T = input_ids_BT.shape[1]
         positions_BT = positions_BT.astype(jnp.int32)
         cache_positions_BS = jax.lax.dynamic_update_slice(cache.positions_BS, positions_BT, (0, cache.length))
         masks = cache_masks(self.config, positions_BT, cache_positions_BS)
-        x_BTD, k, v = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
-                                  masks, cache)
+        x_BTD = self._embed(input_ids_BT)
+        stacked = not isinstance(cache.k, tuple)
+        if T == 1:
+            layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
+            x_BTD, k, v = _run_blocks_step(self.config, layers, x_BTD, positions_BT, masks,
+                                           split_cache(cache) if stacked else cache)
+            k, v = (jnp.stack(k), jnp.stack(v)) if stacked else (k, v)
+        elif stacked:
+            x_BTD, k, v = _run_blocks(self.config, self.blocks.arrays(), x_BTD, positions_BT, masks, cache)
+        else:
+            raise ValueError("cache: a per-layer (split) cache takes one token per row; prefill the stacked cache")
         hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
         new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
         return self.logits_from_hidden(hidden_BTD), new_cache
