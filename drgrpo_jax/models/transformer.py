@@ -31,7 +31,7 @@ _MASKED = -1e30
 class KVCache:
     """Explicit decode state: keys/values per layer and the position stored in each slot."""
 
-    k: jax.Array  # [L, B, S, K, H]; a decode loop carries a tuple of L [B, S, K, H] arrays (`split_cache`)
+    k: jax.Array  # [L, B, S, K, H]; a decode loop carries a tuple of L [B, K, S, H] arrays (`split_cache`)
     v: jax.Array  # as k
     positions_BS: jax.Array  # int32, -1 = empty slot or padding token
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
@@ -59,6 +59,20 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.flo
         positions_BS=jnp.full((batch_size, max_len), -1, jnp.int32),
         length=jnp.zeros((), jnp.int32),
     )
+
+
+def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
+    """dynamic_update_slice of `update` (cast to the buffer's dtype) into a cache buffer, in place.
+
+    A 16-bit float buffer is written through its uint16 view: XLA's CPU float normalisation otherwise
+    upcasts a bfloat16 dynamic_update_slice to float32, converting the whole cache twice per write.
+    """
+    update = update.astype(buffer.dtype)
+    if buffer.dtype.itemsize != 2 or not jnp.issubdtype(buffer.dtype, jnp.floating):
+        return jax.lax.dynamic_update_slice(buffer, update, start)
+    as_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(as_bits(buffer), as_bits(update), start),
+                                        buffer.dtype)
 
 
 def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
@@ -275,8 +289,8 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
             else:
                 # Write into the carried stacked cache in place, then read this layer's slots back.
                 start = (index, 0, cache.length, 0, 0)
-                k_cache = jax.lax.dynamic_update_slice(k_cache, k_BTKH[None].astype(k_cache.dtype), start)
-                v_cache = jax.lax.dynamic_update_slice(v_cache, v_BTKH[None].astype(v_cache.dtype), start)
+                k_cache = write_slots(k_cache, k_BTKH[None], start)
+                v_cache = write_slots(v_cache, v_BTKH[None], start)
                 keys_BSKH = k_cache[index].astype(q_BTNH.dtype)
                 values_BSKH = v_cache[index].astype(q_BTNH.dtype)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
@@ -292,21 +306,20 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
     return x_BTD, k_cache, v_cache
 
 
-def attend_step(q_BNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BS: jax.Array,
+def attend_step(q_BNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_BS: jax.Array,
                 scale: float) -> jax.Array:
-    """`attend` for one query token per row, reading the cache in its stored [B, S, K, H] layout.
+    """`attend` for one query token per row over a per-layer cache in attention order [B, K, S, H].
 
-    Multiply-reduce fusions instead of dots: a batched dot wants its batch axes (B, K) leading, so XLA
-    would copy each layer's cache to [B, K, S, H] every step (~20% of a SmolLM2 decode step), while at
-    T = 1 the attention FLOPs are negligible next to reading the cache once.
+    Batched dots over (B, K) read that layout in place (the stacked [.., S, K, H] layout made XLA
+    transpose every layer's slots every step); scores and softmax in float32.
     """
     B, N, H = q_BNH.shape
-    K = k_BSKH.shape[2]
-    q_B1KGH = q_BNH.astype(_F32).reshape(B, 1, K, N // K, H)
-    scores_BSKG = jnp.sum(q_B1KGH * k_BSKH[:, :, :, None, :].astype(_F32), axis=-1) * scale
-    scores_BSKG = jnp.where(mask_BS[:, :, None, None], scores_BSKG, _MASKED)
-    probs_BSKG = jax.nn.softmax(scores_BSKG, axis=1)
-    out_BKGH = jnp.sum(probs_BSKG[..., None] * v_BSKH[:, :, :, None, :].astype(_F32), axis=1)
+    K = k_BKSH.shape[1]
+    q_BKGH = q_BNH.reshape(B, K, N // K, H).astype(k_BKSH.dtype)
+    scores_BKGS = jnp.einsum("bkgh,bksh->bkgs", q_BKGH, k_BKSH, preferred_element_type=_F32) * scale
+    scores_BKGS = jnp.where(mask_BS[:, None, None, :], scores_BKGS, _MASKED)
+    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(v_BKSH.dtype)
+    out_BKGH = jnp.einsum("bkgs,bksh->bkgh", probs_BKGS, v_BKSH, preferred_element_type=_F32)
     return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
 
 
@@ -318,26 +331,33 @@ def _run_blocks_step(config: ModelConfig, layers: tuple[dict[str, jax.Array], ..
     cache out of the stacked arrays (copies); here each layer's slots are written in place, then read.
     """
     tables = _rope_for_layers(config, positions_B1)
-    start = (0, cache.length, 0, 0)
+    start = (0, 0, cache.length, 0)
     keys, values = [], []
     for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
         with jax.named_scope(f"layer_{index}"):
             q_B1NH, k_B1KH, v_B1KH = _qkv(config, p, x_B1D, *tables[int(sliding)])
-            keys.append(jax.lax.dynamic_update_slice(cache.k[index], k_B1KH.astype(cache.k[index].dtype), start))
-            values.append(jax.lax.dynamic_update_slice(cache.v[index], v_B1KH.astype(cache.v[index].dtype), start))
+            keys.append(write_slots(cache.k[index], k_B1KH.transpose(0, 2, 1, 3), start))
+            values.append(write_slots(cache.v[index], v_B1KH.transpose(0, 2, 1, 3), start))
             o_BNH = attend_step(q_B1NH[:, 0], keys[-1], values[-1], masks[int(sliding)][:, 0], config.attn_scale)
             x_B1D = _after_attention(config, p, x_B1D, o_BNH[:, None])
     return x_B1D, tuple(keys), tuple(values)
 
 
 def split_cache(cache: KVCache) -> KVCache:
-    """The cache with keys/values as tuples of per-layer [B, S, K, H] arrays (what a decode loop carries).
+    """The cache with keys/values as tuples of per-layer arrays in attention order [B, K, S, H].
 
-    Each layer's slots are then their own buffer, which a decode step updates in place; slicing a layer
-    out of the stacked array is a copy. `Transformer.decode` accepts either form and returns the same.
+    What a decode loop carries: each layer's slots are their own buffer, which a step updates in place
+    and attention reads without a transpose (slicing a layer out of the stacked array is a copy, and its
+    [B, S, K, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
     """
-    num_layers = cache.k.shape[0]
-    return cache.replace(k=tuple(cache.k[i] for i in range(num_layers)), v=tuple(cache.v[i] for i in range(num_layers)))
+    return cache.replace(k=tuple(jnp.swapaxes(k_BSKH, 1, 2) for k_BSKH in cache.k),
+                         v=tuple(jnp.swapaxes(v_BSKH, 1, 2) for v_BSKH in cache.v))
+
+
+def stack_cache(cache: KVCache) -> KVCache:
+    """The inverse of `split_cache`: stacked [L, B, S, K, H] keys/values."""
+    return cache.replace(k=jnp.stack([jnp.swapaxes(k, 1, 2) for k in cache.k]),
+                         v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))
 
 
 def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[str, jax.Array], ...]:
@@ -437,15 +457,17 @@ class Transformer(nnx.Module):
         masks = cache_masks(self.config, positions_BT, cache_positions_BS)
         x_BTD = self._embed(input_ids_BT)
         stacked = not isinstance(cache.k, tuple)
-        if T == 1:
-            layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
-            x_BTD, k, v = _run_blocks_step(self.config, layers, x_BTD, positions_BT, masks,
-                                           split_cache(cache) if stacked else cache)
-            k, v = (jnp.stack(k), jnp.stack(v)) if stacked else (k, v)
-        elif stacked:
+        if T > 1:
+            if not stacked:
+                raise ValueError(f"input_ids_BT: a split (per-layer) cache takes one token per row, got {T}")
             x_BTD, k, v = _run_blocks(self.config, self.blocks.arrays(), x_BTD, positions_BT, masks, cache)
         else:
-            raise ValueError("cache: a per-layer (split) cache takes one token per row; prefill the stacked cache")
+            layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
+            split = split_cache(cache) if stacked else cache
+            x_BTD, k, v = _run_blocks_step(self.config, layers, x_BTD, positions_BT, masks, split)
+            if stacked:
+                restacked = stack_cache(split.replace(k=k, v=v))
+                k, v = restacked.k, restacked.v
         hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
         new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
         return self.logits_from_hidden(hidden_BTD), new_cache
