@@ -149,28 +149,10 @@ def test_sharded_batch_gives_the_same_advantages(devices):
 
 def test_two_processes_each_feeding_half_give_the_same_advantages(tmp_path):
     """jax.distributed on loopback: each process holds 4 of the 8 groups; the whitening spans both."""
-    import os
-    import pathlib
-    import socket
-    import subprocess
-    import sys
+    from two_processes import run_two_processes
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "out.npz"
-    worker = [sys.executable, str(pathlib.Path(__file__).with_name("gdpo_two_process_worker.py"))]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([*worker, str(i), str(port), str(out)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
     components, valid = eight_group_batch()
-    two_processes = np.load(out)["advantages"]
+    two_processes = run_two_processes("gdpo_two_process_worker.py", tmp_path / "out.npz")["advantages"]
     np.testing.assert_allclose(two_processes, advantages.gdpo(components, WEIGHTS, valid), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(two_processes, oracle(components, WEIGHTS, valid), rtol=1e-4, atol=1e-4)
 

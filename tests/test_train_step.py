@@ -2,11 +2,6 @@
 
 import dataclasses
 import functools
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +15,7 @@ from drgrpo_jax.models import ModelConfig, Transformer
 from drgrpo_jax.sharding import MeshConfig, make_mesh, shard_model, state_shardings as model_state_shardings
 from drgrpo_jax.train_step import (Batch, StepConfig, batch_shardings, init_state, jit_policy_logprobs,
                                    jit_train_step, make_optimizer, policy_logprobs, state_shardings)
+from two_processes import run_two_processes
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 N, PROMPT, RESPONSE = 16, 6, 12
@@ -217,21 +213,7 @@ def test_bad_step_config_names_the_field():
 
 def test_two_processes_match_one(reference, tmp_path):
     """A two-process jax.distributed run on loopback gives the one-process update."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "out.npz"
-    worker = [sys.executable, str(pathlib.Path(__file__).with_name("multihost_worker.py"))]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([*worker, str(i), str(port), str(out)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
-    result = np.load(out)
+    result = run_two_processes("multihost_worker.py", tmp_path / "out.npz")
     ref_state, ref_history, _ = reference["fixed_budget"]
     for i, leaf in enumerate(jax.tree.leaves(ref_state.params)):
         np.testing.assert_allclose(result[f"param_{i}"], leaf, rtol=1e-5, atol=1e-5 * np.abs(leaf).max())
