@@ -61,18 +61,30 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.flo
     )
 
 
-def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
-    """dynamic_update_slice of `update` (cast to the buffer's dtype) into a cache buffer, in place.
+def _is_half(dtype) -> bool:
+    """16-bit float (bfloat16, float16)."""
+    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
 
-    A 16-bit float buffer is written through its uint16 view: XLA's CPU float normalisation otherwise
-    upcasts a bfloat16 dynamic_update_slice to float32, converting the whole cache twice per write.
+
+def _bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array viewed as uint16 (others unchanged), to move bf16 data around on CPU.
+
+    XLA's CPU float normalisation upcasts bfloat16 dynamic_update_slice, dynamic-slice and gather to
+    float32: a cache write converted the whole cache twice, and a scan over bf16 weights (or a gather
+    from the embedding) converted every weight to f32 and back. On the uint16 view they stay as they are.
     """
-    update = update.astype(buffer.dtype)
-    if buffer.dtype.itemsize != 2 or not jnp.issubdtype(buffer.dtype, jnp.floating):
-        return jax.lax.dynamic_update_slice(buffer, update, start)
-    as_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(as_bits(buffer), as_bits(update), start),
-                                        buffer.dtype)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    """The inverse of `_bits`."""
+    return jax.lax.bitcast_convert_type(x, dtype) if _is_half(dtype) else x
+
+
+def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
+    """dynamic_update_slice of `update` (cast to the buffer's dtype) into a cache buffer, in place (`_bits`)."""
+    written = jax.lax.dynamic_update_slice(_bits(buffer), _bits(update.astype(buffer.dtype)), start)
+    return _unbits(written, buffer.dtype)
 
 
 def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
@@ -278,9 +290,15 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
     mask_full_BTS, mask_local_BTS = masks
     sliding_L = jnp.asarray(config.sliding_layers)
 
+    dtypes = {name: value.dtype for name, value in params.items()}
+    if cache is not None:  # inference only (a bitcast has no gradient): slice bf16 weights as uint16 too
+        params = {name: _bits(value) for name, value in params.items()}
+
     def block(carry, layer):
         x_BTD, k_cache, v_cache = carry
         p, sliding, index = layer
+        if cache is not None:
+            p = {name: _unbits(value, dtypes[name]) for name, value in p.items()}
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
             q_BTNH, k_BTKH, v_BTKH = _qkv(config, p, x_BTD, cos, sin)
@@ -289,21 +307,24 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
             else:
                 # Write into the carried stacked cache in place, then read this layer's slots back.
                 start = (index, 0, cache.length, 0, 0)
-                k_cache = write_slots(k_cache, k_BTKH[None], start)
-                v_cache = write_slots(v_cache, v_BTKH[None], start)
-                keys_BSKH = k_cache[index].astype(q_BTNH.dtype)
-                values_BSKH = v_cache[index].astype(q_BTNH.dtype)
+                # The scan carries the cache as `_bits` so that its writes stay in place.
+                k_cache = jax.lax.dynamic_update_slice(k_cache, _bits(k_BTKH[None].astype(cache.k.dtype)), start)
+                v_cache = jax.lax.dynamic_update_slice(v_cache, _bits(v_BTKH[None].astype(cache.v.dtype)), start)
+                keys_BSKH = _unbits(k_cache[index], cache.k.dtype).astype(q_BTNH.dtype)
+                values_BSKH = _unbits(v_cache[index], cache.v.dtype).astype(q_BTNH.dtype)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
             o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale)
         return (_after_attention(config, p, x_BTD, o_BTNH), k_cache, v_cache), None
 
     if config.remat:
         block = jax.checkpoint(block)
-    k0 = cache.k if cache is not None else jnp.zeros((), x_BTD.dtype)
-    v0 = cache.v if cache is not None else jnp.zeros((), x_BTD.dtype)
+    k0 = _bits(cache.k) if cache is not None else jnp.zeros((), x_BTD.dtype)
+    v0 = _bits(cache.v) if cache is not None else jnp.zeros((), x_BTD.dtype)
     layers = (params, sliding_L, jnp.arange(config.num_layers))
     (x_BTD, k_cache, v_cache), _ = jax.lax.scan(block, (x_BTD, k0, v0), layers)
-    return x_BTD, k_cache, v_cache
+    if cache is None:
+        return x_BTD, k_cache, v_cache
+    return x_BTD, _unbits(k_cache, cache.k.dtype), _unbits(v_cache, cache.v.dtype)
 
 
 def attend_step(q_BNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_BS: jax.Array,
@@ -404,10 +425,17 @@ class Transformer(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(_init("normal", rngs.params(), (D, V), dtype), logical_axes=("embed", "vocab"))
 
-    def _embed(self, input_ids_BT: jax.Array) -> jax.Array:
-        """Token embeddings (scaled by sqrt(D) in the weight dtype for Gemma, as HF does)."""
+    def _embed(self, input_ids_BT: jax.Array, inference: bool = False) -> jax.Array:
+        """Token embeddings (scaled by sqrt(D) in the weight dtype for Gemma, as HF does).
+
+        `inference` gathers bf16 rows through `_bits` (no gradient): a plain bf16 gather converts the whole
+        table to f32 first on CPU.
+        """
         table_VD = self.embed[...]
-        x_BTD = jnp.take(table_VD, input_ids_BT, axis=0)
+        if inference:
+            x_BTD = _unbits(jnp.take(_bits(table_VD), input_ids_BT, axis=0), table_VD.dtype)
+        else:
+            x_BTD = jnp.take(table_VD, input_ids_BT, axis=0)
         if self.config.scale_embeddings:
             x_BTD = x_BTD * jnp.asarray(math.sqrt(self.config.hidden_size), table_VD.dtype)
         return x_BTD
@@ -455,7 +483,7 @@ class Transformer(nnx.Module):
         positions_BT = positions_BT.astype(jnp.int32)
         cache_positions_BS = jax.lax.dynamic_update_slice(cache.positions_BS, positions_BT, (0, cache.length))
         masks = cache_masks(self.config, positions_BT, cache_positions_BS)
-        x_BTD = self._embed(input_ids_BT)
+        x_BTD = self._embed(input_ids_BT, inference=True)
         stacked = not isinstance(cache.k, tuple)
         if T > 1:
             if not stacked:
