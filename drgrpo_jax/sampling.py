@@ -214,10 +214,14 @@ def sample_inverse_cdf(logits_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
     randomness is one number per row (a Gumbel draw needs V random numbers: ~40 ms per step at
     [32, 49152] on CPU). Tokens of zero probability are never drawn.
     """
-    num_rows, num_vocab = logits_BV.shape
+    return _sample_weights(jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)), uniform_B)
+
+
+def _sample_weights(weights_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
+    """`sample_inverse_cdf` from unnormalised probabilities (the exp of max-shifted logits)."""
+    num_rows, num_vocab = weights_BV.shape
     num_chunks = -(-num_vocab // _CDF_CHUNK)
-    padded_BV = jnp.pad(logits_BV, ((0, 0), (0, num_chunks * _CDF_CHUNK - num_vocab)), constant_values=-jnp.inf)
-    weights_BKC = jnp.exp(padded_BV - jnp.max(logits_BV, axis=-1, keepdims=True)).reshape(
+    weights_BKC = jnp.pad(weights_BV, ((0, 0), (0, num_chunks * _CDF_CHUNK - num_vocab))).reshape(
         num_rows, num_chunks, _CDF_CHUNK)
     chunk_cdf_BK = _inclusive_cumsum(jnp.sum(weights_BKC, axis=-1))
     target_B = uniform_B * chunk_cdf_BK[:, -1]
@@ -247,14 +251,18 @@ def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, batch:
     greedy_B = batch.temperature_B <= 0
     temperature_B = jnp.where(greedy_B, 1.0, batch.temperature_B)
     scaled_BV = logits_BV.astype(jnp.float32) / temperature_B[:, None]
-    logprobs_BV = jax.nn.log_softmax(scaled_BV, axis=-1)
+    # One exp pass over [B, V] serves the log-probs and, unless a row filters, the draw.
+    max_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
+    weights_BV = jnp.exp(scaled_BV - max_B1)
+    logsumexp_B = max_B1[:, 0] + jnp.log(jnp.sum(weights_BV, axis=-1))
     needs_filter = jnp.any(((batch.top_k_B > 0) | (batch.top_p_B < 1)) & ~greedy_B)
-    candidates_BV = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda s, k, p: s,
-                                 scaled_BV, batch.top_k_B, batch.top_p_B)
     uniform_B = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, step)))(keys_B)
-    sampled_B = sample_inverse_cdf(candidates_BV, uniform_B)
+    sampled_B = jax.lax.cond(
+        needs_filter,
+        lambda: sample_inverse_cdf(filter_top_k_top_p(scaled_BV, batch.top_k_B, batch.top_p_B), uniform_B),
+        lambda: _sample_weights(weights_BV, uniform_B))
     tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), sampled_B)
-    return tokens_B, jnp.take_along_axis(logprobs_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0] - logsumexp_B
 
 
 @flax.struct.dataclass

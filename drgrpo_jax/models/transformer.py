@@ -194,6 +194,11 @@ def project(x_BTI: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
     return y_MO.reshape(B, T, *out_shape)
 
 
+def _project_f32(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
+    """x [B, T, I] @ w [I, O] with the float32 accumulator kept (inference: no custom gradient)."""
+    return jnp.einsum("bti,io->bto", x_BTI, w_IO, preferred_element_type=_F32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
     """RMSNorm in float32; Gemma applies (1 + w) in float32, Llama applies w after casting back."""
     x32 = x.astype(_F32)
@@ -264,8 +269,13 @@ def _qkv(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH
     return apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH), v_BTKH
 
 
-def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTNH: jax.Array) -> jax.Array:
-    """Output projection and residual, then the MLP block and its residual."""
+def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTNH: jax.Array,
+                     f32_gate: bool = False) -> jax.Array:
+    """Output projection and residual, then the MLP block and its residual.
+
+    `f32_gate` (inference) applies the gate nonlinearity to the GEMMs' float32 outputs and rounds once:
+    in bf16, XLA on CPU emulates the activation op by op, rounding after each (3x slower at decode).
+    """
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
     a_BTD = project(o_BTNH, p["o_proj"], in_dims=2)
     if config.o_bias:
@@ -275,9 +285,12 @@ def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Ar
     x_BTD = x_BTD + a_BTD
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
-        gate_BTF = _activation(config.activation, project(h_BTD, p["gate_proj"]))
-        up_BTF = project(h_BTD, p["up_proj"])
-        m_BTD = project(gate_BTF * up_BTF, p["down_proj"])
+        if f32_gate:
+            gate_BTF = _activation(config.activation, _project_f32(h_BTD, p["gate_proj"]))
+            hidden_BTF = (gate_BTF * _project_f32(h_BTD, p["up_proj"])).astype(h_BTD.dtype)
+        else:
+            hidden_BTF = _activation(config.activation, project(h_BTD, p["gate_proj"])) * project(h_BTD, p["up_proj"])
+        m_BTD = project(hidden_BTF, p["down_proj"])
         if config.post_norms:
             m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
         return x_BTD + m_BTD
@@ -360,7 +373,7 @@ def _run_blocks_step(config: ModelConfig, layers: tuple[dict[str, jax.Array], ..
             keys.append(write_slots(cache.k[index], k_B1KH.transpose(0, 2, 1, 3), start))
             values.append(write_slots(cache.v[index], v_B1KH.transpose(0, 2, 1, 3), start))
             o_BNH = attend_step(q_B1NH[:, 0], keys[-1], values[-1], masks[int(sliding)][:, 0], config.attn_scale)
-            x_B1D = _after_attention(config, p, x_B1D, o_BNH[:, None])
+            x_B1D = _after_attention(config, p, x_B1D, o_BNH[:, None], f32_gate=True)
     return x_B1D, tuple(keys), tuple(values)
 
 
