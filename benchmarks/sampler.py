@@ -7,6 +7,8 @@ after a compile call), of transformers' `generate` (PyTorch CPU, float32) on the
 and lengths, their ratio, the compile time, and the time `/update_weights_from_disk` takes to swap
 in a checkpoint (load + checks + swap). Every row samples exactly --new-tokens tokens (EOS ignored in
 both) at temperature 1 with top-k/top-p off, from left-padded prompts of 48-64 random token ids.
+With both dtypes, it also reports how far bfloat16 greedy decoding agrees with float32 on that batch,
+and the machine's load average before and after (the machine is shared: compare within one run).
 """
 
 from __future__ import annotations
@@ -46,18 +48,7 @@ def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def time_ours(model, rows_prompts, new_tokens: int, dtype, repeats: int) -> dict:
     """Compile + steady-state timing of one bucketed generate call."""
-    graphdef, state = nnx.split(model)
-    rows = [RowRequest(tuple(p), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True),
-                       seed=i) for i, p in enumerate(rows_prompts)]
-
-    def call(seed_offset: int):
-        batch = sampling.make_batch([RowRequest(r.prompt_ids, r.params, r.seed + seed_offset) for r in rows],
-                                    model.config.eos_token_ids, batch_size=sampling.batch_bucket(len(rows)),
-                                    prompt_len=sampling.bucket(max(len(p) for p in rows_prompts)))
-        out = sampling.generate(graphdef, state, batch, max_new_tokens=sampling.bucket(new_tokens),
-                                cache_dtype=dtype)
-        return jax.block_until_ready(out)
-
+    call = sampler_call(model, rows_prompts, new_tokens, dtype, temperature=1.0)
     start = time.perf_counter()
     out = call(0)
     first = time.perf_counter() - start
@@ -69,7 +60,34 @@ def time_ours(model, rows_prompts, new_tokens: int, dtype, repeats: int) -> dict
     generated = int(np.asarray(out.lengths_B).sum())
     steady = float(np.median(times))
     return {"tokens_per_s": generated / steady, "seconds": steady, "generated_tokens": generated,
-            "compile_s": first - steady, "decode_steps": int(out.num_steps)}
+            "first_call_s": first, "compile_s": first - steady, "decode_steps": int(out.num_steps)}
+
+
+def sampler_call(model, rows_prompts, new_tokens: int, dtype, temperature: float):
+    """A function of a seed offset that runs one bucketed generate call over `rows_prompts` to completion."""
+    graphdef, state = nnx.split(model)
+    rows = [RowRequest(tuple(p), SamplingParams(max_new_tokens=new_tokens, temperature=temperature,
+                                                ignore_eos=True), seed=i) for i, p in enumerate(rows_prompts)]
+
+    def call(seed_offset: int):
+        batch = sampling.make_batch([RowRequest(r.prompt_ids, r.params, r.seed + seed_offset) for r in rows],
+                                    model.config.eos_token_ids, batch_size=sampling.batch_bucket(len(rows)),
+                                    prompt_len=sampling.bucket(max(len(p) for p in rows_prompts)))
+        out = sampling.generate(graphdef, state, batch, max_new_tokens=sampling.bucket(new_tokens),
+                                cache_dtype=dtype)
+        return jax.block_until_ready(out)
+
+    return call
+
+
+def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
+    """How far bfloat16 greedy continuations follow float32's: matching positions and common prefixes."""
+    tokens = {name: np.asarray(sampler_call(m, rows_prompts, new_tokens, dtype, temperature=0.0)(0).tokens_BN)
+              [:len(rows_prompts), :new_tokens] for name, (m, dtype) in models.items()}
+    same_BN = tokens["float32"] == tokens["bfloat16"]
+    prefix_B = np.where(same_BN.all(axis=1), new_tokens, np.argmin(same_BN, axis=1))
+    return {"token_match": float(same_BN.mean()), "mean_common_prefix": float(prefix_B.mean()),
+            "min_common_prefix": int(prefix_B.min()), "rows_identical": float(same_BN.all(axis=1).mean())}
 
 
 def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int) -> dict:
@@ -128,18 +146,24 @@ def main() -> None:
     result: dict = {"benchmark": "sampler", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
                     "batch": args.batch, "prompt_tokens": [min(map(len, batch_prompts)), max(map(len, batch_prompts))],
                     "new_tokens": args.new_tokens, "temperature": 1.0, "machine": platform.processor() or
-                    platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__}
+                    platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                    "load_average_before": os.getloadavg()[0]}
+    models = {}
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(model, folder)  # the trainer's export format; transformers reads the same weights
         for name in args.dtypes.split(","):
             dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
             typed = model if name == "float32" else from_pretrained(folder, dtype=dtype)
+            models[name] = (typed, dtype)
             result[f"ours_{name}"] = time_ours(typed, batch_prompts, args.new_tokens, dtype, args.repeats)
             result[f"weight_swap_s_{name}"] = time_weight_swap(folder, name)
+        if {"float32", "bfloat16"} <= models.keys():
+            result["bfloat16_greedy_vs_float32"] = greedy_agreement(models, batch_prompts, args.new_tokens)
         if not args.skip_transformers:
             result["transformers"] = time_transformers(folder, batch_prompts, args.new_tokens, args.repeats)
             for name in args.dtypes.split(","):
                 result[f"ratio_{name}"] = result[f"ours_{name}"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    result["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(result))
 
 
