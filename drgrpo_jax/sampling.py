@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from drgrpo_jax.models import init_cache
-from drgrpo_jax.models.transformer import layer_params, split_cache
+from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
 _CDF_CHUNK = 256  # vocabulary chunk of the two-level inverse-CDF sampler
@@ -308,6 +308,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     # Split the stacked layers and cache once, so the loop body reads and writes each layer in place.
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
     cache = split_cache(cache)
+    # Every step's RoPE tables up front (position of the token fed at step s: prompt length + s - 1).
+    positions_NB1 = batch.prompt_lengths_B[None, :, None] + jnp.arange(max_new_tokens)[:, None, None] - 1
+    rope_N = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_NB1)
     keys_B = row_keys(batch.seeds_B, batch.streams_B, batch.samples_B)
     out = SamplerOutput(
         tokens_BN=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
@@ -326,7 +329,8 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     def decode_one(s: _LoopState) -> _LoopState:
         # Position of the token fed now = prompt length + index of that token in the completion.
         positions_B1 = (batch.prompt_lengths_B + s.step - 1)[:, None]
-        logits_B1V, cache = model.decode(s.tokens_B[:, None], positions_B1, s.cache, layers)
+        rope = jax.tree.map(lambda table_NB1H: table_NB1H[s.step], rope_N)
+        logits_B1V, cache = model.decode(s.tokens_B[:, None], positions_B1, s.cache, layers, rope)
         tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, s.step, batch)
         s = _LoopState(s.step, cache, s.tokens_B, s.out.replace(num_steps=s.out.num_steps + 1), s.done_B)
         return _record(s, tokens_B, logprobs_B, batch)
