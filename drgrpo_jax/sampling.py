@@ -298,16 +298,15 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     """Samples up to `max_new_tokens` tokens for every row of `batch` (one compiled program)."""
     model = nnx.merge(graphdef, state)
     num_rows, prompt_len = batch.prompt_ids_BP.shape
+    # Weights and cache split per layer once: prefill and every step then read and write each layer in place.
+    layers = layer_params(model.blocks.arrays(), model.config.num_layers)
     # The last sampled token is never fed back, so P + N - 1 slots hold everything attended to.
-    cache = init_cache(model.config, num_rows, prompt_len + max_new_tokens - 1, dtype=cache_dtype)
+    cache = split_cache(init_cache(model.config, num_rows, prompt_len + max_new_tokens - 1, dtype=cache_dtype))
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
     # then feed the last column alone: only [B, 1, V] logits are ever made, not [B, P, V].
     if prompt_len > 1:
-        _, cache = model.decode(batch.prompt_ids_BP[:, :-1], batch.prompt_positions_BP[:, :-1], cache)
-    logits_B1V, cache = model.decode(batch.prompt_ids_BP[:, -1:], batch.prompt_positions_BP[:, -1:], cache)
-    # Split the stacked layers and cache once, so the loop body reads and writes each layer in place.
-    layers = layer_params(model.blocks.arrays(), model.config.num_layers)
-    cache = split_cache(cache)
+        _, cache = model.decode(batch.prompt_ids_BP[:, :-1], batch.prompt_positions_BP[:, :-1], cache, layers)
+    logits_B1V, cache = model.decode(batch.prompt_ids_BP[:, -1:], batch.prompt_positions_BP[:, -1:], cache, layers)
     # Every step's RoPE tables up front (position of the token fed at step s: prompt length + s - 1).
     positions_NB1 = batch.prompt_lengths_B[None, :, None] + jnp.arange(max_new_tokens)[:, None, None] - 1
     rope_N = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_NB1)

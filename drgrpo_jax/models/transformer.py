@@ -340,41 +340,42 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
     return x_BTD, _unbits(k_cache, cache.k.dtype), _unbits(v_cache, cache.v.dtype)
 
 
-def attend_step(q_BNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_BS: jax.Array,
-                scale: float) -> jax.Array:
-    """`attend` for one query token per row over a per-layer cache in attention order [B, K, S, H].
+def attend_slots(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_BTS: jax.Array,
+                 scale: float) -> jax.Array:
+    """`attend` over a per-layer cache in attention order [B, K, S, H]; scores and softmax in float32.
 
     Batched dots over (B, K) read that layout in place (the stacked [.., S, K, H] layout made XLA
-    transpose every layer's slots every step); scores and softmax in float32.
+    transpose every layer's slots every decode step); only the few queries are transposed.
     """
-    B, N, H = q_BNH.shape
+    B, T, N, H = q_BTNH.shape
     K = k_BKSH.shape[1]
-    q_BKGH = q_BNH.reshape(B, K, N // K, H).astype(k_BKSH.dtype)
-    scores_BKGS = jnp.einsum("bkgh,bksh->bkgs", q_BKGH, k_BKSH, preferred_element_type=_F32) * scale
-    scores_BKGS = jnp.where(mask_BS[:, None, None, :], scores_BKGS, _MASKED)
-    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1).astype(v_BKSH.dtype)
-    out_BKGH = jnp.einsum("bkgs,bksh->bkgh", probs_BKGS, v_BKSH, preferred_element_type=_F32)
-    return out_BKGH.reshape(B, N, H).astype(q_BNH.dtype)
+    q_BKGTH = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).astype(k_BKSH.dtype)
+    scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=_F32) * scale
+    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSH.dtype)
+    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, v_BKSH, preferred_element_type=_F32)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
-def _run_blocks_step(config: ModelConfig, layers: tuple[dict[str, jax.Array], ...], x_B1D: jax.Array,
-                     positions_B1: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
-    """One decode step (T = 1) through every layer as straight-line code over a per-layer cache.
+def _run_blocks_unrolled(config: ModelConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
+                         positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
+    """Every layer as straight-line code over per-layer weights and a per-layer (split) cache.
 
     Static layer indices and per-layer buffers: a scan step dynamic-slices every weight and the layer's
-    cache out of the stacked arrays (copies); here each layer's slots are written in place, then read.
+    cache out of the stacked arrays (copies, and on CPU a bf16 dynamic-slice goes through f32); here each
+    layer's slots are written in place, then read.
     """
-    tables = rope_for_layers(config, positions_B1) if rope is None else rope
+    tables = rope_for_layers(config, positions_BT) if rope is None else rope
     start = (0, 0, cache.length, 0)
     keys, values = [], []
     for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
         with jax.named_scope(f"layer_{index}"):
-            q_B1NH, k_B1KH, v_B1KH = _qkv(config, p, x_B1D, *tables[int(sliding)])
-            keys.append(write_slots(cache.k[index], k_B1KH.transpose(0, 2, 1, 3), start))
-            values.append(write_slots(cache.v[index], v_B1KH.transpose(0, 2, 1, 3), start))
-            o_BNH = attend_step(q_B1NH[:, 0], keys[-1], values[-1], masks[int(sliding)][:, 0], config.attn_scale)
-            x_B1D = _after_attention(config, p, x_B1D, o_BNH[:, None], f32_gate=True)
-    return x_B1D, tuple(keys), tuple(values)
+            q_BTNH, k_BTKH, v_BTKH = _qkv(config, p, x_BTD, *tables[int(sliding)])
+            keys.append(write_slots(cache.k[index], k_BTKH.transpose(0, 2, 1, 3), start))
+            values.append(write_slots(cache.v[index], v_BTKH.transpose(0, 2, 1, 3), start))
+            o_BTNH = attend_slots(q_BTNH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale)
+            x_BTD = _after_attention(config, p, x_BTD, o_BTNH, f32_gate=True)
+    return x_BTD, tuple(keys), tuple(values)
 
 
 def split_cache(cache: KVCache) -> KVCache:
@@ -488,11 +489,12 @@ class Transformer(nnx.Module):
         """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache).
 
         Tokens with position -1 (padding) are stored as empty slots and are never visible. The caller sizes the
-        cache: XLA clamps a write past its end onto the last slots. A single token (T = 1, a decode step) runs
-        the layers unrolled; longer inputs run the scan. A decode loop hoists two things out of its body for
-        T = 1 steps: `layers` (`layer_params` of the blocks; else split here) and `rope`
-        (`rope_for_layers(config, positions_BT)`; else computed here: XLA fuses cos/sin into every layer's
-        rope and recomputes them 30 times per step, ~2 ms at batch 32).
+        cache: XLA clamps a write past its end onto the last slots. The cache comes stacked (`init_cache`) or
+        split per layer (`split_cache`, returned split): a split cache, or a single token (a decode step), runs
+        the layers unrolled over per-layer weights; T > 1 tokens into a stacked cache run the scan (one
+        compiled block). A decode loop hoists two things out of its body: `layers` (`layer_params` of the
+        blocks; else split here) and `rope` (`rope_for_layers(config, positions_BT)`; else computed here: XLA
+        fuses cos/sin into every layer's rope and recomputes them 30 times per step, ~2 ms at batch 32).
         """
         T = input_ids_BT.shape[1]
         positions_BT = positions_BT.astype(jnp.int32)
@@ -500,14 +502,12 @@ class Transformer(nnx.Module):
         masks = cache_masks(self.config, positions_BT, cache_positions_BS)
         x_BTD = self._embed(input_ids_BT, inference=True)
         stacked = not isinstance(cache.k, tuple)
-        if T > 1:
-            if not stacked:
-                raise ValueError(f"input_ids_BT: a split (per-layer) cache takes one token per row, got {T}")
+        if stacked and T > 1:
             x_BTD, k, v = _run_blocks(self.config, self.blocks.arrays(), x_BTD, positions_BT, masks, cache)
         else:
             layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
             split = split_cache(cache) if stacked else cache
-            x_BTD, k, v = _run_blocks_step(self.config, layers, x_BTD, positions_BT, masks, split, rope)
+            x_BTD, k, v = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
             if stacked:
                 restacked = stack_cache(split.replace(k=k, v=v))
                 k, v = restacked.k, restacked.v
