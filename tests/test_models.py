@@ -13,6 +13,7 @@ from flax import nnx
 
 from drgrpo_jax.models import (ModelConfig, Transformer, from_hf_config, from_pretrained, init_cache,
                                save_pretrained)
+from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache, stack_cache, write_slots
 
 VOCAB = 96
 TOL = 1e-4
@@ -129,31 +130,78 @@ def test_roundtrip_through_save_pretrained(hf_pair, tmp_path):
     np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids))), np.asarray(ours(jnp.asarray(ids))))
 
 
-def test_prefill_and_decode_match_full_forward(hf_pair):
-    _, _, folder = hf_pair
-    model = from_pretrained(folder)
-    prompt_len, new = 6, 4
-    ids = _ids(5, (2, prompt_len + new))
-    real = np.ones_like(ids, bool)
-    real[1, :3] = False  # row 1 is left-padded by 3
-    positions = np.where(real, np.cumsum(real, axis=1) - 1, -1).astype(np.int32)
-    full = np.asarray(model(jnp.asarray(ids), jnp.asarray(np.maximum(positions, 0)), jnp.asarray(real, jnp.int32)))
+def _prefill_then_decode(model, ids, positions, prompt_len, *, split, cache_dtype=jnp.float32):
+    """Logits of a prefill of `prompt_len` columns then one cached step per remaining column, and the cache.
 
+    split=True is the sampler's path: per-layer weights, RoPE tables and cache (the unrolled layers for the
+    prefill too); split=False the stacked cache (prefill through the layer scan).
+    """
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def step(state, ids_BT, pos_BT, cache):
-        return nnx.merge(graphdef, state).decode(ids_BT, pos_BT, cache)
+        m = nnx.merge(graphdef, state)
+        if not split:
+            return m.decode(ids_BT, pos_BT, cache)
+        layers = layer_params(m.blocks.arrays(), m.config.num_layers)
+        return m.decode(ids_BT, pos_BT, cache, layers, rope_for_layers(m.config, pos_BT))
 
-    cache = init_cache(model.config, 2, 16)
+    cache = init_cache(model.config, ids.shape[0], 16, dtype=cache_dtype)
+    cache = split_cache(cache) if split else cache
     logits, cache = step(state, jnp.asarray(ids[:, :prompt_len]), jnp.asarray(positions[:, :prompt_len]), cache)
     got = [np.asarray(logits)]
-    for t in range(prompt_len, prompt_len + new):
+    for t in range(prompt_len, ids.shape[1]):
         logits, cache = step(state, jnp.asarray(ids[:, t:t + 1]), jnp.asarray(positions[:, t:t + 1]), cache)
         got.append(np.asarray(logits))
-    got = np.concatenate(got, axis=1)
-    assert int(cache.length) == prompt_len + new
+    return np.concatenate(got, axis=1), cache
+
+
+def _left_padded_batch(prompt_len: int, new: int):
+    """Token ids [2, prompt_len + new], row 1 left-padded by 3, and positions (-1 on padding)."""
+    ids = _ids(5, (2, prompt_len + new))
+    real = np.ones_like(ids, bool)
+    real[1, :3] = False
+    return ids, real, np.where(real, np.cumsum(real, axis=1) - 1, -1).astype(np.int32)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["stacked_cache", "split_cache"])
+def test_prefill_and_decode_match_full_forward(hf_pair, split):
+    _, _, folder = hf_pair
+    model = from_pretrained(folder)
+    ids, real, positions = _left_padded_batch(prompt_len=6, new=4)
+    full = np.asarray(model(jnp.asarray(ids), jnp.asarray(np.maximum(positions, 0)), jnp.asarray(real, jnp.int32)))
+    got, cache = _prefill_then_decode(model, ids, positions, 6, split=split)
+    assert int(cache.length) == ids.shape[1]
     np.testing.assert_allclose(got[real], full[real], atol=1e-5, rtol=0)
+    config = model.config
+    if split:  # per layer, in attention order [B, K, S, H]; stack_cache is its exact inverse
+        assert len(cache.k) == config.num_layers and cache.k[0].shape == (2, config.num_kv_heads, 16, config.head_dim)
+        stacked = stack_cache(cache)
+        assert stacked.k.shape == (config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
+        for a, b in zip(split_cache(stacked).k + split_cache(stacked).v, cache.k + cache.v):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_split_cache_decode_close_to_float32(hf_pair):
+    """The bf16 sampler path (bf16 weights and cache, uint16 cache writes, f32 gate) against the f32 forward."""
+    _, _, folder = hf_pair
+    ids, real, positions = _left_padded_batch(prompt_len=6, new=4)
+    ref = np.asarray(from_pretrained(folder)(jnp.asarray(ids), jnp.asarray(np.maximum(positions, 0)),
+                                             jnp.asarray(real, jnp.int32)))
+    got, cache = _prefill_then_decode(from_pretrained(folder, dtype=jnp.bfloat16), ids, positions, 6, split=True,
+                                      cache_dtype=jnp.bfloat16)
+    assert cache.k[0].dtype == jnp.bfloat16 and got.dtype == np.float32
+    assert np.abs(got[real] - ref[real]).max() < 0.1 * np.abs(ref[real]).max()
+
+
+def test_bfloat16_cache_writes_are_exact():
+    """write_slots goes through a uint16 view for bf16 (XLA CPU would round-trip the cache via f32)."""
+    buffer = jax.random.normal(jax.random.key(0), (2, 3, 8, 4)).astype(jnp.bfloat16)
+    update = jax.random.normal(jax.random.key(1), (2, 3, 2, 4))
+    got = jax.jit(write_slots, static_argnums=2)(buffer, update, (0, 0, 5, 0))
+    want = buffer.at[:, :, 5:7].set(update.astype(jnp.bfloat16))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
