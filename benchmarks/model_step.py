@@ -1,6 +1,7 @@
 """Model forward+backward and KV-cache decode step on SmolLM2-135M shapes, next to transformers in the same run.
 
     python benchmarks/model_step.py [--layers 30] [--rows 16] [--seq 192] [--decode-batch 32] [--cache 192]
+        [--decode-dtype bfloat16]
 
 Prints one JSON line. Random float32 weights with SmolLM2-135M's shapes (30 layers, D=576, 9 query / 3
 kv heads of 64, F=1536, V=49152, tied embeddings), so no download is needed; transformers'
@@ -9,7 +10,8 @@ LlamaForCausalLM loads the same weights from our safetensors export.
   then `token_logprobs`) against `model(ids, labels=ids).loss.backward()` in PyTorch; tokens/s and
   achieved GFLOP/s (6 x matmul weights + attention per token, as benchmarks/train_step.py counts).
 - decode: one cached step of --decode-batch rows with --decode-filled slots of a --cache-slot cache
-  (ours jitted with the cache donated; transformers with its DynamicCache cropped back after each step).
+  (ours as the sampler runs it: per-layer weights and cache split once, the cache donated, in
+  --decode-dtype; transformers with its DynamicCache cropped back after each step).
 Timings are medians of --repeats, the two libraries interleaved so machine load hits both alike; the
 float32 matmul rate of the moment is measured in between.
 """
@@ -29,6 +31,7 @@ from flax import nnx
 
 from drgrpo_jax.models import ModelConfig, RopeConfig, Transformer, init_cache, save_pretrained
 from drgrpo_jax.models.logprobs import token_logprobs
+from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache
 
 
 def smollm2_shapes(num_layers: int) -> ModelConfig:
@@ -60,7 +63,8 @@ def matmul_gflops(size: int = 1536) -> float:
     return 2 * size**3 / min(seconds(lambda: f(a).block_until_ready()) for _ in range(3)) / 1e9
 
 
-def jax_steps(model: Transformer, ids_BT: np.ndarray, decode_batch: int, cache_slots: int, filled: int):
+def jax_steps(model: Transformer, ids_BT: np.ndarray, decode_batch: int, cache_slots: int, filled: int,
+              decode_dtype=jnp.float32):
     """(forward+backward call, decode call), each running one step to completion."""
     graphdef, params = nnx.split(model, nnx.Param)
     inputs, targets = jnp.asarray(ids_BT[:, :-1]), jnp.asarray(ids_BT[:, 1:])
@@ -72,20 +76,27 @@ def jax_steps(model: Transformer, ids_BT: np.ndarray, decode_batch: int, cache_s
 
     grad = jax.jit(jax.grad(loss))
 
-    def decode(params, cache, ids_B1, positions_B1):
-        return nnx.merge(graphdef, params).decode(ids_B1, positions_B1, cache)
+    # The sampler's decode step: weights split per layer and the cache split per layer once, outside the
+    # step (generate does so before its loop); each step gets its RoPE tables computed outside too.
+    decode_params = jax.tree.map(lambda x: x.astype(decode_dtype), params)
+    layers = jax.jit(lambda p: layer_params(nnx.merge(graphdef, p).blocks.arrays(), model.config.num_layers))(
+        decode_params)
 
-    step = jax.jit(decode, donate_argnums=1)
+    def decode(params, layers, cache, ids_B1, positions_B1, rope):
+        return nnx.merge(graphdef, params).decode(ids_B1, positions_B1, cache, layers, rope)
+
+    step = jax.jit(decode, donate_argnums=2)
     slots_BS = np.where(np.arange(cache_slots) < filled, np.arange(cache_slots), -1)
-    cache = init_cache(model.config, decode_batch, cache_slots).replace(
+    cache = split_cache(init_cache(model.config, decode_batch, cache_slots, dtype=decode_dtype)).replace(
         positions_BS=jnp.asarray(np.broadcast_to(slots_BS, (decode_batch, cache_slots)), jnp.int32),
         length=jnp.asarray(filled, jnp.int32))
     ids_B1 = jnp.asarray(np.resize(ids_BT[:, 0], (decode_batch, 1)))
     positions_B1 = jnp.full((decode_batch, 1), filled, jnp.int32)
+    rope = rope_for_layers(model.config, positions_B1)
     holder = [cache]
 
     def one_decode():
-        logits, new_cache = step(params, holder[0], ids_B1, positions_B1)
+        logits, new_cache = step(decode_params, layers, holder[0], ids_B1, positions_B1, rope)
         holder[0] = new_cache.replace(length=jnp.asarray(filled, jnp.int32))  # rewrite the same slot
         logits.block_until_ready()
 
@@ -129,6 +140,8 @@ def main() -> None:
     parser.add_argument("--decode-filled", type=int, default=128, help="slots already written before the step")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-repeats", type=int, default=10)
+    parser.add_argument("--decode-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="our decode step's weight and cache dtype (transformers' stays float32)")
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
 
@@ -136,7 +149,8 @@ def main() -> None:
     model = Transformer(config, rngs=nnx.Rngs(0))
     ids_BT = np.random.default_rng(0).integers(0, config.vocab_size, (args.rows, args.seq + 1)).astype(np.int32)
     tokens = args.rows * args.seq
-    ours_fb, ours_decode = jax_steps(model, ids_BT, args.decode_batch, args.cache, args.decode_filled)
+    ours_fb, ours_decode = jax_steps(model, ids_BT, args.decode_batch, args.cache, args.decode_filled,
+                                     {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.decode_dtype])
     start = time.perf_counter()
     ours_fb()
     compile_fb = time.perf_counter() - start
@@ -165,7 +179,7 @@ def main() -> None:
         "cpus": os.cpu_count(), "jax": jax.__version__, "matmul_gflops_now": round(med["mm"], 1),
         "jax_fb_s": round(med["ours_fb"], 3), "jax_fb_tokens_per_s": round(tokens / med["ours_fb"], 1),
         "jax_fb_gflops": round(flops / med["ours_fb"] / 1e9, 1), "jax_fb_compile_s": round(compile_fb, 1),
-        "jax_decode_ms": round(1e3 * med["ours_decode"], 1),
+        "jax_decode_ms": round(1e3 * med["ours_decode"], 1), "jax_decode_dtype": args.decode_dtype,
     }
     if theirs_fb:
         result.update(torch_fb_s=round(med["theirs_fb"], 3), torch_fb_tokens_per_s=round(tokens / med["theirs_fb"], 1),
