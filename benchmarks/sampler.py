@@ -3,8 +3,9 @@
     python benchmarks/sampler.py [--batch 32] [--new-tokens 128] [--dtypes float32,bfloat16] [--repeats 2]
 
 Prints one JSON line: generated tokens/s of drgrpo_jax.sampling.generate (per dtype; steady state
-after a compile call), of transformers' `generate` (PyTorch CPU, float32) on the same weights, batch
-and lengths, their ratio, the compile time, and the time `/update_weights_from_disk` takes to swap
+after a compile call), of transformers' `generate` (PyTorch CPU, float32 and each --dtypes) on the
+same weights, batch and lengths, the ratios (`ratio_X`: ours in X over transformers in float32, its
+CPU default; `ratio_X_vs_transformers_X`: the same dtype on both sides), the compile time, and the time `/update_weights_from_disk` takes to swap
 in a checkpoint (load + checks + swap). Every row samples exactly --new-tokens tokens (EOS ignored in
 both) at temperature 1 with top-k/top-p off, from left-padded prompts of 48-64 random token ids.
 With both dtypes, it also reports how far bfloat16 greedy decoding agrees with float32 on that batch,
@@ -90,13 +91,13 @@ def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
             "min_common_prefix": int(prefix_B.min()), "rows_identical": float(same_BN.all(axis=1).mean())}
 
 
-def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int) -> dict:
-    """transformers `generate` (PyTorch CPU, float32, sampling at temperature 1) on the same batch."""
+def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int, dtype: str = "float32") -> dict:
+    """transformers `generate` (PyTorch CPU, sampling at temperature 1) on the same batch, in `dtype`."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     width = max(len(p) for p in rows_prompts)
     ids = torch.zeros((len(rows_prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -159,10 +160,15 @@ def main() -> None:
             result[f"weight_swap_s_{name}"] = time_weight_swap(folder, name)
         if {"float32", "bfloat16"} <= models.keys():
             result["bfloat16_greedy_vs_float32"] = greedy_agreement(models, batch_prompts, args.new_tokens)
-        if not args.skip_transformers:
-            result["transformers"] = time_transformers(folder, batch_prompts, args.new_tokens, args.repeats)
+        if not args.skip_transformers:  # the ratios' baseline is transformers in float32, its CPU default
+            for name in dict.fromkeys(["float32", *args.dtypes.split(",")]):
+                result[f"transformers_{name}"] = time_transformers(folder, batch_prompts, args.new_tokens,
+                                                                   args.repeats, name)
             for name in args.dtypes.split(","):
-                result[f"ratio_{name}"] = result[f"ours_{name}"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+                ours = result[f"ours_{name}"]["tokens_per_s"]
+                result[f"ratio_{name}"] = ours / result["transformers_float32"]["tokens_per_s"]
+                if name != "float32":
+                    result[f"ratio_{name}_vs_transformers_{name}"] = ours / result[f"transformers_{name}"]["tokens_per_s"]
     result["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(result))
 
