@@ -15,7 +15,7 @@ import numpy as np
 
 from drgrpo_jax.paths import copy_folder, is_remote, remove_folder, versions_in
 
-__all__ = ["RunLog", "WeightPublisher", "gather_hosts", "host_array"]
+__all__ = ["RunLog", "WeightPublisher", "host_array"]
 
 
 def _json_value(value: Any) -> Any:
@@ -156,19 +156,3 @@ def host_array(x: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
-
-
-def gather_hosts(tree: Any) -> Any:
-    """Every process's pytree of numpy arrays (same shapes everywhere), stacked on a new leading host axis.
-
-    A collective: every process must call it. dtypes come back as they went in (the all-gather
-    itself narrows 64-bit values when jax_enable_x64 is off).
-    """
-    import jax
-
-    if jax.process_count() == 1:
-        return jax.tree.map(lambda x: np.asarray(x)[None], tree)
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(tree, tiled=False)
-    return jax.tree.map(lambda g, x: np.asarray(g).astype(np.asarray(x).dtype), gathered, tree)

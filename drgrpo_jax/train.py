@@ -32,7 +32,8 @@ import numpy as np
 from drgrpo_jax.config import (Config, ConfigError, check_paths, component_names, config_from_argv, dump_config,
                                resolve_model_path)
 from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
-from drgrpo_jax.outputs import RunLog, WeightPublisher, gather_hosts, host_array
+from drgrpo_jax.hosts import all_hosts_ok, gather_hosts
+from drgrpo_jax.outputs import RunLog, WeightPublisher, host_array
 from drgrpo_jax.rollout_batch import (advantages_N, correct_mask, host_share, left_pad, merge_host_rows, response_stats,
                                       step_seed, window_advantages)
 
@@ -175,34 +176,6 @@ def _initialize_distributed(config: Config) -> None:
         import jax
 
         jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
-
-
-def _failure_types() -> tuple[type[Exception], ...]:
-    """Errors re-raised as themselves on every process (code = index + 1); anything else as a RuntimeError."""
-    from drgrpo_jax.rewards import RewardError
-    from drgrpo_jax.rollout import RolloutError
-
-    return ConfigError, RewardError, RolloutError
-
-
-def all_hosts_ok(error: Exception | None, what: str) -> None:
-    """Raises on every process when `error` happened on any: a small all-gather first, so none waits forever.
-
-    Also a barrier: no process passes it before every process has reached it.
-    """
-    import jax
-
-    types = _failure_types()
-    code = 0 if error is None else next((i + 1 for i, t in enumerate(types) if isinstance(error, t)), len(types) + 1)
-    codes = gather_hosts(np.asarray([code], np.int32))[:, 0] if jax.process_count() > 1 else np.asarray([code])
-    if error is not None:
-        raise error
-    failed = np.flatnonzero(codes)
-    if failed.size:
-        first = int(failed[0])
-        kind = types[codes[first] - 1] if codes[first] <= len(types) else RuntimeError
-        message = f"{what} failed on process {first} (see its log)"
-        raise ConfigError("process", message) if kind is ConfigError else kind(message)
 
 
 def setup(config: Config, stack: contextlib.ExitStack) -> Run:
