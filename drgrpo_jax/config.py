@@ -128,7 +128,8 @@ class RolloutConfig:
     )
     max_resample_rounds: int = _f(4, "dynamic sampling: extra rollouts per step at most; a batch still short is padded")
     service_batch_size: int | None = _f(
-        None, "--max-batch-size of the trainer's local child service (null = prompts_per_step * group_size)"
+        None, "--max-batch-size of the trainer's local child service (null = a whole rollout or the eval set, "
+              "whichever is larger)"
     )
 
 
