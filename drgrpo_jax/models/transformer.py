@@ -5,8 +5,10 @@ Einsum letters:
   N query heads, K key/value heads, G query heads per kv head (N = K * G), H head dim, V vocab,
   M flattened tokens (B * T), I and O the input and output features of a projection.
 
-Layers are stored stacked ([L, ...]) and run with `lax.scan`, so a 30-layer model compiles one
-block, and the KV cache is one [L, B, S, K, H] array per key/value.
+Layers are stored stacked ([L, ...]); a full forward (training, log-probs) runs them with
+`lax.scan`, so a 30-layer model compiles one block. Cached decoding runs them unrolled over
+per-layer weights and a per-layer cache in attention order (`split_cache`), which a decode loop
+updates in place; `init_cache` makes the stacked [L, B, S, K, H] form that shards like the params.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def _bits(x: jax.Array) -> jax.Array:
     """A 16-bit float array viewed as uint16 (others unchanged), to move bf16 data around on CPU.
 
     XLA's CPU float normalisation upcasts bfloat16 dynamic_update_slice, dynamic-slice and gather to
-    float32: a cache write converted the whole cache twice, and a scan over bf16 weights (or a gather
-    from the embedding) converted every weight to f32 and back. On the uint16 view they stay as they are.
+    float32: a cache write converted the whole cache twice, and a gather from the embedding the whole
+    table. On the uint16 view they stay as they are (inference only: a bitcast has no gradient).
     """
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x
 
@@ -297,47 +299,25 @@ def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Ar
 
 
 def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
-                masks: tuple[jax.Array, jax.Array], cache: KVCache | None):
-    """All decoder layers via lax.scan; with a cache, new keys/values are written at cache.length first."""
+                masks: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers."""
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
     mask_full_BTS, mask_local_BTS = masks
     sliding_L = jnp.asarray(config.sliding_layers)
 
-    dtypes = {name: value.dtype for name, value in params.items()}
-    if cache is not None:  # inference only (a bitcast has no gradient): slice bf16 weights as uint16 too
-        params = {name: _bits(value) for name, value in params.items()}
-
-    def block(carry, layer):
-        x_BTD, k_cache, v_cache = carry
-        p, sliding, index = layer
-        if cache is not None:
-            p = {name: _unbits(value, dtypes[name]) for name, value in p.items()}
+    def block(x_BTD, layer):
+        p, sliding = layer
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
             q_BTNH, k_BTKH, v_BTKH = _qkv(config, p, x_BTD, cos, sin)
-            if cache is None:
-                keys_BSKH, values_BSKH = k_BTKH, v_BTKH
-            else:
-                # Write into the carried stacked cache in place, then read this layer's slots back.
-                start = (index, 0, cache.length, 0, 0)
-                # The scan carries the cache as `_bits` so that its writes stay in place.
-                k_cache = jax.lax.dynamic_update_slice(k_cache, _bits(k_BTKH[None].astype(cache.k.dtype)), start)
-                v_cache = jax.lax.dynamic_update_slice(v_cache, _bits(v_BTKH[None].astype(cache.v.dtype)), start)
-                keys_BSKH = _unbits(k_cache[index], cache.k.dtype).astype(q_BTNH.dtype)
-                values_BSKH = _unbits(v_cache[index], cache.v.dtype).astype(q_BTNH.dtype)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
-            o_BTNH = attend(q_BTNH, keys_BSKH, values_BSKH, mask_BTS, config.attn_scale)
-        return (_after_attention(config, p, x_BTD, o_BTNH), k_cache, v_cache), None
+            o_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, config.attn_scale)
+        return _after_attention(config, p, x_BTD, o_BTNH), None
 
     if config.remat:
         block = jax.checkpoint(block)
-    k0 = _bits(cache.k) if cache is not None else jnp.zeros((), x_BTD.dtype)
-    v0 = _bits(cache.v) if cache is not None else jnp.zeros((), x_BTD.dtype)
-    layers = (params, sliding_L, jnp.arange(config.num_layers))
-    (x_BTD, k_cache, v_cache), _ = jax.lax.scan(block, (x_BTD, k0, v0), layers)
-    if cache is None:
-        return x_BTD, k_cache, v_cache
-    return x_BTD, _unbits(k_cache, cache.k.dtype), _unbits(v_cache, cache.v.dtype)
+    x_BTD, _ = jax.lax.scan(block, x_BTD, (params, sliding_L))
+    return x_BTD
 
 
 def attend_slots(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_BTS: jax.Array,
@@ -463,8 +443,7 @@ class Transformer(nnx.Module):
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         masks = forward_masks(self.config, positions_BT, segment_ids_BT)
-        x_BTD, _, _ = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
-                                  masks, None)
+        x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, masks)
         return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
 
     def unembed_DV(self) -> jax.Array:
@@ -489,12 +468,12 @@ class Transformer(nnx.Module):
         """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache).
 
         Tokens with position -1 (padding) are stored as empty slots and are never visible. The caller sizes the
-        cache: XLA clamps a write past its end onto the last slots. The cache comes stacked (`init_cache`) or
-        split per layer (`split_cache`, returned split): a split cache, or a single token (a decode step), runs
-        the layers unrolled over per-layer weights; T > 1 tokens into a stacked cache run the scan (one
-        compiled block). A decode loop hoists two things out of its body: `layers` (`layer_params` of the
-        blocks; else split here) and `rope` (`rope_for_layers(config, positions_BT)`; else computed here: XLA
-        fuses cos/sin into every layer's rope and recomputes them 30 times per step, ~2 ms at batch 32).
+        cache: XLA clamps a write past its end onto the last slots. The cache comes stacked (`init_cache`,
+        returned stacked) or split per layer (`split_cache`, returned split, what a decode loop carries); either
+        way the layers run unrolled over per-layer weights and slots. A decode loop hoists two things out of
+        its body: `layers` (`layer_params` of the blocks; else split here) and `rope`
+        (`rope_for_layers(config, positions_BT)`; else computed here: XLA fuses cos/sin into every layer's
+        rope and recomputes them 30 times per step, ~2 ms at batch 32).
         """
         T = input_ids_BT.shape[1]
         positions_BT = positions_BT.astype(jnp.int32)
@@ -502,15 +481,12 @@ class Transformer(nnx.Module):
         masks = cache_masks(self.config, positions_BT, cache_positions_BS)
         x_BTD = self._embed(input_ids_BT, inference=True)
         stacked = not isinstance(cache.k, tuple)
-        if stacked and T > 1:
-            x_BTD, k, v = _run_blocks(self.config, self.blocks.arrays(), x_BTD, positions_BT, masks, cache)
-        else:
-            layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
-            split = split_cache(cache) if stacked else cache
-            x_BTD, k, v = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
-            if stacked:
-                restacked = stack_cache(split.replace(k=k, v=v))
-                k, v = restacked.k, restacked.v
+        layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
+        split = split_cache(cache) if stacked else cache
+        x_BTD, k, v = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
+        if stacked:
+            restacked = stack_cache(split.replace(k=k, v=v))
+            k, v = restacked.k, restacked.v
         hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
         new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
         return self.logits_from_hidden(hidden_BTD), new_cache
