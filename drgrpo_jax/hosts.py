@@ -6,13 +6,15 @@ they cost nothing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from drgrpo_jax.config import ConfigError
 
-__all__ = ["all_hosts_ok", "gather_hosts"]
+__all__ = ["fail_together", "gather_hosts"]
 
 
 def gather_hosts(tree: Any) -> Any:
@@ -39,7 +41,23 @@ def _failure_types() -> tuple[type[Exception], ...]:
     return ConfigError, RewardError, RolloutError
 
 
-def all_hosts_ok(error: Exception | None, what: str) -> None:
+@contextlib.contextmanager
+def fail_together(what: str) -> Iterator[None]:
+    """Runs the block; if it raised on any process, raises on every one (`what` names the work).
+
+    The block's error is held until a small all-gather of failure codes, so no process waits
+    forever in a later collective for one that died; also a barrier: no process leaves before
+    every process has finished the block.
+    """
+    error = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised by _all_hosts_ok, on every process together
+        error = e
+    _all_hosts_ok(error, what)
+
+
+def _all_hosts_ok(error: Exception | None, what: str) -> None:
     """Raises on every process when `error` happened on any: a small all-gather first, so none waits forever.
 
     Also a barrier: no process passes it before every process has reached it.

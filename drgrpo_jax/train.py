@@ -32,7 +32,7 @@ import numpy as np
 from drgrpo_jax.config import (Config, ConfigError, check_paths, component_names, config_from_argv, dump_config,
                                resolve_model_path)
 from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
-from drgrpo_jax.hosts import all_hosts_ok, gather_hosts
+from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.outputs import RunLog, WeightPublisher, host_array
 from drgrpo_jax.rollout_batch import (advantages_N, correct_mask, host_share, left_pad, merge_host_rows, response_stats,
                                       step_seed, window_advantages)
@@ -136,14 +136,10 @@ def publish_weights(publisher: WeightPublisher, client: Any, params: Any, versio
     """
     import jax
 
-    path, error = "", None
-    try:
+    with fail_together(f"publishing weight version {version}"):
         path = publisher.publish(params, version)  # every process joins its gather
         if client is not None and jax.process_index() == 0:
             client.update_weights(path, version)
-    except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
-        error = e
-    all_hosts_ok(error, f"publishing weight version {version}")
     return path
 
 
@@ -199,13 +195,10 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     model_path = resolve_model_path(c.model.path)
     train_config, logprob_config = step_configs(c)
     dataset = load_dataset(c.data, c.run.seed)
-    client, error = None, None
+    client = None
     if c.rollout.urls:  # every host checks that it reaches every service; all fail together if one does not
-        try:
+        with fail_together("reaching rollout.urls"):
             client = connect_urls(c)
-        except ConfigError as e:
-            error = e
-        all_hosts_ok(error, "reaching rollout.urls")
         stack.callback(client.close)
     tokenizer = load_tokenizer(model_path, c.model.tokenizer_path)
     out = c.run.output_dir
@@ -316,12 +309,8 @@ def _sample(run: Run, step: int, prompts: list[list[int]], examples: tuple[Examp
 
     host, hosts = jax.process_index(), jax.process_count()
     start, stop = host_share(len(prompts), hosts, host)
-    local, result, error = None, None, None
-    try:
+    with fail_together(f"sampling or scoring step {step + 1}"):
         local, result = _sample_share(run, step, prompts[start:stop], examples[start:stop], seed, start)
-    except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
-        error = e
-    all_hosts_ok(error, f"sampling or scoring step {step + 1}")
     arrays = merge_host_rows(gather_hosts(local), _HOST_REDUCTIONS)
     if hosts > 1 and (step + 1) % run.config.run.log_every == 0:
         print(f"[process {host}/{hosts}] step {step + 1}: sampled and scored prompts {start}-{stop - 1} "
@@ -505,13 +494,10 @@ def evaluate(run: Run, step: int) -> dict[str, Any] | None:
     """
     import jax
 
-    row, error = None, None
-    if jax.process_index() == 0 and run.dataset.eval:
-        try:
+    row = None
+    with fail_together(f"evaluation after step {step}"):
+        if jax.process_index() == 0 and run.dataset.eval:
             row = _evaluate(run, step)
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every process together
-            error = e
-    all_hosts_ok(error, f"evaluation after step {step}")
     return row
 
 
