@@ -5,9 +5,10 @@
 Prints one JSON line: generated tokens/s of drgrpo_jax.sampling.generate (per dtype; steady state
 after a compile call), of transformers' `generate` (PyTorch CPU, float32 and each --dtypes) on the
 same weights, batch and lengths, the ratios (`ratio_X`: ours in X over transformers in float32, its
-CPU default; `ratio_X_vs_transformers_X`: the same dtype on both sides), the compile time, and the time `/update_weights_from_disk` takes to swap
-in a checkpoint (load + checks + swap). Every row samples exactly --new-tokens tokens (EOS ignored in
-both) at temperature 1 with top-k/top-p off, from left-padded prompts of 48-64 random token ids.
+CPU default; `ratio_X_vs_transformers_X`: the same dtype on both sides), the compile time, and the
+time `/update_weights_from_disk` takes to swap in a checkpoint (load + checks + swap). Every row
+samples exactly --new-tokens tokens (EOS ignored in both) at temperature 1 with top-k/top-p off,
+from left-padded prompts of 48-64 random token ids.
 With both dtypes, it also reports how far bfloat16 greedy decoding agrees with float32 on that batch,
 and the machine's load average before and after (the machine is shared: compare within one run).
 """
@@ -168,7 +169,8 @@ def main() -> None:
                 ours = result[f"ours_{name}"]["tokens_per_s"]
                 result[f"ratio_{name}"] = ours / result["transformers_float32"]["tokens_per_s"]
                 if name != "float32":
-                    result[f"ratio_{name}_vs_transformers_{name}"] = ours / result[f"transformers_{name}"]["tokens_per_s"]
+                    same_dtype = result[f"transformers_{name}"]["tokens_per_s"]
+                    result[f"ratio_{name}_vs_transformers_{name}"] = ours / same_dtype
     result["load_average_after"] = os.getloadavg()[0]
     print(json.dumps(result))
 

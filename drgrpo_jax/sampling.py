@@ -9,9 +9,10 @@ finished. The KV cache is an explicit pytree that never leaves the program: the 
 so XLA updates it in place every step (what donating it to a per-step jit would buy, without a
 host round trip per token). Weights and cache are split per layer once, before the prefill, and
 every step's RoPE tables computed before the loop, so the loop body (30 unrolled layers for
-SmolLM2) reads weights and cache in place (see `Transformer.decode`). Every per-request knob (temperature, top-k, top-p, budget, stop ids, seed) is a per-row
-array, so requests with different settings share a batch and a program; only (B, P, N) are static
-and each is rounded up to a power of two, so a long run compiles a handful of programs.
+SmolLM2) reads weights and cache in place (see `Transformer.decode`). Every per-request knob
+(temperature, top-k, top-p, budget, stop ids, seed) is a per-row array, so requests with different
+settings share a batch and a program; only (B, P, N) are static and each is rounded up to a power
+of two, so a long run compiles a handful of programs.
 
 Log-probabilities are those of the sampled token under softmax(logits / temperature) over the
 whole vocabulary (before top-k/top-p truncation): the definition the trainer's
