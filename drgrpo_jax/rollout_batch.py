@@ -1,26 +1,164 @@
-"""From a scored rollout to the arrays of a training batch: pure host-side helpers of the trainer.
+"""The typed rollout record, from sampled and scored completions to a training batch: host-side and pure.
 
-Seeds per (run, step), each host's share of a rollout and the merge of the hosts' rows,
-correctness and length statistics, left padding of prompt groups, and the algorithm's
+`ScoredRollout` holds P groups of G responses with named per-row arrays (prompt-major: row
+p * G + g); `take(groups)` selects groups (dynamic sampling), `concat` joins rounds, `to_batch`
+builds the step's `Batch`. `HostCounters` holds what is not one per row (wall-clock, reward
+timeouts and errors) and adds up over rounds and hosts. Beside them: seeds per (run, step),
+each host's share of a rollout, correctness and length statistics, and the algorithm's
 advantages with the per-window whitening GDPO needs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.config import Config
+if TYPE_CHECKING:
+    from drgrpo_jax.config import Config
+    from drgrpo_jax.data import Example
+    from drgrpo_jax.train_step import Batch
 
-__all__ = ["advantages_N", "correct_mask", "host_share", "left_pad", "merge_host_rows", "response_stats", "step_seed",
-           "window_advantages"]
+__all__ = ["HostCounters", "ScoredRollout", "advantages_N", "correct_mask", "group_signal_P", "host_share",
+           "left_pad", "merge_host_rows", "reward_weights", "response_stats", "step_seed", "window_advantages"]
 
 _CORRECTNESS = ("math_verify", "task")  # components that say whether the answer is right
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoredRollout:
+    """P prompts x G responses, prompt-major (row p * G + g), padded to the generation budget B."""
+
+    examples: tuple[Example, ...]  # [P]
+    prompt_ids: tuple[tuple[int, ...], ...]  # [P] chat-templated prompt token ids
+    response_ids: np.ndarray  # int32 [N, B], 0 after each response's end
+    behaviour_logprobs: np.ndarray  # float32 [N, B]: the sampler's (temperature-scaled), 0 on padding
+    response_mask: np.ndarray  # bool [N, B]: generated tokens
+    lengths: np.ndarray  # int32 [N]
+    truncated: np.ndarray  # bool [N]: hit the budget without a stop token
+    versions: np.ndarray  # int64 [N]: the weight version each response was sampled with
+    components: np.ndarray  # float32 [N, K]: reward components
+    group_valid: np.ndarray  # bool [P]: False = a padding group (no loss, no statistics)
+
+    ROW_FIELDS = ("response_ids", "behaviour_logprobs", "response_mask", "lengths", "truncated", "versions",
+                  "components")
+
+    def __post_init__(self):
+        num_prompts, num_rows = len(self.examples), len(self.response_ids)
+        if len(self.prompt_ids) != num_prompts or len(self.group_valid) != num_prompts:
+            raise ValueError(f"ScoredRollout: {num_prompts} examples, {len(self.prompt_ids)} prompts and "
+                             f"{len(self.group_valid)} group_valid flags")
+        if num_prompts == 0 or num_rows % num_prompts:
+            raise ValueError(f"ScoredRollout: {num_rows} responses do not form groups of {num_prompts} prompts")
+        for name, value in self.rows().items():
+            if len(value) != num_rows:
+                raise ValueError(f"ScoredRollout.{name}: {len(value)} rows, expected {num_rows}")
+
+    @property
+    def group_size(self) -> int:
+        """G: responses per prompt."""
+        return len(self.response_ids) // len(self.examples)
+
+    @property
+    def row_valid(self) -> np.ndarray:
+        """bool [N]: responses of real (not padding) groups."""
+        return np.repeat(self.group_valid, self.group_size)
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """The per-row arrays by name (what the hosts all-gather)."""
+        return {name: getattr(self, name) for name in self.ROW_FIELDS}
+
+    @classmethod
+    def from_rows(cls, examples: Sequence[Example], prompt_ids: Sequence[Sequence[int]],
+                  rows: dict[str, np.ndarray]) -> ScoredRollout:
+        """A rollout of these prompts from its per-row arrays (`ROW_FIELDS`), every group valid."""
+        return cls(tuple(examples), tuple(tuple(p) for p in prompt_ids), **rows,
+                             group_valid=np.ones(len(examples), bool))
+
+    def take(self, groups: Sequence[int]) -> ScoredRollout:
+        """The groups at these indices, in this order, with their rows and validity."""
+        groups = np.asarray(groups, np.int64)
+        row_index = (groups[:, None] * self.group_size + np.arange(self.group_size)).reshape(-1)
+        return dataclasses.replace(self, examples=tuple(self.examples[g] for g in groups),
+                                   prompt_ids=tuple(self.prompt_ids[g] for g in groups),
+                                   group_valid=self.group_valid[groups],
+                                   **{name: value[row_index] for name, value in self.rows().items()})
+
+    @staticmethod
+    def concat(parts: Sequence[ScoredRollout]) -> ScoredRollout:
+        """The rollouts one after the other (same group size and budget)."""
+        first = parts[0]
+        return dataclasses.replace(first, examples=tuple(e for p in parts for e in p.examples),
+                                   prompt_ids=tuple(ids for p in parts for ids in p.prompt_ids),
+                                   group_valid=np.concatenate([p.group_valid for p in parts]),
+                                   **{name: np.concatenate([getattr(p, name) for p in parts])
+                                      for name in first.ROW_FIELDS})
+
+    def to_batch(self, advantages_N: np.ndarray, prompt_length: int) -> Batch:
+        """The step's host batch (numpy): prompts left-padded to prompt_length; old log-probs still zero."""
+        from drgrpo_jax.train_step import Batch
+
+        prompt_ids, prompt_mask = left_pad(self.prompt_ids, prompt_length, self.group_size)
+        return Batch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=self.response_ids,
+                     response_mask=self.response_mask, advantages=np.asarray(advantages_N, np.float32),
+                     old_logprobs=np.zeros_like(self.behaviour_logprobs),
+                     behaviour_logprobs=self.behaviour_logprobs, row_valid=self.row_valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCounters:
+    """What sampling and scoring cost and what failed: not one value per row; adds up over rounds and hosts."""
+
+    reward_functions: tuple[str, ...]  # F reward function names
+    rollout_seconds: float  # waiting for the generation service
+    reward_seconds: float  # scoring
+    reward_timeouts_F: np.ndarray  # int [F]: reward calls killed at the time limit
+    reward_errors_F: np.ndarray  # int [F]: reward calls that raised or killed their worker
+    error_messages: tuple[str, ...] = ()  # the first few reward failures (this host's), for the log
+
+    def __add__(self, other: HostCounters) -> HostCounters:
+        """Sequential work (dynamic sampling's rounds): times and counts add up."""
+        return HostCounters(self.reward_functions, self.rollout_seconds + other.rollout_seconds, self.reward_seconds + other.reward_seconds,
+                            self.reward_timeouts_F + other.reward_timeouts_F,
+                            self.reward_errors_F + other.reward_errors_F,
+                            (self.error_messages + other.error_messages)[:5])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The numbers as arrays (what the hosts all-gather)."""
+        return {"seconds": np.asarray([self.rollout_seconds, self.reward_seconds]),
+                "timeouts_F": np.asarray(self.reward_timeouts_F, np.int64),
+                "errors_F": np.asarray(self.reward_errors_F, np.int64)}
+
+    def across_hosts(self, stacked: dict[str, np.ndarray]) -> HostCounters:
+        """Every host's `arrays()` stacked [H, ...] -> parallel work: the slowest host's time, summed counts."""
+        seconds = stacked["seconds"].max(axis=0)
+        return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]), stacked["timeouts_F"].sum(axis=0),
+                            stacked["errors_F"].sum(axis=0), self.error_messages)
+
+    def metrics(self) -> dict[str, int]:
+        """Per-function and total reward timeouts and errors, for metrics.jsonl."""
+        out = {}
+        for f, name in enumerate(self.reward_functions):
+            out[f"reward/{name}_timeouts"] = int(self.reward_timeouts_F[f])
+            out[f"reward/{name}_errors"] = int(self.reward_errors_F[f])
+        out["reward_timeouts"] = int(self.reward_timeouts_F.sum())
+        out["reward_errors"] = int(self.reward_errors_F.sum())
+        return out
+
+
+def merge_host_rows(stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every host's rows stacked on a leading host axis [H, rows, ...] -> the whole rollout [H * rows, ...].
+
+    Host h's rows follow host h - 1's, which is the prompt order of a one-host rollout because the
+    shares are contiguous (`host_share`).
+    """
+    return {name: value.reshape(value.shape[0] * value.shape[1], *value.shape[2:]) for name, value in stacked.items()}
+
+
 def step_seed(seed: int, step: int, purpose: int) -> int:
-    """A uint32 seed for (run.seed, step, purpose): 0 = rollout sampling, 1 = minibatch order."""
+    """A uint32 seed for (run.seed, step, purpose): 0 = rollout sampling, 1 + epoch = minibatch order."""
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, step, purpose]).generate_state(1)[0])
 
 
@@ -32,24 +170,6 @@ def host_share(num_prompts: int, num_hosts: int, host: int) -> tuple[int, int]:
         raise ValueError(f"host: {host} is not in [0, {num_hosts})")
     size = num_prompts // num_hosts
     return host * size, (host + 1) * size
-
-
-def merge_host_rows(stacked: dict[str, np.ndarray], reductions: dict[str, str] | None = None) -> dict[str, np.ndarray]:
-    """Every host's arrays stacked on a leading host axis [H, rows, ...] -> the whole rollout [H * rows, ...].
-
-    Host h's rows follow host h - 1's, which is the prompt order of a one-host rollout because the
-    shares are contiguous (`host_share`). Arrays named in `reductions` are not per row: they are
-    reduced over the hosts instead ("sum": counters, "max": wall-clock of the slowest host).
-    """
-    reductions = reductions or {}
-    reducers = {"sum": np.sum, "max": np.max}
-    out = {}
-    for name, value in stacked.items():
-        if name in reductions:
-            out[name] = reducers[reductions[name]](value, axis=0)
-        else:
-            out[name] = value.reshape(value.shape[0] * value.shape[1], *value.shape[2:])
-    return out
 
 
 def correct_mask(names: tuple[str, ...], components_NK: np.ndarray) -> np.ndarray:
@@ -76,7 +196,7 @@ def response_stats(lengths_N: np.ndarray, truncated_N: np.ndarray, correct_N: np
     }
 
 
-def left_pad(prompts: list[list[int]], length: int, repeat: int) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(prompts: Sequence[Sequence[int]], length: int, repeat: int) -> tuple[np.ndarray, np.ndarray]:
     """Prompt ids and mask [len(prompts) * repeat, length], left-padded with 0, each prompt repeated."""
     ids = np.zeros((len(prompts) * repeat, length), np.int32)
     for p, prompt in enumerate(prompts):
@@ -85,31 +205,58 @@ def left_pad(prompts: list[list[int]], length: int, repeat: int) -> tuple[np.nda
     return ids, np.arange(length)[None, :] >= length - lengths[:, None]
 
 
-def advantages_N(config: Config, weights: tuple[float, ...], components_NK: np.ndarray,
-                 valid_P: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(float32 [N] advantages of prompt-major responses, bool [P] groups with a learning signal).
+def reward_weights(config: Config) -> tuple[float, ...]:
+    """reward.weights, or 1 for every component."""
+    from drgrpo_jax.config import component_names
+
+    return tuple(config.reward.weights) or (1.0,) * len(component_names(config.reward))
+
+
+def _group_rewards(config: Config, components_NK: np.ndarray, num_prompts: int) -> Any:
+    """[P, G, K] components (gdpo normalises each on its own) or [P, G] weighted scalar rewards."""
+    import jax.numpy as jnp
+
+    from drgrpo_jax.algorithms import ALGORITHMS
+
+    group = components_NK.shape[0] // num_prompts
+    if ALGORITHMS[config.algorithm.name].multi_reward:
+        return jnp.asarray(components_NK.reshape(num_prompts, group, -1))
+    weights = np.asarray(reward_weights(config), np.float32)
+    return jnp.asarray((components_NK @ weights).reshape(num_prompts, group))
+
+
+def group_signal_P(config: Config, rollout: ScoredRollout) -> np.ndarray:
+    """bool [P]: valid groups with a learning signal, by the algorithm's own test (`algorithms.group_signal`)."""
+    import jax.numpy as jnp
+
+    from drgrpo_jax.algorithms import group_signal
+
+    rewards = _group_rewards(config, rollout.components, len(rollout.examples))
+    valid = jnp.asarray(np.repeat(rollout.group_valid[:, None], rollout.group_size, axis=1))
+    weights = jnp.asarray(reward_weights(config), jnp.float32)
+    return np.asarray(group_signal(config.algorithm.name, rewards, valid, weights=weights), bool)
+
+
+def advantages_N(config: Config, rollout: ScoredRollout) -> np.ndarray:
+    """float32 [N] advantages of the rollout's prompt-major responses; padding groups get 0.
 
     gdpo's advantages come back before the batch whitening: each optimizer window whitens
     its own rows (`window_advantages`), never the concatenation of several windows.
-    Padding groups (valid_P False) get 0 and no signal.
     """
     import jax.numpy as jnp
 
     from drgrpo_jax.advantages import gdpo_combined
-    from drgrpo_jax.algorithms import ALGORITHMS, compute_advantages, group_signal
+    from drgrpo_jax.algorithms import ALGORITHMS, compute_advantages
 
-    a, num_prompts = config.algorithm, len(valid_P)
-    group = components_NK.shape[0] // num_prompts
-    valid = jnp.asarray(np.repeat(valid_P[:, None], group, axis=1))
-    if ALGORITHMS[a.name].multi_reward:  # GDPO normalises each component on its own
-        rewards = jnp.asarray(components_NK.reshape(num_prompts, group, -1))
-        result = gdpo_combined(rewards, jnp.asarray(weights, jnp.float32), valid)
+    a = config.algorithm
+    rewards = _group_rewards(config, rollout.components, len(rollout.examples))
+    valid = jnp.asarray(np.repeat(rollout.group_valid[:, None], rollout.group_size, axis=1))
+    if ALGORITHMS[a.name].multi_reward:
+        result = gdpo_combined(rewards, jnp.asarray(reward_weights(config), jnp.float32), valid)
     else:
-        rewards = jnp.asarray((components_NK @ np.asarray(weights, np.float32)).reshape(num_prompts, group))
         result = compute_advantages(a.name, rewards, valid, scale_rewards=a.scale_rewards,
                                     whiten_advantages=a.whiten_advantages)
-    signal = group_signal(a.name, rewards, valid, weights=jnp.asarray(weights, jnp.float32))
-    return np.asarray(result, np.float32).reshape(-1), np.asarray(signal, bool)
+    return np.asarray(result, np.float32).reshape(-1)
 
 
 def window_advantages(advantages_N: np.ndarray, row_valid_N: np.ndarray,

@@ -235,24 +235,6 @@ def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
     assert sum(r["groups_dropped"] for r in rows) > 0 and max(r["sampling_rounds"] for r in rows) > 1  # it resampled
 
 
-def test_dynamic_sampling_selects_groups_across_rounds_and_merges_rewards():
-    from drgrpo_jax.rewards import RewardResult
-    from drgrpo_jax.train import _select_groups
-
-    def round_(offset):  # two prompts x two samples; row values say where they came from
-        arrays = {"lengths": np.arange(4) + offset, "components": np.arange(4, dtype=np.float32)[:, None] + offset,
-                  "seconds": np.array([1.0, 2.0]), "timeouts_F": np.array([1]), "errors_F": np.array([0])}
-        result = RewardResult(arrays["components"], ("r",), (1.0,), ("r",), np.array([1]), np.array([0]), ("m",))
-        return (f"e{offset}", f"e{offset + 1}"), [[offset], [offset + 1]], arrays, result, np.array([True, False])
-
-    examples, prompts, arrays, result = _select_groups([round_(0), round_(10)], [2, 1], group=2)
-    assert examples == ("e10", "e1") and prompts == [[10], [1]]
-    np.testing.assert_array_equal(arrays["lengths"], [10, 11, 2, 3])
-    np.testing.assert_array_equal(arrays["seconds"], [2.0, 4.0])
-    assert result.timeouts_F.tolist() == [2] and result.error_messages == ("m", "m")
-    np.testing.assert_array_equal(result.components_NK[:, 0], [10, 11, 2, 3])
-
-
 def test_group_signal_asks_each_algorithm_its_own_question():
     rewards = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.5, 0.5]], np.float32)
     valid = np.array([[True, True, True], [False, True, True], [True, True, False]])

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from drgrpo_jax.rollout_batch import correct_mask, host_share, left_pad, merge_host_rows, response_stats, step_seed
+from drgrpo_jax.rollout_batch import (HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats,
+                                      step_seed)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()"
@@ -86,15 +87,20 @@ def test_host_shares_merge_back_into_the_one_host_rollout():
     assert host_share(prompts, 1, 0) == (0, 6)
     whole = {"ids": np.arange(prompts * group * 3).reshape(prompts * group, 3),
              "lengths": np.arange(prompts * group, dtype=np.int32)}
-    local = [{k: v[a * group:b * group] for k, v in whole.items()} | {"seconds": np.array([h + 1.0, 0.5]),
-                                                                     "errors_F": np.array([h, 1])}
-             for h, (a, b) in enumerate(host_share(prompts, hosts, h) for h in range(hosts))]
-    stacked = {k: np.stack([x[k] for x in local]) for k in local[0]}
-    merged = merge_host_rows(stacked, {"seconds": "max", "errors_F": "sum"})
+    local = [{k: v[a * group:b * group] for k, v in whole.items()}
+             for a, b in (host_share(prompts, hosts, h) for h in range(hosts))]
+    merged = merge_host_rows({k: np.stack([x[k] for x in local]) for k in whole})
     np.testing.assert_array_equal(merged["ids"], whole["ids"])
     np.testing.assert_array_equal(merged["lengths"], whole["lengths"])
-    np.testing.assert_array_equal(merged["seconds"], [3.0, 0.5])
-    np.testing.assert_array_equal(merged["errors_F"], [3, 3])
+    counters = [HostCounters(("f", "g"), h + 1.0, 0.5, np.array([h, 1]), np.array([0, h])) for h in range(hosts)]
+    stacked = {k: np.stack([c.arrays()[k] for c in counters]) for k in counters[0].arrays()}
+    across = counters[0].across_hosts(stacked)  # parallel hosts: the slowest one's time, summed counts
+    assert (across.rollout_seconds, across.reward_seconds) == (3.0, 0.5)
+    np.testing.assert_array_equal(across.reward_timeouts_F, [3, 3])
+    assert across.metrics() == {"reward/f_timeouts": 3, "reward/f_errors": 0, "reward/g_timeouts": 3,
+                                "reward/g_errors": 3, "reward_timeouts": 6, "reward_errors": 3}
+    added = counters[0] + counters[1]  # sequential rounds: times add up
+    assert added.rollout_seconds == 3.0 and added.reward_timeouts_F.tolist() == [1, 2]
     with pytest.raises(ValueError, match="^rollout.prompts_per_step: 6 prompts do not split evenly over 4 hosts"):
         host_share(6, 4, 0)
 

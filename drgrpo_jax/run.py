@@ -1,0 +1,222 @@
+"""A training run's set-up: `setup(config)` checks paths and services, loads data, tokenizer and model,
+restores the last checkpoint and starts the generation service, and returns the `Run` the host loop
+reads with the train state it starts from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from drgrpo_jax.config import Config, ConfigError, check_paths, dump_config, resolve_model_path
+from drgrpo_jax.data import PromptDataset, PromptStream
+from drgrpo_jax.hosts import fail_together
+from drgrpo_jax.outputs import RunLog, WeightPublisher
+
+if TYPE_CHECKING:
+    import jax
+    from flax import nnx
+
+    from drgrpo_jax.checkpoint import Checkpointer
+    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.rollout import LocalServer, RolloutClient
+    from drgrpo_jax.train_step import Batch, TrainState
+
+__all__ = ["Run", "publish_weights", "setup"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the host loop reads: built once by `setup`; the train state travels beside it, step to step."""
+
+    config: Config
+    dataset: PromptDataset
+    tokenizer: Any  # a Hugging Face tokenizer
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    train_fn: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
+    logprob_fn: Callable[[nnx.State, Batch], jax.Array]  # the policy's log-probs of a whole rollout
+    checkpointer: Checkpointer
+    publisher: WeightPublisher
+    log: RunLog
+    stream: PromptStream  # the data position: its state() is checkpointed
+    start_step: int
+    client: RolloutClient  # every process: its rollouts and (process 0) the weight pushes
+    scorer: RewardScorer  # every process scores its own share
+    server: LocalServer | None = None  # the local child service (one process, no rollout.urls)
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
+    """The HF tokenizer of an HF folder, of a .gguf file (read without torch), or of tokenizer_path."""
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer_path" if tokenizer_path else "model.path"
+    try:
+        if tokenizer_path:
+            return AutoTokenizer.from_pretrained(tokenizer_path)
+        if model_path.endswith(".gguf"):
+            from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(model_path)
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as error:  # OSError, ValueError, missing files: the message names the key
+        raise ConfigError(key, f"cannot load a tokenizer: {type(error).__name__}: {error}") from None
+
+
+def build_mesh(config: Config) -> jax.sharding.Mesh:
+    """The (data, fsdp, tensor) mesh: the first data*fsdp*tensor devices (all of them on several hosts)."""
+    import jax
+
+    from drgrpo_jax.sharding import MeshConfig, make_mesh
+
+    m = config.mesh
+    ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
+    if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
+        raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
+                                       f"{len(devices)} devices")
+    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
+
+
+def connect_urls(config: Config) -> RolloutClient:
+    """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
+    from drgrpo_jax.rollout import RolloutClient
+
+    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s)
+    for url, ok in zip(client.urls, client.healthy()):
+        if not ok:
+            client.close()
+            raise ConfigError("rollout.urls", f"{url} does not answer GET /health (is the generation service up?)")
+    return client
+
+
+def service_batch_size(config: Config) -> int:
+    """--max-batch-size of the local child service: rollout.service_batch_size, else a whole rollout (or eval)."""
+    r = config.rollout
+    return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
+
+
+def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, params: nnx.State, version: int) -> str:
+    """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0).
+
+    Every process waits for it and raises with it if it fails anywhere, so no host samples before the
+    services hold the new weights.
+    """
+    import jax
+
+    with fail_together(f"publishing weight version {version}"):
+        path = publisher.publish(params, version)  # every process joins its gather
+        if client is not None and jax.process_index() == 0:
+            client.update_weights(path, version)
+    return path
+
+
+def step_configs(config: Config) -> tuple[Any, Any]:
+    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError when invalid."""
+    from drgrpo_jax.algorithms import ALGORITHMS
+    from drgrpo_jax.losses import LossConfig
+    from drgrpo_jax.train_step import StepConfig
+
+    a = config.algorithm
+    try:
+        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
+                          clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
+                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+        train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap)
+    except (TypeError, ValueError) as error:
+        key, _, reason = str(error).partition(": ")
+        raise ConfigError(key.replace("LossConfig.", "algorithm."), reason) from None
+    # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
+    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout)
+    return train, logprob
+
+
+def _initialize_distributed(config: Config) -> None:
+    """jax.distributed.initialize when mesh.coordinator_address is set (before any device is touched)."""
+    m = config.mesh
+    if m.coordinator_address:
+        import jax
+
+        jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
+
+
+def _optimizer(config: Config) -> tuple[Any, Any]:
+    """(optax optimizer, learning-rate schedule) over every update of the run."""
+    from drgrpo_jax.train_step import make_optimizer
+
+    o, a = config.optimizer, config.algorithm
+    updates = config.train.steps * a.ppo_epochs * a.minibatches_per_rollout
+    return make_optimizer(o.learning_rate, total_steps=updates, warmup_steps=o.warmup_steps, decay=o.decay,
+                          weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                          max_grad_norm=o.max_grad_norm or None)
+
+
+def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
+    """(the run, the train state to start from): fresh, or the last checkpoint's when resuming."""
+    _initialize_distributed(config)
+    import jax
+
+    from drgrpo_jax.checkpoint import Checkpointer
+    from drgrpo_jax.data import load_dataset
+    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.rollout import LocalServer, RolloutClient
+    from drgrpo_jax.sharding import state_shardings as param_shardings_of
+    from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, place, state_shardings
+
+    c, main_process = config, jax.process_index() == 0
+    if jax.process_count() > 1 and not c.rollout.urls:
+        raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
+    check_paths(c)
+    model_path = resolve_model_path(c.model.path)
+    train_config, logprob_config = step_configs(c)
+    dataset = load_dataset(c.data, c.run.seed)
+    client = None
+    if c.rollout.urls:  # every host checks that it reaches every service; all fail together if one does not
+        with fail_together("reaching rollout.urls"):
+            client = connect_urls(c)
+        stack.callback(client.close)
+    tokenizer = load_tokenizer(model_path, c.model.tokenizer_path)
+    out = c.run.output_dir
+    os.makedirs(os.path.join(out, "weights"), exist_ok=True)
+    checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
+                                                    keep=c.train.keep_checkpoints))
+    resume = checkpointer.should_resume(c.train.resume)
+    scorer = stack.enter_context(RewardScorer(c.reward))
+
+    mesh = build_mesh(c)
+    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
+    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat)
+    optimizer, schedule = _optimizer(c)
+    graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
+    del model
+    params_shardings = param_shardings_of(state.params, mesh)
+    shardings = state_shardings(state, params_shardings, mesh)
+    state = place(state, shardings)  # works across processes, where device_put cannot
+    start_step, position = 0, 0
+    if resume:
+        restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding place gave it
+        state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
+    if main_process:
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            f.write(dump_config(c))
+    log = RunLog(out, start_step, main_process)
+    stack.callback(log.close)
+    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir)
+    publish_weights(publisher, client, state.params, start_step)
+    server = None
+    if client is None:  # one process (checked above): its own child service
+        server = stack.enter_context(LocalServer(
+            publisher.local_path(start_step), dtype=c.model.dtype, weight_version=start_step,
+            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))]))
+        client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s))
+    run = Run(config=c, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
+              train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
+              logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),
+              checkpointer=checkpointer, publisher=publisher, log=log,
+              stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
+              start_step=start_step, client=client, scorer=scorer, server=server)
+    return run, state

@@ -1,0 +1,68 @@
+"""The typed rollout record: groups taken and joined keep every row field together; the batch it builds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from drgrpo_jax.config import load_config
+from drgrpo_jax.data import Example
+from drgrpo_jax.rollout_batch import ScoredRollout, advantages_N, group_signal_P
+
+
+def _rollout(offset: int, prompts: int = 2, group: int = 2, budget: int = 3) -> ScoredRollout:
+    """Row values say which round and row they came from (offset + row)."""
+    rows = prompts * group
+    index = np.arange(rows) + offset
+    examples = tuple(Example(f"p{offset + p}", f"q{p}", "1") for p in range(prompts))
+    return ScoredRollout.from_rows(examples, [[offset + p] * (p + 1) for p in range(prompts)], {
+        "response_ids": np.repeat(index[:, None], budget, axis=1).astype(np.int32),
+        "behaviour_logprobs": -np.repeat(index[:, None], budget, axis=1).astype(np.float32),
+        "response_mask": np.ones((rows, budget), bool),
+        "lengths": index.astype(np.int32),
+        "truncated": index % 2 == 0,
+        "versions": np.full(rows, offset, np.int64),
+        "components": index[:, None].astype(np.float32),
+    })
+
+
+def test_take_and_concat_keep_each_groups_rows_together():
+    joined = ScoredRollout.concat([_rollout(0), _rollout(10)])
+    assert joined.group_size == 2 and len(joined.examples) == 4
+    picked = joined.take([2, 1])  # round 2's first group, then round 1's second
+    assert [e.prompt_id for e in picked.examples] == ["p10", "p1"]
+    assert picked.prompt_ids == ((10,), (1, 1))
+    np.testing.assert_array_equal(picked.lengths, [10, 11, 2, 3])
+    np.testing.assert_array_equal(picked.response_ids[:, 0], [10, 11, 2, 3])
+    np.testing.assert_array_equal(picked.components[:, 0], [10, 11, 2, 3])
+    np.testing.assert_array_equal(picked.versions, [10, 10, 0, 0])
+
+
+def test_to_batch_left_pads_prompts_and_marks_padding_groups():
+    rollout = dataclasses.replace(_rollout(0), group_valid=np.array([True, False]))
+    batch = rollout.to_batch(np.arange(4, dtype=np.float32), prompt_length=3)
+    np.testing.assert_array_equal(batch.prompt_ids, [[0, 0, 0], [0, 0, 0], [0, 1, 1], [0, 1, 1]])
+    np.testing.assert_array_equal(batch.prompt_mask[:, -1], True)
+    np.testing.assert_array_equal(batch.row_valid, [True, True, False, False])
+    np.testing.assert_array_equal(batch.behaviour_logprobs, rollout.behaviour_logprobs)
+    np.testing.assert_array_equal(batch.old_logprobs, 0.0)
+    assert batch.advantages.dtype == np.float32
+
+
+def test_a_record_whose_fields_disagree_is_refused():
+    good = _rollout(0)
+    with pytest.raises(ValueError, match="lengths: 3 rows, expected 4"):
+        dataclasses.replace(good, lengths=good.lengths[:3])
+    with pytest.raises(ValueError, match="group_valid"):
+        dataclasses.replace(good, group_valid=np.ones(3, bool))
+
+
+def test_advantages_are_per_group_and_zero_on_padding_groups():
+    config = load_config(None, ["model.path=x"])  # dr_grpo: r - mean(group)
+    rollout = dataclasses.replace(_rollout(0, prompts=3), group_valid=np.array([True, True, False]))
+    np.testing.assert_allclose(advantages_N(config, rollout), [-0.5, 0.5, -0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(group_signal_P(config, rollout), [True, True, False])
+    same = dataclasses.replace(rollout, components=np.ones_like(rollout.components))
+    np.testing.assert_array_equal(group_signal_P(config, same), [False, False, False])
