@@ -21,11 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
+from drgrpo_jax.errors import ConfigError
 
 __all__ = [
     "AlgorithmConfig",
     "Config",
-    "ConfigError",
     "DataConfig",
     "MeshConfig",
     "ModelConfig",
@@ -43,15 +43,6 @@ __all__ = [
     "resolve_model_path",
     "validate",
 ]
-
-
-class ConfigError(ValueError):
-    """A bad config value: the message is one line, `dotted.key: reason`."""
-
-    def __init__(self, key: str, reason: str):
-        self.key = key
-        self.reason = " ".join(str(reason).split())  # one line, whatever the source message
-        super().__init__(f"{key}: {self.reason}")
 
 
 def _f(default: Any, help: str) -> Any:

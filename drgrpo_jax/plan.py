@@ -29,7 +29,8 @@ import os
 import sys
 from typing import Any
 
-from drgrpo_jax.config import Config, ConfigError, load_config
+from drgrpo_jax.config import Config, load_config
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.config import ModelConfig, from_hf_config
 
 __all__ = ["DEVICES", "PRESETS", "DeviceSpec", "make_plan", "format_text", "resolve_model_config", "main"]

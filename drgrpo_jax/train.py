@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import (Config, ConfigError, check_paths, component_names, config_from_argv, dump_config,
+from drgrpo_jax.config import (Config, check_paths, component_names, config_from_argv, dump_config,
                                resolve_model_path)
 from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.outputs import RunLog, WeightPublisher, host_array
 from drgrpo_jax.rollout_batch import (advantages_N, correct_mask, host_share, left_pad, merge_host_rows, response_stats,

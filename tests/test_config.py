@@ -7,13 +7,13 @@ import pytest
 
 from drgrpo_jax.config import (
     Config,
-    ConfigError,
     check_paths,
     config_from_argv,
     describe_config,
     dump_config,
     load_config,
 )
+from drgrpo_jax.errors import ConfigError
 
 BASE = ["model.path=some/model"]  # the one field without a usable default
 
