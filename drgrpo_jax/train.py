@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from drgrpo_jax.config import (Config, check_paths, component_names, config_from_argv, dump_config,
-                               resolve_model_path)
+                               resolve_model_path, step_configs)
 from drgrpo_jax.data import Example, PromptDataset, PromptStream, tokenize_prompt
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
@@ -88,27 +88,6 @@ def build_mesh(config: Config) -> Any:
         raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
                                        f"{len(devices)} devices")
     return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
-
-
-def step_configs(config: Config) -> tuple[Any, Any]:
-    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError when invalid."""
-    from drgrpo_jax.algorithms import ALGORITHMS
-    from drgrpo_jax.losses import LossConfig
-    from drgrpo_jax.train_step import StepConfig
-
-    a = config.algorithm
-    try:
-        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
-                          clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
-                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
-        train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
-                           temperature=config.rollout.temperature, tis_cap=a.tis_cap)
-    except (TypeError, ValueError) as error:
-        key, _, reason = str(error).partition(": ")
-        raise ConfigError(key.replace("LossConfig.", "algorithm."), reason) from None
-    # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
-    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout)
-    return train, logprob
 
 
 def connect_urls(config: Config) -> Any:
