@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
 from drgrpo_jax.errors import ConfigError, FieldError, MissingValueError
@@ -252,7 +252,7 @@ def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
     """Turns an OmegaConf error into a one-line ConfigError naming the dotted key."""
     full_key = str(getattr(error, "full_key", "") or "") or "config"
     message = str(getattr(error, "msg", "") or error).splitlines()[0]
-    if isinstance(error, ConfigKeyError) or message.startswith("Key '"):
+    if isinstance(error, (ConfigKeyError, ConfigAttributeError)):  # OmegaConf's two types for an unknown key
         return _unknown_key_error(full_key, where)
     return ConfigError(full_key, f"{message}{where}")
 
