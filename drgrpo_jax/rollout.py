@@ -17,13 +17,15 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, Self
 
 import httpx
 import numpy as np
@@ -60,7 +62,7 @@ def prompt_seeds(seed: int, num_prompts: int, offset: int = 0) -> list[int]:
 def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
     """Contiguous, nearly equal [start, stop) shares; empty shares are dropped."""
     bounds = np.linspace(0, num_items, num_parts + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _finish_is_length(finish: Any) -> bool:
@@ -77,9 +79,9 @@ def check_versions(versions: Sequence[str | None], expected: str | int, max_stal
     for version in set(versions):
         if version == expected_text:
             continue
-        if max_staleness > 0 and version is not None and version.lstrip("-").isdigit() and expected_text.isdigit():
-            if int(expected_text) - max_staleness <= int(version) <= int(expected_text):
-                continue
+        numeric = version is not None and version.lstrip("-").isdigit() and expected_text.isdigit()
+        if max_staleness > 0 and numeric and int(expected_text) - max_staleness <= int(version) <= int(expected_text):
+            continue
         raise StaleWeightsError(f"weight_version: got {version!r}, expected {expected_text!r}"
                                 + (f" (at most {max_staleness} versions old)" if max_staleness else ""))
 
@@ -106,7 +108,7 @@ class RolloutClient:
         self._pool.shutdown(wait=True)
         self._http.close()
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -339,7 +341,7 @@ class LocalServer:
         """Whether the child process is alive."""
         return self._process is not None and self._process.poll() is None
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> Self:
         self.start()
         return self
 
