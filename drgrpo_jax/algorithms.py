@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import jax
 
 from drgrpo_jax import advantages as adv
-from drgrpo_jax.losses import Aggregation
+from drgrpo_jax.errors import FieldError, FieldTypeError
+from drgrpo_jax.losses import Aggregation, LossConfig
 
 __all__ = ["Algorithm", "ALGORITHMS", "check_algorithm_options", "compute_advantages", "group_signal"]
 
@@ -50,7 +51,7 @@ ALGORITHMS: types.MappingProxyType[str, Algorithm] = types.MappingProxyType(
 
 def _get(name: str) -> Algorithm:
     if name not in ALGORITHMS:
-        raise ValueError(f"algorithm.name: unknown {name!r}; choose one of {sorted(ALGORITHMS)}")
+        raise FieldError("algorithm", "name", f"unknown {name!r}; choose one of {sorted(ALGORITHMS)}")
     return ALGORITHMS[name]
 
 
@@ -63,24 +64,24 @@ def check_algorithm_options(
     budget: int | None = None,
     group_size: int | None = None,
 ) -> None:
-    """Raises a one-line ValueError/TypeError naming the first option `name` cannot take."""
+    """Raises a one-line FieldError (a ValueError) naming the first option `name` cannot take.
+
+    FieldTypeError (also a TypeError) for a wrong type. The budget is checked by building the algorithm's
+    LossConfig (that rule lives there, so the error names `LossConfig.budget`); None is not checked.
+    """
     algorithm = _get(name)
     options = {"scale_rewards": scale_rewards, "whiten_advantages": whiten_advantages, "kl_in_reward": kl_in_reward}
     for option, value in options.items():
         if not isinstance(value, bool):
-            raise TypeError(f"algorithm.{option}: must be true or false, got {value!r}")
+            raise FieldTypeError("algorithm", option, f"must be true or false, got {value!r}")
         if value and option in algorithm.forbids:
             already = " (grpo already divides by it)" if option == "scale_rewards" and name in ("grpo", "dapo") else ""
-            raise ValueError(f"algorithm.{option}: {name} forbids it: {_REASONS[option]}{already}")
-    if algorithm.aggregation == "fixed_budget":
-        if budget is None or isinstance(budget, bool) or not isinstance(budget, int):
-            raise TypeError(f"rollout.max_new_tokens: {name}'s fixed budget must be a positive int, got {budget!r}")
-        if budget <= 0:
-            raise ValueError(f"rollout.max_new_tokens: {name}'s fixed budget must be a positive int, got {budget}")
+            raise FieldError("algorithm", option, f"{name} forbids it: {_REASONS[option]}{already}")
+    if budget is not None:
+        LossConfig(aggregation=algorithm.aggregation, budget=budget)
     if group_size is not None and group_size < algorithm.min_group_size:
-        raise ValueError(
-            f"rollout.group_size: {name} needs at least {algorithm.min_group_size} samples per prompt, got {group_size}"
-        )
+        raise FieldError("algorithm", "group_size",
+                         f"{name} needs at least {algorithm.min_group_size} samples per prompt, got {group_size}")
 
 
 def compute_advantages(
@@ -94,7 +95,7 @@ def compute_advantages(
     axis_name: str | Sequence[str] | None = None,
 ) -> jax.Array:
     """The algorithm's advantages of [P, G] rewards ([P, G, K] components for gdpo) -> [P, G]."""
-    check_algorithm_options(name, scale_rewards=scale_rewards, whiten_advantages=whiten_advantages, budget=1)
+    check_algorithm_options(name, scale_rewards=scale_rewards, whiten_advantages=whiten_advantages)
     algorithm = _get(name)
     if algorithm.multi_reward:
         if weights is None:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from drgrpo_jax.config import ConfigError
+from drgrpo_jax.errors import ConfigError
 
 __all__ = ["Checkpointer", "Restored", "abstract_state_like"]
 

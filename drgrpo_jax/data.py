@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import ConfigError, DataConfig
+from drgrpo_jax.config import DataConfig
+from drgrpo_jax.errors import ConfigError
 
 __all__ = [
     "Example",

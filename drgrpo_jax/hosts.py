@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import ConfigError
+from drgrpo_jax.errors import ConfigError, HostFailure, RewardError, RolloutError
 
-__all__ = ["fail_together", "gather_hosts"]
+__all__ = ["fail_together", "failure_code", "gather_hosts", "remote_failure"]
 
 
 def gather_hosts(tree: Any) -> Any:
@@ -33,12 +33,31 @@ def gather_hosts(tree: Any) -> Any:
     return jax.tree.map(lambda g, x: np.asarray(g).astype(np.asarray(x).dtype), gathered, tree)
 
 
-def _failure_types() -> tuple[type[Exception], ...]:
-    """Errors re-raised as themselves on every process (code = index + 1); anything else as a RuntimeError."""
-    from drgrpo_jax.rewards import RewardError
-    from drgrpo_jax.rollout import RolloutError
+# The types a failure is reported as to the other processes (code = index + 1; anything else is
+# len + 1). RewardError and RolloutError are raised there as themselves, so `except RolloutError`
+# behaves alike on every process; a ConfigError is not re-raised as one (no key of the other
+# process's config is wrong): it and anything else become a HostFailure naming the type.
+_CODED: tuple[type[Exception], ...] = (RewardError, RolloutError, ConfigError)
+_SAME_TYPE: tuple[type[Exception], ...] = (RewardError, RolloutError)
 
-    return ConfigError, RewardError, RolloutError
+
+def failure_code(error: Exception | None) -> int:
+    """0 = no error; i + 1 = an error of _CODED[i]; len(_CODED) + 1 = anything else."""
+    if error is None:
+        return 0
+    return next((i + 1 for i, kind in enumerate(_CODED) if isinstance(error, kind)), len(_CODED) + 1)
+
+
+def remote_failure(codes: np.ndarray, what: str) -> Exception | None:
+    """The error to raise for the first process whose failure code is nonzero; None when none failed."""
+    failed = np.flatnonzero(codes)
+    if not failed.size:
+        return None
+    first, code = int(failed[0]), int(codes[failed[0]])
+    kind = _CODED[code - 1] if code <= len(_CODED) else Exception
+    if kind in _SAME_TYPE:
+        return kind(f"{what} failed on process {first} (see its log)")
+    return HostFailure(what, first, kind.__name__)
 
 
 @contextlib.contextmanager
@@ -64,14 +83,10 @@ def _all_hosts_ok(error: Exception | None, what: str) -> None:
     """
     import jax
 
-    types = _failure_types()
-    code = 0 if error is None else next((i + 1 for i, t in enumerate(types) if isinstance(error, t)), len(types) + 1)
+    code = failure_code(error)
     codes = gather_hosts(np.asarray([code], np.int32))[:, 0] if jax.process_count() > 1 else np.asarray([code])
     if error is not None:
         raise error
-    failed = np.flatnonzero(codes)
-    if failed.size:
-        first = int(failed[0])
-        kind = types[codes[first] - 1] if codes[first] <= len(types) else RuntimeError
-        message = f"{what} failed on process {first} (see its log)"
-        raise ConfigError("process", message) if kind is ConfigError else kind(message)
+    failure = remote_failure(codes, what)
+    if failure is not None:
+        raise failure

@@ -24,6 +24,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from drgrpo_jax.errors import FieldError, FieldTypeError
+
 __all__ = ["Aggregation", "KLEstimator", "LossConfig", "WindowStats", "window_stats", "loss_fn", "kl_divergence"]
 
 Aggregation = Literal["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -41,7 +43,7 @@ def _is_number(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """How per-token losses are formed and aggregated; validated at construction."""
+    """How per-token losses are formed and aggregated; validated at construction (FieldError naming the field)."""
 
     aggregation: Aggregation = "fixed_budget"  # see the module docstring
     budget: int | None = None  # generation budget B (max response tokens); fixed_budget needs it
@@ -53,30 +55,30 @@ class LossConfig:
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
 
     def __post_init__(self):
+        def bad(name: str, reason: str, kind: type[FieldError] = FieldError) -> FieldError:
+            return kind("LossConfig", name, reason)
+
         if self.aggregation not in get_args(Aggregation):
-            raise ValueError(
-                f"LossConfig.aggregation: unknown {self.aggregation!r}; choose one of {get_args(Aggregation)}"
-            )
+            raise bad("aggregation", f"unknown {self.aggregation!r}; choose one of {get_args(Aggregation)}")
         if self.kl_estimator not in get_args(KLEstimator):
-            raise ValueError(
-                f"LossConfig.kl_estimator: unknown {self.kl_estimator!r}; choose one of {get_args(KLEstimator)}"
-            )
+            raise bad("kl_estimator", f"unknown {self.kl_estimator!r}; choose one of {get_args(KLEstimator)}")
         if self.budget is not None and not _is_int(self.budget):
-            raise TypeError(f"LossConfig.budget: must be a positive int, got {type(self.budget).__name__} {self.budget!r}")
+            raise bad("budget", f"must be a positive int, got {type(self.budget).__name__} {self.budget!r}",
+                      FieldTypeError)
         if self.budget is not None and self.budget <= 0:
-            raise ValueError(f"LossConfig.budget: must be a positive int, got {self.budget}")
+            raise bad("budget", f"must be a positive int, got {self.budget}")
         if self.aggregation == "fixed_budget" and self.budget is None:
-            raise ValueError("LossConfig.budget: fixed_budget needs the generation budget (max response tokens)")
+            raise bad("budget", "fixed_budget needs the generation budget (max response tokens)")
         for name in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef"):
             value = getattr(self, name)
             if value is None and name in ("clip_high", "dual_clip"):
                 continue
             if not _is_number(value):
-                raise TypeError(f"LossConfig.{name}: must be a number, got {type(value).__name__} {value!r}")
+                raise bad(name, f"must be a number, got {type(value).__name__} {value!r}", FieldTypeError)
             if not value >= 0 or value == float("inf"):
-                raise ValueError(f"LossConfig.{name}: must be finite and >= 0, got {value}")
+                raise bad(name, f"must be finite and >= 0, got {value}")
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"LossConfig.dual_clip: must be > 1 (a bound above the clipped loss), got {self.dual_clip}")
+            raise bad("dual_clip", f"must be > 1 (a bound above the clipped loss), got {self.dual_clip}")
 
     @property
     def upper_clip(self) -> float:

@@ -29,7 +29,8 @@ import os
 import sys
 from typing import Any
 
-from drgrpo_jax.config import Config, ConfigError, load_config
+from drgrpo_jax.config import Config, load_config
+from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import ModelConfig, from_hf_config
 
 __all__ = ["DEVICES", "PRESETS", "DeviceSpec", "make_plan", "format_text", "resolve_model_config", "main"]
@@ -444,7 +445,8 @@ def _load(config_path: str | None, overrides: list[str]) -> tuple[Config, list[s
         try:
             return load_config(config_path, overrides + [f"{k}=unset" for k in filled]), filled
         except ConfigError as error:
-            if error.key not in ("model.path", "data.path") or error.key in filled or "must be set" not in error.reason:
+            unset = isinstance(error, MissingValueError) and error.key in ("model.path", "data.path")
+            if not unset or error.key in filled:
                 raise
             filled.append(error.key)
 

@@ -29,16 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import ConfigError, RewardConfig, component_names, function_name
+from drgrpo_jax.config import RewardConfig, component_names, function_name
 from drgrpo_jax.data import Example
+from drgrpo_jax.errors import ConfigError, RewardError
 
-__all__ = ["RewardError", "RewardResult", "RewardScorer", "RewardSpec", "build_reward_fns", "extract_answer"]
+__all__ = ["RewardResult", "RewardScorer", "RewardSpec", "build_reward_fns", "extract_answer"]
 
 RewardFn = Callable[[str, Example], "float | dict[str, float]"]  # (completion, example) -> reward(s)
-
-
-class RewardError(RuntimeError):
-    """A reward that cannot be trusted (NaN/inf) or a worker that cannot start: the run stops."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,10 +2,14 @@
 
 Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve`, a real SGLang or
 SGLang-JAX server alike. Several URLs form a data-parallel fleet: each gets a contiguous share of
-the prompts (whole groups), and a URL that keeps failing hands its share to the others. Connection
-errors, timeouts and 5xx answers are retried with exponential backoff and jitter; a 4xx is the
-caller's mistake and raises at once. `LocalServer` runs the service as a child process on a free
-loopback port and stops it when the trainer exits, normally or not.
+the prompts (whole groups), and a URL that keeps failing hands its share to the others.
+
+Failover is decided on the HTTP status (`retryable`), never on a message: no answer (connection
+errors, timeouts), 5xx, 408 (request timeout) and 429 (too many requests) say the server cannot
+serve now, so the request is retried on the same URL with exponential backoff and jitter, then
+fails over to the next URL; any other 4xx says the request itself is bad, which every server
+would refuse, so it raises at once (no retry, no failover). `LocalServer` runs the service as a
+child process on a free loopback port and stops it when the trainer exits, normally or not.
 """
 
 from __future__ import annotations
@@ -13,24 +17,27 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, Self
 
 import httpx
 import numpy as np
 
+from drgrpo_jax.errors import RolloutError, StaleWeightsError
 
-class RolloutError(RuntimeError):
-    """The generation service could not produce the rollout."""
+_BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
 
-class StaleWeightsError(RolloutError):
-    """Completions came from weights other than the ones the trainer expects."""
+def retryable(status: int | None) -> bool:
+    """Whether a request that failed with HTTP `status` (None = no answer) may succeed elsewhere or later."""
+    return status is None or status >= 500 or status in _BUSY_4XX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +62,7 @@ def prompt_seeds(seed: int, num_prompts: int, offset: int = 0) -> list[int]:
 def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
     """Contiguous, nearly equal [start, stop) shares; empty shares are dropped."""
     bounds = np.linspace(0, num_items, num_parts + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def _finish_is_length(finish: Any) -> bool:
@@ -72,9 +79,9 @@ def check_versions(versions: Sequence[str | None], expected: str | int, max_stal
     for version in set(versions):
         if version == expected_text:
             continue
-        if max_staleness > 0 and version is not None and version.lstrip("-").isdigit() and expected_text.isdigit():
-            if int(expected_text) - max_staleness <= int(version) <= int(expected_text):
-                continue
+        numeric = version is not None and version.lstrip("-").isdigit() and expected_text.isdigit()
+        if max_staleness > 0 and numeric and int(expected_text) - max_staleness <= int(version) <= int(expected_text):
+            continue
         raise StaleWeightsError(f"weight_version: got {version!r}, expected {expected_text!r}"
                                 + (f" (at most {max_staleness} versions old)" if max_staleness else ""))
 
@@ -101,15 +108,16 @@ class RolloutClient:
         self._pool.shutdown(wait=True)
         self._http.close()
 
-    def __enter__(self) -> "RolloutClient":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def _request(self, method: str, url: str, path: str, body: Any = None) -> Any:
-        """One call with retries: transport errors, timeouts and 5xx back off and retry; 4xx raises."""
+        """One call with retries while `retryable`; raises RolloutError with the last HTTP status (None = no answer)."""
         error: Exception | None = None
+        status: int | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
@@ -117,28 +125,29 @@ class RolloutClient:
             try:
                 response = self._http.request(method, url + path, json=body)
             except httpx.TransportError as e:  # connect/read/write errors and timeouts
-                error = e
+                error, status = e, None
                 continue
             if response.status_code < 400:
                 return response.json()
-            message = _error_message(response)
-            if response.status_code < 500 and response.status_code not in (408, 429):
-                raise RolloutError(f"{url}{path}: HTTP {response.status_code}: {message}")
-            error = RolloutError(f"{url}{path}: HTTP {response.status_code}: {message}")
-        raise RolloutError(f"{url}{path}: failed after {self.max_retries + 1} attempts: {error}") from error
+            status = response.status_code
+            error = RolloutError(f"{url}{path}: HTTP {status}: {_error_message(response)}", status=status, url=url)
+            if not retryable(status):
+                raise error
+        raise RolloutError(f"{url}{path}: failed after {self.max_retries + 1} attempts: {error}",
+                           status=status, url=url) from error
 
     def _with_failover(self, first: int, path: str, body: Any) -> Any:
-        """Posts to urls[first]; if it keeps failing, to each other URL in turn."""
-        errors = []
+        """Posts to urls[first]; while it fails `retryable`, to each other URL in turn."""
+        errors: list[RolloutError] = []
         for k in range(len(self.urls)):
             url = self.urls[(first + k) % len(self.urls)]
             try:
                 return self._request("POST", url, path, body)
             except RolloutError as error:
-                if "HTTP 4" in str(error):  # the request itself is wrong: another server will refuse it too
+                if not retryable(error.status):  # the request itself is bad: every server would refuse it
                     raise
-                errors.append(str(error))
-        raise RolloutError("every generation service failed: " + " | ".join(errors))
+                errors.append(error)
+        raise RolloutError("every generation service failed: " + " | ".join(map(str, errors))) from errors[-1]
 
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
@@ -332,7 +341,7 @@ class LocalServer:
         """Whether the child process is alive."""
         return self._process is not None and self._process.poll() is None
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

@@ -11,8 +11,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from drgrpo_jax.config import Config, ConfigError, check_paths, dump_config, resolve_model_path
+from drgrpo_jax.config import Config, check_paths, dump_config, resolve_model_path, step_configs
 from drgrpo_jax.data import PromptDataset, PromptStream
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
 from drgrpo_jax.outputs import RunLog, WeightPublisher
 
@@ -111,27 +112,6 @@ def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, pa
         if client is not None and jax.process_index() == 0:
             client.update_weights(path, version)
     return path
-
-
-def step_configs(config: Config) -> tuple[Any, Any]:
-    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError when invalid."""
-    from drgrpo_jax.algorithms import ALGORITHMS
-    from drgrpo_jax.losses import LossConfig
-    from drgrpo_jax.train_step import StepConfig
-
-    a = config.algorithm
-    try:
-        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
-                          clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
-                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
-        train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
-                           temperature=config.rollout.temperature, tis_cap=a.tis_cap)
-    except (TypeError, ValueError) as error:
-        key, _, reason = str(error).partition(": ")
-        raise ConfigError(key.replace("LossConfig.", "algorithm."), reason) from None
-    # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
-    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout)
-    return train, logprob
 
 
 def _initialize_distributed(config: Config) -> None:

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.config import Config, ConfigError, component_names, config_from_argv
+from drgrpo_jax.config import Config, component_names, config_from_argv
 from drgrpo_jax.data import Example, tokenize_prompt
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.outputs import host_array
 from drgrpo_jax.rollout_batch import (HostCounters, ScoredRollout, advantages_N, correct_mask, group_signal_P,

@@ -27,6 +27,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
 
@@ -63,23 +64,31 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """What the step computes; static under jit."""
+    """What the step computes; static under jit; validated at construction (FieldError naming the field)."""
 
     loss: LossConfig  # aggregation, clipping, KL and entropy terms
     micro_batches: int = 1  # gradient-accumulation slices of one window
     temperature: float = 1.0  # the sampler's temperature; log-probs use the same scaling
-    tis_cap: float | None = None  # truncated importance sampling: cap on exp(old - behaviour); None = off
+    tis_cap: float | None = None  # truncated importance sampling: cap C >= 1 on exp(old - behaviour); None = off
     logprob_chunk: int = 256  # tokens per chunk of the vocabulary projection
 
     def __post_init__(self):
-        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
-            raise ValueError(f"train.micro_batches: must be a positive int, got {self.micro_batches!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature: must be > 0 for training log-probs, got {self.temperature}")
-        if self.tis_cap is not None and not self.tis_cap >= 1:
-            raise ValueError(f"algorithm.tis_cap: must be >= 1 (a cap on an importance ratio), got {self.tis_cap}")
-        if self.logprob_chunk < 1:
-            raise ValueError(f"logprob_chunk: must be a positive int, got {self.logprob_chunk}")
+        for name, kinds in [("micro_batches", int), ("logprob_chunk", int), ("temperature", (int, float)),
+                            ("tis_cap", (int, float, type(None)))]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                wanted = "an int" if kinds is int else "a number"
+                raise FieldTypeError("StepConfig", name, f"must be {wanted}, got {type(value).__name__} {value!r}")
+        for name in ("micro_batches", "logprob_chunk"):
+            if getattr(self, name) < 1:
+                raise FieldError("StepConfig", name, f"must be an int >= 1, got {getattr(self, name)}")
+        if not 0 < self.temperature < float("inf"):
+            raise FieldError("StepConfig", "temperature",
+                             f"must be finite and > 0 for training log-probs, got {self.temperature}")
+        # C < 1 would weight even on-policy tokens (ratio 1) by C: a smaller learning rate, not a truncation.
+        if self.tis_cap is not None and not 1 <= self.tis_cap < float("inf"):
+            raise FieldError("StepConfig", "tis_cap", "must be finite and >= 1 (a cap on an importance ratio), "
+                                                      f"got {self.tis_cap}")
 
 
 def make_optimizer(

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from drgrpo_jax.checkpoint import Checkpointer
-from drgrpo_jax.config import ConfigError
+from drgrpo_jax.errors import ConfigError
 
 
 def _train_state(seed: int):

@@ -7,13 +7,17 @@ import pytest
 
 from drgrpo_jax.config import (
     Config,
-    ConfigError,
     check_paths,
     config_from_argv,
     describe_config,
     dump_config,
     load_config,
+    step_configs,
+    validate,
 )
+from drgrpo_jax.errors import ConfigError, MissingValueError
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.train_step import StepConfig
 
 BASE = ["model.path=some/model"]  # the one field without a usable default
 
@@ -174,7 +178,10 @@ def test_missing_or_broken_config_file(tmp_path):
         (["algorithm.clip_high=-0.1"], "algorithm.clip_high", ">= 0"),
         (["algorithm.kl_coef=-1"], "algorithm.kl_coef", ">= 0"),
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "> 1"),
-        (["algorithm.tis_cap=0"], "algorithm.tis_cap", "> 0"),
+        (["algorithm.tis_cap=0"], "algorithm.tis_cap", ">= 1"),
+        (["algorithm.tis_cap=0.5"], "algorithm.tis_cap", ">= 1"),
+        (["algorithm.entropy_coef=-0.01"], "algorithm.entropy_coef", ">= 0"),
+        (["algorithm.clip_low=inf"], "algorithm.clip_low", "finite"),
         (["algorithm.ppo_epochs=0"], "algorithm.ppo_epochs", ">= 1"),
         (["algorithm.entropy_coef=nan"], "algorithm.entropy_coef", "finite"),
         (["data.eval_size=-1"], "data.eval_size", ">= 0"),
@@ -197,6 +204,30 @@ def test_missing_or_broken_config_file(tmp_path):
 )
 def test_validation_rules(overrides, key, fragment):
     _assert_one_line(_error(overrides), key, fragment)
+
+
+@pytest.mark.parametrize("cap", [0.0, 0.5, 0.999, float("inf")])
+def test_a_tis_cap_below_1_is_refused_where_the_step_would_refuse_it(cap):
+    """The rule lives in StepConfig alone: load_config (so `python -m drgrpo_jax.config` and plan) refuses
+    exactly what the step refuses, in one line naming algorithm.tis_cap."""
+    _assert_one_line(_error([f"algorithm.tis_cap={cap}"]), "algorithm.tis_cap", ">= 1", str(cap))
+    with pytest.raises(ValueError):
+        StepConfig(loss=LossConfig(budget=4), tis_cap=cap)
+
+
+@pytest.mark.parametrize("cap", [1, 1.0, 2.0, 10.5])
+def test_a_tis_cap_of_at_least_1_passes_validate_and_builds_the_step(cap):
+    config = load_config(None, BASE + [f"algorithm.tis_cap={cap}", "algorithm.minibatches_per_rollout=2"])
+    validate(config)
+    train, logprob = step_configs(config)
+    assert isinstance(train, StepConfig) and train.tis_cap == cap and logprob.tis_cap == cap
+    assert (train.micro_batches, logprob.micro_batches) == (1, 2)  # the old log-probs slice the whole rollout
+    assert train.loss.budget == config.rollout.max_new_tokens and train.loss.aggregation == "fixed_budget"
+
+
+def test_an_unset_required_value_is_a_missing_value_error():
+    assert isinstance(_error(["model.path=''"]), MissingValueError)
+    assert not isinstance(_error(["train.steps=0"]), MissingValueError)
 
 
 def test_valid_batch_layouts_pass():

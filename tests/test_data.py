@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from drgrpo_jax.config import ConfigError, DataConfig
+from drgrpo_jax.config import DataConfig
 from drgrpo_jax.data import (
     Example,
     PromptDataset,
@@ -15,6 +15,7 @@ from drgrpo_jax.data import (
     render_prompt,
     tokenize_prompt,
 )
+from drgrpo_jax.errors import ConfigError
 
 ROWS = [{"problem": f"What is {i} + {i}?", "solution": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(20)]
 

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax import advantages
 from drgrpo_jax.algorithms import group_signal
-from drgrpo_jax.config import ConfigError, load_config
+from drgrpo_jax.config import load_config
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.rollout_batch import window_advantages
 
 WEIGHTS = [1.0, 0.5, 2.0]

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax import LossConfig, loss_fn, window_stats
+from drgrpo_jax.errors import FieldError
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 BUDGET = 1024
@@ -278,6 +279,7 @@ def test_bad_configs_name_the_field(kwargs, error, field):
         LossConfig(**kwargs)
     message = str(info.value)
     assert message.startswith(field) and "\n" not in message
+    assert isinstance(info.value, FieldError) and f"{info.value.owner}.{info.value.field}" == field
 
 
 def test_missing_inputs_and_bad_shapes_are_errors():

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from drgrpo_jax import plan
-from drgrpo_jax.config import ConfigError, load_config
+from drgrpo_jax.config import load_config
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models import ModelConfig, Transformer
 from drgrpo_jax.models.config import from_hf_config
 

@@ -6,9 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from drgrpo_jax.config import ConfigError, DataConfig, RewardConfig
+from drgrpo_jax.config import DataConfig, RewardConfig
 from drgrpo_jax.data import Example, load_dataset
-from drgrpo_jax.rewards import RewardError, RewardScorer, build_reward_fns, extract_answer
+from drgrpo_jax.errors import ConfigError, RewardError
+from drgrpo_jax.rewards import RewardScorer, build_reward_fns, extract_answer
 
 TIMEOUT_S = 4.0  # above math-verify's slowest first call on a loaded 2-core machine, below "stalled"
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from test_serve import write_tiny_llama
 
-from drgrpo_jax.rollout import (LocalServer, RolloutClient, RolloutError, StaleWeightsError, check_versions,
-                                prompt_seeds)
+from drgrpo_jax.errors import RolloutError, StaleWeightsError
+from drgrpo_jax.rollout import LocalServer, RolloutClient, check_versions, prompt_seeds, retryable
 
 
 def fake_generate(request: httpx.Request, version: str = "3") -> httpx.Response:
@@ -139,9 +139,36 @@ def test_client_errors_are_not_retried_and_carry_the_message():
         return httpx.Response(400, json={"error": {"message": "sampling_params.top_p: must be > 0"}})
 
     with client_with(handler, ["http://a", "http://b"], max_retries=3) as client:
-        with pytest.raises(RolloutError, match="HTTP 400: sampling_params.top_p"):
+        with pytest.raises(RolloutError, match="HTTP 400: sampling_params.top_p") as error:
             client.generate(PROMPTS[:1], 1, max_new_tokens=3)
-    assert len(calls) == 1
+    assert len(calls) == 1  # neither retried on http://a nor failed over to http://b
+    assert (error.value.status, error.value.url) == (400, "http://a")
+
+
+def test_a_url_that_keeps_answering_429_fails_over_to_the_next():
+    calls = []
+
+    def handler(request):
+        calls.append(request.url.host)
+        if request.url.host == "busy":
+            return httpx.Response(429, json={"error": {"message": "too many requests"}})
+        return fake_generate(request)
+
+    with client_with(handler, ["http://busy", "http://ok"], max_retries=2) as client:
+        rollout = client.generate(PROMPTS, 1, max_new_tokens=3, seed=0, first_url=0)
+    np.testing.assert_array_equal(rollout.output_ids[:, 0], [10, 20, 30, 40])
+    assert calls.count("busy") == 3  # the first share: 1 + 2 retries on http://busy, then http://ok
+    assert calls.count("ok") == 2  # its own share and the failed-over one
+    with client_with(handler, ["http://busy"], max_retries=1) as client:
+        with pytest.raises(RolloutError, match="failed after 2 attempts: .*HTTP 429") as error:
+            client.generate(PROMPTS, 1, max_new_tokens=3)
+    assert error.value.__cause__.status == 429
+
+
+@pytest.mark.parametrize("status, expected", [(None, True), (500, True), (503, True), (429, True), (408, True),
+                                              (400, False), (401, False), (404, False), (422, False)])
+def test_failover_is_decided_on_the_status_code(status, expected):
+    assert retryable(status) is expected
 
 
 def test_a_dead_url_fails_over_and_all_dead_raises():

@@ -112,7 +112,8 @@ def test_host_shares_merge_back_into_the_one_host_rollout():
     (["rollout.service_batch_size=0"], "rollout.service_batch_size", "must be >= 1"),
 ])
 def test_multi_host_config_errors_name_the_key(overrides, key, reason):
-    from drgrpo_jax.config import ConfigError, load_config
+    from drgrpo_jax.config import load_config
+    from drgrpo_jax.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"^{key}: {reason}"):
         load_config(None, ["model.path=m", *overrides])

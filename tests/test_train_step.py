@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from drgrpo_jax import LossConfig
+from drgrpo_jax.errors import FieldError
 from drgrpo_jax.models import ModelConfig, Transformer
 from drgrpo_jax.sharding import MeshConfig, make_mesh, shard_model, state_shardings as model_state_shardings
 from drgrpo_jax.train_step import (Batch, StepConfig, batch_shardings, init_state, jit_policy_logprobs,
@@ -201,10 +202,15 @@ def test_adam_moments_are_float32_for_bfloat16_params():
 
 
 def test_bad_step_config_names_the_field():
-    with pytest.raises(ValueError, match="^train.micro_batches"):
+    with pytest.raises(FieldError, match="^StepConfig.micro_batches: must be an int >= 1, got 0$"):
         StepConfig(loss=LossConfig(budget=4), micro_batches=0)
-    with pytest.raises(ValueError, match="^algorithm.tis_cap"):
-        StepConfig(loss=LossConfig(budget=4), tis_cap=0.5)
+    for cap in (0.5, 0.0, float("inf"), float("nan")):  # C < 1 would down-weight on-policy tokens too
+        with pytest.raises(FieldError, match="^StepConfig.tis_cap: must be finite and >= 1") as info:
+            StepConfig(loss=LossConfig(budget=4), tis_cap=cap)
+        assert (info.value.owner, info.value.field) == ("StepConfig", "tis_cap")
+    with pytest.raises(TypeError, match="^StepConfig.tis_cap: must be a number"):
+        StepConfig(loss=LossConfig(budget=4), tis_cap="2")
+    assert StepConfig(loss=LossConfig(budget=4), tis_cap=1.0).tis_cap == 1.0
     with pytest.raises(ValueError, match="^train.micro_batches"):
         run_step((1, 1, 1), 3)
     with pytest.raises(ValueError, match="^optimizer.decay"):

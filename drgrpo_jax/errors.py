@@ -1,0 +1,91 @@
+"""The error types of drgrpo_jax, raised where the failure is known and caught by type, never by message.
+
+Imports nothing else of ours, so the math (losses, algorithms), the step and the host code can all
+raise them.
+
+- `FieldError` / `FieldTypeError`: a library value (`LossConfig`, `StepConfig`, an algorithm option)
+  refused at construction; `.owner` and `.field` name it as the library does, so the run config
+  maps it to its own dotted key without reading the message.
+- `ConfigError`: a bad run config value, `dotted.key: reason` on one line (`MissingValueError`
+  when a required value is not set).
+- `RewardError`: a reward that cannot be trusted or a worker that cannot start.
+- `RolloutError`: the generation service failed; `.status` is the HTTP status when one answered
+  (None: no answer, or not an HTTP failure) and `.url` the service. `StaleWeightsError` when the
+  completions came from other weights.
+- `HostFailure`: work failed on another process of a multi-host run.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "FieldError",
+    "FieldTypeError",
+    "HostFailure",
+    "MissingValueError",
+    "RewardError",
+    "RolloutError",
+    "StaleWeightsError",
+]
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+class FieldError(ValueError):
+    """A library value refused at construction: `owner.field: reason` (e.g. `LossConfig.clip_low: ...`)."""
+
+    def __init__(self, owner: str, field: str, reason: str):
+        self.owner, self.field, self.reason = owner, field, _one_line(reason)
+        super().__init__(f"{owner}.{field}: {self.reason}")
+
+    def __reduce__(self):  # pickles across processes with its fields
+        return type(self), (self.owner, self.field, self.reason)
+
+
+class FieldTypeError(FieldError, TypeError):
+    """A library value of the wrong type (a TypeError and a FieldError)."""
+
+
+class ConfigError(ValueError):
+    """A bad config value: the message is one line, `dotted.key: reason`."""
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = _one_line(reason)  # one line, whatever the source message
+        super().__init__(f"{key}: {self.reason}")
+
+    def __reduce__(self):
+        return type(self), (self.key, self.reason)
+
+
+class MissingValueError(ConfigError):
+    """A config value the run needs is not set (e.g. model.path)."""
+
+
+class RewardError(RuntimeError):
+    """A reward that cannot be trusted (NaN/inf) or a worker that cannot start: the run stops."""
+
+
+class RolloutError(RuntimeError):
+    """The generation service could not produce the rollout; `status`: its HTTP status, when it answered one."""
+
+    def __init__(self, message: str, *, status: int | None = None, url: str | None = None):
+        self.status, self.url = status, url
+        super().__init__(message)
+
+
+class StaleWeightsError(RolloutError):
+    """Completions came from weights other than the ones the trainer expects."""
+
+
+class HostFailure(RuntimeError):
+    """`what` failed on process `process` with an error of type `kind`; this process stops with it."""
+
+    def __init__(self, what: str, process: int, kind: str):
+        self.what, self.process, self.kind = what, process, kind
+        super().__init__(f"{what} failed on process {process} ({kind}; see its log)")
+
+    def __reduce__(self):
+        return type(self), (self.what, self.process, self.kind)
