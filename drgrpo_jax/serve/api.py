@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -157,132 +160,232 @@ def _next_version(current: str) -> str:
     return str(int(current) + 1) if current.lstrip("-").isdigit() else f"{current}+1"
 
 
+# ---------------------------------------------------------------- shared by the handlers
+
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """What every route handler reads, stored on the app by build_app."""
+
+    engine: Engine
+    tokenizer: Any  # a transformers tokenizer, or None: only token-id prompts are served
+    name: str  # the model's name in OpenAI responses
+
+
+def _service(request: Request) -> Service:
+    """The Service of the app this request came to."""
+    return request.app.state.service
+
+
+async def _run(engine: Engine, rows: list[RowRequest]) -> list[RowResult]:
+    """The rows' results; a failed batch answers HTTP 500 and the service keeps running."""
+    try:
+        return await asyncio.wrap_future(engine.submit(rows))
+    except Exception as error:
+        raise HTTPException(500, f"generation failed: {type(error).__name__}: {error}") from error
+
+
+def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of `ids`, or "" without a tokenizer (such a server's clients read the token ids)."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
+
+
+def _write_port_file(port_file: str, port: int) -> None:
+    """Writes the port through a temporary file and a rename, so the parent never reads half of it."""
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(port))
+    os.replace(port_file + ".tmp", port_file)
+
+
+@contextlib.asynccontextmanager
+async def _publish_port(_: FastAPI, *, port_file: str, port: int) -> AsyncIterator[None]:
+    """Lifespan: the port file is written once the app accepts requests, the parent's readiness signal."""
+    if port_file:
+        _write_port_file(port_file, port)  # a few bytes once at startup: blocking the loop here costs nothing
+    yield
+
+
+async def _invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+    """A body that fails its schema: 400 (not FastAPI's 422) with 'field: reason'."""
+    return _error(400, _validation_message(error))
+
+
+async def _bad_request(_: Request, error: BadRequest) -> JSONResponse:
+    """A request refused by a check: 400 with the check's message."""
+    return _error(400, str(error))
+
+
+# ---------------------------------------------------------------- SGLang-native routes
+
+async def health(request: Request) -> JSONResponse:
+    """GET /health: ok and the weight version while the sampler worker runs, else 503."""
+    engine = _service(request).engine
+    if not engine.alive:
+        return _error(503, "sampler worker has stopped")
+    return JSONResponse({"status": "ok", "weight_version": engine.weights.version})
+
+
+async def model_info(request: Request) -> dict:
+    """GET /get_model_info: SGLang's fields plus the context, vocabulary and batching this service uses."""
+    engine = _service(request).engine
+    w = engine.weights
+    return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
+            "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
+            "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
+            "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
+            "batches_run": engine.batches_run}
+
+
+async def weight_version(request: Request) -> dict:
+    """GET /get_weight_version: the version new batches sample with."""
+    return {"weight_version": _service(request).engine.weights.version}
+
+
+async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
+    """POST /update_weights_from_disk: load, check, swap; on failure 400 and the old weights keep serving."""
+    engine = _service(request).engine
+    version = str(body.weight_version) if body.weight_version is not None else _next_version(
+        engine.weights.version)
+    try:
+        weights = await asyncio.to_thread(engine.update_weights, body.model_path, version)
+    except Exception as error:  # noqa: BLE001 - any load/check failure leaves the old weights serving
+        return JSONResponse({"success": False, "message": f"model_path: {type(error).__name__}: {error}",
+                             "weight_version": engine.weights.version}, status_code=400)
+    return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                         "weight_version": weights.version})
+
+
+def _per_prompt(params: SamplingParamsIn | list[SamplingParamsIn], num_prompts: int) -> list[SamplingParamsIn]:
+    """One SamplingParamsIn per prompt: a list gives each prompt its own, a single one is shared."""
+    per_prompt = params if isinstance(params, list) else [params] * num_prompts
+    if len(per_prompt) != num_prompts:
+        raise BadRequest(f"sampling_params: {len(per_prompt)} entries for {num_prompts} prompts")
+    return per_prompt
+
+
+def _finish_reason(result: RowResult) -> dict:
+    """SGLang's finish_reason: the stop token that ended the completion, or the length it ran to."""
+    if result.stopped:
+        return {"type": "stop", "matched": result.output_ids[-1]}
+    return {"type": "length", "length": len(result.output_ids)}
+
+
+def _generated(result: RowResult, row: RowRequest, rid: str, text: str, latency: float, return_logprob: bool
+               ) -> dict:
+    """One completion in SGLang's /generate shape."""
+    meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(result.output_ids),
+            "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
+            "e2e_latency": latency}
+    if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
+    return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    """POST /generate: completions prompt-major, a single object when one prompt asked for one."""
+    service = _service(request)
+    engine = service.engine
+    prompts, is_batch = _prompts(body.text, body.input_ids, service.tokenizer, "input_ids")
+    params = body.sampling_params or SamplingParamsIn()
+    per_prompt = _per_prompt(params, len(prompts))
+    _check_prompts(engine, prompts, [p.max_new_tokens for p in per_prompt], "input_ids")
+    rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
+    rows = _rows(prompts, per_prompt, not isinstance(params, list), engine.config.max_rows_per_request)
+    start = time.perf_counter()
+    results = await _run(engine, rows)
+    latency = time.perf_counter() - start
+    prompt_of_row = [i for i, p in enumerate(per_prompt) for _ in range(p.n)]
+    out = [_generated(result, row, rids[i], _decode(service.tokenizer, result.output_ids,
+                                                    per_prompt[i].skip_special_tokens),
+                      latency, body.return_logprob)
+           for row, result, i in zip(rows, results, prompt_of_row)]
+    return out if is_batch or len(out) > 1 else out[0]
+
+
+# ---------------------------------------------------------------- OpenAI-compatible routes
+
+async def models(request: Request) -> dict:
+    """GET /v1/models: the one served model."""
+    service = _service(request)
+    return {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "drgrpo_jax",
+                                        "max_model_len": service.engine.max_context}]}
+
+
+def _completion_prompts(prompt: str | list, tokenizer: Any) -> list[list[int]]:
+    """Token-id prompts from OpenAI's `prompt`: a text, texts, token ids or lists of token ids."""
+    text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
+    prompts, _ = _prompts(text, None if text is not None else prompt, tokenizer, "prompt")
+    return prompts
+
+
+def _completion_params(body: CompletionRequest) -> SamplingParamsIn:
+    """The request's sampling settings in SGLang's terms; a null field takes OpenAI's default."""
+    return SamplingParamsIn(max_new_tokens=16 if body.max_tokens is None else body.max_tokens,
+                            temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, n=body.n,
+                            stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos)
+
+
+def _completion_logprobs(result: RowResult, tokenizer: Any, top: int) -> dict:
+    """OpenAI's logprobs object for one choice."""
+    tokens = (tokenizer.convert_ids_to_tokens(result.output_ids) if tokenizer is not None
+              else [f"token_id:{t}" for t in result.output_ids])
+    pieces = [_decode(tokenizer, [t], False) for t in result.output_ids]
+    # Only the sampled token's log-prob is computed: top_logprobs holds that one entry.
+    return {"tokens": tokens, "token_logprobs": result.logprobs,
+            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)] if top > 0 else None,
+            "text_offset": np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist() if pieces else []}
+
+
+def _completion_choice(index: int, result: RowResult, tokenizer: Any, logprobs: int | None) -> dict:
+    """One OpenAI choice, plus the token ids and weight version an RL client needs."""
+    return {"index": index, "text": _decode(tokenizer, result.output_ids),
+            "logprobs": None if logprobs is None else _completion_logprobs(result, tokenizer, logprobs),
+            "finish_reason": "stop" if result.stopped else "length",
+            "token_ids": result.output_ids, "weight_version": result.weight_version}
+
+
+def _usage(prompts: list[list[int]], results: list[RowResult]) -> dict:
+    """OpenAI's token counts."""
+    completion_tokens = sum(len(r.output_ids) for r in results)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def completions(body: CompletionRequest, request: Request) -> dict:
+    """POST /v1/completions: every prompt gets the same settings, and n completions each."""
+    service = _service(request)
+    engine = service.engine
+    prompts = _completion_prompts(body.prompt, service.tokenizer)
+    params = _completion_params(body)
+    _check_prompts(engine, prompts, [params.max_new_tokens] * len(prompts), "prompt")
+    rows = _rows(prompts, [params] * len(prompts), True, engine.config.max_rows_per_request)
+    results = await _run(engine, rows)
+    choices = [_completion_choice(i, result, service.tokenizer, body.logprobs) for i, result in enumerate(results)]
+    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model or service.name, "choices": choices, "usage": _usage(prompts, results)}
+
+
+# ---------------------------------------------------------------- the application
+
+_ROUTES = (  # (method, path, handler)
+    ("GET", "/health", health),
+    ("GET", "/get_model_info", model_info),
+    ("GET", "/get_weight_version", weight_version),
+    ("GET", "/v1/models", models),
+    ("POST", "/update_weights_from_disk", update_weights),
+    ("POST", "/generate", generate),
+    ("POST", "/v1/completions", completions),
+)
+
+
 def build_app(engine: Engine, tokenizer: Any = None, *, port_file: str = "", port: int = 0) -> FastAPI:
     """The FastAPI application: SGLang-style native routes plus OpenAI /v1/completions."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        if port_file:  # written once the app accepts requests: the parent's readiness signal
-            with open(port_file + ".tmp", "w") as f:
-                f.write(str(port))
-            os.replace(port_file + ".tmp", port_file)
-        yield
-
-    app = FastAPI(title="drgrpo_jax generation service", lifespan=lifespan)
-    name = engine.config.served_model_name or engine.config.model
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        return _error(400, _validation_message(error))
-
-    @app.exception_handler(BadRequest)
-    async def bad(_: Request, error: BadRequest) -> JSONResponse:
-        return _error(400, str(error))
-
-    async def run(rows: list[RowRequest]) -> list[RowResult]:
-        try:
-            return await asyncio.wrap_future(engine.submit(rows))
-        except Exception as error:  # noqa: BLE001 - the batch failed; the service keeps running
-            raise HTTPException(500, f"generation failed: {type(error).__name__}: {error}") from error
-
-    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not engine.alive:
-            return _error(503, "sampler worker has stopped")
-        return JSONResponse({"status": "ok", "weight_version": engine.weights.version})
-
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
-        w = engine.weights
-        return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
-                "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
-                "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
-                "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
-                "batches_run": engine.batches_run}
-
-    @app.get("/get_weight_version")
-    async def weight_version() -> dict:
-        return {"weight_version": engine.weights.version}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "drgrpo_jax",
-                                            "max_model_len": engine.max_context}]}
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights(body: UpdateWeightsRequest) -> JSONResponse:
-        version = str(body.weight_version) if body.weight_version is not None else _next_version(
-            engine.weights.version)
-        try:
-            weights = await asyncio.to_thread(engine.update_weights, body.model_path, version)
-        except Exception as error:  # noqa: BLE001 - any load/check failure leaves the old weights serving
-            return JSONResponse({"success": False, "message": f"model_path: {type(error).__name__}: {error}",
-                                 "weight_version": engine.weights.version}, status_code=400)
-        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
-                             "weight_version": weights.version})
-
-    @app.post("/generate")
-    async def generate(body: GenerateRequest) -> Any:
-        prompts, is_batch = _prompts(body.text, body.input_ids, tokenizer, "input_ids")
-        params = body.sampling_params or SamplingParamsIn()
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise BadRequest(f"sampling_params: {len(per_prompt)} entries for {len(prompts)} prompts")
-        _check_prompts(engine, prompts, [p.max_new_tokens for p in per_prompt], "input_ids")
-        rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
-        rows = _rows(prompts, per_prompt, not isinstance(params, list), engine.config.max_rows_per_request)
-        start = time.perf_counter()
-        results = await run(rows)
-        latency = time.perf_counter() - start
-        out = []
-        for row, result, prompt_index in zip(rows, results, [i for i, p in enumerate(per_prompt) for _ in range(p.n)]):
-            finish = ({"type": "stop", "matched": result.output_ids[-1]} if result.stopped
-                      else {"type": "length", "length": len(result.output_ids)})
-            meta = {"id": rids[prompt_index], "prompt_tokens": len(row.prompt_ids),
-                    "completion_tokens": len(result.output_ids), "finish_reason": finish,
-                    "weight_version": result.weight_version, "e2e_latency": latency}
-            if body.return_logprob:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
-            out.append({"text": decode(result.output_ids, per_prompt[prompt_index].skip_special_tokens),
-                        "output_ids": result.output_ids, "meta_info": meta})
-        return out if is_batch or len(out) > 1 else out[0]
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> dict:
-        prompt = body.prompt
-        text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
-        prompts, _ = _prompts(text, None if text is not None else prompt, tokenizer, "prompt")
-        params = SamplingParamsIn(max_new_tokens=16 if body.max_tokens is None else body.max_tokens,
-                                  temperature=1.0 if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, n=body.n,
-                                  stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos)
-        _check_prompts(engine, prompts, [params.max_new_tokens] * len(prompts), "prompt")
-        rows = _rows(prompts, [params] * len(prompts), True, engine.config.max_rows_per_request)
-        results = await run(rows)
-        choices = []
-        for index, result in enumerate(results):
-            logprobs = None
-            if body.logprobs is not None:
-                tokens = (tokenizer.convert_ids_to_tokens(result.output_ids) if tokenizer is not None
-                          else [f"token_id:{t}" for t in result.output_ids])
-                pieces = [decode([t], False) for t in result.output_ids]
-                # Only the sampled token's log-prob is computed: top_logprobs holds that one entry.
-                logprobs = {"tokens": tokens, "token_logprobs": result.logprobs,
-                            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)]
-                            if body.logprobs > 0 else None,
-                            "text_offset": np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist()
-                            if pieces else []}
-            choices.append({"index": index, "text": decode(result.output_ids), "logprobs": logprobs,
-                            "finish_reason": "stop" if result.stopped else "length",
-                            "token_ids": result.output_ids, "weight_version": result.weight_version})
-        completion_tokens = sum(len(r.output_ids) for r in results)
-        prompt_tokens = sum(len(p) for p in prompts)
-        return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": body.model or name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
-
+    app = FastAPI(title="drgrpo_jax generation service",
+                  lifespan=functools.partial(_publish_port, port_file=port_file, port=port))
+    app.state.service = Service(engine, tokenizer, engine.config.served_model_name or engine.config.model)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(BadRequest, _bad_request)
+    for method, path, handler in _ROUTES:
+        app.add_api_route(path, handler, methods=[method])
     return app
