@@ -19,7 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 from drgrpo_jax.serve.api import BadRequest, build_app
-from drgrpo_jax.serve.engine import Engine, RowResult, ServeConfig, Weights, check_compatible, load_config, load_weights
+from drgrpo_jax.serve.engine import (
+    Engine,
+    RowResult,
+    ServeConfig,
+    Weights,
+    check_compatible,
+    load_config,
+    load_weights,
+)
 
 # The CLI's names resolve on first use: importing them here would load `__main__` as a plain module before
 # `python -m drgrpo_jax.serve` runs it (runpy then warns and executes a second copy).
@@ -34,15 +42,18 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
+__all__ = [  # the CLI names among them resolve lazily (_CLI_NAMES)
     "BadRequest",
     "Engine",
     "RowResult",
     "ServeConfig",
     "Weights",
+    "bind_socket",
     "build_app",
     "check_compatible",
     "load_config",
+    "load_tokenizer",
     "load_weights",
-    *_CLI_NAMES,
+    "main",
+    "parse_args",
 ]

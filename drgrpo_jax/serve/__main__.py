@@ -10,7 +10,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import drgrpo_jax.serve
 from drgrpo_jax.serve.api import build_app

@@ -9,7 +9,8 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,8 @@ def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: must be a YAML mapping")
+        # ValueError like every other bad-config error here, so callers catch one type.
+        raise ValueError(f"{path}: must be a YAML mapping")  # noqa: TRY004
     fields = {f.name for f in dataclasses.fields(ServeConfig)}
     section = raw.get("serve", raw if "model" not in raw or isinstance(raw.get("model"), str) else {}) or {}
     unknown = sorted(set(section) - fields)
@@ -199,7 +201,7 @@ class Engine:
             weights = self.weights  # one read: the whole batch uses one version
             try:
                 results = self.run_batch(weights, [job.rows[i] for job, i in taken])
-            except Exception as error:  # noqa: BLE001 - reported to the requests, the service goes on
+            except Exception as error:  # reported to the batch's requests (and logged); the service goes on
                 log.exception("batch failed")
                 for job, _ in taken:
                     if not job.future.done():
