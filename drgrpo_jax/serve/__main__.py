@@ -19,6 +19,7 @@ from drgrpo_jax.serve.engine import DTYPES, Engine, ServeConfig, load_config
 
 log = logging.getLogger("drgrpo_jax.serve")
 
+
 def load_tokenizer(config: ServeConfig) -> Any:
     """The HF tokenizer next to the model, or None (then only token-id prompts are served)."""
     path = config.tokenizer or (config.model if os.path.isdir(config.model) else "")
