@@ -253,7 +253,7 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
     rollout_rows = r.prompts_per_step * r.group_size
     serve_batch_size = serve_batch_size or r.service_batch_size
     if serve_batch_size is None:
-        if r.urls:  # each service gets its share, capped by serve.py's default --max-batch-size (32)
+        if r.urls:  # each service gets its share, capped by drgrpo_jax.serve's default --max-batch-size (32)
             return bucket(min(math.ceil(rollout_rows / len(r.urls)), 32), minimum=1)
         return bucket(max(rollout_rows, config.data.eval_size), minimum=1)
     return bucket(serve_batch_size, minimum=1)
@@ -346,9 +346,9 @@ def trainer_advice(config: Config, model: ModelConfig, figures: dict[str, int], 
 def service_advice(config: Config, model: ModelConfig, weights: int, usable: int, rows: int) -> list[str]:
     """The largest batch one service device holds, or that the weights alone do not fit."""
     if weights > usable:
-        return [f"the generation service's weights ({weights / GIB:.1f} GiB) exceed one device: serve.py uses one "
-                "device per process, so run the service on a larger device (rollout.urls) or use a tensor-parallel "
-                "server (SGLang-JAX, vLLM-TPU) there"]
+        return [f"the generation service's weights ({weights / GIB:.1f} GiB) exceed one device: drgrpo_jax.serve "
+                "uses one device per process, so run the service on a larger device (rollout.urls) or use a "
+                "tensor-parallel server (SGLang-JAX, vLLM-TPU) there"]
     fits = rows
     while fits > 1 and _total(service_memory(config, model, weights, fits)) > usable:
         fits //= 2

@@ -78,7 +78,7 @@ if [[ $mode == slurm && $serve_gpus -gt 0 ]]; then
 fi
 [[ $mode == local || $serve_gpus -lt $gpus_per_host ]] || die "--serve-gpus: $serve_gpus leaves no GPU for the trainer"
 
-# The model the services load: model.path from the overrides, else from the config (serve.py reads it).
+# The model the services load: model.path from the overrides, else from the config (drgrpo_jax.serve reads it).
 model_args=()
 for o in "${overrides[@]}"; do [[ "$o" == model.path=* ]] && model_args=(--model "${o#model.path=}"); done
 

@@ -218,7 +218,7 @@ def _inputs(tmp_path):
 
     write_tiny_model(str(tmp_path / "model"))
     write_prompts(str(tmp_path / "prompts.jsonl"), 40)
-    (tmp_path / "base.yaml").write_text("model: {dtype: float32}\n")  # serve.py reads model.* from it
+    (tmp_path / "base.yaml").write_text("model: {dtype: float32}\n")  # drgrpo_jax.serve reads model.* from it
 
 
 @pytest.mark.slow  # two trainer runs, each starting a service and compiling the step: ~3 minutes on 2 cores

@@ -1,0 +1,59 @@
+"""The generation service: an HTTP process (SGLang-style native API + OpenAI completions) over the sampler.
+
+    python -m drgrpo_jax.serve --model PATH [--host 127.0.0.1] [--port 30000]
+    python -m drgrpo_jax.serve --config run.yaml    # reads `model.path`, `model.dtype` and a `serve:` section
+
+Requests from concurrent clients are queued and cut into batches (rows = prompts x n); one worker
+thread runs the jitted sampler on each batch with the weights current when the batch starts, so a
+weight update (`/update_weights_from_disk`) swaps atomically between batches: batches in flight
+finish on the old weights, and every completion reports the `weight_version` it was sampled with.
+
+Layout (imports point one way, engine <- api <- __main__):
+    engine.py    ServeConfig and its YAML loading, Weights, the compatibility check, the batching Engine
+    api.py       the request schemas and route handlers; build_app wires them into a FastAPI app
+    __main__.py  the CLI: flags, tokenizer, socket, parent watch, uvicorn
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drgrpo_jax.serve.api import BadRequest, build_app
+from drgrpo_jax.serve.engine import (
+    Engine,
+    RowResult,
+    ServeConfig,
+    Weights,
+    check_compatible,
+    load_config,
+    load_weights,
+)
+
+# The CLI's names resolve on first use: importing them here would load `__main__` as a plain module before
+# `python -m drgrpo_jax.serve` runs it (runpy then warns and executes a second copy).
+_CLI_NAMES = ("bind_socket", "load_tokenizer", "main", "parse_args")
+
+
+def __getattr__(name: str) -> Any:
+    """`drgrpo_jax.serve.main` and the other CLI names, imported lazily (see _CLI_NAMES)."""
+    if name in _CLI_NAMES:
+        from drgrpo_jax.serve import __main__ as cli
+        return getattr(cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [  # the CLI names among them resolve lazily (_CLI_NAMES)
+    "BadRequest",
+    "Engine",
+    "RowResult",
+    "ServeConfig",
+    "Weights",
+    "bind_socket",
+    "build_app",
+    "check_compatible",
+    "load_config",
+    "load_tokenizer",
+    "load_weights",
+    "main",
+    "parse_args",
+]
