@@ -1,4 +1,8 @@
-"""Hugging Face checkpoints: safetensors (single or sharded) in, straight onto a mesh, and out again."""
+"""Hugging Face checkpoints: safetensors (single or sharded) in, straight onto a mesh, and out again.
+
+Also the HF-layout reader and `build_model` that `gguf_io` reuses (imports point one way: gguf_io -> hf_io;
+`pretrained.from_pretrained` picks between the two).
+"""
 
 from __future__ import annotations
 
@@ -216,20 +220,15 @@ def load_hf_config(folder: str) -> ModelConfig:
     return from_hf_config(hf, generation)
 
 
-def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    rules: ShardingRules = ShardingRules(), remat: bool = False) -> Transformer:
-    """Load an HF folder (config.json + safetensors) or a .gguf file as a Transformer."""
-    path = os.fspath(path)
-    if path.endswith(".gguf"):
-        from drgrpo_jax.models.gguf_io import load_gguf  # gguf is only imported for GGUF files
-
-        return load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"path: {path!r} is neither a folder with config.json nor a .gguf file")
-    config = load_hf_config(path)
+def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+            rules: ShardingRules = ShardingRules(), remat: bool = False) -> Transformer:
+    """A Transformer from an HF folder (config.json + safetensors)."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"path: {folder!r} is neither a folder with config.json nor a .gguf file")
+    config = load_hf_config(folder)
     if remat:
         config = dataclasses.replace(config, remat=True)
-    return build_model(config, hf_param_reader(SafetensorsIndex(path), config), dtype=dtype, mesh=mesh, rules=rules)
+    return build_model(config, hf_param_reader(SafetensorsIndex(folder), config), dtype=dtype, mesh=mesh, rules=rules)
 
 
 # ---------------------------------------------------------------- export
