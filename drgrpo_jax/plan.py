@@ -30,9 +30,9 @@ import sys
 from typing import Any
 
 from drgrpo_jax.config import Config, ConfigError, load_config
-from drgrpo_jax.models.config import ModelConfig, from_hf_config
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 
-__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "make_plan", "format_text", "resolve_model_config", "main"]
+__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "make_plan", "format_text", "resolve_decoder_config", "main"]
 
 GIB = 1024**3
 HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
@@ -91,7 +91,7 @@ def _preset(name: str) -> str | None:
     return next((key for key in PRESETS if key.lower() == base), None)
 
 
-def resolve_model_config(config: Config, model_config: str | None = None) -> tuple[ModelConfig, str]:
+def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
     """(architecture, where it came from): --model-config, then model.path's config.json, then a preset name."""
     from drgrpo_jax.models.hf_io import load_hf_config
 
@@ -155,7 +155,7 @@ def _variables(tree: Any) -> list[tuple[str, Any, tuple | None]]:
     return out
 
 
-def abstract_state(config: Config, model: ModelConfig) -> tuple[Any, Any]:
+def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any]:
     """(params, optimizer state) as abstract trees: the real model and optax chain under eval_shape."""
     import jax
     import jax.numpy as jnp
@@ -209,7 +209,7 @@ def rows_per_device(config: Config) -> int:
     return max(per_update // config.train.micro_batches // (m.data * m.fsdp), 1)
 
 
-def activation_bytes(config: Config, model: ModelConfig, remat: bool) -> int:
+def activation_bytes(config: Config, model: DecoderConfig, remat: bool) -> int:
     """Activations one device holds in the backward pass of one micro-batch (module formula)."""
     b, a, t = rows_per_device(config), _ITEMSIZE[config.model.dtype], config.mesh.tensor
     S = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1
@@ -224,7 +224,7 @@ def activation_bytes(config: Config, model: ModelConfig, remat: bool) -> int:
     return kept + scores + masks
 
 
-def logprob_chunk_bytes(config: Config, model: ModelConfig, chunk: int = 256) -> int:
+def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = 256) -> int:
     """One chunk's float32 logits, probabilities and their gradient on one device."""
     tokens = min(chunk, rows_per_device(config) * config.rollout.max_new_tokens)
     return 3 * tokens * (model.vocab_size // config.mesh.tensor) * 4
@@ -258,7 +258,7 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
     return bucket(serve_batch_size, minimum=1)
 
 
-def service_memory(config: Config, model: ModelConfig, weights_bytes: int, rows: int) -> dict[str, int]:
+def service_memory(config: Config, model: DecoderConfig, weights_bytes: int, rows: int) -> dict[str, int]:
     """One generation-service device: weights, KV cache and the prefill's attention scores."""
     a, r = _ITEMSIZE[config.model.dtype], config.rollout
     prompt, new = bucket(r.max_prompt_tokens), bucket(r.max_new_tokens)
@@ -269,7 +269,7 @@ def service_memory(config: Config, model: ModelConfig, weights_bytes: int, rows:
             "logits": rows * model.vocab_size * 4 * 2}
 
 
-def trainer_memory(config: Config, model: ModelConfig, params: Any, opt_state: Any) -> dict[str, int]:
+def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state: Any) -> dict[str, int]:
     """Per-device trainer figures in bytes (exact params/optimizer; estimated activations)."""
     sizes = _mesh_sizes(config)
     params_device, params_total = state_bytes(params, sizes)
@@ -306,7 +306,7 @@ def _try(config: Config, **changes: dict[str, Any]) -> Config | None:
     return candidate
 
 
-def _micro_batch_advice(config: Config, model: ModelConfig, budget: int) -> str:
+def _micro_batch_advice(config: Config, model: DecoderConfig, budget: int) -> str:
     """The smallest train.micro_batches (doubling) whose rematerialised activations fit, else the sequence."""
     micro = config.train.micro_batches
     while (micro := micro * 2) <= 4096:
@@ -320,7 +320,7 @@ def _micro_batch_advice(config: Config, model: ModelConfig, budget: int) -> str:
             "or raise mesh.tensor (splits heads, MLP and vocabulary)")
 
 
-def trainer_advice(config: Config, model: ModelConfig, figures: dict[str, int], usable: int) -> list[str]:
+def trainer_advice(config: Config, model: DecoderConfig, figures: dict[str, int], usable: int) -> list[str]:
     """Plain sentences naming the config values that bring the trainer under `usable` bytes per device."""
     state = figures["params"] + figures["optimizer"] + figures["gradients"] + figures["reference"]
     rest = _total(figures) - state - figures["activations"]
@@ -342,7 +342,7 @@ def trainer_advice(config: Config, model: ModelConfig, figures: dict[str, int], 
     return advice
 
 
-def service_advice(config: Config, model: ModelConfig, weights: int, usable: int, rows: int) -> list[str]:
+def service_advice(config: Config, model: DecoderConfig, weights: int, usable: int, rows: int) -> list[str]:
     """The largest batch one service device holds, or that the weights alone do not fit."""
     if weights > usable:
         return [f"the generation service's weights ({weights / GIB:.1f} GiB) exceed one device: serve.py uses one "
@@ -363,7 +363,7 @@ def service_advice(config: Config, model: ModelConfig, weights: int, usable: int
 # ---------------------------------------------------------------------------------------------
 
 
-def make_plan(config: Config, model: ModelConfig, *, device: DeviceSpec | None = None,
+def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None = None,
               serve_batch_size: int | None = None, model_source: str = "") -> dict[str, Any]:
     """The whole plan as one JSON-able dict (bytes as ints)."""
     sizes = _mesh_sizes(config)
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # eval_shape needs no accelerator
     try:
         config, filled = _load(args.config, args.overrides)
-        model, source = resolve_model_config(config if "model.path" not in filled else dataclasses.replace(
+        model, source = resolve_decoder_config(config if "model.path" not in filled else dataclasses.replace(
             config, model=dataclasses.replace(config.model, path="")), args.model_config)
         device = None
         if args.device:

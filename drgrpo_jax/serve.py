@@ -104,7 +104,7 @@ class Weights:
 
     graphdef: nnx.GraphDef
     state: nnx.State
-    config: Any  # drgrpo_jax.models.ModelConfig
+    config: Any  # drgrpo_jax.models.DecoderConfig
     version: str
     path: str
 

@@ -79,14 +79,14 @@ def build_mesh(config: Config) -> Any:
     """The (data, fsdp, tensor) mesh: the first data*fsdp*tensor devices (all of them on several hosts)."""
     import jax
 
-    from drgrpo_jax.sharding import MeshConfig, make_mesh
+    from drgrpo_jax.sharding import MeshShape, make_mesh
 
     m = config.mesh
     ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
     if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
         raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
                                        f"{len(devices)} devices")
-    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
+    return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
 
 
 def step_configs(config: Config) -> tuple[Any, Any]:
@@ -184,7 +184,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
     from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.rewards import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
-    from drgrpo_jax.sharding import state_shardings as param_shardings_of
+    from drgrpo_jax.sharding import param_shardings
     from drgrpo_jax.train_step import (init_state, jit_policy_logprobs, jit_train_step, make_optimizer, place,
                                        state_shardings)
 
@@ -219,7 +219,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> Run:
                                          b1=o.b1, b2=o.b2, eps=o.eps, max_grad_norm=o.max_grad_norm or None)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=a.kl_coef > 0)
     del model
-    params_shardings = param_shardings_of(state.params, mesh)
+    params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
     state = place(state, shardings)  # works across processes, where device_put cannot
     start_step, position = 0, 0

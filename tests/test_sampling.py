@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from drgrpo_jax import sampling
-from drgrpo_jax.models import ModelConfig, Transformer, init_cache
+from drgrpo_jax.models import DecoderConfig, Transformer, init_cache
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
 VOCAB = 97
@@ -17,7 +17,7 @@ PROMPTS = ((5, 17, 3), (40, 2, 9, 11, 60, 7, 8), (1,))
 @pytest.fixture(scope="module")
 def model():
     """A tiny random Llama-family model (GQA, untied head); scaled-up init so logits are not flat."""
-    config = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+    config = DecoderConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
                          eos_token_ids=(VOCAB - 1,))
     m = Transformer(config, rngs=nnx.Rngs(0))

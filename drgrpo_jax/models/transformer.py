@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from drgrpo_jax.models.config import ModelConfig
+from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _F32 = jnp.float32
@@ -52,7 +52,7 @@ def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingR
     return KVCache(**arrays, length=NamedSharding(mesh, PartitionSpec()))
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def init_cache(config: DecoderConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An empty cache with room for max_len tokens per row."""
     shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(
@@ -89,7 +89,7 @@ def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array
     return _unbits(written, buffer.dtype)
 
 
-def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
+def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
     """Per stacked layer parameter: (shape, logical axes, init kind)."""
     L, D, F = config.num_layers, config.hidden_size, config.intermediate_size
     N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
@@ -120,7 +120,7 @@ def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     return specs
 
 
-def param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """Every parameter's (shape, logical axes), keyed by its path ("embed", "blocks/q_proj", ...)."""
     out = {"embed": ((config.vocab_size, config.hidden_size), ("vocab", "embed")),
            "final_norm": ((config.hidden_size,), ("embed",))}
@@ -141,7 +141,7 @@ def _init(kind: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array
 class Blocks(nnx.Module):
     """All decoder layers' parameters, stacked along a leading layer axis."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         for name, (shape, axes, kind) in _param_specs(config).items():
             setattr(self, name, nnx.Param(_init(kind, rngs.params(), shape, dtype), logical_axes=axes))
 
@@ -247,7 +247,7 @@ def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: ja
     return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
-def rope_for_layers(config: ModelConfig, positions_BT: jax.Array):
+def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
     """((cos, sin) for global layers, (cos, sin) for sliding layers), each [B, T, H]."""
     global_tables = rope_tables(positions_BT, config.rope.inv_freq(config.head_dim))
     if config.local_rope is None or not any(config.sliding_layers):
@@ -255,7 +255,7 @@ def rope_for_layers(config: ModelConfig, positions_BT: jax.Array):
     return global_tables, rope_tables(positions_BT, config.local_rope.inv_freq(config.head_dim))
 
 
-def _qkv(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array):
+def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array):
     """A layer's normed, roped queries [B, T, N, H] and new keys/values [B, T, K, H]."""
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
     h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
@@ -271,7 +271,7 @@ def _qkv(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH
     return apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH), v_BTKH
 
 
-def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTNH: jax.Array,
+def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTNH: jax.Array,
                      f32_gate: bool = False) -> jax.Array:
     """Output projection and residual, then the MLP block and its residual.
 
@@ -298,7 +298,7 @@ def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Ar
         return x_BTD + m_BTD
 
 
-def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
+def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
                 masks: tuple[jax.Array, jax.Array]) -> jax.Array:
     """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers."""
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
@@ -337,7 +337,7 @@ def attend_slots(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_B
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
-def _run_blocks_unrolled(config: ModelConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
+def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
                          positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
     """Every layer as straight-line code over per-layer weights and a per-layer (split) cache.
 
@@ -383,14 +383,14 @@ def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[st
     return tuple({name: value[index] for name, value in params.items()} for index in range(num_layers))
 
 
-def _window(config: ModelConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
+def _window(config: DecoderConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
     """[B, T, S]: key inside the sliding window of the query (HF: q_pos - k_pos < window)."""
     if config.sliding_window is None:
         return jnp.ones((q_pos_BT.shape[0], q_pos_BT.shape[1], k_pos_BS.shape[1]), bool)
     return q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < config.sliding_window
 
 
-def forward_masks(config: ModelConfig, positions_BT: jax.Array, segment_ids_BT: jax.Array):
+def forward_masks(config: DecoderConfig, positions_BT: jax.Array, segment_ids_BT: jax.Array):
     """(full, sliding) masks [B, T, T]: same non-zero segment, causal by index, window by position."""
     T = positions_BT.shape[1]
     same_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (segment_ids_BT[:, :, None] != 0)
@@ -399,7 +399,7 @@ def forward_masks(config: ModelConfig, positions_BT: jax.Array, segment_ids_BT: 
     return full_BTS, full_BTS & _window(config, positions_BT, positions_BT)
 
 
-def cache_masks(config: ModelConfig, positions_BT: jax.Array, cache_positions_BS: jax.Array):
+def cache_masks(config: DecoderConfig, positions_BT: jax.Array, cache_positions_BS: jax.Array):
     """(full, sliding) masks [B, T, S]: slot filled and its position <= the query's position."""
     k_pos = cache_positions_BS[:, None, :]
     full_BTS = (k_pos >= 0) & (k_pos <= positions_BT[:, :, None])
@@ -409,7 +409,7 @@ def cache_masks(config: ModelConfig, positions_BT: jax.Array, cache_positions_BS
 class Transformer(nnx.Module):
     """Decoder-only LM; call it for float32 logits, `decode` for cached generation."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         D, V = config.hidden_size, config.vocab_size
         self.embed = nnx.Param(_init("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))
