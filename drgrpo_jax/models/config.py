@@ -86,10 +86,10 @@ class DecoderConfig:
     family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
     vocab_size: int = 32_000  # V
     hidden_size: int = 512  # D
-    intermediate_size: int = 1_376  # F
+    intermediate_size: int = 1_376  # I
     num_layers: int = 4  # L
-    num_heads: int = 8  # N query heads
-    num_kv_heads: int = 8  # K key/value heads (grouped-query attention when K < N)
+    num_heads: int = 8  # Q query heads
+    num_kv_heads: int = 8  # C key/value heads (grouped-query attention when C < Q)
     head_dim: int = 64  # H
     max_position_embeddings: int = 2_048  # longest position the weights were trained for
     rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
