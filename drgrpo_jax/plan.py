@@ -9,14 +9,15 @@ Parameters and optimizer state are exact: their shapes come from `jax.eval_shape
 and optax chain, split by the same logical-axis rules the trainer uses. Activations, log-prob chunks
 and the generation service's prefill are estimates from the formulas below (docs/scaling_out.md):
 
-  letters: b rows per device per micro-batch, S = prompt + budget - 1 trainer tokens per row,
-  a activation bytes (the parameter dtype), t tensor ways, Q log-prob chunk tokens;
+  letters: capitals as in the README's shape-letter glossary (S = prompt + budget - 1 trainer tokens
+  per row, D, I, Q, C, H, L, V from the model, W log-prob chunk tokens); b rows per device per
+  micro-batch, a activation bytes (the parameter dtype), t tensor ways;
   per layer and row, kept for the backward pass:
-      S * (4D + (2N + 2K)H/t + 3F/t) * a      (norm inputs, q/k/v/o, MLP gate/up/product)
-    + (N/t) * S^2 * 4                         (float32 softmax output of the naive attention)
+      S * (4D + (2Q + 2C)H/t + 3I/t) * a      (norm inputs, q/k/v/o, MLP gate/up/product)
+    + (Q/t) * S^2 * 4                         (float32 softmax output of the naive attention)
   without remat: L such layers; with remat: L block inputs (S * D * a) plus one layer recomputed;
-  both add one layer's float32 attention scores (N/t * S^2 * 4) live while its softmax is formed.
-  log-prob chunks: 3 * Q * V/t * 4 (logits, probabilities, their gradient; one chunk at a time).
+  both add one layer's float32 attention scores (Q/t * S^2 * 4) live while its softmax is formed.
+  log-prob chunks: 3 * W * V/t * 4 (logits, probabilities, their gradient; one chunk at a time).
 """
 
 from __future__ import annotations
@@ -213,12 +214,12 @@ def activation_bytes(config: Config, model: DecoderConfig, remat: bool) -> int:
     """Activations one device holds in the backward pass of one micro-batch (module formula)."""
     b, a, t = rows_per_device(config), _ITEMSIZE[config.model.dtype], config.mesh.tensor
     S = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1
-    D, F, N, K, H, L = (model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
+    D, I, Q, C, H, L = (model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
                         model.head_dim, model.num_layers)
-    tokens = S * (4 * D + (2 * N + 2 * K) * H // t + 3 * F // t) * a
-    probs = (N // t) * S * S * 4
+    tokens = S * (4 * D + (2 * Q + 2 * C) * H // t + 3 * I // t) * a
+    probs = (Q // t) * S * S * 4
     layer = b * (tokens + probs)
-    scores = b * (N // t) * S * S * 4
+    scores = b * (Q // t) * S * S * 4
     masks = 2 * b * S * S  # bool full and sliding-window masks, built once per forward
     kept = L * b * S * D * a + layer if remat else L * layer
     return kept + scores + masks
