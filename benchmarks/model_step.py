@@ -29,19 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drgrpo_jax.models import ModelConfig, RopeConfig, Transformer, init_cache, save_pretrained
+from drgrpo_jax.models import DecoderConfig, RopeConfig, Transformer, init_cache, save_pretrained
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache
 
 
-def smollm2_shapes(num_layers: int) -> ModelConfig:
+def smollm2_shapes(num_layers: int) -> DecoderConfig:
     """SmolLM2-135M's architecture (random weights)."""
-    return ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    return DecoderConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                        num_layers=num_layers, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                        rope=RopeConfig(theta=100_000.0), tie_word_embeddings=True, max_position_embeddings=8192)
 
 
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
     """Forward+backward FLOPs per token: 6 x matmul weights (tied output counted once) + attention."""
     D, F, L, V = config.hidden_size, config.intermediate_size, config.num_layers, config.vocab_size
     attn = D * config.num_heads * config.head_dim * 2 + D * config.num_kv_heads * config.head_dim * 2

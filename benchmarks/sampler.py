@@ -84,12 +84,12 @@ def sampler_call(model, rows_prompts, new_tokens: int, dtype, temperature: float
 
 def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
     """How far bfloat16 greedy continuations follow float32's: matching positions and common prefixes."""
-    tokens = {name: np.asarray(sampler_call(m, rows_prompts, new_tokens, dtype, temperature=0.0)(0).tokens_BN)
+    tokens = {name: np.asarray(sampler_call(m, rows_prompts, new_tokens, dtype, temperature=0.0)(0).tokens_BT)
               [:len(rows_prompts), :new_tokens] for name, (m, dtype) in models.items()}
-    same_BN = tokens["float32"] == tokens["bfloat16"]
-    prefix_B = np.where(same_BN.all(axis=1), new_tokens, np.argmin(same_BN, axis=1))
-    return {"token_match": float(same_BN.mean()), "mean_common_prefix": float(prefix_B.mean()),
-            "min_common_prefix": int(prefix_B.min()), "rows_identical": float(same_BN.all(axis=1).mean())}
+    same_BT = tokens["float32"] == tokens["bfloat16"]
+    prefix_B = np.where(same_BT.all(axis=1), new_tokens, np.argmin(same_BT, axis=1))
+    return {"token_match": float(same_BT.mean()), "mean_common_prefix": float(prefix_B.mean()),
+            "min_common_prefix": int(prefix_B.min()), "rows_identical": float(same_BT.all(axis=1).mean())}
 
 
 def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int, dtype: str = "float32") -> dict:

@@ -21,7 +21,7 @@ import numpy as np
 
 from drgrpo_jax import LossConfig
 from drgrpo_jax.models import from_pretrained, save_pretrained
-from drgrpo_jax.sharding import MeshConfig, make_mesh, state_shardings as model_state_shardings
+from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
 from drgrpo_jax.train_step import (Batch, StepConfig, init_state, jit_train_step, make_optimizer, place,
                                    state_shardings)
 
@@ -73,11 +73,11 @@ def make_batch(rows, prompt, response, vocab, seed=0):
 
 
 def jax_step_seconds(model, batch, micro_batches, repeats):
-    mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=1), jax.devices()[:1])
+    mesh = make_mesh(MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     optimizer, schedule = make_optimizer(1e-6, total_steps=100)
     config = StepConfig(loss=LossConfig(budget=batch.response_ids.shape[1]), micro_batches=micro_batches)
     graphdef, state = init_state(model, optimizer, jax.random.key(0))
-    shardings = state_shardings(state, model_state_shardings(state.params, mesh), mesh)
+    shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
     state = place(state, shardings)
     step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
     start = time.perf_counter()

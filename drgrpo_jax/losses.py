@@ -1,9 +1,9 @@
 """Policy-gradient loss with window-exact aggregation: the heart of Dr.GRPO.
 
-Shapes: N responses (rows) by T token slots. The *window* is everything one optimizer
-step consumes (all data-parallel shards, all micro-batches). Each aggregation divides a
-sum over tokens by a fact of the window, so slices of a window and shards of a mesh add
-up to exactly the window's loss:
+Shape letters (the README's glossary): N responses (rows), T token positions. The *window*
+is everything one optimizer step consumes (all data-parallel shards, all micro-batches).
+Each aggregation divides a sum over tokens by a fact of the window, so slices of a window
+and shards of a mesh add up to exactly the window's loss:
 
   fixed_budget         sum(l * mask) / (N_w * budget)             Dr.GRPO
   token_mean           sum(l * mask) / T_w                        DAPO

@@ -9,14 +9,15 @@ Parameters and optimizer state are exact: their shapes come from `jax.eval_shape
 and optax chain, split by the same logical-axis rules the trainer uses. Activations, log-prob chunks
 and the generation service's prefill are estimates from the formulas below (docs/scaling_out.md):
 
-  letters: b rows per device per micro-batch, S = prompt + budget - 1 trainer tokens per row,
-  a activation bytes (the parameter dtype), t tensor ways, Q log-prob chunk tokens;
+  letters: capitals as in the README's shape-letter glossary (S = prompt + budget - 1 trainer tokens
+  per row, D, I, Q, C, H, L, V from the model, W log-prob chunk tokens); b rows per device per
+  micro-batch, a activation bytes (the parameter dtype), t tensor ways;
   per layer and row, kept for the backward pass:
-      S * (4D + (2N + 2K)H/t + 3F/t) * a      (norm inputs, q/k/v/o, MLP gate/up/product)
-    + (N/t) * S^2 * 4                         (float32 softmax output of the naive attention)
+      S * (4D + (2Q + 2C)H/t + 3I/t) * a      (norm inputs, q/k/v/o, MLP gate/up/product)
+    + (Q/t) * S^2 * 4                         (float32 softmax output of the naive attention)
   without remat: L such layers; with remat: L block inputs (S * D * a) plus one layer recomputed;
-  both add one layer's float32 attention scores (N/t * S^2 * 4) live while its softmax is formed.
-  log-prob chunks: 3 * Q * V/t * 4 (logits, probabilities, their gradient; one chunk at a time).
+  both add one layer's float32 attention scores (Q/t * S^2 * 4) live while its softmax is formed.
+  log-prob chunks: 3 * W * V/t * 4 (logits, probabilities, their gradient; one chunk at a time).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from typing import Any
 
 from drgrpo_jax.config import Config, load_config
 from drgrpo_jax.errors import ConfigError, MissingValueError
-from drgrpo_jax.models.config import ModelConfig, from_hf_config
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 
-__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "make_plan", "format_text", "resolve_model_config", "main"]
+__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "make_plan", "format_text", "resolve_decoder_config", "main"]
 
 GIB = 1024**3
 HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
@@ -92,7 +93,7 @@ def _preset(name: str) -> str | None:
     return next((key for key in PRESETS if key.lower() == base), None)
 
 
-def resolve_model_config(config: Config, model_config: str | None = None) -> tuple[ModelConfig, str]:
+def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
     """(architecture, where it came from): --model-config, then model.path's config.json, then a preset name."""
     from drgrpo_jax.models.hf_io import load_hf_config
 
@@ -156,7 +157,7 @@ def _variables(tree: Any) -> list[tuple[str, Any, tuple | None]]:
     return out
 
 
-def abstract_state(config: Config, model: ModelConfig) -> tuple[Any, Any]:
+def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any]:
     """(params, optimizer state) as abstract trees: the real model and optax chain under eval_shape."""
     import jax
     import jax.numpy as jnp
@@ -210,22 +211,22 @@ def rows_per_device(config: Config) -> int:
     return max(per_update // config.train.micro_batches // (m.data * m.fsdp), 1)
 
 
-def activation_bytes(config: Config, model: ModelConfig, remat: bool) -> int:
+def activation_bytes(config: Config, model: DecoderConfig, remat: bool) -> int:
     """Activations one device holds in the backward pass of one micro-batch (module formula)."""
     b, a, t = rows_per_device(config), _ITEMSIZE[config.model.dtype], config.mesh.tensor
     S = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1
-    D, F, N, K, H, L = (model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
+    D, I, Q, C, H, L = (model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads,
                         model.head_dim, model.num_layers)
-    tokens = S * (4 * D + (2 * N + 2 * K) * H // t + 3 * F // t) * a
-    probs = (N // t) * S * S * 4
+    tokens = S * (4 * D + (2 * Q + 2 * C) * H // t + 3 * I // t) * a
+    probs = (Q // t) * S * S * 4
     layer = b * (tokens + probs)
-    scores = b * (N // t) * S * S * 4
+    scores = b * (Q // t) * S * S * 4
     masks = 2 * b * S * S  # bool full and sliding-window masks, built once per forward
     kept = L * b * S * D * a + layer if remat else L * layer
     return kept + scores + masks
 
 
-def logprob_chunk_bytes(config: Config, model: ModelConfig, chunk: int = 256) -> int:
+def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = 256) -> int:
     """One chunk's float32 logits, probabilities and their gradient on one device."""
     tokens = min(chunk, rows_per_device(config) * config.rollout.max_new_tokens)
     return 3 * tokens * (model.vocab_size // config.mesh.tensor) * 4
@@ -259,7 +260,7 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
     return bucket(serve_batch_size, minimum=1)
 
 
-def service_memory(config: Config, model: ModelConfig, weights_bytes: int, rows: int) -> dict[str, int]:
+def service_memory(config: Config, model: DecoderConfig, weights_bytes: int, rows: int) -> dict[str, int]:
     """One generation-service device: weights, KV cache and the prefill's attention scores."""
     a, r = _ITEMSIZE[config.model.dtype], config.rollout
     prompt, new = bucket(r.max_prompt_tokens), bucket(r.max_new_tokens)
@@ -270,7 +271,7 @@ def service_memory(config: Config, model: ModelConfig, weights_bytes: int, rows:
             "logits": rows * model.vocab_size * 4 * 2}
 
 
-def trainer_memory(config: Config, model: ModelConfig, params: Any, opt_state: Any) -> dict[str, int]:
+def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state: Any) -> dict[str, int]:
     """Per-device trainer figures in bytes (exact params/optimizer; estimated activations)."""
     sizes = _mesh_sizes(config)
     params_device, params_total = state_bytes(params, sizes)
@@ -307,7 +308,7 @@ def _try(config: Config, **changes: dict[str, Any]) -> Config | None:
     return candidate
 
 
-def _micro_batch_advice(config: Config, model: ModelConfig, budget: int) -> str:
+def _micro_batch_advice(config: Config, model: DecoderConfig, budget: int) -> str:
     """The smallest train.micro_batches (doubling) whose rematerialised activations fit, else the sequence."""
     micro = config.train.micro_batches
     while (micro := micro * 2) <= 4096:
@@ -321,7 +322,7 @@ def _micro_batch_advice(config: Config, model: ModelConfig, budget: int) -> str:
             "or raise mesh.tensor (splits heads, MLP and vocabulary)")
 
 
-def trainer_advice(config: Config, model: ModelConfig, figures: dict[str, int], usable: int) -> list[str]:
+def trainer_advice(config: Config, model: DecoderConfig, figures: dict[str, int], usable: int) -> list[str]:
     """Plain sentences naming the config values that bring the trainer under `usable` bytes per device."""
     state = figures["params"] + figures["optimizer"] + figures["gradients"] + figures["reference"]
     rest = _total(figures) - state - figures["activations"]
@@ -343,7 +344,7 @@ def trainer_advice(config: Config, model: ModelConfig, figures: dict[str, int], 
     return advice
 
 
-def service_advice(config: Config, model: ModelConfig, weights: int, usable: int, rows: int) -> list[str]:
+def service_advice(config: Config, model: DecoderConfig, weights: int, usable: int, rows: int) -> list[str]:
     """The largest batch one service device holds, or that the weights alone do not fit."""
     if weights > usable:
         return [f"the generation service's weights ({weights / GIB:.1f} GiB) exceed one device: drgrpo_jax.serve "
@@ -364,7 +365,7 @@ def service_advice(config: Config, model: ModelConfig, weights: int, usable: int
 # ---------------------------------------------------------------------------------------------
 
 
-def make_plan(config: Config, model: ModelConfig, *, device: DeviceSpec | None = None,
+def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None = None,
               serve_batch_size: int | None = None, model_source: str = "") -> dict[str, Any]:
     """The whole plan as one JSON-able dict (bytes as ints)."""
     sizes = _mesh_sizes(config)
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # eval_shape needs no accelerator
     try:
         config, filled = _load(args.config, args.overrides)
-        model, source = resolve_model_config(config if "model.path" not in filled else dataclasses.replace(
+        model, source = resolve_decoder_config(config if "model.path" not in filled else dataclasses.replace(
             config, model=dataclasses.replace(config.model, path="")), args.model_config)
         device = None
         if args.device:

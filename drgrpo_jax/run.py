@@ -71,14 +71,14 @@ def build_mesh(config: Config) -> jax.sharding.Mesh:
     """The (data, fsdp, tensor) mesh: the first data*fsdp*tensor devices (all of them on several hosts)."""
     import jax
 
-    from drgrpo_jax.sharding import MeshConfig, make_mesh
+    from drgrpo_jax.sharding import MeshShape, make_mesh
 
     m = config.mesh
     ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
     if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
         raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
                                        f"{len(devices)} devices")
-    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
+    return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
 
 
 def connect_urls(config: Config) -> RolloutClient:
@@ -144,7 +144,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.rewards import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
-    from drgrpo_jax.sharding import state_shardings as param_shardings_of
+    from drgrpo_jax.sharding import param_shardings
     from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, place, state_shardings
 
     c, main_process = config, jax.process_index() == 0
@@ -173,7 +173,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     optimizer, schedule = _optimizer(c)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
     del model
-    params_shardings = param_shardings_of(state.params, mesh)
+    params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
     state = place(state, shardings)  # works across processes, where device_put cannot
     start_step, position = 0, 0

@@ -1,7 +1,8 @@
 """KV-cache sampling: left-padded prompt batches, one prefill, a compiled decode loop (pure, jitted).
 
-Einsum letters: B rows (prompt x sample, padded to a bucket), P prompt length (bucketed),
-N new-token budget (bucketed), V vocabulary, S stop ids per row, C vocabulary chunk, K chunks.
+Shape letters (the README's glossary): B rows (prompt x sample, padded to a bucket), U prompt positions
+(bucketed), T new-token budget (bucketed), V vocab, E stop (end) ids per row, J vocab chunks, W vocab ids
+per chunk.
 
 One call of `generate` is one XLA program: prefill of the whole padded prompt batch, then a
 `lax.while_loop` that decodes one token per row per iteration and stops as soon as every row has
@@ -11,7 +12,7 @@ host round trip per token). Weights and cache are split per layer once, before t
 every step's RoPE tables computed before the loop, so the loop body (30 unrolled layers for
 SmolLM2) reads weights and cache in place (see `Transformer.decode`). Every per-request knob
 (temperature, top-k, top-p, budget, stop ids, seed) is a per-row array, so requests with different
-settings share a batch and a program; only (B, P, N) are static and each is rounded up to a power
+settings share a batch and a program; only (B, U, T) are static and each is rounded up to a power
 of two, so a long run compiles a handful of programs.
 
 Log-probabilities are those of the sampled token under softmax(logits / temperature) over the
@@ -80,14 +81,14 @@ class RowRequest:
 class SamplerBatch:
     """Device inputs of one `generate` call; every field is per row."""
 
-    prompt_ids_BP: jax.Array  # int32, left-padded
-    prompt_positions_BP: jax.Array  # int32, -1 on padding, 0.. on real tokens
+    prompt_ids_BU: jax.Array  # int32, left-padded
+    prompt_positions_BU: jax.Array  # int32, -1 on padding, 0.. on real tokens
     prompt_lengths_B: jax.Array  # int32 number of real prompt tokens
-    max_new_tokens_B: jax.Array  # int32 budget (<= the static N)
+    max_new_tokens_B: jax.Array  # int32 budget (<= the static T)
     temperature_B: jax.Array  # float32, 0 = greedy
     top_k_B: jax.Array  # int32, 0 = off
     top_p_B: jax.Array  # float32, 1 = off
-    stop_ids_BS: jax.Array  # int32, -1 = unused slot
+    stop_ids_BE: jax.Array  # int32, -1 = unused slot
     seeds_B: jax.Array  # uint32
     streams_B: jax.Array  # int32
     samples_B: jax.Array  # int32
@@ -98,8 +99,8 @@ class SamplerBatch:
 class SamplerOutput:
     """What `generate` returns; positions past a row's length hold pad id 0 and log-prob 0."""
 
-    tokens_BN: jax.Array  # int32 sampled tokens (the stop token included)
-    logprobs_BN: jax.Array  # float32 log-prob of each sampled token
+    tokens_BT: jax.Array  # int32 sampled tokens (the stop token included)
+    logprobs_BT: jax.Array  # float32 log-prob of each sampled token
     lengths_B: jax.Array  # int32 number of generated tokens
     stopped_B: jax.Array  # bool: ended on a stop/EOS token (else: ran out of budget)
     num_steps: jax.Array  # int32 decode iterations run (early exit shows here)
@@ -203,11 +204,11 @@ def filter_top_k_top_p(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Ar
     return jnp.where(keys_BV >= jnp.maximum(kth_B, nucleus_B)[:, None], scaled_BV, -jnp.inf)
 
 
-def _inclusive_cumsum(x_BKC: jax.Array) -> jax.Array:
+def _inclusive_cumsum(x: jax.Array) -> jax.Array:
     """Cumulative sum over the last axis as a triangular matmul (XLA CPU's cumsum is ~10x slower)."""
-    size = x_BKC.shape[-1]
-    upper_CC = jnp.triu(jnp.ones((size, size), x_BKC.dtype))
-    return jnp.einsum("...c,cd->...d", x_BKC, upper_CC, precision=jax.lax.Precision.HIGHEST)
+    size = x.shape[-1]
+    upper_WW = jnp.triu(jnp.ones((size, size), x.dtype))
+    return jnp.einsum("...i,ij->...j", x, upper_WW, precision=jax.lax.Precision.HIGHEST)
 
 
 def sample_inverse_cdf(logits_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
@@ -224,19 +225,19 @@ def _sample_weights(weights_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
     """`sample_inverse_cdf` from unnormalised probabilities (the exp of max-shifted logits)."""
     num_rows, num_vocab = weights_BV.shape
     num_chunks = -(-num_vocab // _CDF_CHUNK)
-    weights_BKC = jnp.pad(weights_BV, ((0, 0), (0, num_chunks * _CDF_CHUNK - num_vocab))).reshape(
+    weights_BJW = jnp.pad(weights_BV, ((0, 0), (0, num_chunks * _CDF_CHUNK - num_vocab))).reshape(
         num_rows, num_chunks, _CDF_CHUNK)
-    chunk_cdf_BK = _inclusive_cumsum(jnp.sum(weights_BKC, axis=-1))
-    target_B = uniform_B * chunk_cdf_BK[:, -1]
+    chunk_cdf_BJ = _inclusive_cumsum(jnp.sum(weights_BJW, axis=-1))
+    target_B = uniform_B * chunk_cdf_BJ[:, -1]
     # First chunk whose cumulative mass exceeds the target (zero-mass chunks never exceed it).
-    chunk_B = jnp.minimum(jnp.sum(chunk_cdf_BK <= target_B[:, None], axis=-1), num_chunks - 1)
-    before_B = jnp.take_along_axis(chunk_cdf_BK, chunk_B[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
-        jnp.sum(weights_BKC, axis=-1), chunk_B[:, None], axis=-1)[:, 0]
-    weights_BC = jnp.take_along_axis(weights_BKC, chunk_B[:, None, None], axis=1)[:, 0]
-    within_BC = _inclusive_cumsum(weights_BC)
-    offset_B = jnp.sum(within_BC <= (target_B - before_B)[:, None], axis=-1)
+    chunk_B = jnp.minimum(jnp.sum(chunk_cdf_BJ <= target_B[:, None], axis=-1), num_chunks - 1)
+    before_B = jnp.take_along_axis(chunk_cdf_BJ, chunk_B[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
+        jnp.sum(weights_BJW, axis=-1), chunk_B[:, None], axis=-1)[:, 0]
+    weights_BW = jnp.take_along_axis(weights_BJW, chunk_B[:, None, None], axis=1)[:, 0]
+    within_BW = _inclusive_cumsum(weights_BW)
+    offset_B = jnp.sum(within_BW <= (target_B - before_B)[:, None], axis=-1)
     # Rounding can put the target at the chunk's end: fall back to its last non-zero token.
-    last_nonzero_B = _CDF_CHUNK - 1 - jnp.argmax(weights_BC[:, ::-1] > 0, axis=-1)
+    last_nonzero_B = _CDF_CHUNK - 1 - jnp.argmax(weights_BW[:, ::-1] > 0, axis=-1)
     offset_B = jnp.minimum(offset_B, last_nonzero_B)
     return (chunk_B * _CDF_CHUNK + offset_B).astype(jnp.int32)
 
@@ -284,14 +285,14 @@ def _record(state: _LoopState, tokens_B: jax.Array, logprobs_B: jax.Array, batch
     active_B = ~state.done_B
     out = state.out
     column = state.step
-    tokens_BN = jax.lax.dynamic_update_slice(
-        out.tokens_BN, jnp.where(active_B, tokens_B, 0)[:, None], (0, column))
-    logprobs_BN = jax.lax.dynamic_update_slice(
-        out.logprobs_BN, jnp.where(active_B, logprobs_B, 0.0)[:, None], (0, column))
+    tokens_BT = jax.lax.dynamic_update_slice(
+        out.tokens_BT, jnp.where(active_B, tokens_B, 0)[:, None], (0, column))
+    logprobs_BT = jax.lax.dynamic_update_slice(
+        out.logprobs_BT, jnp.where(active_B, logprobs_B, 0.0)[:, None], (0, column))
     lengths_B = out.lengths_B + active_B.astype(jnp.int32)
-    hit_stop_B = active_B & jnp.any(tokens_B[:, None] == batch.stop_ids_BS, axis=-1)
+    hit_stop_B = active_B & jnp.any(tokens_B[:, None] == batch.stop_ids_BE, axis=-1)
     done_B = state.done_B | hit_stop_B | (lengths_B >= batch.max_new_tokens_B)
-    out = SamplerOutput(tokens_BN, logprobs_BN, lengths_B, out.stopped_B | hit_stop_B, out.num_steps)
+    out = SamplerOutput(tokens_BT, logprobs_BT, lengths_B, out.stopped_B | hit_stop_B, out.num_steps)
     return _LoopState(state.step + 1, state.cache, tokens_B, out, done_B)
 
 
@@ -300,23 +301,23 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
              cache_dtype: jnp.dtype = jnp.float32) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (one compiled program)."""
     model = nnx.merge(graphdef, state)
-    num_rows, prompt_len = batch.prompt_ids_BP.shape
+    num_rows, prompt_len = batch.prompt_ids_BU.shape
     # Weights and cache split per layer once: prefill and every step then read and write each layer in place.
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
-    # The last sampled token is never fed back, so P + N - 1 slots hold everything attended to.
+    # The last sampled token is never fed back, so U + T - 1 slots hold everything attended to.
     cache = split_cache(init_cache(model.config, num_rows, prompt_len + max_new_tokens - 1, dtype=cache_dtype))
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
-    # then feed the last column alone: only [B, 1, V] logits are ever made, not [B, P, V].
+    # then feed the last column alone: only [B, 1, V] logits are ever made, not [B, U, V].
     if prompt_len > 1:
-        _, cache = model.decode(batch.prompt_ids_BP[:, :-1], batch.prompt_positions_BP[:, :-1], cache, layers)
-    logits_B1V, cache = model.decode(batch.prompt_ids_BP[:, -1:], batch.prompt_positions_BP[:, -1:], cache, layers)
+        _, cache = model.decode(batch.prompt_ids_BU[:, :-1], batch.prompt_positions_BU[:, :-1], cache, layers)
+    logits_B1V, cache = model.decode(batch.prompt_ids_BU[:, -1:], batch.prompt_positions_BU[:, -1:], cache, layers)
     # Every step's RoPE tables up front (position of the token fed at step s: prompt length + s - 1).
-    positions_NB1 = batch.prompt_lengths_B[None, :, None] + jnp.arange(max_new_tokens)[:, None, None] - 1
-    rope_N = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_NB1)
+    positions_TB1 = batch.prompt_lengths_B[None, :, None] + jnp.arange(max_new_tokens)[:, None, None] - 1
+    rope_T = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_TB1)
     keys_B = row_keys(batch.seeds_B, batch.streams_B, batch.samples_B)
     out = SamplerOutput(
-        tokens_BN=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
-        logprobs_BN=jnp.zeros((num_rows, max_new_tokens), jnp.float32),
+        tokens_BT=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
+        logprobs_BT=jnp.zeros((num_rows, max_new_tokens), jnp.float32),
         lengths_B=jnp.zeros((num_rows,), jnp.int32),
         stopped_B=jnp.zeros((num_rows,), bool),
         num_steps=jnp.int32(0))
@@ -331,7 +332,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     def decode_one(s: _LoopState) -> _LoopState:
         # Position of the token fed now = prompt length + index of that token in the completion.
         positions_B1 = (batch.prompt_lengths_B + s.step - 1)[:, None]
-        rope = jax.tree.map(lambda table_NB1H: table_NB1H[s.step], rope_N)
+        rope = jax.tree.map(lambda table_TB1H: table_TB1H[s.step], rope_T)
         logits_B1V, cache = model.decode(s.tokens_B[:, None], positions_B1, s.cache, layers, rope)
         tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, s.step, batch)
         s = _LoopState(s.step, cache, s.tokens_B, s.out.replace(num_steps=s.out.num_steps + 1), s.done_B)

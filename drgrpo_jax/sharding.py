@@ -15,8 +15,8 @@ MeshAxes = str | tuple[str, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh shape; one axis may be -1 to take the remaining devices."""
+class MeshShape:
+    """Sizes of the (data, fsdp, tensor) mesh axes; one may be -1 to take the remaining devices."""
 
     data: int = 1  # pure data parallelism (parameters replicated)
     fsdp: int = -1  # data parallelism with parameters sharded over it (ZeRO-3 style)
@@ -30,7 +30,7 @@ class MeshConfig:
         if sum(size == -1 for size in sizes.values()) > 1:
             raise ValueError("mesh: at most one axis may be -1")
 
-    def shape(self, num_devices: int) -> tuple[int, int, int]:
+    def sizes(self, num_devices: int) -> tuple[int, int, int]:
         """(data, fsdp, tensor) sizes for num_devices devices."""
         sizes = [self.data, self.fsdp, self.tensor]
         known = int(np.prod([s for s in sizes if s != -1]))
@@ -43,11 +43,10 @@ class MeshConfig:
         return tuple(sizes)  # type: ignore[return-value]
 
 
-def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over the given devices (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = config.shape(len(devices))
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES)
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape.sizes(len(devices))), MESH_AXES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +113,8 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(p, "key", p)) for p in path)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> nnx.State:
-    """A state-shaped tree of NamedShardings from each Param's `logical_axes` metadata."""
+def param_shardings(params: nnx.State, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> nnx.State:
+    """A params-shaped tree of NamedShardings from each Param's `logical_axes` metadata."""
 
     def one(path, variable):
         axes = getattr(variable, "logical_axes", None)
@@ -125,19 +124,13 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: ShardingRules = Shardin
         return named_sharding(_path_name(path), shape, axes, mesh, rules)
 
     return jax.tree.map_with_path(
-        lambda path, v: one(path, v), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def param_shardings(specs: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]], mesh: Mesh,
-                    rules: ShardingRules = ShardingRules()) -> dict[str, NamedSharding]:
-    """NamedSharding per parameter path from `models.param_specs(config)`."""
-    return {name: named_sharding(name, shape, axes, mesh, rules) for name, (shape, axes) in specs.items()}
+        lambda path, v: one(path, v), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> nnx.Module:
     """The same model with every parameter placed on the mesh by its logical axes."""
     graphdef, state = nnx.split(model)
-    shardings = state_shardings(state, mesh, rules)
+    shardings = param_shardings(state, mesh, rules)
     # The shardings tree stops at each Variable, a valid pytree prefix of the state.
     return nnx.merge(graphdef, jax.device_put(state, shardings))
 

@@ -1,15 +1,16 @@
 """The pure training step: one optimizer window in, updated state and global metrics out.
 
-Shapes: N responses in the window, P prompt slots (left-padded), R response slots
-(right-padded, R = the generation budget), M micro-batches, D model dim.
+Shape letters (the README's glossary): N responses in the window, U prompt positions (left-padded),
+T response positions (right-padded, T = the generation budget), S = U + T - 1 positions of one forward
+(prompt and response but the last token), D model dim.
 
 `train_step(state, batch)` first takes the window's statistics (N_w, T_w; global over the
 mesh because the arrays are global), then scans over micro-batches, each computing the
 policy's log-probs with the model (chunked, never full float32 logits), the reference's
 when KL is on, and `loss_fn` with the window's statistics, accumulating gradients; then one
-optax update. The micro-batch shares sum to the window's loss, so the update does not
-depend on M or on the mesh. An empty window (T_w = 0) leaves parameters and optimizer
-state untouched, counts the step and sets `skipped`.
+optax update. The micro-batch shares sum to the window's loss, so the update depends neither
+on the number of micro-batches nor on the mesh. An empty window (T_w = 0) leaves parameters
+and optimizer state untouched, counts the step and sets `skipped`.
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ class TrainState:
 class Batch:
     """One rollout batch of N responses, as arrays with N leading."""
 
-    prompt_ids: jax.Array  # int32 [N, P], left-padded
-    prompt_mask: jax.Array  # bool [N, P]
-    response_ids: jax.Array  # int32 [N, R], right-padded
-    response_mask: jax.Array  # bool [N, R]: tokens that count in the loss
+    prompt_ids: jax.Array  # int32 [N, U], left-padded
+    prompt_mask: jax.Array  # bool [N, U]
+    response_ids: jax.Array  # int32 [N, T], right-padded
+    response_mask: jax.Array  # bool [N, T]: tokens that count in the loss
     advantages: jax.Array  # float32 [N]
-    old_logprobs: jax.Array  # float32 [N, R]: the policy before this update (recomputed by the trainer)
-    behaviour_logprobs: jax.Array  # float32 [N, R]: the sampler's, for TIS and the mismatch metric
+    old_logprobs: jax.Array  # float32 [N, T]: the policy before this update (recomputed by the trainer)
+    behaviour_logprobs: jax.Array  # float32 [N, T]: the sampler's, for TIS and the mismatch metric
     row_valid: jax.Array  # bool [N]: False = a padding row added for static shapes
 
 
@@ -165,18 +166,18 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
                       response_mask, *, temperature: float, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Per-token log-probs and entropies [N, R] of the response tokens under the temperature-scaled policy."""
+    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy."""
     model = nnx.merge(graphdef, params)
     tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     hidden_NSD = model.hidden_states(tokens, positions, segments)
     prompt_len = prompt_ids.shape[1]
-    hidden_NRD = hidden_NSD[:, prompt_len - 1:]  # the state before each response token predicts it
-    return token_logprobs(hidden_NRD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
+    hidden_NTD = hidden_NSD[:, prompt_len - 1:]  # the state before each response token predicts it
+    return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
                           final_logit_softcap=model.config.final_logit_softcap)
 
 
 def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch) -> jax.Array:
-    """The policy's log-probs [N, R] of a batch's responses (the trainer's old log-probs)."""
+    """The policy's log-probs [N, T] of a batch's responses (the trainer's old log-probs)."""
 
     def one(micro):
         return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drgrpo_jax.models import ModelConfig, Transformer
+from drgrpo_jax.models import DecoderConfig, Transformer
 from drgrpo_jax.models.logprobs import naive_token_logprobs, sequence_logprobs, token_logprobs
 
 
@@ -71,7 +71,7 @@ def test_chunked_backward_never_holds_full_logits():
 
 
 def test_sequence_logprobs_match_model_logits():
-    config = ModelConfig(family="gemma3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+    config = DecoderConfig(family="gemma3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                          num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True,
                          layer_types=("sliding_attention", "full_attention"), sliding_window=3,
                          final_logit_softcap=4.0)

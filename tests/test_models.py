@@ -11,7 +11,7 @@ import torch
 import transformers
 from flax import nnx
 
-from drgrpo_jax.models import (ModelConfig, Transformer, from_hf_config, from_pretrained, init_cache,
+from drgrpo_jax.models import (DecoderConfig, Transformer, from_hf_config, from_pretrained, init_cache,
                                save_pretrained)
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache, stack_cache, write_slots
 
@@ -247,11 +247,11 @@ def test_remat_gives_same_gradients():
 
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="num_kv_heads"):
-        ModelConfig(num_heads=4, num_kv_heads=3)
+        DecoderConfig(num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="family"):
-        ModelConfig(family="gpt2")
+        DecoderConfig(family="gpt2")
     with pytest.raises(ValueError, match="layer_types"):
-        ModelConfig(num_layers=2, layer_types=("full_attention",))
+        DecoderConfig(num_layers=2, layer_types=("full_attention",))
     with pytest.raises(ValueError, match="rope_type"):
         from_hf_config({**_hf_config("llama").to_dict(), "rope_parameters": None,
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

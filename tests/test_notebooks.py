@@ -138,8 +138,8 @@ def test_compare_script_rejects_a_bad_step_count(args):
 # length_bias: under GRPO the incorrect answers grow longer than under Dr.GRPO
 # ---------------------------------------------------------------------------------------------
 
-LENGTH_S = jnp.array([4, 48, 16, 32])  # short guess, long ramble, medium solution, long solution
-P_CORRECT_S = jnp.array([0.0, 0.0, 1.0, 1.0])
+LENGTH_A = jnp.array([4, 48, 16, 32])  # short guess, long ramble, medium solution, long solution
+P_CORRECT_A = jnp.array([0.0, 0.0, 1.0, 1.0])
 BUDGET = 48
 
 
@@ -147,32 +147,32 @@ def toy_run(advantage_fn, config: LossConfig, steps: int, seed: int) -> list[tup
     """(expected incorrect length, expected correct length) of the length_bias toy, per step."""
 
     @jax.jit
-    def step(logits_S, key):
+    def step(logits_A, key):
         strategy_key, reward_key = jax.random.split(key)
-        strategy_PG = jax.random.categorical(strategy_key, logits_S, shape=(32, 8))
-        correct_PG = jax.random.uniform(reward_key, strategy_PG.shape) < P_CORRECT_S[strategy_PG]
+        strategy_PG = jax.random.categorical(strategy_key, logits_A, shape=(32, 8))
+        correct_PG = jax.random.uniform(reward_key, strategy_PG.shape) < P_CORRECT_A[strategy_PG]
         advantage_N = advantage_fn(correct_PG.astype(jnp.float32)).reshape(-1)
         strategy_N = strategy_PG.reshape(-1)
-        mask_NT = jnp.arange(BUDGET)[None, :] < LENGTH_S[strategy_N][:, None]
+        mask_NT = jnp.arange(BUDGET)[None, :] < LENGTH_A[strategy_N][:, None]
 
         def loss(logits):
             logprobs_NT = jnp.zeros(mask_NT.shape).at[:, 0].set(jax.nn.log_softmax(logits)[strategy_N])
             return loss_fn(logprobs_NT, jax.lax.stop_gradient(logprobs_NT), advantage_N, mask_NT, config=config)[0]
 
-        grad_S = jax.grad(loss)(logits_S)
-        norm = jnp.linalg.norm(grad_S)
-        return logits_S - 0.05 * jnp.where(norm > 0, grad_S / jnp.where(norm > 0, norm, 1.0), 0.0)
+        grad_A = jax.grad(loss)(logits_A)
+        norm = jnp.linalg.norm(grad_A)
+        return logits_A - 0.05 * jnp.where(norm > 0, grad_A / jnp.where(norm > 0, norm, 1.0), 0.0)
 
-    def lengths(logits_S):
-        pi_S = jax.nn.softmax(logits_S)
-        wrong_S, right_S = pi_S * (1 - P_CORRECT_S), pi_S * P_CORRECT_S
-        return float((wrong_S * LENGTH_S).sum() / wrong_S.sum()), float((right_S * LENGTH_S).sum() / right_S.sum())
+    def lengths(logits_A):
+        pi_A = jax.nn.softmax(logits_A)
+        wrong_A, right_A = pi_A * (1 - P_CORRECT_A), pi_A * P_CORRECT_A
+        return float((wrong_A * LENGTH_A).sum() / wrong_A.sum()), float((right_A * LENGTH_A).sum() / right_A.sum())
 
-    logits_S, history = jnp.zeros(4), []
+    logits_A, history = jnp.zeros(4), []
     for t in range(steps):
-        history.append(lengths(logits_S))
-        logits_S = step(logits_S, jax.random.fold_in(jax.random.key(seed), t))
-    return history + [lengths(logits_S)]
+        history.append(lengths(logits_A))
+        logits_A = step(logits_A, jax.random.fold_in(jax.random.key(seed), t))
+    return history + [lengths(logits_A)]
 
 
 def test_length_bias_toy_grpo_grows_incorrect_answers():
@@ -215,14 +215,14 @@ def analytic_weight(scaled: bool, p: float, group_size: int, eps: float = 1e-6) 
 
 @pytest.mark.parametrize("group_size", [2, 4, 8, 16])
 def test_difficulty_weight_exact_expectation_matches_analytic(group_size):
-    # Enumerate all G + 1 outcomes (k successes) through the package and weight them by Binom(k; G, p).
-    rewards_KG = (np.arange(group_size)[None, :] < np.arange(group_size + 1)[:, None]).astype(np.float32)
+    # All G + 1 outcomes (k successes), one group each, through the package, weighted by Binom(k; G, p).
+    rewards_PG = (np.arange(group_size)[None, :] < np.arange(group_size + 1)[:, None]).astype(np.float32)
     for estimator, scaled in [(advantages.grpo, True), (advantages.dr_grpo, False)]:
-        advantage_KG = np.asarray(estimator(jnp.asarray(rewards_KG)), np.float64)
+        advantage_PG = np.asarray(estimator(jnp.asarray(rewards_PG)), np.float64)
         for p in (0.02, 0.1, 0.3, 0.5, 0.8, 0.97):
             k = np.arange(group_size + 1)
             binomial = np.array([math.comb(group_size, int(i)) for i in k]) * p**k * (1 - p) ** (group_size - k)
-            measured = (binomial * (advantage_KG * (rewards_KG - p)).sum(axis=1)).sum() / (group_size * p * (1 - p))
+            measured = (binomial * (advantage_PG * (rewards_PG - p)).sum(axis=1)).sum() / (group_size * p * (1 - p))
             np.testing.assert_allclose(measured, analytic_weight(scaled, p, group_size), rtol=1e-5)
     # Dr.GRPO is flat at (G - 1) / G; GRPO is U-shaped once groups are big enough to show it.
     assert analytic_weight(False, 0.05, group_size) == pytest.approx((group_size - 1) / group_size)

@@ -14,7 +14,7 @@ from flax import nnx
 from drgrpo_jax import plan
 from drgrpo_jax.config import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.models import ModelConfig, Transformer
+from drgrpo_jax.models import DecoderConfig, Transformer
 from drgrpo_jax.models.config import from_hf_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,13 +61,13 @@ def test_7b_plan_matches_the_hand_calculation():
 @pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
 def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
     """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
-    from drgrpo_jax.sharding import state_shardings as param_shardings
+    from drgrpo_jax.sharding import param_shardings
     from drgrpo_jax.train_step import init_state, make_optimizer, place, state_shardings
 
     data, fsdp, tensor = mesh
     config = load_config(None, [f"model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                 f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
-    tiny = ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+    tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
     result = plan.make_plan(config, tiny)
 
@@ -161,4 +161,4 @@ def test_cli_text_json_and_one_line_errors(capsys, tmp_path):
 def test_unknown_model_says_to_pass_model_config():
     config = load_config(None, ["model.path=/nowhere/SomeModel"])
     with pytest.raises(ConfigError, match="model.path: .*--model-config"):
-        plan.resolve_model_config(config)
+        plan.resolve_decoder_config(config)

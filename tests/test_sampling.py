@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from drgrpo_jax import sampling
-from drgrpo_jax.models import ModelConfig, Transformer, init_cache
+from drgrpo_jax.models import DecoderConfig, Transformer, init_cache
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
 VOCAB = 97
@@ -17,7 +17,7 @@ PROMPTS = ((5, 17, 3), (40, 2, 9, 11, 60, 7, 8), (1,))
 @pytest.fixture(scope="module")
 def model():
     """A tiny random Llama-family model (GQA, untied head); scaled-up init so logits are not flat."""
-    config = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
+    config = DecoderConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
                          eos_token_ids=(VOCAB - 1,))
     m = Transformer(config, rngs=nnx.Rngs(0))
@@ -57,9 +57,9 @@ def test_greedy_equals_argmax_of_repeated_full_forwards(model):
         ids = list(prompt)
         for _ in range(12):
             ids.append(int(jnp.argmax(forward(model, ids)[-1])))
-        np.testing.assert_array_equal(out.tokens_BN[b, :12], ids[len(prompt):])
+        np.testing.assert_array_equal(out.tokens_BT[b, :12], ids[len(prompt):])
         assert out.lengths_B[b] == 12 and not out.stopped_B[b]
-    assert len(set(map(tuple, out.tokens_BN[:3, :12].tolist()))) == 3  # the rows really differ
+    assert len(set(map(tuple, out.tokens_BT[:3, :12].tolist()))) == 3  # the rows really differ
 
 
 def test_prefill_then_decode_logits_equal_full_forward(model):
@@ -69,9 +69,9 @@ def test_prefill_then_decode_logits_equal_full_forward(model):
     completion = np.asarray([[3, 14, 15], [92, 65, 35], [89, 79, 32], [0, 0, 0]], np.int32)
     decode = jax.jit(lambda m, ids, pos, cache: m.decode(ids, pos, cache))
     cache = init_cache(model.config, 4, 8 + 3)
-    _, cache = decode(model, batch.prompt_ids_BP[:, :-1], batch.prompt_positions_BP[:, :-1], cache)
+    _, cache = decode(model, batch.prompt_ids_BU[:, :-1], batch.prompt_positions_BU[:, :-1], cache)
     step_logits = []
-    logits, cache = decode(model, batch.prompt_ids_BP[:, -1:], batch.prompt_positions_BP[:, -1:], cache)
+    logits, cache = decode(model, batch.prompt_ids_BU[:, -1:], batch.prompt_positions_BU[:, -1:], cache)
     step_logits.append(logits[:, 0])
     for t in range(3):
         positions = (batch.prompt_lengths_B + t)[:, None]
@@ -88,11 +88,11 @@ def test_sampled_logprobs_equal_trainer_logprobs(model, temperature, top_k, top_
     params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=True)
     out = run(model, [RowRequest(p, params, seed=3, sample=i) for i, p in enumerate(PROMPTS)])
     for b, prompt in enumerate(PROMPTS):
-        completion = out.tokens_BN[b, :out.lengths_B[b]]
+        completion = out.tokens_BT[b, :out.lengths_B[b]]
         ids = jnp.asarray([list(prompt) + completion.tolist()], jnp.int32)
         trainer_BT, _ = sequence_logprobs(model, ids[:, :-1], ids[:, 1:], temperature=temperature)
-        np.testing.assert_allclose(out.logprobs_BN[b, :len(completion)], trainer_BT[0, len(prompt) - 1:], atol=1e-4)
-        np.testing.assert_allclose(out.logprobs_BN[b, :len(completion)],
+        np.testing.assert_allclose(out.logprobs_BT[b, :len(completion)], trainer_BT[0, len(prompt) - 1:], atol=1e-4)
+        np.testing.assert_allclose(out.logprobs_BT[b, :len(completion)],
                                    full_forward_logprobs(model, prompt, completion, temperature), atol=1e-4)
 
 
@@ -100,37 +100,37 @@ def test_fixed_seed_repeats_and_rows_do_not_depend_on_batch_mates(model):
     params = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True)
     rows = [RowRequest(PROMPTS[0], params, seed=7, sample=s) for s in range(4)]
     first, again = run(model, rows), run(model, rows)
-    np.testing.assert_array_equal(first.tokens_BN, again.tokens_BN)
-    assert len({tuple(t) for t in first.tokens_BN.tolist()}) == 4  # samples of one prompt differ
+    np.testing.assert_array_equal(first.tokens_BT, again.tokens_BT)
+    assert len({tuple(t) for t in first.tokens_BT.tolist()}) == 4  # samples of one prompt differ
     other_seed = run(model, [RowRequest(PROMPTS[0], params, seed=8, sample=0)] + rows[1:])
-    assert not np.array_equal(other_seed.tokens_BN[0], first.tokens_BN[0])
-    np.testing.assert_array_equal(other_seed.tokens_BN[1:], first.tokens_BN[1:])
+    assert not np.array_equal(other_seed.tokens_BT[0], first.tokens_BT[0])
+    np.testing.assert_array_equal(other_seed.tokens_BT[1:], first.tokens_BT[1:])
     mixed = run(model, [rows[2], RowRequest(PROMPTS[1], params, seed=99), rows[0]])
-    np.testing.assert_array_equal(mixed.tokens_BN[0], first.tokens_BN[2])
-    np.testing.assert_array_equal(mixed.tokens_BN[2], first.tokens_BN[0])
+    np.testing.assert_array_equal(mixed.tokens_BT[0], first.tokens_BT[2])
+    np.testing.assert_array_equal(mixed.tokens_BT[2], first.tokens_BT[0])
 
 
 def test_stop_tokens_budgets_and_early_exit(model):
     greedy = run(model, [RowRequest(PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0.0,
                                                                 ignore_eos=True), seed=0)])
-    stop_at = int(greedy.tokens_BN[0, 2])  # greedy will emit this token third (or earlier)
-    first = int(np.argmax(greedy.tokens_BN[0] == stop_at))
+    stop_at = int(greedy.tokens_BT[0, 2])  # greedy will emit this token third (or earlier)
+    first = int(np.argmax(greedy.tokens_BT[0] == stop_at))
     rows = [RowRequest(PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(stop_at,),
                                                   ignore_eos=True), seed=0),
             RowRequest(PROMPTS[1], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True), seed=0)]
     out = run(model, rows)
     assert out.stopped_B.tolist() == [True, False, False, False]
     assert out.lengths_B.tolist() == [first + 1, 2, 0, 0]
-    np.testing.assert_array_equal(out.tokens_BN[0, :first + 1], greedy.tokens_BN[0, :first + 1])
-    assert (out.tokens_BN[0, first + 1:] == 0).all() and (out.logprobs_BN[0, first + 1:] == 0).all()
-    assert (out.tokens_BN[1, 2:] == 0).all()
+    np.testing.assert_array_equal(out.tokens_BT[0, :first + 1], greedy.tokens_BT[0, :first + 1])
+    assert (out.tokens_BT[0, first + 1:] == 0).all() and (out.logprobs_BT[0, first + 1:] == 0).all()
+    assert (out.tokens_BT[1, 2:] == 0).all()
     assert out.num_steps == first  # the loop ended when the last row finished, not at the budget of 16
 
 
 def test_eos_from_config_stops_unless_ignored(model):
     greedy = run(model, [RowRequest(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.0,
                                                                 ignore_eos=True), seed=0)])
-    first = int(greedy.tokens_BN[0, 0])
+    first = int(greedy.tokens_BT[0, 0])
     config = model.config
     rows = [RowRequest(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.0), seed=0)]
     batch = sampling.make_batch(rows, (first,), batch_size=4, prompt_len=16)
@@ -140,7 +140,7 @@ def test_eos_from_config_stops_unless_ignored(model):
 
 def test_zero_budget_rows_and_padding_rows_generate_nothing(model):
     out = run(model, [RowRequest(PROMPTS[0], SamplingParams(max_new_tokens=0), seed=0)])
-    assert out.lengths_B.tolist() == [0, 0, 0, 0] and (out.tokens_BN == 0).all() and out.num_steps == 0
+    assert out.lengths_B.tolist() == [0, 0, 0, 0] and (out.tokens_BT == 0).all() and out.num_steps == 0
 
 
 def test_inverse_cdf_draws_follow_the_distribution():
@@ -191,7 +191,7 @@ def test_top_k_one_samples_the_argmax(model):
     sampled = run(model, [RowRequest(p, params, seed=s) for s, p in enumerate(PROMPTS)])
     greedy = run(model, [RowRequest(p, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), seed=0)
                          for p in PROMPTS])
-    np.testing.assert_array_equal(sampled.tokens_BN, greedy.tokens_BN)
+    np.testing.assert_array_equal(sampled.tokens_BT, greedy.tokens_BT)
 
 
 def test_prompts_in_one_bucket_share_one_program(model):

@@ -9,12 +9,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.models import (ModelConfig, Transformer, cache_shardings, from_pretrained, init_cache,
+from drgrpo_jax.models import (DecoderConfig, Transformer, cache_shardings, from_pretrained, init_cache,
                                save_pretrained)
-from drgrpo_jax.sharding import (MeshConfig, ShardingRules, batch_sharding, logical_to_spec, make_mesh,
+from drgrpo_jax.sharding import (MeshShape, ShardingRules, batch_sharding, logical_to_spec, make_mesh,
                                  named_sharding, shard_model)
 
-CONFIG = ModelConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+CONFIG = DecoderConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(2,))
 
 
@@ -28,15 +28,15 @@ def saved(tmp_path_factory):
 
 
 def test_mesh_shapes():
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert dict(make_mesh(MeshConfig(data=2, fsdp=-1, tensor=1)).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(make_mesh(MeshShape(data=2, fsdp=-1, tensor=1)).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     with pytest.raises(ValueError, match="data\\*fsdp\\*tensor"):
-        make_mesh(MeshConfig(data=2, fsdp=2, tensor=1))
+        make_mesh(MeshShape(data=2, fsdp=2, tensor=1))
     with pytest.raises(ValueError, match="mesh.tensor"):
-        MeshConfig(tensor=0)
+        MeshShape(tensor=0)
     with pytest.raises(ValueError, match="at most one"):
-        MeshConfig(data=-1, fsdp=-1)
+        MeshShape(data=-1, fsdp=-1)
 
 
 def test_logical_rules():
@@ -51,14 +51,14 @@ def test_logical_rules():
 
 
 def test_indivisible_dimension_is_an_error():
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
     with pytest.raises(ValueError, match="blocks/k_proj: dimension 'kv_heads' of size 3"):
         named_sharding("blocks/k_proj", (2, 32, 3, 8), ("layers", "embed", "kv_heads", "head_dim"), mesh)
 
 
 def test_sharded_load_matches_unsharded(saved):
     model, folder = saved
-    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
     sharded = from_pretrained(folder, mesh=mesh)
     q = sharded.blocks.q_proj[...]
     assert q.sharding.spec == P(None, "fsdp", "tensor", None)
@@ -74,7 +74,7 @@ def test_sharded_load_matches_unsharded(saved):
 
 def test_shard_model_and_sharded_decode(saved):
     model, _ = saved
-    mesh = make_mesh(MeshConfig(data=1, fsdp=4, tensor=2))
+    mesh = make_mesh(MeshShape(data=1, fsdp=4, tensor=2))
     sharded = shard_model(model, mesh)
     assert sharded.blocks.down_proj[...].sharding.spec == P(None, "tensor", "fsdp")
     graphdef, state = nnx.split(sharded)
@@ -98,7 +98,7 @@ def test_remat_flag_through_from_pretrained(saved):
 
 def test_save_pretrained_from_a_sharded_model(saved, tmp_path):
     model, folder = saved
-    sharded = from_pretrained(folder, mesh=make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    sharded = from_pretrained(folder, mesh=make_mesh(MeshShape(data=2, fsdp=2, tensor=2)))
     save_pretrained(sharded, tmp_path)
     again = from_pretrained(str(tmp_path))
     ids = jnp.asarray(np.random.RandomState(2).randint(0, 96, (2, 6)))

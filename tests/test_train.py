@@ -323,10 +323,10 @@ def test_plot_run_overlays_runs_into_a_png(tmp_path):
 def test_weight_publisher_keeps_the_newest_versions_and_drops_stale_ones(tmp_path):
     from flax import nnx
 
-    from drgrpo_jax.models import ModelConfig, Transformer
+    from drgrpo_jax.models import DecoderConfig, Transformer
     from drgrpo_jax.outputs import WeightPublisher
 
-    config = ModelConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+    config = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
     publisher = WeightPublisher(str(tmp_path), graphdef, keep=2)
@@ -342,10 +342,10 @@ def test_weight_publisher_mirrors_each_version_to_run_weights_dir(tmp_path):
     """run.weights_dir: each version is copied there (through etils.epath, as gs:// would be) and that path is pushed."""
     from flax import nnx
 
-    from drgrpo_jax.models import ModelConfig, Transformer
+    from drgrpo_jax.models import DecoderConfig, Transformer
     from drgrpo_jax.outputs import WeightPublisher
 
-    config = ModelConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
+    config = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
     for mirror, shared in [(str(tmp_path / "shared"), tmp_path / "shared"),

@@ -12,15 +12,15 @@ from flax import nnx
 
 from drgrpo_jax import LossConfig
 from drgrpo_jax.errors import FieldError
-from drgrpo_jax.models import ModelConfig, Transformer
-from drgrpo_jax.sharding import MeshConfig, make_mesh, shard_model, state_shardings as model_state_shardings
+from drgrpo_jax.models import DecoderConfig, Transformer
+from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
 from drgrpo_jax.train_step import (Batch, StepConfig, batch_shardings, init_state, jit_policy_logprobs,
                                    jit_train_step, make_optimizer, policy_logprobs, state_shardings)
 from two_processes import run_two_processes
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 N, PROMPT, RESPONSE = 16, 6, 12
-TINY = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+TINY = DecoderConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 
 
@@ -69,14 +69,14 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     """
     data, fsdp, tensor = mesh_shape
     devices = jax.devices()[: data * fsdp * tensor]
-    mesh = make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), devices)
+    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), devices)
     model = shard_model(Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
     optimizer = optimizer or optax.sgd(0.5)
     schedule = optax.constant_schedule(0.5)
     config = StepConfig(loss=LossConfig(aggregation=aggregation, budget=RESPONSE, kl_coef=kl_coef),
                         micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5)
     graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
-    params_shardings = model_state_shardings(state.params, mesh)
+    params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
     state = jax.device_put(state, shardings)
     step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)

@@ -1,12 +1,13 @@
 """Decoder LMs (Llama, Qwen2, Qwen3, Gemma 3 text) in Flax NNX, with HF safetensors and GGUF weights in."""
 
-from drgrpo_jax.models.config import ModelConfig, RopeConfig, from_hf_config, to_hf_config
-from drgrpo_jax.models.hf_io import from_pretrained, save_pretrained
+from drgrpo_jax.models.config import DecoderConfig, RopeConfig, from_hf_config, to_hf_config
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import KVCache, Transformer, cache_shardings, init_cache, param_specs
 
 __all__ = [
     "KVCache",
-    "ModelConfig",
+    "DecoderConfig",
     "RopeConfig",
     "Transformer",
     "cache_shardings",

@@ -80,16 +80,16 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class DecoderConfig:
     """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Gemma 3 text)."""
 
     family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
     vocab_size: int = 32_000  # V
     hidden_size: int = 512  # D
-    intermediate_size: int = 1_376  # F
+    intermediate_size: int = 1_376  # I
     num_layers: int = 4  # L
-    num_heads: int = 8  # N query heads
-    num_kv_heads: int = 8  # K key/value heads (grouped-query attention when K < N)
+    num_heads: int = 8  # Q query heads
+    num_kv_heads: int = 8  # C key/value heads (grouped-query attention when C < Q)
     head_dim: int = 64  # H
     max_position_embeddings: int = 2_048  # longest position the weights were trained for
     rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm
@@ -200,8 +200,8 @@ def _as_tuple(ids: Any) -> tuple[int, ...]:
     return (int(ids),)
 
 
-def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-    """ModelConfig from a parsed HF config.json (and optional generation_config.json)."""
+def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> DecoderConfig:
+    """DecoderConfig from a parsed HF config.json (and optional generation_config.json)."""
     model_type = hf.get("model_type")
     if model_type == "gemma3" and "text_config" in hf:
         top, hf = hf, dict(hf["text_config"])
@@ -248,7 +248,7 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     for token in _as_tuple((generation or {}).get("eos_token_id")):
         if token not in eos:
             eos.append(token)
-    return ModelConfig(
+    return DecoderConfig(
         family=family,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -280,7 +280,7 @@ def _int_if_whole(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
 
 
-def to_hf_config(config: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:
+def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """HF config.json contents that transformers reads back as the same architecture."""
     if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
         raise ValueError("qkv_bias/o_bias: Qwen2 always has q/k/v biases and no output bias")

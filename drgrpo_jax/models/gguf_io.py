@@ -1,4 +1,4 @@
-"""GGUF files in: metadata to ModelConfig, tensors dequantised (gguf package) into HF layout, then the HF path."""
+"""GGUF files in: metadata to DecoderConfig, tensors dequantised (gguf package) into HF layout, then the HF path."""
 
 from __future__ import annotations
 

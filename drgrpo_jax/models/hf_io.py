@@ -1,4 +1,8 @@
-"""Hugging Face checkpoints: safetensors (single or sharded) in, straight onto a mesh, and out again."""
+"""Hugging Face checkpoints: safetensors (single or sharded) in, straight onto a mesh, and out again.
+
+Also the HF-layout reader and `build_model` that `gguf_io` reuses (imports point one way: gguf_io -> hf_io;
+`pretrained.from_pretrained` picks between the two).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from drgrpo_jax.models.config import ModelConfig, from_hf_config, to_hf_config
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config, to_hf_config
 from drgrpo_jax.models.transformer import Transformer, param_specs
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
@@ -108,8 +112,8 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
 
 # ---------------------------------------------------------------- name and layout mapping
 
-# our stacked name -> (HF per-layer suffix, HF -> ours, ours -> HF); c is the ModelConfig.
-_Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+# our stacked name -> (HF per-layer suffix, HF -> ours, ours -> HF); c is the DecoderConfig.
+_Transform = Callable[[np.ndarray, DecoderConfig], np.ndarray]
 _LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
     "attn_norm": ("input_layernorm.weight", lambda w, c: w, lambda w, c: w),
     "q_proj": ("self_attn.q_proj.weight",
@@ -138,7 +142,7 @@ _LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
 }
 
 
-def _layer_suffix(name: str, config: ModelConfig) -> str:
+def _layer_suffix(name: str, config: DecoderConfig) -> str:
     """HF per-layer tensor suffix of our stacked parameter (norm names differ for Gemma)."""
     if name == "mlp_norm":
         return "pre_feedforward_layernorm.weight" if config.post_norms else "post_attention_layernorm.weight"
@@ -149,17 +153,17 @@ def _layer_suffix(name: str, config: ModelConfig) -> str:
     return _LAYER_MAP[name][0]
 
 
-def _to_ours(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+def _to_ours(name: str, w: np.ndarray, config: DecoderConfig) -> np.ndarray:
     """One HF layer tensor in our layout."""
     return _LAYER_MAP[name][1](w, config) if name in _LAYER_MAP else w
 
 
-def _to_hf(name: str, w: np.ndarray, config: ModelConfig) -> np.ndarray:
+def _to_hf(name: str, w: np.ndarray, config: DecoderConfig) -> np.ndarray:
     """One layer of our parameter in HF layout."""
     return _LAYER_MAP[name][2](w, config) if name in _LAYER_MAP else w
 
 
-def hf_param_reader(index: SafetensorsIndex, config: ModelConfig) -> Callable[[str], np.ndarray]:
+def hf_param_reader(index: SafetensorsIndex, config: DecoderConfig) -> Callable[[str], np.ndarray]:
     """Function: our parameter path -> host numpy array in our layout (layers stacked)."""
 
     def read(path: str) -> np.ndarray:
@@ -180,7 +184,7 @@ def hf_param_reader(index: SafetensorsIndex, config: ModelConfig) -> Callable[[s
 # ---------------------------------------------------------------- building a model from host arrays
 
 
-def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, dtype=jnp.float32,
+def build_model(config: DecoderConfig, read: Callable[[str], np.ndarray], *, dtype=jnp.float32,
                 mesh: Mesh | None = None, rules: ShardingRules = ShardingRules()) -> Transformer:
     """A Transformer whose parameters come from `read(path)`, each placed on its shards directly."""
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
@@ -204,8 +208,8 @@ def build_model(config: ModelConfig, read: Callable[[str], np.ndarray], *, dtype
     return nnx.merge(graphdef, state)
 
 
-def load_hf_config(folder: str) -> ModelConfig:
-    """ModelConfig from a folder's config.json (+ generation_config.json for extra stop tokens)."""
+def load_hf_config(folder: str) -> DecoderConfig:
+    """DecoderConfig from a folder's config.json (+ generation_config.json for extra stop tokens)."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
     generation = None
@@ -216,20 +220,15 @@ def load_hf_config(folder: str) -> ModelConfig:
     return from_hf_config(hf, generation)
 
 
-def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    rules: ShardingRules = ShardingRules(), remat: bool = False) -> Transformer:
-    """Load an HF folder (config.json + safetensors) or a .gguf file as a Transformer."""
-    path = os.fspath(path)
-    if path.endswith(".gguf"):
-        from drgrpo_jax.models.gguf_io import load_gguf  # gguf is only imported for GGUF files
-
-        return load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"path: {path!r} is neither a folder with config.json nor a .gguf file")
-    config = load_hf_config(path)
+def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+            rules: ShardingRules = ShardingRules(), remat: bool = False) -> Transformer:
+    """A Transformer from an HF folder (config.json + safetensors)."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"path: {folder!r} is neither a folder with config.json nor a .gguf file")
+    config = load_hf_config(folder)
     if remat:
         config = dataclasses.replace(config, remat=True)
-    return build_model(config, hf_param_reader(SafetensorsIndex(path), config), dtype=dtype, mesh=mesh, rules=rules)
+    return build_model(config, hf_param_reader(SafetensorsIndex(folder), config), dtype=dtype, mesh=mesh, rules=rules)
 
 
 # ---------------------------------------------------------------- export

@@ -1,8 +1,9 @@
 """Per-token log-probabilities and entropies without materialising all [B, T, V] float32 logits at once.
 
-Einsum letters: B batch, T length, D model dim, V vocab, M flattened tokens (B * T), C chunks, Q tokens per chunk.
+Shape letters (the README's glossary): B batch rows, T positions, D model dim, V vocab, M flattened tokens
+(B * T), J chunks, W tokens per chunk.
 
-Tokens are cut into chunks of Q; each chunk's [Q, V] logits exist only inside a `jax.checkpoint`ed scan
+Tokens are cut into chunks of W; each chunk's [W, V] logits exist only inside a `jax.checkpoint`ed scan
 body, so neither the forward nor the backward pass holds more than one chunk's logits.
 """
 
@@ -15,18 +16,18 @@ _F32 = jnp.float32
 DEFAULT_CHUNK_SIZE = 256  # Gemma 3 (V = 262,144): 256 x V float32 = 268 MB per chunk
 
 
-def _chunk_stats(hidden_QD: jax.Array, targets_Q: jax.Array, unembed_DV: jax.Array, temperature: float,
+def _chunk_stats(hidden_WD: jax.Array, targets_W: jax.Array, unembed_DV: jax.Array, temperature: float,
                  final_logit_softcap: float | None) -> tuple[jax.Array, jax.Array]:
     """(log p(target), entropy) for one chunk of tokens, in float32."""
-    logits_QV = jnp.einsum("qd,dv->qv", hidden_QD, unembed_DV, preferred_element_type=_F32)
+    logits_WV = jnp.einsum("wd,dv->wv", hidden_WD, unembed_DV, preferred_element_type=_F32)
     if final_logit_softcap is not None:
-        logits_QV = final_logit_softcap * jnp.tanh(logits_QV / final_logit_softcap)
-    logits_QV = logits_QV / temperature
-    lse_Q = jax.nn.logsumexp(logits_QV, axis=-1)
-    target_logit_Q = jnp.take_along_axis(logits_QV, targets_Q[:, None], axis=-1)[:, 0]
-    probs_QV = jnp.exp(logits_QV - lse_Q[:, None])
-    entropy_Q = lse_Q - jnp.sum(probs_QV * logits_QV, axis=-1)
-    return target_logit_Q - lse_Q, entropy_Q
+        logits_WV = final_logit_softcap * jnp.tanh(logits_WV / final_logit_softcap)
+    logits_WV = logits_WV / temperature
+    lse_W = jax.nn.logsumexp(logits_WV, axis=-1)
+    target_logit_W = jnp.take_along_axis(logits_WV, targets_W[:, None], axis=-1)[:, 0]
+    probs_WV = jnp.exp(logits_WV - lse_W[:, None])
+    entropy_W = lse_W - jnp.sum(probs_WV * logits_WV, axis=-1)
+    return target_logit_W - lse_W, entropy_W
 
 
 def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
@@ -40,22 +41,22 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
         raise ValueError(f"chunk_size: must be a positive int, got {chunk_size}")
     B, T, D = hidden_BTD.shape
     M = B * T
-    Q = min(chunk_size, M)
-    C = -(-M // Q)
+    W = min(chunk_size, M)
+    J = -(-M // W)
     hidden_MD = hidden_BTD.reshape(M, D)
     targets_M = targets_BT.reshape(M).astype(jnp.int32)
-    pad = C * Q - M
+    pad = J * W - M
     if pad:  # padded tokens are computed and dropped; their cotangent is zero
         hidden_MD = jnp.concatenate([hidden_MD, jnp.zeros((pad, D), hidden_MD.dtype)])
         targets_M = jnp.concatenate([targets_M, jnp.zeros((pad,), jnp.int32)])
 
     @jax.checkpoint  # recompute each chunk's logits in the backward pass instead of storing them
     def one_chunk(args):
-        hidden_QD, targets_Q = args
-        return _chunk_stats(hidden_QD, targets_Q, unembed_DV, temperature, final_logit_softcap)
+        hidden_WD, targets_W = args
+        return _chunk_stats(hidden_WD, targets_W, unembed_DV, temperature, final_logit_softcap)
 
-    logprobs_CQ, entropy_CQ = jax.lax.map(one_chunk, (hidden_MD.reshape(C, Q, D), targets_M.reshape(C, Q)))
-    return logprobs_CQ.reshape(-1)[:M].reshape(B, T), entropy_CQ.reshape(-1)[:M].reshape(B, T)
+    logprobs_JW, entropy_JW = jax.lax.map(one_chunk, (hidden_MD.reshape(J, W, D), targets_M.reshape(J, W)))
+    return logprobs_JW.reshape(-1)[:M].reshape(B, T), entropy_JW.reshape(-1)[:M].reshape(B, T)
 
 
 def naive_token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,

@@ -1,14 +1,15 @@
 """Decoder-only transformer (Llama, Qwen2, Qwen3, Gemma 3 text) as a Flax NNX module, with a KV cache.
 
-Einsum letters:
-  B batch, T query length, S key length (cache slots), L layers, D model dim, F MLP dim,
-  N query heads, K key/value heads, G query heads per kv head (N = K * G), H head dim, V vocab,
-  M flattened tokens (B * T), I and O the input and output features of a projection.
+Shape letters (the README's "Shape letters" glossary):
+  B batch rows, T query positions, S key positions (cache slots), L layers, D model dim,
+  I MLP hidden, Q query heads, C key/value heads, R query heads per kv head (Q = C * R),
+  H head dim (h = H / 2, the rotary pairs; n = Q or C where queries and keys share code), V vocab,
+  M flattened tokens (B * T), X and Y the input and output features of a projection.
 
 Layers are stored stacked ([L, ...]); a full forward (training, log-probs) runs them with
 `lax.scan`, so a 30-layer model compiles one block. Cached decoding runs them unrolled over
 per-layer weights and a per-layer cache in attention order (`split_cache`), which a decode loop
-updates in place; `init_cache` makes the stacked [L, B, S, K, H] form that shards like the params.
+updates in place; `init_cache` makes the stacked [L, B, S, C, H] form that shards like the params.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from drgrpo_jax.models.config import ModelConfig
+from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _F32 = jnp.float32
@@ -33,7 +34,7 @@ _MASKED = -1e30
 class KVCache:
     """Explicit decode state: keys/values per layer and the position stored in each slot."""
 
-    k: jax.Array  # [L, B, S, K, H]; a decode loop carries a tuple of L [B, K, S, H] arrays (`split_cache`)
+    k: jax.Array  # [L, B, S, C, H]; a decode loop carries a tuple of L [B, C, S, H] arrays (`split_cache`)
     v: jax.Array  # as k
     positions_BS: jax.Array  # int32, -1 = empty slot or padding token
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
@@ -52,7 +53,7 @@ def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingR
     return KVCache(**arrays, length=NamedSharding(mesh, PartitionSpec()))
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def init_cache(config: DecoderConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An empty cache with room for max_len tokens per row."""
     shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(
@@ -89,26 +90,26 @@ def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array
     return _unbits(written, buffer.dtype)
 
 
-def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
+def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
     """Per stacked layer parameter: (shape, logical axes, init kind)."""
-    L, D, F = config.num_layers, config.hidden_size, config.intermediate_size
-    N, K, H = config.num_heads, config.num_kv_heads, config.head_dim
+    L, D, I = config.num_layers, config.hidden_size, config.intermediate_size
+    Q, C, H = config.num_heads, config.num_kv_heads, config.head_dim
     norm = "zeros" if config.gemma_norms else "ones"
     specs = {
         "attn_norm": ((L, D), ("layers", "embed"), norm),
-        "q_proj": ((L, D, N, H), ("layers", "embed", "q_heads", "head_dim"), "normal"),
-        "k_proj": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        "v_proj": ((L, D, K, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        "o_proj": ((L, N, H, D), ("layers", "q_heads", "head_dim", "embed"), "normal"),
+        "q_proj": ((L, D, Q, H), ("layers", "embed", "q_heads", "head_dim"), "normal"),
+        "k_proj": ((L, D, C, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "v_proj": ((L, D, C, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+        "o_proj": ((L, Q, H, D), ("layers", "q_heads", "head_dim", "embed"), "normal"),
         "mlp_norm": ((L, D), ("layers", "embed"), norm),
-        "gate_proj": ((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        "up_proj": ((L, D, F), ("layers", "embed", "mlp"), "normal"),
-        "down_proj": ((L, F, D), ("layers", "mlp", "embed"), "normal"),
+        "gate_proj": ((L, D, I), ("layers", "embed", "mlp"), "normal"),
+        "up_proj": ((L, D, I), ("layers", "embed", "mlp"), "normal"),
+        "down_proj": ((L, I, D), ("layers", "mlp", "embed"), "normal"),
     }
     if config.qkv_bias:
-        specs["q_bias"] = ((L, N, H), ("layers", "q_heads", "head_dim"), "zeros")
-        specs["k_bias"] = ((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
-        specs["v_bias"] = ((L, K, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        specs["q_bias"] = ((L, Q, H), ("layers", "q_heads", "head_dim"), "zeros")
+        specs["k_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
+        specs["v_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
     if config.o_bias:
         specs["o_bias"] = ((L, D), ("layers", "embed"), "zeros")
     if config.qk_norm:
@@ -120,7 +121,7 @@ def _param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     return specs
 
 
-def param_specs(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """Every parameter's (shape, logical axes), keyed by its path ("embed", "blocks/q_proj", ...)."""
     out = {"embed": ((config.vocab_size, config.hidden_size), ("vocab", "embed")),
            "final_norm": ((config.hidden_size,), ("embed",))}
@@ -141,7 +142,7 @@ def _init(kind: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array
 class Blocks(nnx.Module):
     """All decoder layers' parameters, stacked along a leading layer axis."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         for name, (shape, axes, kind) in _param_specs(config).items():
             setattr(self, name, nnx.Param(_init(kind, rngs.params(), shape, dtype), logical_axes=axes))
 
@@ -153,52 +154,52 @@ class Blocks(nnx.Module):
 # ---------------------------------------------------------------- pure building blocks
 
 
-def _transposed(x_MI: jax.Array) -> jax.Array:
+def _transposed(x_MX: jax.Array) -> jax.Array:
     """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own."""
-    return jax.lax.optimization_barrier(x_MI.T)
+    return jax.lax.optimization_barrier(x_MX.T)
 
 
 @jax.custom_vjp
-def _dense(x_MI: jax.Array, w_IO: jax.Array) -> jax.Array:
-    """[M, I] @ [I, O] as one plain GEMM accumulating in float32, cast back to x's dtype."""
-    # float32 accumulation also makes bf16 fast on CPU (PERF_NOTES: bf16 output is slower than f32).
-    return jnp.dot(x_MI, w_IO, preferred_element_type=_F32).astype(x_MI.dtype)
+def _dense(x_MX: jax.Array, w_XY: jax.Array) -> jax.Array:
+    """[M, X] @ [X, Y] as one plain GEMM accumulating in float32, cast back to x's dtype."""
+    # float32 accumulation also makes bf16 fast on CPU: XLA's CPU dot with a bf16 output is slower than with f32.
+    return jnp.dot(x_MX, w_XY, preferred_element_type=_F32).astype(x_MX.dtype)
 
 
-def _dense_fwd(x_MI: jax.Array, w_IO: jax.Array):
+def _dense_fwd(x_MX: jax.Array, w_XY: jax.Array):
     """Output and the residuals the backward needs (the GEMM's inputs)."""
-    return _dense(x_MI, w_IO), (x_MI, w_IO)
+    return _dense(x_MX, w_XY), (x_MX, w_XY)
 
 
-def _dense_bwd(residuals, dy_MO: jax.Array):
-    """(dx, dw), the weight gradient transposing the narrower of x and dy: one copy of [M, min(I, O)]."""
-    # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, F] MLP activations)
+def _dense_bwd(residuals, dy_MY: jax.Array):
+    """(dx, dw), the weight gradient transposing the narrower of x and dy: one copy of [M, min(X, Y)]."""
+    # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, I] MLP activations)
     # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
     # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
-    x_MI, w_IO = residuals
-    dx_MI = jnp.dot(dy_MO, w_IO.T, preferred_element_type=_F32).astype(x_MI.dtype)
-    if x_MI.shape[1] <= dy_MO.shape[1]:
-        dw_IO = jnp.dot(_transposed(x_MI), dy_MO, preferred_element_type=_F32)
+    x_MX, w_XY = residuals
+    dx_MX = jnp.dot(dy_MY, w_XY.T, preferred_element_type=_F32).astype(x_MX.dtype)
+    if x_MX.shape[1] <= dy_MY.shape[1]:
+        dw_XY = jnp.dot(_transposed(x_MX), dy_MY, preferred_element_type=_F32)
     else:
-        dw_IO = jnp.dot(_transposed(dy_MO), x_MI, preferred_element_type=_F32).T
-    return dx_MI, dw_IO.astype(w_IO.dtype)
+        dw_XY = jnp.dot(_transposed(dy_MY), x_MX, preferred_element_type=_F32).T
+    return dx_MX, dw_XY.astype(w_XY.dtype)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def project(x_BTI: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
+def project(x_BTX: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
     """x [B, T, *in] times w [*in, *out] over the `in_dims` trailing axes of x: [B, T, *out], as a 2-D GEMM."""
-    B, T = x_BTI.shape[:2]
+    B, T = x_BTX.shape[:2]
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     size_in, size_out = math.prod(in_shape), math.prod(out_shape)
-    y_MO = _dense(x_BTI.reshape(B * T, size_in), w.reshape(size_in, size_out))
-    return y_MO.reshape(B, T, *out_shape)
+    y_MY = _dense(x_BTX.reshape(B * T, size_in), w.reshape(size_in, size_out))
+    return y_MY.reshape(B, T, *out_shape)
 
 
-def _project_f32(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
-    """x [B, T, I] @ w [I, O] with the float32 accumulator kept (inference: no custom gradient)."""
-    return jnp.einsum("bti,io->bto", x_BTI, w_IO, preferred_element_type=_F32)
+def _project_f32(x_BTX: jax.Array, w_XY: jax.Array) -> jax.Array:
+    """x [B, T, X] @ w [X, Y] with the float32 accumulator kept (inference: no custom gradient)."""
+    return jnp.einsum("btx,xy->bty", x_BTX, w_XY, preferred_element_type=_F32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
@@ -234,20 +235,20 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=name == "gelu_pytorch_tanh")
 
 
-def attend(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array,
+def attend(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array,
            scale: float) -> jax.Array:
     """Grouped-query softmax attention with a boolean visibility mask; scores in float32."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=_F32) * scale
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKGTS, _MASKED)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH, preferred_element_type=_F32)
-    return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+    B, T, Q, H = q_BTQH.shape
+    C = k_BSCH.shape[2]
+    q_BTCRH = q_BTQH.reshape(B, T, C, Q // C, H)
+    scores_BCRTS = jnp.einsum("btcrh,bsch->bcrts", q_BTCRH, k_BSCH, preferred_element_type=_F32) * scale
+    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, _MASKED)
+    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BSCH.dtype)
+    out_BTCRH = jnp.einsum("bcrts,bsch->btcrh", probs_BCRTS, v_BSCH, preferred_element_type=_F32)
+    return out_BTCRH.reshape(B, T, Q, H).astype(q_BTQH.dtype)
 
 
-def rope_for_layers(config: ModelConfig, positions_BT: jax.Array):
+def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
     """((cos, sin) for global layers, (cos, sin) for sliding layers), each [B, T, H]."""
     global_tables = rope_tables(positions_BT, config.rope.inv_freq(config.head_dim))
     if config.local_rope is None or not any(config.sliding_layers):
@@ -255,23 +256,23 @@ def rope_for_layers(config: ModelConfig, positions_BT: jax.Array):
     return global_tables, rope_tables(positions_BT, config.local_rope.inv_freq(config.head_dim))
 
 
-def _qkv(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array):
-    """A layer's normed, roped queries [B, T, N, H] and new keys/values [B, T, K, H]."""
+def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array):
+    """A layer's normed, roped queries [B, T, Q, H] and new keys/values [B, T, C, H]."""
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
     h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
-    q_BTNH = project(h_BTD, p["q_proj"])
-    k_BTKH = project(h_BTD, p["k_proj"])
-    v_BTKH = project(h_BTD, p["v_proj"])
+    q_BTQH = project(h_BTD, p["q_proj"])
+    k_BTCH = project(h_BTD, p["k_proj"])
+    v_BTCH = project(h_BTD, p["v_proj"])
     if config.qkv_bias:
-        q_BTNH, k_BTKH, v_BTKH = (
-            q_BTNH + p["q_bias"][None, None], k_BTKH + p["k_bias"][None, None], v_BTKH + p["v_bias"][None, None])
+        q_BTQH, k_BTCH, v_BTCH = (
+            q_BTQH + p["q_bias"][None, None], k_BTCH + p["k_bias"][None, None], v_BTCH + p["v_bias"][None, None])
     if config.qk_norm:
-        q_BTNH = rms_norm(q_BTNH, p["q_norm"], eps, plus_one)
-        k_BTKH = rms_norm(k_BTKH, p["k_norm"], eps, plus_one)
-    return apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH), v_BTKH
+        q_BTQH = rms_norm(q_BTQH, p["q_norm"], eps, plus_one)
+        k_BTCH = rms_norm(k_BTCH, p["k_norm"], eps, plus_one)
+    return apply_rope(q_BTQH, cos_BTH, sin_BTH), apply_rope(k_BTCH, cos_BTH, sin_BTH), v_BTCH
 
 
-def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTNH: jax.Array,
+def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTQH: jax.Array,
                      f32_gate: bool = False) -> jax.Array:
     """Output projection and residual, then the MLP block and its residual.
 
@@ -279,7 +280,7 @@ def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Ar
     in bf16, XLA on CPU emulates the activation op by op, rounding after each (3x slower at decode).
     """
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
-    a_BTD = project(o_BTNH, p["o_proj"], in_dims=2)
+    a_BTD = project(o_BTQH, p["o_proj"], in_dims=2)
     if config.o_bias:
         a_BTD = a_BTD + p["o_bias"][None, None]
     if config.post_norms:
@@ -288,17 +289,17 @@ def _after_attention(config: ModelConfig, p: dict[str, jax.Array], x_BTD: jax.Ar
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
         if f32_gate:
-            gate_BTF = _activation(config.activation, _project_f32(h_BTD, p["gate_proj"]))
-            hidden_BTF = (gate_BTF * _project_f32(h_BTD, p["up_proj"])).astype(h_BTD.dtype)
+            gate_BTI = _activation(config.activation, _project_f32(h_BTD, p["gate_proj"]))
+            hidden_BTI = (gate_BTI * _project_f32(h_BTD, p["up_proj"])).astype(h_BTD.dtype)
         else:
-            hidden_BTF = _activation(config.activation, project(h_BTD, p["gate_proj"])) * project(h_BTD, p["up_proj"])
-        m_BTD = project(hidden_BTF, p["down_proj"])
+            hidden_BTI = _activation(config.activation, project(h_BTD, p["gate_proj"])) * project(h_BTD, p["up_proj"])
+        m_BTD = project(hidden_BTI, p["down_proj"])
         if config.post_norms:
             m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
         return x_BTD + m_BTD
 
 
-def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
+def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
                 masks: tuple[jax.Array, jax.Array]) -> jax.Array:
     """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers."""
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
@@ -309,10 +310,10 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
         p, sliding = layer
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
-            q_BTNH, k_BTKH, v_BTKH = _qkv(config, p, x_BTD, cos, sin)
+            q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, cos, sin)
             mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
-            o_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS, config.attn_scale)
-        return _after_attention(config, p, x_BTD, o_BTNH), None
+            o_BTQH = attend(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale)
+        return _after_attention(config, p, x_BTD, o_BTQH), None
 
     if config.remat:
         block = jax.checkpoint(block)
@@ -320,24 +321,24 @@ def _run_blocks(config: ModelConfig, params: dict[str, jax.Array], x_BTD: jax.Ar
     return x_BTD
 
 
-def attend_slots(q_BTNH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array, mask_BTS: jax.Array,
+def attend_slots(q_BTQH: jax.Array, k_BCSH: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
                  scale: float) -> jax.Array:
-    """`attend` over a per-layer cache in attention order [B, K, S, H]; scores and softmax in float32.
+    """`attend` over a per-layer cache in attention order [B, C, S, H]; scores and softmax in float32.
 
-    Batched dots over (B, K) read that layout in place (the stacked [.., S, K, H] layout made XLA
+    Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA
     transpose every layer's slots every decode step); only the few queries are transposed.
     """
-    B, T, N, H = q_BTNH.shape
-    K = k_BKSH.shape[1]
-    q_BKGTH = q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).astype(k_BKSH.dtype)
-    scores_BKGTS = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH, k_BKSH, preferred_element_type=_F32) * scale
-    scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, _MASKED)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BKSH.dtype)
-    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS, v_BKSH, preferred_element_type=_F32)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q_BTNH.dtype)
+    B, T, Q, H = q_BTQH.shape
+    C = k_BCSH.shape[1]
+    q_BCRTH = q_BTQH.reshape(B, T, C, Q // C, H).transpose(0, 2, 3, 1, 4).astype(k_BCSH.dtype)
+    scores_BCRTS = jnp.einsum("bcrth,bcsh->bcrts", q_BCRTH, k_BCSH, preferred_element_type=_F32) * scale
+    scores_BCRTS = jnp.where(mask_BTS[:, None, None], scores_BCRTS, _MASKED)
+    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BCSH.dtype)
+    out_BCRTH = jnp.einsum("bcrts,bcsh->bcrth", probs_BCRTS, v_BCSH, preferred_element_type=_F32)
+    return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
 
 
-def _run_blocks_unrolled(config: ModelConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
+def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
                          positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
     """Every layer as straight-line code over per-layer weights and a per-layer (split) cache.
 
@@ -350,27 +351,27 @@ def _run_blocks_unrolled(config: ModelConfig, layers: tuple[dict[str, jax.Array]
     keys, values = [], []
     for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
         with jax.named_scope(f"layer_{index}"):
-            q_BTNH, k_BTKH, v_BTKH = _qkv(config, p, x_BTD, *tables[int(sliding)])
-            keys.append(write_slots(cache.k[index], k_BTKH.transpose(0, 2, 1, 3), start))
-            values.append(write_slots(cache.v[index], v_BTKH.transpose(0, 2, 1, 3), start))
-            o_BTNH = attend_slots(q_BTNH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale)
-            x_BTD = _after_attention(config, p, x_BTD, o_BTNH, f32_gate=True)
+            q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, *tables[int(sliding)])
+            keys.append(write_slots(cache.k[index], k_BTCH.transpose(0, 2, 1, 3), start))
+            values.append(write_slots(cache.v[index], v_BTCH.transpose(0, 2, 1, 3), start))
+            o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale)
+            x_BTD = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
     return x_BTD, tuple(keys), tuple(values)
 
 
 def split_cache(cache: KVCache) -> KVCache:
-    """The cache with keys/values as tuples of per-layer arrays in attention order [B, K, S, H].
+    """The cache with keys/values as tuples of per-layer arrays in attention order [B, C, S, H].
 
     What a decode loop carries: each layer's slots are their own buffer, which a step updates in place
     and attention reads without a transpose (slicing a layer out of the stacked array is a copy, and its
-    [B, S, K, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
+    [B, S, C, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
     """
-    return cache.replace(k=tuple(jnp.swapaxes(k_BSKH, 1, 2) for k_BSKH in cache.k),
-                         v=tuple(jnp.swapaxes(v_BSKH, 1, 2) for v_BSKH in cache.v))
+    return cache.replace(k=tuple(jnp.swapaxes(k_BSCH, 1, 2) for k_BSCH in cache.k),
+                         v=tuple(jnp.swapaxes(v_BSCH, 1, 2) for v_BSCH in cache.v))
 
 
 def stack_cache(cache: KVCache) -> KVCache:
-    """The inverse of `split_cache`: stacked [L, B, S, K, H] keys/values."""
+    """The inverse of `split_cache`: stacked [L, B, S, C, H] keys/values."""
     return cache.replace(k=jnp.stack([jnp.swapaxes(k, 1, 2) for k in cache.k]),
                          v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))
 
@@ -383,14 +384,14 @@ def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[st
     return tuple({name: value[index] for name, value in params.items()} for index in range(num_layers))
 
 
-def _window(config: ModelConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
+def _window(config: DecoderConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> jax.Array:
     """[B, T, S]: key inside the sliding window of the query (HF: q_pos - k_pos < window)."""
     if config.sliding_window is None:
         return jnp.ones((q_pos_BT.shape[0], q_pos_BT.shape[1], k_pos_BS.shape[1]), bool)
     return q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < config.sliding_window
 
 
-def forward_masks(config: ModelConfig, positions_BT: jax.Array, segment_ids_BT: jax.Array):
+def forward_masks(config: DecoderConfig, positions_BT: jax.Array, segment_ids_BT: jax.Array):
     """(full, sliding) masks [B, T, T]: same non-zero segment, causal by index, window by position."""
     T = positions_BT.shape[1]
     same_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (segment_ids_BT[:, :, None] != 0)
@@ -399,7 +400,7 @@ def forward_masks(config: ModelConfig, positions_BT: jax.Array, segment_ids_BT: 
     return full_BTS, full_BTS & _window(config, positions_BT, positions_BT)
 
 
-def cache_masks(config: ModelConfig, positions_BT: jax.Array, cache_positions_BS: jax.Array):
+def cache_masks(config: DecoderConfig, positions_BT: jax.Array, cache_positions_BS: jax.Array):
     """(full, sliding) masks [B, T, S]: slot filled and its position <= the query's position."""
     k_pos = cache_positions_BS[:, None, :]
     full_BTS = (k_pos >= 0) & (k_pos <= positions_BT[:, :, None])
@@ -409,7 +410,7 @@ def cache_masks(config: ModelConfig, positions_BT: jax.Array, cache_positions_BS
 class Transformer(nnx.Module):
     """Decoder-only LM; call it for float32 logits, `decode` for cached generation."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         D, V = config.hidden_size, config.vocab_size
         self.embed = nnx.Param(_init("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))

@@ -84,7 +84,7 @@ class Weights:
 
     graphdef: nnx.GraphDef
     state: nnx.State
-    config: Any  # drgrpo_jax.models.ModelConfig
+    config: Any  # drgrpo_jax.models.DecoderConfig
     version: str
     path: str
 
@@ -222,7 +222,7 @@ class Engine:
                                 max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
                                 cache_dtype=DTYPES[self.config.dtype])
         tokens, logprobs, lengths, stopped = jax.device_get(
-            (out.tokens_BN, out.logprobs_BN, out.lengths_B, out.stopped_B))
+            (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
         self.batches_run += 1
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
                           weights.version) for b in range(len(rows))]
