@@ -49,6 +49,7 @@ __all__ = [
     "describe_config",
     "dump_config",
     "load_config",
+    "one_window_per_rollout",
     "resolve_model_path",
     "step_configs",
     "validate",
@@ -417,6 +418,11 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
 }
 
 
+def one_window_per_rollout(algorithm: AlgorithmConfig) -> bool:
+    """A rollout gets exactly one optimizer window: its old log-probs are the updating policy's own."""
+    return algorithm.ppo_epochs == 1 and algorithm.minibatches_per_rollout == 1
+
+
 def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
     """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError naming the key."""
     a = config.algorithm
@@ -427,14 +433,16 @@ def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
                           clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
                           kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
         train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
-                           temperature=config.rollout.temperature, tis_cap=a.tis_cap)
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap,
+                           on_policy=one_window_per_rollout(a))
     except FieldError as error:
         key = _LIBRARY_KEYS.get((error.owner, error.field))
         if key is None:  # a field the run config does not set: a bug here, not a bad config
             raise
         raise ConfigError(key, error.reason) from None
     # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
-    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout)
+    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout,
+                                  on_policy=False)
     return train, logprob
 
 

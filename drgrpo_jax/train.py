@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.config import Config, component_names, config_from_argv
+from drgrpo_jax.config import Config, component_names, config_from_argv, one_window_per_rollout
 from drgrpo_jax.data import Example, tokenize_prompt
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
@@ -186,7 +186,8 @@ class UpdateResult:
 
 def update(run: Run, state: TrainState, step: int, batch: Batch,
            signal_N: np.ndarray) -> tuple[TrainState, UpdateResult]:
-    """Old log-probs, then ppo_epochs x minibatches_per_rollout optimizer windows: (new state, their report).
+    """Old log-probs (when several windows share the rollout), then ppo_epochs x minibatches_per_rollout
+    optimizer windows: (new state, their report).
 
     For gdpo each window is whitened on its own rows.
     """
@@ -195,7 +196,9 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
     from drgrpo_jax.algorithms import ALGORITHMS
 
     a = run.config.algorithm
-    batch = batch.replace(old_logprobs=host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh))))
+    if not one_window_per_rollout(a):  # else the step uses its own forward's log-probs (StepConfig.on_policy)
+        old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh)))
+        batch = dataclasses.replace(batch, old_logprobs=old_logprobs)
     num = batch.row_valid.shape[0]
     size = num // a.minibatches_per_rollout
     history, whitening = [], []
@@ -206,7 +209,7 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
             window = jax.tree.map(lambda v, rows=rows: v[rows], batch)
             if ALGORITHMS[a.name].multi_reward:
                 advantages, mean, std = window_advantages(window.advantages, window.row_valid, signal_N[rows])
-                window = window.replace(advantages=advantages)
+                window = dataclasses.replace(window, advantages=advantages)
                 whitening.append((mean, std))
             state, metrics = run.train_fn(state, _global_batch(window, run.mesh))
             history.append({k: float(v) for k, v in jax.device_get(metrics).items()})

@@ -72,6 +72,9 @@ class StepConfig:
     temperature: float = 1.0  # the sampler's temperature; log-probs use the same scaling
     tis_cap: float | None = None  # truncated importance sampling: cap C >= 1 on exp(old - behaviour); None = off
     logprob_chunk: int = 256  # tokens per chunk of the vocabulary projection
+    # The rollout gets exactly one optimizer window (one epoch, one minibatch): the old policy IS the current
+    # one, so its log-probs are this forward's with the gradient stopped and the batch's old_logprobs are unused.
+    on_policy: bool = False
 
     def __post_init__(self):
         for name, kinds in [("micro_batches", int), ("logprob_chunk", int), ("temperature", (int, float)),
@@ -80,6 +83,8 @@ class StepConfig:
             if isinstance(value, bool) or not isinstance(value, kinds):
                 wanted = "an int" if kinds is int else "a number"
                 raise FieldTypeError("StepConfig", name, f"must be {wanted}, got {type(value).__name__} {value!r}")
+        if not isinstance(self.on_policy, bool):
+            raise FieldTypeError("StepConfig", "on_policy", f"must be a bool, got {self.on_policy!r}")
         for name in ("micro_batches", "logprob_chunk"):
             if getattr(self, name) < 1:
                 raise FieldError("StepConfig", name, f"must be an int >= 1, got {getattr(self, name)}")
@@ -216,21 +221,22 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
         ref_logprobs = jax.lax.stop_gradient(response_logprobs(
             graphdef, ref_params, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
             temperature=config.temperature, chunk=config.logprob_chunk)[0])
+    old_logprobs = jax.lax.stop_gradient(logprobs) if config.on_policy else micro.old_logprobs
     token = micro.response_mask & micro.row_valid[:, None]
     advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)
-    mismatch = jnp.where(token, micro.old_logprobs - micro.behaviour_logprobs, 0.0)
+    mismatch = jnp.where(token, old_logprobs - micro.behaviour_logprobs, 0.0)
     tis_weight = jnp.ones_like(logprobs)
     if config.tis_cap is not None:
         # A positive per-token weight on the advantage scales exactly the policy-gradient term.
         tis_weight = jnp.minimum(jnp.exp(mismatch), config.tis_cap)
         advantages = advantages * tis_weight
-    loss, metrics = loss_fn(logprobs, micro.old_logprobs, advantages, micro.response_mask, config=config.loss,
+    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, micro.response_mask, config=config.loss,
                             ref_logprobs=ref_logprobs, entropy=entropy, window=window, row_valid=micro.row_valid)
 
     def token_share(x):
         return jnp.where(window.num_tokens > 0, jnp.where(token, x, 0.0).sum() / jnp.maximum(window.num_tokens, 1), 0.0)
 
-    metrics["behaviour_kl"] = token_share(kl_divergence(micro.behaviour_logprobs, micro.old_logprobs, "k3"))
+    metrics["behaviour_kl"] = token_share(kl_divergence(micro.behaviour_logprobs, old_logprobs, "k3"))
     metrics["tis_weight"] = token_share(tis_weight)
     return loss, metrics
 

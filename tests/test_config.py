@@ -225,6 +225,16 @@ def test_a_tis_cap_of_at_least_1_passes_validate_and_builds_the_step(cap):
     assert train.loss.budget == config.rollout.max_new_tokens and train.loss.aggregation == "fixed_budget"
 
 
+@pytest.mark.parametrize("overrides, on_policy", [
+    ([], True),  # one epoch, one minibatch: the step's own log-probs are the old ones
+    (["algorithm.ppo_epochs=2"], False),
+    (["algorithm.minibatches_per_rollout=2"], False),
+])
+def test_the_step_skips_the_old_logprob_pass_only_with_one_window_per_rollout(overrides, on_policy):
+    train, logprob = step_configs(load_config(None, BASE + overrides))
+    assert train.on_policy is on_policy and logprob.on_policy is False
+
+
 def test_an_unset_required_value_is_a_missing_value_error():
     assert isinstance(_error(["model.path=''"]), MissingValueError)
     assert not isinstance(_error(["train.steps=0"]), MissingValueError)

@@ -61,7 +61,7 @@ def initial_old_logprobs(lengths: tuple[int, ...] | None) -> np.ndarray:
 
 
 def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None, steps=1, kl_coef=0.0,
-             optimizer=None, tis_cap=None, behaviour_shift=0.0):
+             optimizer=None, tis_cap=None, behaviour_shift=0.0, on_policy=False):
     """Params and metrics after `steps` steps of the tiny model on a (data, fsdp, tensor) mesh.
 
     The first step's old log-probs come from one shared single-device computation (so only
@@ -74,7 +74,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     optimizer = optimizer or optax.sgd(0.5)
     schedule = optax.constant_schedule(0.5)
     config = StepConfig(loss=LossConfig(aggregation=aggregation, budget=RESPONSE, kl_coef=kl_coef),
-                        micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5)
+                        micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5, on_policy=on_policy)
     graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
     params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
@@ -87,7 +87,8 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     for i in range(steps):
         old = jax.device_put(initial_old_logprobs(key), batch.old_logprobs.sharding) if i == 0 else \
             old_logprobs(state.params, batch)
-        batch = dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old + behaviour_shift)
+        batch = dataclasses.replace(batch, old_logprobs=jnp.full_like(old, jnp.nan) if on_policy else old,
+                                    behaviour_logprobs=old + behaviour_shift)  # on-policy: old_logprobs unused
         state, metrics = step(state, batch)
         history.append(dict(jax.device_get(metrics), compiles_so_far=len(COMPILES)))
     return jax.device_get(state), history, step
@@ -124,6 +125,25 @@ def test_update_is_invariant_to_mesh_and_micro_batches(reference, aggregation, m
 def test_full_matrix_fixed_budget(reference, mesh_shape, micro_batches):
     state, history, _ = run_step(mesh_shape, micro_batches)
     assert_same(state.params, reference["fixed_budget"][0].params, "params")
+
+
+@pytest.mark.parametrize("aggregation", ["fixed_budget", "seq_mean_token_mean"])
+def test_on_policy_step_uses_its_own_logprobs_and_matches_the_recomputed_ones(reference, aggregation):
+    """One window per rollout: the step's stop-gradient log-probs replace the old-log-prob forward exactly."""
+    state, history, _ = run_step((2, 2, 2), 2, aggregation, on_policy=True)  # batch.old_logprobs are NaN
+    ref_state, ref_history, _ = reference[aggregation]
+    assert_same(state.params, ref_state.params, "params")
+    for k in ("loss", "pg_loss", "grad_norm", "entropy", "num_tokens"):
+        np.testing.assert_allclose(history[0][k], ref_history[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert history[0]["clip_fraction"] == 0 and history[0]["approx_kl"] == 0  # ratio exactly 1
+
+
+def test_on_policy_step_keeps_truncated_importance_sampling():
+    shifted = dict(tis_cap=1.5, behaviour_shift=-0.3)  # exp(old - behaviour) = exp(0.3) > 1.5 is capped
+    state, history, _ = run_step((1, 1, 1), 1, on_policy=True, **shifted)
+    ref_state, ref_history, _ = run_step((1, 1, 1), 1, **shifted)
+    assert_same(state.params, ref_state.params, "params")
+    np.testing.assert_allclose(history[0]["tis_weight"], ref_history[0]["tis_weight"], rtol=1e-6)
 
 
 def test_metrics_are_complete_and_the_step_compiles_once():
