@@ -1,0 +1,52 @@
+"""Benchmark records: what record.py stores with a figure, and the README table built from the records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load(relative: str):
+    spec = importlib.util.spec_from_file_location(pathlib.Path(relative).stem, ROOT / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_record_holds_the_figures_and_where_they_came_from(tmp_path, monkeypatch):
+    record = _load("benchmarks/record.py")
+    monkeypatch.setattr(record, "RESULTS", tmp_path)
+    line = {"benchmark": "train_step", "jax_tokens_per_s": 100.0}
+    command = [sys.executable, "-c", f"print('warming up'); print({json.dumps(json.dumps(line))})"]
+    assert record.main(["--max-load", "1e9", "--", *command]) == 0
+    [path] = tmp_path.glob("*.json")
+    saved = json.loads(path.read_text())
+    assert saved["results"] == [line]
+    assert len(saved["commit"]) == 40 and isinstance(saved["dirty"], bool)
+    assert saved["machine"]["nproc"] >= 1 and saved["machine"]["cpu_model"]
+    assert {"date", "command", "load_before", "load_after"} <= saved.keys()
+    assert record.main(["--max-load", "0", "--", *command]) == 2  # a busy machine is refused
+    assert record.main(["--max-load", "1e9", "--", sys.executable, "-c", "print('no json')"]) == 1
+
+
+def test_the_table_leads_with_the_same_run_ratio_and_cites_the_record(tmp_path, monkeypatch):
+    table = _load("scripts/benchmark_table.py")
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    monkeypatch.setattr(table, "ROOT", tmp_path)
+    result = {"batch": "16x192", "jax_over_torch": 0.9, "jax_tokens_per_s": 124.0, "torch_tokens_per_s": 141.0,
+              "jax_utilisation": 0.55, "matmul_peak_gflops": 190.0}
+    for date, ratio in [("2026-12-01T00:00:00+00:00", 0.9), ("2026-11-01T00:00:00+00:00", 5.0)]:
+        record = {"script": "train_step", "date": date, "commit": "a" * 40, "dirty": False, "load_before": 0.2,
+                  "load_after": 1.1, "machine": {"nproc": 2}, "results": [dict(result, jax_over_torch=ratio)]}
+        (tmp_path / f"train_step-{date[:10]}.json").write_text(json.dumps(record))
+    text = table.table(table.newest_records())
+    assert "**0.90x** torch: 124 vs 141 tok/s" in text and "5.00x" not in text  # the newest record wins
+    assert "2026-12-01" in text and "load 0.2 -> 1.1" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{table.BEGIN}\nold\n{table.END}\nafter\n")
+    assert table.main(["--write", str(readme)]) == 0
+    assert readme.read_text() == f"before\n{table.BEGIN}\n{text}\n{table.END}\nafter\n"
