@@ -242,8 +242,10 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
             assert info["weight_version"] == "8" and info["model_path"] == "file://" + os.path.abspath(model_dir)
             with pytest.raises(RolloutError, match="model_path"):
                 client.update_weights("file://" + os.path.abspath(model_dir) + "/missing", 9)
-            with pytest.raises(RolloutError, match="model_path"):
-                client.update_weights(model_dir + "/missing", 7)
+            with pytest.raises(RolloutError, match="model_path: not a valid model folder"):
+                client.update_weights(model_dir + "/missing", 9)
+            with pytest.raises(RolloutError, match="weight_version: 7 is older than the served version 8"):
+                client.update_weights(model_dir, 7)
         url = server.url
     assert server.stop() is None and not server.running  # already stopped by the with block
     assert process_gone(pid)
