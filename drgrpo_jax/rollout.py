@@ -356,8 +356,10 @@ class LocalServer:
 
     def start(self) -> str:
         """Starts the child and waits until /health answers; returns its URL."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="drgrpo_serve_")
+        self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="drgrpo_serve_")  # kept across restarts
         port_file = os.path.join(self._tmp.name, "port")
+        if os.path.exists(port_file):  # the port of a previous child
+            os.remove(port_file)
         self.log_path = self.log_path or os.path.join(self._tmp.name, "serve.log")
         command = [sys.executable, "-m", "drgrpo_jax.serve", "--model", self.model, "--dtype", self.dtype,
                    "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
