@@ -172,10 +172,10 @@ class RolloutClient:
         server.stop()
         server.model, server.weight_version = (path, str(version)) if not is_remote(path) else (
             server.model, server.weight_version)
-        server.start()
-        self.urls = tuple(server.url if u == old_url else u for u in self.urls)
+        new_url = server.start()
+        self.urls = tuple(new_url if u == old_url else u for u in self.urls)
         if server.weight_version != str(version):  # a bucket path: the child starts on local weights, then loads it
-            self._request("POST", server.url, "/update_weights_from_disk",
+            self._request("POST", new_url, "/update_weights_from_disk",
                           {"model_path": path, "weight_version": str(version)})
         return True
 

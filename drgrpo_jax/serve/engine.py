@@ -98,7 +98,7 @@ def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
         values.setdefault("model", model_section.get("path", ""))
         values.setdefault("dtype", model_section.get("dtype", "float32"))
         values.setdefault("tokenizer", model_section.get("tokenizer_path") or "")
-        run_section = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+        run_section: dict = raw["run"] if isinstance(raw.get("run"), dict) else {}
         # A trainer config names where its weight versions go: the service loads pushes from there only.
         weights = run_section.get("weights_dir") or os.path.join(run_section.get("output_dir") or "runs/default",
                                                                  "weights")
@@ -332,7 +332,7 @@ class Engine:
             jobs = list(dict.fromkeys(job for job, _ in taken))
             if len(jobs) == 1:
                 return [(taken, error)]
-        out = []
+        out: list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]] = []
         for job in jobs:  # one bad request must not fail its batch-mates
             part = [(j, i) for j, i in taken if j is job]
             try:

@@ -13,7 +13,7 @@ import hmac
 import ipaddress
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 OPEN_PATHS = frozenset({"/health"})  # GET /health answers without a key: launchers and load balancers probe it
@@ -44,12 +44,12 @@ class Keys:
     admin_key: str = ""
 
 
-def read_keys(api_key_env: str, admin_key_env: str, environ: dict[str, str] | None = None) -> Keys:
+def read_keys(api_key_env: str, admin_key_env: str, environ: Mapping[str, str] | None = None) -> Keys:
     """The keys from the named environment variables; ValueError naming the flag when a named variable is empty."""
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     keys = {}
     for flag, name in (("api_key_env", api_key_env), ("admin_key_env", admin_key_env)):
-        value = environ.get(name, "") if name else ""
+        value = env.get(name, "") if name else ""
         if name and not value.strip():
             raise ValueError(f"{flag}: environment variable {name} is not set or empty")
         keys[flag] = value.strip()
