@@ -98,12 +98,13 @@ def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
         values.setdefault("model", model_section.get("path", ""))
         values.setdefault("dtype", model_section.get("dtype", "float32"))
         values.setdefault("tokenizer", model_section.get("tokenizer_path") or "")
+    values.update({k: v for k, v in overrides.items() if v is not None and v != []})
+    if isinstance(model_section, dict) and not is_loopback(values.get("host", "127.0.0.1")):
         run_section: dict = raw["run"] if isinstance(raw.get("run"), dict) else {}
-        # A trainer config names where its weight versions go: the service loads pushes from there only.
+        # Beyond loopback, a trainer config names where its weight versions go: pushes load from there only.
         weights = run_section.get("weights_dir") or os.path.join(run_section.get("output_dir") or "runs/default",
                                                                  "weights")
         values.setdefault("weights_roots", [weights])
-    values.update({k: v for k, v in overrides.items() if v is not None and v != []})
     return ServeConfig(**values)
 
 
