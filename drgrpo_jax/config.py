@@ -133,6 +133,10 @@ class RolloutConfig:
         None, "--max-batch-size of the trainer's local child service (null = a whole rollout or the eval set, "
               "whichever is larger)"
     )
+    api_key_env: str = _f(
+        "", "environment variable holding the services' API key (sent as Authorization: Bearer; the trainer's "
+            "own child service is started with it); empty = no key"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,10 @@ errors, timeouts), 5xx, 408 (request timeout) and 429 (too many requests) say th
 serve now, so the request is retried on the same URL with exponential backoff and jitter, then
 fails over to the next URL; any other 4xx says the request itself is bad, which every server
 would refuse, so it raises at once (no retry, no failover). `LocalServer` runs the service as a
-child process on a free loopback port and stops it when the trainer exits, normally or not.
+child process on a free loopback port and stops it when the trainer exits, normally or not; a client
+given that `local_server` restarts it when it dies (killed, OOM), loads the weights last pushed and
+redoes the request (`service_restarts` counts it). A 429 or 503 with `Retry-After` is retried no
+sooner than the service asked. With `api_key` every request carries `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import os
 import random
 import subprocess
@@ -31,6 +35,9 @@ import httpx
 import numpy as np
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
+from drgrpo_jax.paths import is_remote
+
+log = logging.getLogger("drgrpo_jax.rollout")
 
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
@@ -91,7 +98,8 @@ class RolloutClient:
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None):
+                 transport: httpx.BaseTransport | None = None, api_key: str | None = None,
+                 local_server: LocalServer | None = None, max_restarts: int = 3):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -100,7 +108,12 @@ class RolloutClient:
             raise ValueError("max_retries, backoff_s: must be >= 0")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
-        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport)
+        self.local_server, self.max_restarts = local_server, max_restarts
+        self.service_restarts = 0  # times local_server was found dead and restarted
+        self._pushed: tuple[str, str] | None = None  # (path, version) of the last weights every service took
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport,
+                                  headers=headers)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="rollout")
 
     def close(self) -> None:
@@ -118,23 +131,53 @@ class RolloutClient:
         """One call with retries while `retryable`; raises RolloutError with the last HTTP status (None = no answer)."""
         error: Exception | None = None
         status: int | None = None
+        retry_after = 0.0  # what the service asked for (429/503 Retry-After), capped at max_backoff_s
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-                time.sleep(delay * (0.5 + random.random() / 2))  # jitter: a fleet of clients does not retry in step
+                delay *= 0.5 + random.random() / 2  # jitter: a fleet of clients does not retry in step
+                time.sleep(max(delay, min(retry_after, self.max_backoff_s)))
             try:
                 response = self._http.request(method, url + path, json=body)
             except httpx.TransportError as e:  # connect/read/write errors and timeouts
-                error, status = e, None
+                error, status, retry_after = e, None, 0.0
+                if self._local_server_died(url):
+                    break  # no retry can reach a dead child; generate/update_weights restart it
                 continue
             if response.status_code < 400:
                 return response.json()
             status = response.status_code
+            retry_after = _retry_after(response)
             error = RolloutError(f"{url}{path}: HTTP {status}: {_error_message(response)}", status=status, url=url)
             if not retryable(status):
                 raise error
         raise RolloutError(f"{url}{path}: failed after {self.max_retries + 1} attempts: {error}",
                            status=status, url=url) from error
+
+    def _local_server_died(self, url: str) -> bool:
+        """Whether `url` is this client's own child service and that process has exited."""
+        server = self.local_server
+        return server is not None and server.url == url and not server.running
+
+    def _restart_local_server(self) -> bool:
+        """Restarts the dead child service on the weights last pushed; False when there is none to restart."""
+        server = self.local_server
+        if server is None or server.running or self.service_restarts >= self.max_restarts:
+            return False
+        self.service_restarts += 1
+        old_url = server.url
+        path, version = self._pushed or (server.model, server.weight_version)
+        log.warning("generation service %s died (exit code %s); restarting it on weight version %s (restart %d)",
+                    old_url, server.returncode, version, self.service_restarts)
+        server.stop()
+        server.model, server.weight_version = (path, str(version)) if not is_remote(path) else (
+            server.model, server.weight_version)
+        new_url = server.start()
+        self.urls = tuple(new_url if u == old_url else u for u in self.urls)
+        if server.weight_version != str(version):  # a bucket path: the child starts on local weights, then loads it
+            self._request("POST", new_url, "/update_weights_from_disk",
+                          {"model_path": path, "weight_version": str(version)})
+        return True
 
     def _with_failover(self, first: int, path: str, body: Any) -> Any:
         """Posts to urls[first]; while it fails `retryable`, to each other URL in turn."""
@@ -174,8 +217,23 @@ class RolloutClient:
             return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
                     "return_logprob": True}
 
-        futures = [self._pool.submit(self._with_failover, (first_url + k) % len(self.urls), "/generate", body(a, b))
-                   for k, (a, b) in enumerate(shares)]
+        while True:
+            try:
+                items = self._gather_shares(shares, [body(a, b) for a, b in shares], first_url, group_size)
+                break
+            except RolloutError as error:  # the same prompts and seeds again: the redone rollout is the same
+                if not (retryable(error.status) and self._restart_local_server()):
+                    raise
+        rollout = _to_rollout(items, group_size, max_new_tokens)
+        if expected_version is not None:
+            check_versions(rollout.weight_versions, expected_version, max_staleness)
+        return rollout
+
+    def _gather_shares(self, shares: list[tuple[int, int]], bodies: list[dict], first_url: int, group_size: int
+                       ) -> list[dict]:
+        """Posts each share's body (in parallel, with failover); the completions in prompt order."""
+        futures = [self._pool.submit(self._with_failover, (first_url + k) % len(self.urls), "/generate", body)
+                   for k, body in enumerate(bodies)]
         items: list[dict] = []
         for (a, b), future in zip(shares, futures):
             answer = future.result()
@@ -183,10 +241,7 @@ class RolloutClient:
             if len(answer) != (b - a) * group_size:
                 raise RolloutError(f"/generate: {len(answer)} completions for {b - a} prompts x {group_size}")
             items += answer
-        rollout = _to_rollout(items, group_size, max_new_tokens)
-        if expected_version is not None:
-            check_versions(rollout.weight_versions, expected_version, max_staleness)
-        return rollout
+        return items
 
     def update_weights(self, model_path: str, weight_version: str | int) -> None:
         """Tells every service to load `model_path` as `weight_version`; raises naming every URL that refused.
@@ -194,7 +249,10 @@ class RolloutClient:
         Every URL is asked (in parallel) even when one fails, so no service is left on stale weights
         without being named.
         """
-        body = {"model_path": os.fspath(model_path), "weight_version": str(weight_version)}
+        model_path = os.fspath(model_path)
+        if not is_remote(model_path):  # services refuse relative paths (they would resolve against their own cwd)
+            model_path = os.path.abspath(model_path)
+        body = {"model_path": model_path, "weight_version": str(weight_version)}
 
         def push(url: str) -> str | None:
             try:
@@ -204,9 +262,14 @@ class RolloutClient:
             return None if answer.get("success", False) else f"{url}/update_weights_from_disk: {answer.get('message')}"
 
         failures = [error for error in self._pool.map(push, self.urls) if error]
+        if failures and self._local_server_died(self.urls[0]):
+            self._pushed = (model_path, str(weight_version))  # the restarted child starts on these very weights
+            if self._restart_local_server():
+                failures = []
         if failures:
             raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "
                                "service(s): " + " | ".join(failures))
+        self._pushed = (model_path, str(weight_version))
 
     def model_info(self, index: int = 0) -> dict:
         """The service's /get_model_info."""
@@ -221,6 +284,14 @@ class RolloutClient:
             except httpx.TransportError:
                 out.append(False)
         return out
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """Seconds from a Retry-After header (0 when absent or an HTTP date)."""
+    try:
+        return max(0.0, float(response.headers.get("retry-after", 0)))
+    except ValueError:
+        return 0.0
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -272,22 +343,29 @@ class LocalServer:
 
     def __init__(self, model: str, *, dtype: str = "float32", weight_version: str | int = 0,
                  extra_args: Sequence[str] = (), startup_timeout_s: float = 600.0, log_path: str | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, api_key_env: str = "", weights_roots: Sequence[str] = ()):
         self.model, self.dtype, self.weight_version = os.fspath(model), dtype, str(weight_version)
         self.extra_args, self.startup_timeout_s = tuple(extra_args), startup_timeout_s
         self.log_path, self.env = log_path, env
+        # The key travels in the child's environment under this name; only the name is on its command line.
+        self.api_key_env, self.weights_roots = api_key_env, tuple(os.fspath(r) for r in weights_roots)
         self.url: str | None = None
+        self.returncode: int | None = None  # the exit code of the last child, once it has exited
         self._process: subprocess.Popen | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     def start(self) -> str:
         """Starts the child and waits until /health answers; returns its URL."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="drgrpo_serve_")
+        self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="drgrpo_serve_")  # kept across restarts
         port_file = os.path.join(self._tmp.name, "port")
+        if os.path.exists(port_file):  # the port of a previous child
+            os.remove(port_file)
         self.log_path = self.log_path or os.path.join(self._tmp.name, "serve.log")
         command = [sys.executable, "-m", "drgrpo_jax.serve", "--model", self.model, "--dtype", self.dtype,
                    "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-                   "--weight-version", self.weight_version, "--parent-pid", str(os.getpid()), *self.extra_args]
+                   "--weight-version", self.weight_version, "--parent-pid", str(os.getpid()),
+                   *(["--api-key-env", self.api_key_env] if self.api_key_env else []),
+                   *[arg for root in self.weights_roots for arg in ("--weights-root", root)], *self.extra_args]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
@@ -339,7 +417,10 @@ class LocalServer:
     @property
     def running(self) -> bool:
         """Whether the child process is alive."""
-        return self._process is not None and self._process.poll() is None
+        if self._process is None:
+            return False
+        self.returncode = self._process.poll()
+        return self.returncode is None
 
     def __enter__(self) -> Self:
         self.start()

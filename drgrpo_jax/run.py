@@ -81,16 +81,35 @@ def build_mesh(config: Config) -> jax.sharding.Mesh:
     return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
 
 
+def api_key(config: Config) -> str | None:
+    """The services' API key from the variable rollout.api_key_env names (None: no key); ConfigError if unset."""
+    name = config.rollout.api_key_env
+    if not name:
+        return None
+    if not os.environ.get(name, "").strip():
+        raise ConfigError("rollout.api_key_env", f"environment variable {name} is not set or empty")
+    return os.environ[name].strip()
+
+
 def connect_urls(config: Config) -> RolloutClient:
     """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
     from drgrpo_jax.rollout import RolloutClient
 
-    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s)
+    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s, api_key=api_key(config))
     for url, ok in zip(client.urls, client.healthy()):
         if not ok:
             client.close()
             raise ConfigError("rollout.urls", f"{url} does not answer GET /health (is the generation service up?)")
     return client
+
+
+def weights_roots(config: Config) -> list[str]:
+    """The folders the trainer's own child service may load weight pushes from: this run's versions only."""
+    roots = [os.path.abspath(os.path.join(config.run.output_dir, "weights"))]
+    if config.run.weights_dir:
+        roots.append(config.run.weights_dir if "://" in config.run.weights_dir else
+                     os.path.abspath(config.run.weights_dir))
+    return roots
 
 
 def service_batch_size(config: Config) -> int:
@@ -191,8 +210,11 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=c.model.dtype, weight_version=start_step,
-            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))]))
-        client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s))
+            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))],
+            api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c)))
+        # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
+        client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s,
+                                                   api_key=api_key(c), local_server=server))
     run = Run(config=c, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
               train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
               logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),

@@ -285,7 +285,7 @@ def train_one_step(run: Run, state: TrainState, step: int) -> tuple[TrainState, 
     now = time.perf_counter()
     seconds = {"train": push_start - train_start, "push": now - push_start, "step": now - started}
     row = step_metrics(c, step + 1, rollout, batch, counters, updates, seconds)
-    row.update(sampling, data_position=run.stream.state())
+    row.update(sampling, data_position=run.stream.state(), service_restarts=run.client.service_restarts)
     if run.log.enabled and c.run.sample_every and (step + 1) % c.run.sample_every == 0:
         run.log.samples(_sample_rows(run, step + 1, rollout))
     return state, row

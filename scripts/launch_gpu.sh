@@ -17,6 +17,10 @@
 #   --serve-batch-size B  --max-batch-size of the started services (see python -m drgrpo_jax.plan)
 #   --serve-port P        first service port (default 30000); --coordinator-port P (default 8476)
 #   --local-devices D     fake CPU devices per --local process (default 1)
+#   --api-key-env NAME    the services' API key is in $NAME: services get --api-key-env NAME, trainers
+#                         rollout.api_key_env=NAME; over ssh the value goes on stdin, never on a command line
+#                         (printed commands show only the name). Required when services listen beyond loopback
+#   --allow-unauthenticated  let services listen beyond loopback without a key (a network you trust)
 #   --log-dir DIR         logs of every process and service (default launch_logs)
 #   --python PY           interpreter on every host (default python3); --workdir DIR on remote hosts (default .)
 #   --dry-run             print every command instead of running it
@@ -28,7 +32,7 @@
 set -euo pipefail
 
 config="" mode="" hosts="" local_procs=0 gpus_per_host=8 serve_gpus=0 serve_batch="" serve_port=30000
-coord_port=8476 local_devices=1 log_dir=launch_logs py=python3 workdir=. dry_run=0
+coord_port=8476 local_devices=1 log_dir=launch_logs py=python3 workdir=. dry_run=0 key_env="" open_service=0
 serve_urls=() overrides=()
 die() { echo "launch_gpu.sh: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
@@ -47,6 +51,8 @@ while [[ $# -gt 0 ]]; do
     --log-dir) log_dir="$2"; shift 2 ;;
     --python) py="$2"; shift 2 ;;
     --workdir) workdir="$2"; shift 2 ;;
+    --api-key-env) key_env="$2"; shift 2 ;;
+    --allow-unauthenticated) open_service=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; overrides=("$@"); break ;;
     *) die "unknown option $1 (see the header of scripts/launch_gpu.sh)" ;;
@@ -58,6 +64,10 @@ for n in gpus_per_host serve_gpus serve_port coord_port local_devices local_proc
   [[ "${!n}" =~ ^[0-9]+$ ]] || die "--${n//_/-}: must be a non-negative integer, got '${!n}'"
 done
 [[ $serve_gpus -eq 0 || ${#serve_urls[@]} -eq 0 ]] || die "--serve-gpus and --serve-url: give one or the other"
+if [[ -n "$key_env" ]]; then
+  [[ "$key_env" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "--api-key-env: '$key_env' is not an environment variable name"
+  [[ -n "${!key_env:-}" ]] || die "--api-key-env: environment variable $key_env is not set or empty"
+fi
 
 # Quote one argument for display so that the printed line runs as is.
 q() { if [[ "$1" == ">" || "$1" == "2>&1" || "$1" == "&" ]]; then printf '%s' "$1"; elif [[ "$1" =~ ^[A-Za-z0-9_./:=,@+-]+$ ]]; then printf '%s' "$1"; else printf "'%s'" "${1//\'/\'\\\'\'}"; fi; }
@@ -65,6 +75,13 @@ show() { local out="" a; for a in "$@"; do out+="$(q "$a") "; done; echo "${out%
 run() { show "$@"; [[ $dry_run -eq 1 ]] || "$@"; }
 background() { show "$@" "&"; if [[ $dry_run -eq 0 ]]; then "$@" & pids+=($!); fi; }
 pids=() serve_pids=()
+# Remote commands that need the key read it from stdin first; the printed line shows `<<< "$NAME"`, not the value.
+key_read=""; [[ -n "$key_env" ]] && key_read="IFS= read -r $key_env && export $key_env && "
+keyed() {  # keyed CMD...: show and (unless --dry-run) run a remote command with the key on its stdin
+  if [[ -n "$key_env" ]]; then echo "$(show "$@") <<< \"\$$key_env\""; else show "$@"; fi
+  [[ $dry_run -eq 1 ]] && return 0
+  if [[ -n "$key_env" ]]; then "$@" <<< "${!key_env}"; else "$@"; fi
+}
 
 case "$mode" in
   local) [[ $local_procs -ge 1 ]] || die "--local: needs at least 1 process"
@@ -79,8 +96,15 @@ fi
 [[ $mode == local || $serve_gpus -lt $gpus_per_host ]] || die "--serve-gpus: $serve_gpus leaves no GPU for the trainer"
 
 # The model the services load: model.path from the overrides, else from the config (drgrpo_jax.serve reads it).
-model_args=()
-for o in "${overrides[@]}"; do [[ "$o" == model.path=* ]] && model_args=(--model "${o#model.path=}"); done
+# Weight pushes load only from the run's weights folder: drgrpo_jax.serve derives it from the config, or here
+# from the overrides (run.weights_dir, else run.output_dir/weights).
+model_args=() root_args=() out_root="" mirror_root=""
+for o in "${overrides[@]}"; do
+  [[ "$o" == model.path=* ]] && model_args=(--model "${o#model.path=}")
+  [[ "$o" == run.output_dir=* ]] && out_root="${o#run.output_dir=}/weights"
+  [[ "$o" == run.weights_dir=* ]] && mirror_root="${o#run.weights_dir=}"
+done
+[[ -n "$mirror_root$out_root" ]] && root_args=(--weights-root "${mirror_root:-$out_root}")
 
 is_local() { [[ "$1" == localhost || "$1" == 127.0.0.1 ]]; }
 
@@ -89,16 +113,22 @@ is_local() { [[ "$1" == localhost || "$1" == 127.0.0.1 ]]; }
 if [[ $serve_gpus -gt 0 ]]; then
   batch_args=(); [[ -n "$serve_batch" ]] && batch_args=(--max-batch-size "$serve_batch")
   bind=127.0.0.1; [[ $mode == hosts && ${#host_list[@]} -gt 1 ]] && bind=0.0.0.0
+  auth_args=(); [[ -n "$key_env" ]] && auth_args=(--api-key-env "$key_env")
+  if [[ $bind != 127.0.0.1 && -z "$key_env" ]]; then
+    [[ $open_service -eq 1 ]] || die "--api-key-env: required when the services listen beyond loopback (several hosts); or --allow-unauthenticated"
+    auth_args=(--allow-unauthenticated)
+  fi
   for ((k = 0; k < serve_gpus; k++)); do
     port=$((serve_port + k))
     if [[ $mode == local ]]; then dev_env=(JAX_PLATFORMS=cpu); else dev_env=(CUDA_VISIBLE_DEVICES=$((gpus_per_host - serve_gpus + k))); fi
-    cmd=("$py" -m drgrpo_jax.serve --config "$config" "${model_args[@]}" --host "$bind" --port "$port" "${batch_args[@]}")
+    cmd=("$py" -m drgrpo_jax.serve --config "$config" "${model_args[@]}" --host "$bind" --port "$port" "${batch_args[@]}"
+         "${root_args[@]}" "${auth_args[@]}")
     if is_local "$first_host"; then
       show env "${dev_env[@]}" "${cmd[@]}" ">" "$log_dir/serve_$k.log" "2>&1" "&"
       [[ $dry_run -eq 1 ]] || { env "${dev_env[@]}" "${cmd[@]}" > "$log_dir/serve_$k.log" 2>&1 & serve_pids+=($!); }
     else
-      remote="cd $(q "$workdir") && nohup $(show env "${dev_env[@]}" "${cmd[@]}") > serve_$k.log 2>&1 & echo \$! >> drgrpo_serve.pids"
-      run ssh "$first_host" "$remote"
+      remote="cd $(q "$workdir") && ${key_read}nohup $(show env "${dev_env[@]}" "${cmd[@]}") > serve_$k.log 2>&1 & echo \$! >> drgrpo_serve.pids"
+      keyed ssh "$first_host" "$remote"
     fi
     host_for_url="$first_host"; [[ "$host_for_url" == localhost ]] && host_for_url=127.0.0.1
     serve_urls+=("http://$host_for_url:$port")
@@ -113,6 +143,7 @@ stop_services() {
 trap stop_services EXIT
 
 url_args=()
+[[ -n "$key_env" ]] && overrides+=("rollout.api_key_env=$key_env")
 if [[ ${#serve_urls[@]} -gt 0 ]]; then
   list=$(IFS=,; echo "${serve_urls[*]}")
   url_args=("rollout.urls=[$list]")
@@ -160,9 +191,14 @@ for ((i = 0; i < count; i++)); do
     fi
   fi
   if ! is_local "$host"; then
-    remote="cd $(q "$workdir") && $(show env "${env_args[@]}" "${train[@]}" "${dist[@]}" "${url_args[@]}" "${overrides[@]}")"
-    show ssh "$host" "$remote" ">" "$log_dir/train_$i.log" "2>&1" "&"
-    [[ $dry_run -eq 1 ]] || { ssh "$host" "$remote" > "$log_dir/train_$i.log" 2>&1 & pids+=($!); }
+    remote="cd $(q "$workdir") && ${key_read}$(show env "${env_args[@]}" "${train[@]}" "${dist[@]}" "${url_args[@]}" "${overrides[@]}")"
+    if [[ -n "$key_env" ]]; then
+      echo "$(show ssh "$host" "$remote") <<< \"\$$key_env\" > $(q "$log_dir/train_$i.log") 2>&1 &"
+      [[ $dry_run -eq 1 ]] || { ssh "$host" "$remote" <<< "${!key_env}" > "$log_dir/train_$i.log" 2>&1 & pids+=($!); }
+    else
+      show ssh "$host" "$remote" ">" "$log_dir/train_$i.log" "2>&1" "&"
+      [[ $dry_run -eq 1 ]] || { ssh "$host" "$remote" > "$log_dir/train_$i.log" 2>&1 & pids+=($!); }
+    fi
   else
     show env "${env_args[@]}" "${train[@]}" "${dist[@]}" "${url_args[@]}" "${overrides[@]}" ">" "$log_dir/train_$i.log" "2>&1" "&"
     if [[ $dry_run -eq 0 ]]; then

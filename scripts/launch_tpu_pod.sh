@@ -18,6 +18,11 @@
 #   --serve-batch-size B   --max-batch-size of started services (see python -m drgrpo_jax.plan)
 #   --serve-port P         first service port (default 30000); --coordinator-port P (default 8476)
 #   --install CMD          install command on every worker (default below); --log-dir DIR (default launch_logs)
+#   --api-key-env NAME     the services' API key is in $NAME here: it is copied to every worker in a mode-600
+#                          file (~/drgrpo_api_key.env) that services (--api-key-env NAME) and trainers
+#                          (rollout.api_key_env=NAME) source; commands show the name, never the value. Services on
+#                          a separate slice listen beyond loopback, so they need it (or --allow-unauthenticated)
+#   --allow-unauthenticated  services on a separate slice without a key (a network you trust)
 #   --dry-run              print every command instead of running it
 # model.path, data.path and run.output_dir must be paths every worker (and the service slice) sees: a shared
 # disk, Filestore/NFS or a gcsfuse mount; weights are pushed through run.output_dir/weights (process 0 writes each
@@ -25,7 +30,7 @@
 set -euo pipefail
 
 tpu="" zone="" project="" config="" workers="" coordinator="" chips=4 serve_tpu="" serve_ips="" serve_chips=0
-serve_batch="" serve_port=30000 coord_port=8476 log_dir=launch_logs dry_run=0
+serve_batch="" serve_port=30000 coord_port=8476 log_dir=launch_logs dry_run=0 key_env="" open_service=0
 install="python3 -m pip install -q -e ~/drgrpo_jax 'jax[tpu]'"
 serve_urls=() overrides=()
 die() { echo "launch_tpu_pod.sh: $*" >&2; exit 2; }
@@ -47,6 +52,8 @@ while [[ $# -gt 0 ]]; do
     --coordinator-port) coord_port="$2"; shift 2 ;;
     --install) install="$2"; shift 2 ;;
     --log-dir) log_dir="$2"; shift 2 ;;
+    --api-key-env) key_env="$2"; shift 2 ;;
+    --allow-unauthenticated) open_service=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; overrides=("$@"); break ;;
     *) die "unknown option $1 (see the header of scripts/launch_tpu_pod.sh)" ;;
@@ -62,6 +69,12 @@ done
 [[ -z "$serve_tpu" || $serve_chips -ge 1 ]] || die "--serve-chips: needs at least 1 with --serve-tpu"
 [[ ${#serve_urls[@]} -eq 0 || ( -z "$serve_tpu" && $serve_chips -eq 0 ) ]] || \
   die "--serve-url: not together with --serve-tpu/--serve-chips"
+if [[ -n "$key_env" ]]; then
+  [[ "$key_env" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "--api-key-env: '$key_env' is not an environment variable name"
+  [[ -n "${!key_env:-}" ]] || die "--api-key-env: environment variable $key_env is not set or empty"
+elif [[ -n "$serve_tpu" && $open_service -eq 0 ]]; then
+  die "--api-key-env: required for services on --serve-tpu (they listen beyond loopback); or --allow-unauthenticated"
+fi
 
 q() { if [[ "$1" =~ ^[A-Za-z0-9_./:=,@+-]+$ ]]; then printf '%s' "$1"; else printf "'%s'" "${1//\'/\'\\\'\'}"; fi; }
 show() { local out="" a; for a in "$@"; do out+="$(q "$a") "; done; echo "${out% }"; }
@@ -89,26 +102,51 @@ if [[ -n "$serve_tpu" && -z "$serve_ips" ]]; then
   serve_ips="$(ips_of "$serve_tpu")"
 fi
 
-# 1. This checkout and the config onto every worker, then install.
+# 1. This checkout, the config (and the key file) onto every worker, then install.
 archive=/tmp/drgrpo_jax-src.tar.gz
 run git -C "$(dirname "$0")/.." archive --format=tar.gz -o "$archive" HEAD
+key_files=() key_src="" chmod_key=""
+cleanup_key() { [[ -z "$key_src" || $dry_run -eq 1 ]] || rm -rf "$(dirname "$key_src")"; }
+if [[ -n "$key_env" ]]; then
+  key_src=/tmp/drgrpo_key.XXXXXX/drgrpo_api_key.env  # shown in dry runs; the real one is a fresh mode-700 folder
+  if [[ $dry_run -eq 0 ]]; then
+    key_src="$(mktemp -d /tmp/drgrpo_key.XXXXXX)/drgrpo_api_key.env"
+    (umask 077; printf '%s=%q\n' "$key_env" "${!key_env}" > "$key_src")
+  fi
+  key_files=("$key_src") chmod_key=" && chmod 600 ~/drgrpo_api_key.env"
+fi
+trap cleanup_key EXIT
 slices=("$tpu"); [[ -n "$serve_tpu" ]] && slices+=("$serve_tpu")
 for slice in "${slices[@]}"; do
-  run gcloud compute tpus tpu-vm scp "$archive" "$config" "$slice:" --worker=all "${scope[@]}"
+  run gcloud compute tpus tpu-vm scp "$archive" "$config" "${key_files[@]}" "$slice:" --worker=all "${scope[@]}"
   run gcloud compute tpus tpu-vm ssh "$slice" --worker=all "${scope[@]}" --command="rm -rf ~/drgrpo_jax && mkdir -p \
-~/drgrpo_jax && tar -xzf ~/$(basename "$archive") -C ~/drgrpo_jax && cp ~/$(basename "$config") ~/drgrpo_run.yaml && $install"
+~/drgrpo_jax && tar -xzf ~/$(basename "$archive") -C ~/drgrpo_jax && cp ~/$(basename "$config") ~/drgrpo_run.yaml$chmod_key && $install"
 done
+key_load="" key_arg="" key_override=""
+if [[ -n "$key_env" ]]; then
+  key_load="set -a && . ~/drgrpo_api_key.env && set +a && "
+  key_arg=" --api-key-env $key_env" key_override=" rollout.api_key_env=$key_env"
+elif [[ -n "$serve_tpu" ]]; then
+  key_arg=" --allow-unauthenticated"
+fi
 
 # 2. Generation services, one chip each (TPU_VISIBLE_CHIPS), their URLs passed to the trainer.
-model_args=""
-for o in "${overrides[@]}"; do [[ "$o" == model.path=* ]] && model_args=" --model $(q "${o#model.path=}")"; done
+model_args="" out_root="" mirror_root="" root_args=""
+for o in "${overrides[@]}"; do
+  [[ "$o" == model.path=* ]] && model_args=" --model $(q "${o#model.path=}")"
+  [[ "$o" == run.output_dir=* ]] && out_root="${o#run.output_dir=}/weights"
+  [[ "$o" == run.weights_dir=* ]] && mirror_root="${o#run.weights_dir=}"
+done
+# Weight pushes load only from the run's weights folder (drgrpo_jax.serve derives it from the config otherwise).
+[[ -n "$mirror_root$out_root" ]] && root_args=" --weights-root $(q "${mirror_root:-$out_root}")"
 batch_args=""; [[ -n "$serve_batch" ]] && batch_args=" --max-batch-size $serve_batch"
-start_services() {  # start_services SLICE WORKER FIRST_CHIP: the remote command starting --serve-chips services
-  local k cmd=""
+start_services() {  # start_services SLICE WORKER FIRST_CHIP BIND: the remote command starting --serve-chips services
+  local k cmd="$key_load" auth="$key_arg"
+  [[ "$4" == 127.0.0.1 && -z "$key_env" ]] && auth=""
   for ((k = 0; k < serve_chips; k++)); do
     cmd+="TPU_VISIBLE_CHIPS=$(($3 + k)) TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1 "
     cmd+="TPU_PROCESS_PORT=$((coord_port + 1 + k)) nohup python3 -m drgrpo_jax.serve --config drgrpo_run.yaml"
-    cmd+="$model_args --host 0.0.0.0 --port $((serve_port + k))$batch_args > serve_$k.log 2>&1 & "
+    cmd+="$model_args --host $4 --port $((serve_port + k))$batch_args$root_args$auth > serve_$k.log 2>&1 & "
     cmd+="echo \$! >> drgrpo_serve.pids; "
   done
   run gcloud compute tpus tpu-vm ssh "$1" --worker="$2" "${scope[@]}" --command="${cmd%; }"
@@ -117,16 +155,17 @@ stop_slices=()
 if [[ -n "$serve_tpu" ]]; then
   IFS=, read -r -a ips <<< "$serve_ips"
   for w in "${!ips[@]}"; do
-    start_services "$serve_tpu" "$w" 0
+    start_services "$serve_tpu" "$w" 0 0.0.0.0
     for ((k = 0; k < serve_chips; k++)); do serve_urls+=("http://${ips[$w]}:$((serve_port + k))"); done
   done
   stop_slices+=("$serve_tpu")
 elif [[ $serve_chips -gt 0 ]]; then
-  start_services "$tpu" 0 "$train_chips"
+  start_services "$tpu" 0 "$train_chips" 127.0.0.1  # the trainer is on this host: loopback is enough
   for ((k = 0; k < serve_chips; k++)); do serve_urls+=("http://127.0.0.1:$((serve_port + k))"); done
   stop_slices+=("$tpu")
 fi
 stop_services() {
+  cleanup_key
   for slice in "${stop_slices[@]}"; do
     run gcloud compute tpus tpu-vm ssh "$slice" --worker=all "${scope[@]}" \
       --command='kill $(cat drgrpo_serve.pids) 2>/dev/null; rm -f drgrpo_serve.pids' || true
@@ -149,7 +188,7 @@ pids=()
 for ((i = 0; i < workers; i++)); do
   dist=""; [[ "$workers" -gt 1 ]] && dist=" mesh.coordinator_address=$coordinator:$coord_port \
 mesh.num_processes=$workers mesh.process_id=$i"
-  cmd="${wait_urls}${chip_env}python3 -m drgrpo_jax.train --config drgrpo_run.yaml$dist$url_args$extra"
+  cmd="${key_load}${wait_urls}${chip_env}python3 -m drgrpo_jax.train --config drgrpo_run.yaml$dist$url_args$key_override$extra"
   line=(gcloud compute tpus tpu-vm ssh "$tpu" --worker="$i" "${scope[@]}" --command="$cmd")
   echo "$(show "${line[@]}") > $log_dir/train_$i.log 2>&1 &"
   if [[ $dry_run -eq 0 ]]; then "${line[@]}" > "$log_dir/train_$i.log" 2>&1 & pids+=($!); fi

@@ -64,24 +64,35 @@ def test_tpu_services_on_a_separate_slice_and_on_spare_chips():
     config = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
     result = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "8", "--coordinator",
                     "10.0.0.2", "--serve-tpu", "gen", "--serve-ips", "10.0.1.5,10.0.1.6", "--serve-chips", "2",
-                    "--serve-batch-size", "32", "--dry-run")
+                    "--serve-batch-size", "32", "--api-key-env", "GEN_KEY", "--dry-run",
+                    env={**os.environ, "GEN_KEY": "s3cret-value"})
     assert result.returncode == 0, result.stderr
+    assert "s3cret" not in result.stdout + result.stderr  # the variable's name is shown, never its value
     lines = [shlex.split(line) for line in result.stdout.splitlines()]
     starts = [line for line in lines if line[5] == "gen" and line[6].startswith("--worker=") and line[6] != "--worker=all"]
     assert [line[6] for line in starts] == ["--worker=0", "--worker=1"]
     assert "TPU_VISIBLE_CHIPS=1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1" in starts[0][-1]
-    assert "--host 0.0.0.0 --port 30001 --max-batch-size 32" in starts[0][-1]
+    assert "--host 0.0.0.0 --port 30001 --max-batch-size 32 --api-key-env GEN_KEY" in starts[0][-1]
+    assert starts[0][-1].startswith("--command=set -a && . ~/drgrpo_api_key.env && set +a && ")
+    copies = [line for line in lines if line[4] == "scp"]
+    assert all(line[7].endswith("/drgrpo_api_key.env") for line in copies) and len(copies) == 2
     trainers = [line for line in lines if line[5] == "pod" and line[6] != "--worker=all"]
     assert len(trainers) == 8 and all("'rollout.urls=[http://10.0.1.5:30000,http://10.0.1.5:30001,"
                                       "http://10.0.1.6:30000,http://10.0.1.6:30001]'" in " ".join(t) or
                                       "rollout.urls=[http://10.0.1.5:30000,http://10.0.1.5:30001,http://10.0.1.6:30000,"
                                       "http://10.0.1.6:30001]" in t[-5] for t in trainers)
+    assert all("rollout.api_key_env=GEN_KEY" in t[-5] and t[-5].startswith("--command=set -a && . ~/drgrpo_api_key.env")
+               for t in trainers)
     assert lines[-1][5:7] == ["gen", "--worker=all"] and "kill $(cat drgrpo_serve.pids)" in lines[-1][-1]
+    unkeyed = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "8", "--coordinator",
+                     "10.0.0.2", "--serve-tpu", "gen", "--serve-ips", "10.0.1.5", "--serve-chips", "1", "--dry-run")
+    assert unkeyed.returncode == 2 and "--api-key-env: required for services on --serve-tpu" in unkeyed.stderr
 
     v5e = launch(TPU, "--tpu", "v5e", "--zone", "z", "--config", config, "--num-workers", "1",
                  "--chips-per-worker", "8", "--serve-chips", "4", "--dry-run")
     assert v5e.returncode == 0, v5e.stderr
     train = shlex.split(v5e.stdout.splitlines()[-2])[-5]
+    assert "--host 127.0.0.1 --port 30000" in v5e.stdout  # services beside the trainer stay on loopback
     assert "TPU_VISIBLE_CHIPS=0,1,2,3 TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_PROCESS_BOUNDS=1,1,1 python3" in train
     pod = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "4", "--coordinator", "ip",
                  "--serve-chips", "2", "--dry-run")
@@ -109,6 +120,29 @@ def test_gpu_hosts_dry_run_sets_coordinator_process_count_and_ids():
         assert shlex.split(lines[1 + i]) == ["ssh", host, remote, ">", f"launch_logs/train_{i}.log", "2>&1", "&"]
     assert len(lines) == 3
     assert not os.path.exists(os.path.join(REPO, "launch_logs"))  # a dry run writes nothing
+
+
+def test_gpu_key_goes_on_stdin_and_services_beyond_loopback_need_one():
+    env = {**os.environ, "GEN_KEY": "s3cret-value"}
+    result = launch(GPU, "--config", "c.yaml", "--hosts", "node1,node2", "--serve-gpus", "1", "--api-key-env",
+                    "GEN_KEY", "--dry-run", "--", "model.path=/m", "run.output_dir=/nfs/run", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+    lines = commands(result.stdout)
+    serve = shlex.split(lines[0])
+    assert serve[:2] == ["ssh", "node1"] and serve[3:] == ["<<<", "$GEN_KEY"]
+    assert serve[2].startswith("cd . && IFS= read -r GEN_KEY && export GEN_KEY && nohup env CUDA_VISIBLE_DEVICES=7")
+    assert "--host 0.0.0.0 --port 30000 --weights-root /nfs/run/weights --api-key-env GEN_KEY" in serve[2]
+    trainers = [shlex.split(line) for line in lines if "drgrpo_jax.train" in line]
+    assert len(trainers) == 2
+    for argv in trainers:
+        assert argv[3:5] == ["<<<", "$GEN_KEY"] and "IFS= read -r GEN_KEY && export GEN_KEY && " in argv[2]
+        assert argv[2].endswith("rollout.api_key_env=GEN_KEY")
+    refused = launch(GPU, "--config", "c.yaml", "--hosts", "node1,node2", "--serve-gpus", "1", "--dry-run")
+    assert refused.returncode == 2 and "--api-key-env: required when the services listen beyond loopback" in \
+        refused.stderr
+    unset = launch(GPU, "--config", "c.yaml", "--hosts", "n1", "--api-key-env", "NO_SUCH_VAR_X", "--dry-run")
+    assert unset.returncode == 2 and "NO_SUCH_VAR_X is not set" in unset.stderr
 
 
 def test_gpu_single_host_services_take_the_last_gpus():

@@ -165,6 +165,32 @@ def test_a_url_that_keeps_answering_429_fails_over_to_the_next():
     assert error.value.__cause__.status == 429
 
 
+def test_retry_after_is_honoured_before_retrying():
+    times = []
+
+    def handler(request):
+        times.append(time.monotonic())
+        if len(times) == 1:
+            return httpx.Response(429, headers={"Retry-After": "0.4"}, json={"error": {"message": "queue full"}})
+        return fake_generate(request)
+
+    with client_with(handler, max_retries=2) as client:  # backoff_s=0: only Retry-After makes it wait
+        client.generate(PROMPTS[:1], 1, max_new_tokens=3, seed=0)
+    assert len(times) == 2 and times[1] - times[0] >= 0.4
+
+
+def test_the_api_key_goes_in_the_authorization_header():
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("authorization"))
+        return fake_generate(request)
+
+    with RolloutClient(["http://a"], transport=httpx.MockTransport(handler), api_key="k3y") as client:
+        client.generate(PROMPTS[:1], 1, max_new_tokens=2, seed=0)
+    assert seen == ["Bearer k3y"]
+
+
 @pytest.mark.parametrize("status, expected", [(None, True), (500, True), (503, True), (429, True), (408, True),
                                               (400, False), (401, False), (404, False), (422, False)])
 def test_failover_is_decided_on_the_status_code(status, expected):
@@ -242,8 +268,10 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
             assert info["weight_version"] == "8" and info["model_path"] == "file://" + os.path.abspath(model_dir)
             with pytest.raises(RolloutError, match="model_path"):
                 client.update_weights("file://" + os.path.abspath(model_dir) + "/missing", 9)
-            with pytest.raises(RolloutError, match="model_path"):
-                client.update_weights(model_dir + "/missing", 7)
+            with pytest.raises(RolloutError, match="model_path: not a valid model folder"):
+                client.update_weights(model_dir + "/missing", 9)
+            with pytest.raises(RolloutError, match="weight_version: 7 is older than the served version 8"):
+                client.update_weights(model_dir, 7)
         url = server.url
     assert server.stop() is None and not server.running  # already stopped by the with block
     assert process_gone(pid)
@@ -283,3 +311,38 @@ def test_the_service_exits_when_its_trainer_is_killed(model_dir):
     result = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert process_gone(int(result.stdout.split()[0]))
+
+
+def test_a_killed_local_service_is_restarted_on_the_pushed_weights_and_the_rollout_redone(model_dir, tmp_path):
+    """SIGKILL the child mid-rollout: the client restarts it on the last pushed version and redoes the request."""
+    import concurrent.futures
+    import shutil
+
+    v1 = str(tmp_path / "weights" / "v1")
+    shutil.copytree(model_dir, v1)
+    env = {"ROLLOUT_TEST_KEY": "k-123"}
+    with LocalServer(model_dir, env=env, api_key_env="ROLLOUT_TEST_KEY", weights_roots=[str(tmp_path / "weights")]
+                     ) as server, RolloutClient([server.url], local_server=server, backoff_s=0.1,
+                                                api_key="k-123") as client:
+        client.update_weights(v1, 1)
+        first_pid = server._process.pid
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            killed = pool.submit(client.generate, PROMPTS, 8, max_new_tokens=100, seed=3, expected_version=1)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # wait until the rollout is inside the service, then kill it
+                info = httpx.get(server.url + "/get_model_info", headers={"Authorization": "Bearer k-123"}).json()
+                if info["queued_tokens"] > 0:
+                    break
+                time.sleep(0.02)
+            assert info["queued_tokens"] > 0, "the rollout never reached the service"
+            os.kill(first_pid, signal.SIGKILL)
+            redone = killed.result(timeout=600)
+        assert client.service_restarts == 1 and server._process.pid != first_pid
+        assert client.model_info()["weight_version"] == "1"
+        again = client.generate(PROMPTS, 8, max_new_tokens=100, seed=3, expected_version=1)
+        np.testing.assert_array_equal(redone.output_ids, again.output_ids)  # the redone rollout is the same one
+        # Killed between steps: the next push restarts it directly on the pushed weights.
+        os.kill(server._process.pid, signal.SIGKILL)
+        server._process.wait()
+        client.update_weights(v1, 2)
+        assert client.service_restarts == 2 and client.model_info()["weight_version"] == "2"

@@ -154,8 +154,8 @@ def _env() -> dict[str, str]:
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HF_HUB_OFFLINE": "1"}
 
 
-def _start(overrides: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "drgrpo_jax.train", *overrides], cwd=REPO, env=_env(),
+def _start(overrides: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "drgrpo_jax.train", *overrides], cwd=REPO, env={**_env(), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -263,6 +263,34 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterru
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.slow  # one more trainer run with its service child process (~2 minutes on 2 busy cores)
+def test_the_run_survives_its_keyed_service_being_killed_mid_rollout(inputs, uninterrupted):
+    """SIGKILL the child service once step 1 is logged (step 2's rollout): the run restarts it and finishes."""
+    output_dir = inputs["root"] / "service_killed"
+    process = _start(_overrides(inputs, output_dir, steps=4) + ["rollout.api_key_env=DRGRPO_TEST_KEY"],
+                     DRGRPO_TEST_KEY="train-key-1")
+    metrics = output_dir / "metrics.jsonl"
+    while process.poll() is None and not (metrics.exists() and metrics.read_text().count('"loss"') >= 1):
+        time.sleep(0.05)
+    services = _services_of(process.pid)
+    assert len(services) == 1, "the run ended before its service could be killed"
+    with open(f"/proc/{services[0]}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    assert b"--api-key-env" in argv and b"DRGRPO_TEST_KEY" in argv and b"train-key-1" not in b" ".join(argv)
+    os.kill(services[0], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-3000:]
+    train_rows, _ = _rows(output_dir)
+    reference_rows, _ = _rows(uninterrupted[0])
+    assert [r["step"] for r in train_rows] == [r["step"] for r in reference_rows] == [1, 2, 3, 4]
+    for row in train_rows:
+        bad = {k: row[k] for k in REQUIRED if not (isinstance(row[k], (int, float)) and np.isfinite(row[k]))}
+        assert not bad, bad
+    assert train_rows[0]["service_restarts"] == 0 and train_rows[-1]["service_restarts"] == 1
+    assert "restarting it on weight version" in stderr
+    assert _wait_gone(process.pid) == []
 
 
 def test_bad_model_path_task_and_url_fail_in_one_line(inputs, tmp_path):

@@ -8,9 +8,11 @@ thread runs the jitted sampler on each batch with the weights current when the b
 weight update (`/update_weights_from_disk`) swaps atomically between batches: batches in flight
 finish on the old weights, and every completion reports the `weight_version` it was sampled with.
 
-Layout (imports point one way, engine <- api <- __main__):
+Layout (imports point one way, security <- engine <- api <- __main__; schemas <- api):
+    security.py  keys (Bearer, constant time), the Host and body-size guard, weight-path roots
     engine.py    ServeConfig and its YAML loading, Weights, the compatibility check, the batching Engine
-    api.py       the request schemas and route handlers; build_app wires them into a FastAPI app
+    schemas.py   the request bodies, every field bounded to what the engine can hold
+    api.py       the route handlers; build_app wires them into a FastAPI app behind the guard
     __main__.py  the CLI: flags, tokenizer, socket, parent watch, uvicorn
 """
 

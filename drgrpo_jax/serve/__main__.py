@@ -16,6 +16,7 @@ from typing import Any
 import drgrpo_jax.serve
 from drgrpo_jax.serve.api import build_app
 from drgrpo_jax.serve.engine import DTYPES, Engine, ServeConfig, load_config
+from drgrpo_jax.serve.security import read_keys
 
 log = logging.getLogger("drgrpo_jax.serve")
 
@@ -59,12 +60,27 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
     parser.add_argument("--max-context", dest="max_context", type=int)
     parser.add_argument("--tokenizer")
     parser.add_argument("--parent-pid", dest="parent_pid", type=int)
+    parser.add_argument("--api-key-env", dest="api_key_env", metavar="NAME",
+                        help="every route but GET /health needs 'Authorization: Bearer <the value of $NAME>' "
+                             "(the key itself never goes on the command line, which `ps` shows)")
+    parser.add_argument("--admin-key-env", dest="admin_key_env", metavar="NAME",
+                        help="a separate key (in $NAME) that alone may call /update_weights_from_disk")
+    parser.add_argument("--allow-unauthenticated", dest="allow_unauthenticated", action="store_true", default=None,
+                        help="serve beyond loopback without a key (only on a network you trust)")
+    parser.add_argument("--weights-root", dest="weights_roots", action="append", metavar="DIR",
+                        help="weight updates load only from folders under DIR (repeatable; gs://bucket/prefix too)")
+    parser.add_argument("--max-request-tokens", dest="max_request_tokens", type=int)
+    parser.add_argument("--max-queued-tokens", dest="max_queued_tokens", type=int)
+    parser.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config")
-    if config_path:
-        config = load_config(config_path, args)
-    else:
-        config = ServeConfig(**{k: v for k, v in args.items() if v is not None})
+    try:
+        if config_path:
+            config = load_config(config_path, args)
+        else:
+            config = ServeConfig(**{k: v for k, v in args.items() if v is not None})
+    except (ValueError, TypeError, OSError) as error:
+        parser.error(" ".join(str(error).split()))
     if not config.model:
         parser.error("--model (or model.path in --config) is required")
     return config
@@ -83,9 +99,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
+    try:
+        keys = read_keys(config.api_key_env, config.admin_key_env)
+    except ValueError as error:
+        sys.exit(f"python -m drgrpo_jax.serve: error: {error}")
     sock = bind_socket(config.host, config.port)  # first, so a taken port fails before the slow load
     engine = Engine(config)
-    app = build_app(engine, load_tokenizer(config), port_file=config.port_file, port=sock.getsockname()[1])
+    app = build_app(engine, load_tokenizer(config), keys=keys, port_file=config.port_file,
+                    port=sock.getsockname()[1])
+    if not config.loopback and not config.weights_roots:
+        log.warning("no --weights-root: /update_weights_from_disk refuses every path on this non-loopback service")
     log.info("serving %s (version %s) on http://%s:%d", config.model, engine.weights.version, config.host,
              sock.getsockname()[1])
     if config.parent_pid:

@@ -10,91 +10,42 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from drgrpo_jax.sampling import RowRequest, SamplingParams
-from drgrpo_jax.serve.engine import Engine, RowResult
+from drgrpo_jax.serve.engine import Engine, InvalidWeights, QueueFull, RowResult, check_newer
+from drgrpo_jax.serve.schemas import (
+    MAX_TEXT_CHARS,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingParamsIn,
+    UpdateWeightsRequest,
+)
+from drgrpo_jax.serve.security import Guard, Keys, PathNotAllowed, confine_weight_path, normalize_roots
 
-TokenId = Annotated[StrictInt, Field(ge=0)]
-Seed = Annotated[StrictInt, Field(ge=0, lt=2**32)]
-Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-Temperature = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
-
-class _Request(BaseModel):
-    """Requests reject unknown fields, so a misspelt option is an error instead of a silent default."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParamsIn(_Request):
-    """SGLang's `sampling_params` (the subset this service implements)."""
-
-    max_new_tokens: Annotated[StrictInt, Field(ge=0)] = 128
-    temperature: Temperature = 1.0
-    top_p: Probability = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1)] = -1  # -1 or 0 = off
-    n: Annotated[StrictInt, Field(ge=1)] = 1
-    stop_token_ids: list[TokenId] | None = None
-    seed: Seed | None = None  # None = a fresh random seed per request
-    ignore_eos: StrictBool = False
-    skip_special_tokens: StrictBool = True  # for the decoded `text` only
-
-
-class GenerateRequest(_Request):
-    """SGLang's native `/generate` body."""
-
-    text: str | list[str] | None = None
-    input_ids: list[TokenId] | list[list[TokenId]] | None = None
-    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
-    return_logprob: StrictBool = False
-    stream: Literal[False] = False  # streaming is not implemented
-    rid: str | list[str] | None = None
-
-
-class UpdateWeightsRequest(_Request):
-    """SGLang's `/update_weights_from_disk` body."""
-
-    model_path: str
-    weight_version: str | StrictInt | None = None  # None = previous version + 1 (when it is an integer)
-    load_format: Literal["auto"] | None = None
-    flush_cache: StrictBool = True  # accepted for SGLang clients; this service keeps no prefix cache
-
-
-class CompletionRequest(_Request):
-    """OpenAI's `/v1/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
-
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    model: str | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
-    temperature: Temperature | None = 1.0
-    top_p: Probability | None = 1.0
-    n: Annotated[StrictInt, Field(ge=1)] = 1
-    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
-    seed: Seed | None = None
-    stream: Literal[False] = False
-    echo: Literal[False] = False
-    stop: None = None  # stop strings are not implemented: use stop_token_ids
-    user: str | None = None
-    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: StrictBool = False
+CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
 
 class BadRequest(Exception):
     """A request the service refuses (HTTP 400); the message names the field and the reason."""
 
 
-def _error(status: int, message: str) -> JSONResponse:
+class ClientGone(Exception):
+    """The client disconnected while its rows were queued or running (nobody reads the answer)."""
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI-style error body (the openai client reads error.message)."""
     kind = "invalid_request_error" if status < 500 else "internal_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
 
 
 def _validation_message(error: RequestValidationError) -> str:
@@ -102,6 +53,8 @@ def _validation_message(error: RequestValidationError) -> str:
     first = error.errors()[0]
     if first.get("type") == "json_invalid":
         return "body: not valid JSON"
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes | str):
+        return "body: must be a JSON object sent with the header 'Content-Type: application/json'"
     # Drop "body" and pydantic's union-branch labels ("SamplingParamsIn", "list[...]") from the path.
     parts = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and (
         p[:1].isupper() or "[" in p))]
@@ -109,7 +62,21 @@ def _validation_message(error: RequestValidationError) -> str:
     return f"{location}: {first.get('msg', 'invalid')}"
 
 
-def _prompts(text: str | list[str] | None, input_ids: list | None, tokenizer: Any, field: str
+def _tokenize(texts: list[str], tokenizer: Any, field: str, max_context: int) -> list[list[int]]:
+    """Token ids of each text; a text that cannot fit the context is refused before tokenizing it."""
+    limit = min(max_context * CHARS_PER_TOKEN, MAX_TEXT_CHARS)
+    prompts = []
+    for i, text in enumerate(texts):
+        if len(text) > limit:
+            raise BadRequest(f"{field}[{i}]: {len(text)} characters cannot fit the context of {max_context} tokens")
+        try:
+            prompts.append([int(t) for t in tokenizer(text)["input_ids"]])
+        except Exception:  # noqa: BLE001 - whatever the tokenizer chokes on is the request's fault
+            raise BadRequest(f"{field}[{i}]: the tokenizer cannot encode this text") from None
+    return prompts
+
+
+def _prompts(text: str | list[str] | None, input_ids: list | None, tokenizer: Any, field: str, max_context: int
              ) -> tuple[list[list[int]], bool]:
     """(token-id prompts, was it a batch) from text or ids; exactly one of them must be given."""
     if (text is None) == (input_ids is None):
@@ -118,36 +85,46 @@ def _prompts(text: str | list[str] | None, input_ids: list | None, tokenizer: An
         if tokenizer is None:
             raise BadRequest(f"{field}: this server has no tokenizer; send token ids")
         texts = [text] if isinstance(text, str) else text
-        return [list(tokenizer(t)["input_ids"]) for t in texts], not isinstance(text, str)
+        return _tokenize(texts, tokenizer, field, max_context), not isinstance(text, str)
     is_batch = bool(input_ids) and isinstance(input_ids[0], list)
     return (input_ids if is_batch else [input_ids]), is_batch
 
 
-def _check_prompts(engine: Engine, prompts: list[list[int]], budgets: list[int], field: str) -> None:
-    """Refuses empty prompts, unknown token ids and prompts + budgets beyond the context."""
+def _check_request(engine: Engine, prompts: list[list[int]], params: list[SamplingParamsIn], field: str,
+                   params_field: str) -> None:
+    """Refuses empty prompts, ids outside the vocabulary, prompts + budgets beyond the context, and requests
+    over the row or token budget; all before anything is queued."""
     if not prompts:
         raise BadRequest(f"{field}: no prompts")
-    vocab = engine.weights.config.vocab_size
-    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+    vocab, limits = engine.weights.config.vocab_size, engine.config
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
         if not prompt:
             raise BadRequest(f"{field}[{i}]: empty prompt")
         if max(prompt) >= vocab:
             raise BadRequest(f"{field}[{i}]: token id {max(prompt)} is outside the vocabulary of {vocab}")
-        if len(prompt) + budget > engine.max_context:
-            raise BadRequest(f"{field}[{i}]: prompt of {len(prompt)} tokens + {budget} new tokens exceeds "
+        if len(prompt) + p.max_new_tokens > engine.max_context:
+            raise BadRequest(f"{field}[{i}]: prompt of {len(prompt)} tokens + {p.max_new_tokens} new tokens exceeds "
                              f"the context of {engine.max_context}")
+        if p.stop_token_ids and max(p.stop_token_ids) >= vocab:
+            raise BadRequest(f"{params_field}stop_token_ids: token id {max(p.stop_token_ids)} is outside the "
+                             f"vocabulary of {vocab}")
+    rows = sum(p.n for p in params)
+    if rows > limits.max_rows_per_request:
+        raise BadRequest(f"n: {rows} completions exceed max_rows_per_request={limits.max_rows_per_request}")
+    tokens = sum(p.n * (len(prompt) + p.max_new_tokens) for prompt, p in zip(prompts, params))
+    if tokens > limits.max_request_tokens:
+        raise BadRequest(f"n: prompts x n x (prompt + new tokens) = {tokens} tokens exceed "
+                         f"max_request_tokens={limits.max_request_tokens}")
 
 
-def _rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed: bool, limit: int
+def _rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed: bool, vocab: int
           ) -> list[RowRequest]:
     """Rows prompt-major (prompt 0's n samples first); each row gets its own random stream."""
-    if sum(p.n for p in params) > limit:
-        raise BadRequest(f"n: {sum(p.n for p in params)} completions exceed max_rows_per_request={limit}")
     request_seed = secrets.randbits(32)
     rows = []
     for index, (prompt, p) in enumerate(zip(prompts, params)):
         settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                                  top_k=p.top_k, stop_token_ids=tuple(p.stop_token_ids or ()),
+                                  top_k=min(p.top_k, vocab), stop_token_ids=tuple(p.stop_token_ids or ()),
                                   ignore_eos=p.ignore_eos)
         # One shared seed: prompts are told apart by `stream`; per-prompt seeds are used as given.
         seed = p.seed if p.seed is not None else (request_seed if shared_seed else secrets.randbits(32))
@@ -157,7 +134,7 @@ def _rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed:
 
 def _next_version(current: str) -> str:
     """Default version of an update that names none."""
-    return str(int(current) + 1) if current.lstrip("-").isdigit() else f"{current}+1"
+    return str(int(current) + 1) if current.isdigit() else f"{current}+1"
 
 
 # ---------------------------------------------------------------- shared by the handlers
@@ -169,6 +146,7 @@ class Service:
     engine: Engine
     tokenizer: Any  # a transformers tokenizer, or None: only token-id prompts are served
     name: str  # the model's name in OpenAI responses
+    weights_roots: tuple[str, ...] = ()  # normalized --weights-root folders and gs:// prefixes
 
 
 def _service(request: Request) -> Service:
@@ -176,10 +154,20 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
-async def _run(engine: Engine, rows: list[RowRequest]) -> list[RowResult]:
-    """The rows' results; a failed batch answers HTTP 500 and the service keeps running."""
+async def _run(engine: Engine, rows: list[RowRequest], request: Request) -> list[RowResult]:
+    """The rows' results; a failed batch answers HTTP 500 and the service keeps running.
+
+    While waiting, the client is checked every DISCONNECT_POLL_S: once it is gone its rows are dropped
+    at the next batch boundary (QueueFull, raised by submit, answers 429).
+    """
+    future = engine.submit(rows)
+    waiter = asyncio.wrap_future(future)
+    while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            future.cancel()
+            raise ClientGone
     try:
-        return await asyncio.wrap_future(engine.submit(rows))
+        return waiter.result()
     except Exception as error:
         raise HTTPException(500, f"generation failed: {type(error).__name__}: {error}") from error
 
@@ -214,6 +202,21 @@ async def _bad_request(_: Request, error: BadRequest) -> JSONResponse:
     return _error(400, str(error))
 
 
+async def _busy(_: Request, error: QueueFull) -> JSONResponse:
+    """The queue is full: 429 with Retry-After, so a client waits or tries another service."""
+    return _error(429, f"queue: {error}", headers={"Retry-After": str(error.retry_after_s)})
+
+
+async def _client_gone(_: Request, __: ClientGone) -> JSONResponse:
+    """Nobody reads this answer (nginx's 499 'client closed request'); its rows were dropped."""
+    return _error(499, "client closed the request")
+
+
+async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+    """FastAPI's own HTTP errors (a body it cannot parse, an unknown route) in the same OpenAI shape."""
+    return _error(error.status_code, str(error.detail), headers=getattr(error, "headers", None))
+
+
 # ---------------------------------------------------------------- SGLang-native routes
 
 async def health(request: Request) -> JSONResponse:
@@ -225,14 +228,15 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def model_info(request: Request) -> dict:
-    """GET /get_model_info: SGLang's fields plus the context, vocabulary and batching this service uses."""
+    """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching and queue of this service."""
     engine = _service(request).engine
     w = engine.weights
     return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
             "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
             "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
             "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
-            "batches_run": engine.batches_run}
+            "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
+            "rows_dropped": engine.rows_dropped}
 
 
 async def weight_version(request: Request) -> dict:
@@ -240,18 +244,31 @@ async def weight_version(request: Request) -> dict:
     return {"weight_version": _service(request).engine.weights.version}
 
 
+def _update_answer(status: int, message: str, version: str) -> JSONResponse:
+    """SGLang's update answer (`success`, `message`, the version now served)."""
+    return JSONResponse({"success": status == 200, "message": message, "weight_version": version},
+                        status_code=status)
+
+
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
-    """POST /update_weights_from_disk: load, check, swap; on failure 400 and the old weights keep serving."""
-    engine = _service(request).engine
+    """POST /update_weights_from_disk: confine, load, check, swap; on failure 403/400 and the old weights serve on.
+
+    The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards; a
+    load failure says only that the folder is not a valid model (the service's log has the detail).
+    """
+    service = _service(request)
+    engine = service.engine
     version = str(body.weight_version) if body.weight_version is not None else _next_version(
         engine.weights.version)
     try:
-        weights = await asyncio.to_thread(engine.update_weights, body.model_path, version)
-    except Exception as error:  # noqa: BLE001 - any load/check failure leaves the old weights serving
-        return JSONResponse({"success": False, "message": f"model_path: {type(error).__name__}: {error}",
-                             "weight_version": engine.weights.version}, status_code=400)
-    return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
-                         "weight_version": weights.version})
+        path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
+        check_newer(engine.weights.version, version)
+        weights = await asyncio.to_thread(engine.update_weights, path, version, shown_path=body.model_path)
+    except PathNotAllowed as error:
+        return _update_answer(403, str(error), engine.weights.version)
+    except InvalidWeights as error:
+        return _update_answer(400, str(error), engine.weights.version)
+    return _update_answer(200, "Succeeded to update model weights.", weights.version)
 
 
 def _per_prompt(params: SamplingParamsIn | list[SamplingParamsIn], num_prompts: int) -> list[SamplingParamsIn]:
@@ -284,14 +301,18 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     """POST /generate: completions prompt-major, a single object when one prompt asked for one."""
     service = _service(request)
     engine = service.engine
-    prompts, is_batch = _prompts(body.text, body.input_ids, service.tokenizer, "input_ids")
+    # Off the event loop: tokenizing long texts must not stall /health and every other client.
+    prompts, is_batch = await asyncio.to_thread(_prompts, body.text, body.input_ids, service.tokenizer,
+                                                "input_ids" if body.text is None else "text", engine.max_context)
     params = body.sampling_params or SamplingParamsIn()
     per_prompt = _per_prompt(params, len(prompts))
-    _check_prompts(engine, prompts, [p.max_new_tokens for p in per_prompt], "input_ids")
+    _check_request(engine, prompts, per_prompt, "input_ids" if body.text is None else "text", "sampling_params.")
+    if isinstance(body.rid, list) and len(body.rid) != len(prompts):
+        raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts")
     rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
-    rows = _rows(prompts, per_prompt, not isinstance(params, list), engine.config.max_rows_per_request)
+    rows = _rows(prompts, per_prompt, not isinstance(params, list), engine.weights.config.vocab_size)
     start = time.perf_counter()
-    results = await _run(engine, rows)
+    results = await _run(engine, rows, request)
     latency = time.perf_counter() - start
     prompt_of_row = [i for i, p in enumerate(per_prompt) for _ in range(p.n)]
     out = [_generated(result, row, rids[i], _decode(service.tokenizer, result.output_ids,
@@ -310,10 +331,10 @@ async def models(request: Request) -> dict:
                                         "max_model_len": service.engine.max_context}]}
 
 
-def _completion_prompts(prompt: str | list, tokenizer: Any) -> list[list[int]]:
+def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) -> list[list[int]]:
     """Token-id prompts from OpenAI's `prompt`: a text, texts, token ids or lists of token ids."""
     text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
-    prompts, _ = _prompts(text, None if text is not None else prompt, tokenizer, "prompt")
+    prompts, _ = _prompts(text, None if text is not None else prompt, tokenizer, "prompt", max_context)
     return prompts
 
 
@@ -356,11 +377,11 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     """POST /v1/completions: every prompt gets the same settings, and n completions each."""
     service = _service(request)
     engine = service.engine
-    prompts = _completion_prompts(body.prompt, service.tokenizer)
+    prompts = await asyncio.to_thread(_completion_prompts, body.prompt, service.tokenizer, engine.max_context)
     params = _completion_params(body)
-    _check_prompts(engine, prompts, [params.max_new_tokens] * len(prompts), "prompt")
-    rows = _rows(prompts, [params] * len(prompts), True, engine.config.max_rows_per_request)
-    results = await _run(engine, rows)
+    _check_request(engine, prompts, [params] * len(prompts), "prompt", "")
+    rows = _rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
+    results = await _run(engine, rows, request)
     choices = [_completion_choice(i, result, service.tokenizer, body.logprobs) for i, result in enumerate(results)]
     return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or service.name, "choices": choices, "usage": _usage(prompts, results)}
@@ -379,13 +400,47 @@ _ROUTES = (  # (method, path, handler)
 )
 
 
-def build_app(engine: Engine, tokenizer: Any = None, *, port_file: str = "", port: int = 0) -> FastAPI:
-    """The FastAPI application: SGLang-style native routes plus OpenAI /v1/completions."""
+_ERROR_RESPONSES = {  # documented on every route in /openapi.json (FastAPI's 422 is never answered here)
+    "400": "a field out of range or malformed: the error message names it",
+    "401": "missing or invalid API key (when the service has one): send 'Authorization: Bearer <key>'",
+    "403": "a weight path outside every --weights-root",
+    "413": "request body over --max-body-bytes",
+    "429": "queue full: retry after the Retry-After header's seconds, or on another service",
+}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with the statuses this service answers: 400 where FastAPI would document 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "object"}}}}}
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                responses.update({code: {"description": text, "content": error}
+                                  for code, text in _ERROR_RESPONSES.items()})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None, port_file: str = "", port: int = 0
+              ) -> FastAPI:
+    """The FastAPI application: SGLang-style native routes plus OpenAI /v1/completions, behind the Guard."""
+    config = engine.config
     app = FastAPI(title="drgrpo_jax generation service",
                   lifespan=functools.partial(_publish_port, port_file=port_file, port=port))
-    app.state.service = Service(engine, tokenizer, engine.config.served_model_name or engine.config.model)
+    app.state.service = Service(engine, tokenizer, config.served_model_name or config.model,
+                                normalize_roots(config.weights_roots))
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(QueueFull, _busy)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_exception_handler(HTTPException, _http_error)
     for method, path, handler in _ROUTES:
         app.add_api_route(path, handler, methods=[method])
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
+    app.add_middleware(Guard, keys=keys or Keys(), max_body_bytes=config.max_body_bytes, loopback_only=config.loopback)
     return app

@@ -5,6 +5,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
+import os
 import queue
 import threading
 import time
@@ -21,6 +23,7 @@ from drgrpo_jax import sampling
 from drgrpo_jax.models import from_pretrained
 from drgrpo_jax.paths import local_folder
 from drgrpo_jax.sampling import RowRequest
+from drgrpo_jax.serve.security import is_loopback, normalize_roots
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # ServeConfig.dtype -> parameter and KV-cache dtype
@@ -43,17 +46,38 @@ class ServeConfig:
     tokenizer: str = ""  # tokenizer folder; "" = the model folder (none: text prompts are refused)
     served_model_name: str = ""  # name in OpenAI responses; "" = the model path
     parent_pid: int = 0  # shut down when this process is gone (set by rollout.LocalServer); 0 = off
+    api_key_env: str = ""  # environment variable holding the API key (Authorization: Bearer); "" = no key
+    admin_key_env: str = ""  # environment variable of the key for /update_weights_from_disk; "" = the API key
+    allow_unauthenticated: bool = False  # serve beyond loopback without a key (only on a network you trust)
+    weights_roots: tuple[str, ...] = ()  # weight pushes only from folders under these (or gs://bucket/prefix)
+    max_request_tokens: int = 2**23  # per request: prompts x n x (prompt + new tokens)
+    max_queued_tokens: int = 2**24  # the same measure over every request queued or running; beyond it: 429
+    max_body_bytes: int = 32 * 2**20  # largest request body accepted (413 beyond)
 
     def __post_init__(self):
+        if isinstance(self.weights_roots, (list, str)):
+            roots = [self.weights_roots] if isinstance(self.weights_roots, str) else self.weights_roots
+            object.__setattr__(self, "weights_roots", tuple(roots))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not supported (supported: {sorted(DTYPES)})")
-        for name in ("max_batch_size", "max_rows_per_request"):
+        for name in ("max_batch_size", "max_rows_per_request", "max_request_tokens", "max_queued_tokens",
+                     "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.batch_wait_ms < 0 or self.max_context < 0:
             raise ValueError("batch_wait_ms, max_context: must be >= 0")
+        normalize_roots(self.weights_roots)  # a malformed root fails here, at start-up
+        if not is_loopback(self.host) and not self.api_key_env and not self.allow_unauthenticated:
+            raise ValueError(f"host: {self.host} is reachable from other machines, so the service needs a key "
+                             "(--api-key-env NAME, the key in that environment variable); "
+                             "--allow-unauthenticated serves without one")
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the service is bound to this machine only."""
+        return is_loopback(self.host)
 
 
 def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
@@ -74,7 +98,13 @@ def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
         values.setdefault("model", model_section.get("path", ""))
         values.setdefault("dtype", model_section.get("dtype", "float32"))
         values.setdefault("tokenizer", model_section.get("tokenizer_path") or "")
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    values.update({k: v for k, v in overrides.items() if v is not None and v != []})
+    if isinstance(model_section, dict) and not is_loopback(values.get("host", "127.0.0.1")):
+        run_section: dict = raw["run"] if isinstance(raw.get("run"), dict) else {}
+        # Beyond loopback, a trainer config names where its weight versions go: pushes load from there only.
+        weights = run_section.get("weights_dir") or os.path.join(run_section.get("output_dir") or "runs/default",
+                                                                 "weights")
+        values.setdefault("weights_roots", [weights])
     return ServeConfig(**values)
 
 
@@ -124,9 +154,43 @@ def check_compatible(old: Weights, new: Weights) -> None:
             raise ValueError(f"{jax.tree_util.keystr(keypath)}: contains NaN or inf")
 
 
-@dataclasses.dataclass
+class QueueFull(Exception):
+    """The queue holds max_queued_tokens of work already (HTTP 429); `retry_after_s`: when to try again."""
+
+    def __init__(self, retry_after_s: int):
+        self.retry_after_s = retry_after_s
+        super().__init__(f"the service is busy: retry in {retry_after_s} s")
+
+
+class InvalidWeights(ValueError):
+    """A weight update refused; the message is safe to show a client (no file-system detail)."""
+
+
+def row_cost(row: RowRequest) -> int:
+    """A row's share of the token budgets: its prompt plus the tokens it may generate."""
+    return len(row.prompt_ids) + row.params.max_new_tokens
+
+
+def check_newer(current: str, new: str) -> None:
+    """Integer versions may not go backwards (an equal one re-pushes the same version); InvalidWeights if they do."""
+    if current.isdigit() and new.isdigit() and int(new) < int(current):
+        raise InvalidWeights(f"weight_version: {new} is older than the served version {current}")
+
+
+def _resolve(future: concurrent.futures.Future, result: Any = None, error: Exception | None = None) -> None:
+    """Sets the future's outcome unless its handler cancelled it meanwhile (the client left)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+@dataclasses.dataclass(eq=False)  # hashed by identity: the worker groups a failed batch's rows by request
 class _Job:
-    """A request's rows and the future its handler awaits."""
+    """A request's rows and the future its handler awaits (cancelled by the handler when its client is gone)."""
 
     rows: list[RowRequest]
     future: concurrent.futures.Future
@@ -144,7 +208,11 @@ class Engine:
         self._update_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._pending: deque[tuple[_Job, int]] = deque()
+        self._budget_lock = threading.Lock()
+        self.queued_tokens = 0  # row_cost of every row submitted and not yet finished or dropped
+        self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
         self.batches_run = 0
+        self.rows_dropped = 0  # rows of requests whose client went away, dropped before they were sampled
         self._worker = threading.Thread(target=self._run, name="sampler", daemon=True)
         self._worker.start()
 
@@ -154,64 +222,125 @@ class Engine:
         return self._worker.is_alive()
 
     def submit(self, rows: Sequence[RowRequest]) -> concurrent.futures.Future:
-        """Queues rows; the future resolves to their RowResults in order."""
+        """Queues rows; the future resolves to their RowResults in order. QueueFull when the queue is full.
+
+        Cancelling the future drops the rows not yet sampled at the next batch boundary.
+        """
+        cost = sum(row_cost(r) for r in rows)
+        with self._budget_lock:
+            if self.queued_tokens and self.queued_tokens + cost > self.config.max_queued_tokens:
+                rate = self.tokens_per_second or 1000.0
+                raise QueueFull(min(60, max(1, math.ceil(self.queued_tokens / rate))))
+            self.queued_tokens += cost
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put(_Job(list(rows), future, [None] * len(rows), len(rows)))
         return future
+
+    def _release(self, rows: Sequence[RowRequest]) -> None:
+        with self._budget_lock:
+            self.queued_tokens -= sum(row_cost(r) for r in rows)
 
     def close(self) -> None:
         """Stops the worker after the batch it is running."""
         self._queue.put(None)
         self._worker.join(timeout=60)
 
-    def update_weights(self, path: str, version: str) -> Weights:
-        """Loads, checks and swaps in new weights; on any error the served weights stay as they were."""
-        with self._update_lock, local_folder(path) as folder:  # a gs:// folder is copied to local disk first
-            new = load_weights(folder, self.config.dtype, version)
+    def update_weights(self, path: str, version: str, *, shown_path: str | None = None) -> Weights:
+        """Loads, checks and swaps in new weights; on any error the served weights stay as they were.
+
+        Raises InvalidWeights with a message fit for the client: what failed to load is logged here only.
+        `shown_path`: the path as the client gave it (reported by /get_model_info).
+        """
+        with self._update_lock:
+            check_newer(self.weights.version, version)
+            try:
+                with local_folder(path) as folder:  # a gs:// folder is copied to local disk first
+                    new = load_weights(folder, self.config.dtype, version)
+            except Exception as error:  # noqa: BLE001 - missing, unreadable, corrupt: one answer for all of them
+                log.warning("weight update from %s refused: %s: %s", path, type(error).__name__, error)
+                raise InvalidWeights("model_path: not a valid model folder") from None
             old = self.weights
-            check_compatible(old, new)
+            try:
+                check_compatible(old, new)
+            except ValueError as error:  # names what differs from the served model, nothing about the disk
+                raise InvalidWeights(f"model_path: {error}") from None
             # Keep the old graphdef: it is the static key of the compiled programs (no recompiles).
-            self.weights = Weights(old.graphdef, new.state, old.config, new.version, path)
+            self.weights = Weights(old.graphdef, new.state, old.config, new.version, shown_path or path)
             log.info("weights %s -> %s from %s", old.version, new.version, path)
             return self.weights
 
+    def _gather(self, job: _Job) -> None:
+        self._pending.extend((job, i) for i in range(len(job.rows)))
+
+    def _drop_cancelled(self) -> None:
+        """Forgets the rows of requests whose client went away (their handler cancelled the future)."""
+        dropped = [(job, i) for job, i in self._pending if job.future.cancelled()]
+        if dropped:
+            self._pending = deque((job, i) for job, i in self._pending if not job.future.cancelled())
+            self._release([job.rows[i] for job, i in dropped])
+            self.rows_dropped += len(dropped)
+
     def _take_rows(self) -> list[tuple[_Job, int]] | None:
-        """Blocks for work, then gathers up to max_batch_size rows (None = shut down)."""
-        while not self._pending:
-            job = self._queue.get()
-            if job is None:
-                return None
-            self._pending.extend((job, i) for i in range(len(job.rows)))
-        deadline = time.monotonic() + self.config.batch_wait_ms / 1000
-        while len(self._pending) < self.config.max_batch_size:
-            try:
-                job = self._queue.get(timeout=max(deadline - time.monotonic(), 0))
-            except queue.Empty:
+        """Blocks for work, then gathers up to max_batch_size rows of live requests (None = shut down)."""
+        while True:
+            while not self._pending:
+                job = self._queue.get()
+                if job is None:
+                    return None
+                self._gather(job)
+            deadline = time.monotonic() + self.config.batch_wait_ms / 1000
+            while len(self._pending) < self.config.max_batch_size:
+                try:
+                    job = self._queue.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                self._gather(job)
+            self._drop_cancelled()  # the batch boundary: rows of clients gone are never sampled
+            if self._pending:
                 break
-            if job is None:
-                self._queue.put(None)  # finish this batch, then stop
-                break
-            self._pending.extend((job, i) for i in range(len(job.rows)))
         count = min(len(self._pending), self.config.max_batch_size)
         return [self._pending.popleft() for _ in range(count)]
 
     def _run(self) -> None:
-        """Worker loop: batch, sample, hand results back; an error fails only that batch's requests."""
+        """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
         while (taken := self._take_rows()) is not None:
             weights = self.weights  # one read: the whole batch uses one version
+            start = time.perf_counter()
+            for part, outcome in self._sample(weights, taken):
+                for (job, i), result in zip(part, outcome if isinstance(outcome, list) else [None] * len(part)):
+                    if isinstance(outcome, Exception):
+                        _resolve(job.future, error=outcome)
+                        continue
+                    job.results[i] = result
+                    job.remaining -= 1
+                    if job.remaining == 0:
+                        _resolve(job.future, result=job.results)
+            cost = sum(row_cost(job.rows[i]) for job, i in taken)
+            self._release([job.rows[i] for job, i in taken])
+            rate = cost / max(time.perf_counter() - start, 1e-6)
+            self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
+
+    def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
+                ) -> list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]]:
+        """(rows, results or the error) for the batch; when it fails, each request's rows again on their own."""
+        try:
+            return [(taken, self.run_batch(weights, [job.rows[i] for job, i in taken]))]
+        except Exception as error:  # reported to the failing requests (and logged); the service goes on
+            log.exception("batch failed")
+            jobs = list(dict.fromkeys(job for job, _ in taken))
+            if len(jobs) == 1:
+                return [(taken, error)]
+        out: list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]] = []
+        for job in jobs:  # one bad request must not fail its batch-mates
+            part = [(j, i) for j, i in taken if j is job]
             try:
-                results = self.run_batch(weights, [job.rows[i] for job, i in taken])
-            except Exception as error:  # reported to the batch's requests (and logged); the service goes on
-                log.exception("batch failed")
-                for job, _ in taken:
-                    if not job.future.done():
-                        job.future.set_exception(error)
-                continue
-            for (job, i), result in zip(taken, results):
-                job.results[i] = result
-                job.remaining -= 1
-                if job.remaining == 0 and not job.future.done():
-                    job.future.set_result(job.results)
+                out.append((part, self.run_batch(weights, [job.rows[i] for _, i in part])))
+            except Exception as error:  # noqa: BLE001
+                out.append((part, error))
+        return out
 
     def run_batch(self, weights: Weights, rows: list[RowRequest]) -> list[RowResult]:
         """Samples one batch of rows on `weights`, padded to bucketed static shapes."""

@@ -1,0 +1,106 @@
+"""The request bodies: every field bounded on arrival to what the engine can hold (int32, float32, sizes).
+
+Bounds that depend on the served model (vocabulary, context) or the service's limits are checked in
+api.py once the body has parsed; these are the static ones, so no value can overflow a worker array.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+INT32_MAX = 2**31 - 1
+MAX_PROMPTS = 4096  # prompts (or texts) in one request; ServeConfig.max_rows_per_request bounds prompts x n
+MAX_PROMPT_IDS = 2**20  # token ids in one prompt (the context check refuses far fewer)
+MAX_TEXT_CHARS = 2**20  # characters in one text prompt (api.py refuses texts that cannot fit the context first)
+MAX_STOP_IDS = 32  # stop tokens per request: their width is a compiled shape, so it stays small
+MAX_RID_CHARS = 256
+MAX_NAME_CHARS = 256  # model names, user ids, weight versions
+MAX_PATH_CHARS = 4096
+
+
+def _utf8(text: str) -> str:
+    """Refuses strings that cannot be encoded (a lone surrogate from a JSON escape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid UTF-8 (contains a lone surrogate)") from None
+    return text
+
+
+Rid = Annotated[str, Field(max_length=MAX_RID_CHARS), AfterValidator(_utf8)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
+PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS), AfterValidator(_utf8)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+PromptIds = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)]
+StopIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)]
+Seed = Annotated[StrictInt, Field(ge=0, lt=2**32)]
+Probability = Annotated[float, Field(ge=1e-6, le=1, allow_inf_nan=False)]  # float32 keeps it above 0
+Temperature = Annotated[float, Field(ge=0, le=1e6, allow_inf_nan=False)]
+NewTokens = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+TopK = Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)]  # values beyond the vocabulary mean "all of it"
+Count = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
+# A version is a short label: digits (what the trainer sends, and what must not go backwards) or a tag.
+Version = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._+:-]+$")]
+
+
+class _Request(BaseModel):
+    """Requests reject unknown fields, so a misspelt option is an error instead of a silent default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParamsIn(_Request):
+    """SGLang's `sampling_params` (the subset this service implements)."""
+
+    max_new_tokens: NewTokens = 128
+    temperature: Temperature = 1.0
+    top_p: Probability = 1.0
+    top_k: TopK = -1  # -1 or 0 = off
+    n: Count = 1
+    stop_token_ids: StopIds | None = None
+    seed: Seed | None = None  # None = a fresh random seed per request
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True  # for the decoded `text` only
+
+
+class GenerateRequest(_Request):
+    """SGLang's native `/generate` body."""
+
+    text: PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | None = None
+    input_ids: PromptIds | Annotated[list[PromptIds], Field(max_length=MAX_PROMPTS)] | None = None
+    sampling_params: SamplingParamsIn | Annotated[list[SamplingParamsIn], Field(max_length=MAX_PROMPTS)] | None = None
+    return_logprob: StrictBool = False
+    stream: Literal[False] = False  # streaming is not implemented
+    rid: Rid | Annotated[list[Rid], Field(max_length=MAX_PROMPTS)] | None = None
+
+
+class UpdateWeightsRequest(_Request):
+    """SGLang's `/update_weights_from_disk` body."""
+
+    model_path: Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_utf8)]
+    weight_version: Version | Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None  # None = previous + 1
+    load_format: Literal["auto"] | None = None
+    flush_cache: StrictBool = True  # accepted for SGLang clients; this service keeps no prefix cache
+
+
+class CompletionRequest(_Request):
+    """OpenAI's `/v1/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
+
+    prompt: (PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds
+             | Annotated[list[PromptIds], Field(max_length=MAX_PROMPTS)])
+    model: Name | None = None
+    max_tokens: NewTokens | None = 16
+    temperature: Temperature | None = 1.0
+    top_p: Probability | None = 1.0
+    n: Count = 1
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    seed: Seed | None = None
+    stream: Literal[False] = False
+    echo: Literal[False] = False
+    stop: None = None  # stop strings are not implemented: use stop_token_ids
+    user: Name | None = None
+    top_k: TopK = -1
+    stop_token_ids: StopIds | None = None
+    ignore_eos: StrictBool = False
