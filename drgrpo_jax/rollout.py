@@ -243,8 +243,10 @@ class RolloutClient:
             items += answer
         return items
 
-    def update_weights(self, model_path: str, weight_version: str | int) -> None:
+    def update_weights(self, model_path: str, weight_version: str | int, *, rollback: bool = False) -> None:
         """Tells every service to load `model_path` as `weight_version`; raises naming every URL that refused.
+
+        `rollback`: the services may go back to an older version (a run resumed from a checkpoint).
 
         Every URL is asked (in parallel) even when one fails, so no service is left on stale weights
         without being named.
@@ -252,7 +254,9 @@ class RolloutClient:
         model_path = os.fspath(model_path)
         if not is_remote(model_path):  # services refuse relative paths (they would resolve against their own cwd)
             model_path = os.path.abspath(model_path)
-        body = {"model_path": model_path, "weight_version": str(weight_version)}
+        body: dict[str, Any] = {"model_path": model_path, "weight_version": str(weight_version)}
+        if rollback:  # only then: a stand-in SGLang server never sees this service's extension
+            body["allow_rollback"] = True
 
         def push(url: str) -> str | None:
             try:

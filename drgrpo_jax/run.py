@@ -118,8 +118,11 @@ def service_batch_size(config: Config) -> int:
     return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
 
 
-def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, params: nnx.State, version: int) -> str:
+def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, params: nnx.State, version: int,
+                    *, rollback: bool = False) -> str:
     """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0).
+
+    `rollback`: the services may hold a newer version (a resumed run's first push) and go back to this one.
 
     Every process waits for it and raises with it if it fails anywhere, so no host samples before the
     services hold the new weights.
@@ -129,7 +132,7 @@ def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, pa
     with fail_together(f"publishing weight version {version}"):
         path = publisher.publish(params, version)  # every process joins its gather
         if client is not None and jax.process_index() == 0:
-            client.update_weights(path, version)
+            client.update_weights(path, version, rollback=rollback)
     return path
 
 
@@ -205,7 +208,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     log = RunLog(out, start_step, main_process)
     stack.callback(log.close)
     publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir)
-    publish_weights(publisher, client, state.params, start_step)
+    publish_weights(publisher, client, state.params, start_step, rollback=resume)
     server = None
     if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(

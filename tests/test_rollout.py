@@ -272,6 +272,8 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
                 client.update_weights(model_dir + "/missing", 9)
             with pytest.raises(RolloutError, match="weight_version: 7 is older than the served version 8"):
                 client.update_weights(model_dir, 7)
+            client.update_weights(model_dir, 7, rollback=True)  # a run resumed from its step-7 checkpoint
+            assert client.model_info()["weight_version"] == "7"
         url = server.url
     assert server.stop() is None and not server.running  # already stopped by the with block
     assert process_gone(pid)

@@ -253,7 +253,8 @@ def _update_answer(status: int, message: str, version: str) -> JSONResponse:
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
     """POST /update_weights_from_disk: confine, load, check, swap; on failure 403/400 and the old weights serve on.
 
-    The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards; a
+    The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards
+    unless the body says allow_rollback (a trainer resuming from a checkpoint); a
     load failure says only that the folder is not a valid model (the service's log has the detail).
     """
     service = _service(request)
@@ -262,8 +263,10 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONRe
         engine.weights.version)
     try:
         path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
-        check_newer(engine.weights.version, version)
-        weights = await asyncio.to_thread(engine.update_weights, path, version, shown_path=body.model_path)
+        if not body.allow_rollback:
+            check_newer(engine.weights.version, version)
+        weights = await asyncio.to_thread(engine.update_weights, path, version, shown_path=body.model_path,
+                                          allow_rollback=body.allow_rollback)
     except PathNotAllowed as error:
         return _update_answer(403, str(error), engine.weights.version)
     except InvalidWeights as error:

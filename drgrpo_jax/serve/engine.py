@@ -245,14 +245,17 @@ class Engine:
         self._queue.put(None)
         self._worker.join(timeout=60)
 
-    def update_weights(self, path: str, version: str, *, shown_path: str | None = None) -> Weights:
+    def update_weights(self, path: str, version: str, *, shown_path: str | None = None,
+                       allow_rollback: bool = False) -> Weights:
         """Loads, checks and swaps in new weights; on any error the served weights stay as they were.
 
         Raises InvalidWeights with a message fit for the client: what failed to load is logged here only.
-        `shown_path`: the path as the client gave it (reported by /get_model_info).
+        `shown_path`: the path as the client gave it (reported by /get_model_info). `allow_rollback`: an
+        older integer version is accepted (a trainer resuming from a checkpoint).
         """
         with self._update_lock:
-            check_newer(self.weights.version, version)
+            if not allow_rollback:
+                check_newer(self.weights.version, version)
             try:
                 with local_folder(path) as folder:  # a gs:// folder is copied to local disk first
                     new = load_weights(folder, self.config.dtype, version)

@@ -83,6 +83,8 @@ class UpdateWeightsRequest(_Request):
     weight_version: Version | Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None  # None = previous + 1
     load_format: Literal["auto"] | None = None
     flush_cache: StrictBool = True  # accepted for SGLang clients; this service keeps no prefix cache
+    # This service's extension: a trainer resuming from a checkpoint re-pushes an older integer version.
+    allow_rollback: StrictBool = False
 
 
 class CompletionRequest(_Request):
