@@ -207,7 +207,10 @@ def loss_fn(
     # the advantage pushes it).
     clipped_NT = ((ratio < 1.0 - config.clip_low) & (adv < 0)) | ((ratio > 1.0 + config.upper_clip) & (adv > 0))
 
-    kl_NT = jnp.zeros_like(logprobs) if ref_logprobs is None else kl_divergence(logprobs, clean(ref_logprobs), config.kl_estimator)
+    if ref_logprobs is None:
+        kl_NT = jnp.zeros_like(logprobs)
+    else:
+        kl_NT = kl_divergence(logprobs, clean(ref_logprobs), config.kl_estimator)
     entropy_NT = jnp.zeros_like(logprobs) if entropy is None else clean(entropy)
     loss_NT = pg_NT + config.kl_coef * kl_NT - config.entropy_coef * entropy_NT
 

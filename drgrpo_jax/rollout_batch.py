@@ -120,7 +120,8 @@ class HostCounters:
 
     def __add__(self, other: HostCounters) -> HostCounters:
         """Sequential work (dynamic sampling's rounds): times and counts add up."""
-        return HostCounters(self.reward_functions, self.rollout_seconds + other.rollout_seconds, self.reward_seconds + other.reward_seconds,
+        return HostCounters(self.reward_functions, self.rollout_seconds + other.rollout_seconds,
+                            self.reward_seconds + other.reward_seconds,
                             self.reward_timeouts_F + other.reward_timeouts_F,
                             self.reward_errors_F + other.reward_errors_F,
                             (self.error_messages + other.error_messages)[:5])
@@ -134,8 +135,8 @@ class HostCounters:
     def across_hosts(self, stacked: dict[str, np.ndarray]) -> HostCounters:
         """Every host's `arrays()` stacked [H, ...] -> parallel work: the slowest host's time, summed counts."""
         seconds = stacked["seconds"].max(axis=0)
-        return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]), stacked["timeouts_F"].sum(axis=0),
-                            stacked["errors_F"].sum(axis=0), self.error_messages)
+        return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]),
+                            stacked["timeouts_F"].sum(axis=0), stacked["errors_F"].sum(axis=0), self.error_messages)
 
     def metrics(self) -> dict[str, int]:
         """Per-function and total reward timeouts and errors, for metrics.jsonl."""

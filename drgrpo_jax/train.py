@@ -39,9 +39,19 @@ from drgrpo_jax.data import Example, tokenize_prompt
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.outputs import host_array
-from drgrpo_jax.rollout_batch import (HostCounters, ScoredRollout, advantages_N, correct_mask, group_signal_P,
-                                      host_share, merge_host_rows, response_stats, reward_weights, step_seed,
-                                      window_advantages)
+from drgrpo_jax.rollout_batch import (
+    HostCounters,
+    ScoredRollout,
+    advantages_N,
+    correct_mask,
+    group_signal_P,
+    host_share,
+    merge_host_rows,
+    response_stats,
+    reward_weights,
+    step_seed,
+    window_advantages,
+)
 from drgrpo_jax.run import Run, publish_weights, setup
 
 if TYPE_CHECKING:
@@ -314,8 +324,9 @@ def _evaluate(run: Run, step: int) -> dict[str, Any]:
                                        skip_special_tokens=True)
     result = run.scorer.score(texts, list(examples))
     stats = response_stats(rollout.lengths, rollout.truncated, correct_mask(result.names, result.components_NK))
-    row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()}, "eval/reward_mean": float(result.total_N().mean()),
-           "eval/num_prompts": len(examples), "eval_seconds": time.perf_counter() - start}
+    row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()},
+           "eval/reward_mean": float(result.total_N().mean()), "eval/num_prompts": len(examples),
+           "eval_seconds": time.perf_counter() - start}
     return row
 
 

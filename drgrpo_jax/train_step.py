@@ -32,8 +32,8 @@ from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
 
-__all__ = ["Batch", "StepConfig", "TrainState", "in_float32", "make_optimizer", "init_state", "policy_logprobs", "train_step",
-           "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
+__all__ = ["Batch", "StepConfig", "TrainState", "in_float32", "make_optimizer", "init_state", "policy_logprobs",
+           "train_step", "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
 

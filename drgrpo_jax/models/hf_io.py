@@ -10,7 +10,8 @@ import dataclasses
 import json
 import os
 import struct as pystruct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
