@@ -303,7 +303,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         if not os.path.isfile(path):
             raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
         try:
-            loaded = OmegaConf.load(path)
+            loaded = OmegaConf.load(os.fspath(path))  # load() reads any non-str, non-Path argument as a file object
         except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
             raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
         if not isinstance(loaded, DictConfig):

@@ -137,8 +137,13 @@ def _aggregate(loss_NT, mask_NT, config: LossConfig, window: WindowStats, axis_n
         numerator = (loss_NT.sum(axis=1) / jnp.maximum(lengths, 1.0)).sum()
     else:
         numerator = loss_NT.sum()
+    def fixed_budget() -> jax.Array:
+        if config.budget is None:  # LossConfig already refuses this; the check narrows budget to int
+            raise FieldError("LossConfig", "budget", "fixed_budget needs the generation budget (max response tokens)")
+        return window.num_responses * config.budget
+
     denominator = {
-        "fixed_budget": lambda: window.num_responses * config.budget,
+        "fixed_budget": fixed_budget,
         "token_mean": lambda: window.num_tokens,
         "seq_mean_token_mean": lambda: window.num_responses,
         "seq_mean_token_sum": lambda: window.num_responses,

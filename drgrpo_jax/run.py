@@ -179,6 +179,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     start_step, position = 0, 0
     if resume:
         restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding place gave it
+        if restored is None:  # should_resume saw a checkpoint; none is left
+            raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
         state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:
@@ -192,6 +194,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=c.model.dtype, weight_version=start_step,
             log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))]))
+        if server.url is None:  # entering the context waits until the service answers at its URL
+            raise RuntimeError("the local generation service started without a URL")
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s))
     run = Run(config=c, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
               train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),

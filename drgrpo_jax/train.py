@@ -84,6 +84,13 @@ def _stop_ids(run: Run) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
+def _version_number(version: str | None) -> int:
+    """A completion's weight version as a number (generate has checked it against the expected step)."""
+    if version is None:
+        raise ValueError("weight_version: the generation service reported none for a completion")
+    return int(version)
+
+
 def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
                   offset: int) -> tuple[ScoredRollout, HostCounters]:
     """This process's share of the prompts: sampled from the service(s) and scored here."""
@@ -104,7 +111,7 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
                             scored.errors_F, scored.error_messages)
     rows = {"response_ids": sampled.output_ids, "behaviour_logprobs": sampled.logprobs,
             "response_mask": sampled.mask, "lengths": sampled.lengths, "truncated": sampled.truncated,
-            "versions": np.asarray([int(v) for v in sampled.weight_versions], np.int64),
+            "versions": np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
             "components": scored.components_NK}
     return ScoredRollout.from_rows(examples, prompts, rows), counters
 
@@ -205,7 +212,8 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
     from drgrpo_jax.algorithms import ALGORITHMS
 
     a = run.config.algorithm
-    batch = batch.replace(old_logprobs=host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh))))
+    old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh)))
+    batch = dataclasses.replace(batch, old_logprobs=old_logprobs)
     num = batch.row_valid.shape[0]
     size = num // a.minibatches_per_rollout
     history, whitening = [], []
