@@ -175,7 +175,8 @@ def main() -> None:
     flops = flops_per_token(config, args.seq) * tokens
     result = {
         "benchmark": "model_step", "model": f"SmolLM2-135M shapes, {args.layers} layers, float32, random weights",
-        "fb_batch": f"{args.rows}x{args.seq}", "decode": f"batch {args.decode_batch}, {args.decode_filled}/{args.cache} slots",
+        "fb_batch": f"{args.rows}x{args.seq}",
+        "decode": f"batch {args.decode_batch}, {args.decode_filled}/{args.cache} slots",
         "cpus": os.cpu_count(), "jax": jax.__version__, "matmul_gflops_now": round(med["mm"], 1),
         "jax_fb_s": round(med["ours_fb"], 3), "jax_fb_tokens_per_s": round(tokens / med["ours_fb"], 1),
         "jax_fb_gflops": round(flops / med["ours_fb"] / 1e9, 1), "jax_fb_compile_s": round(compile_fb, 1),

@@ -22,8 +22,7 @@ import numpy as np
 from drgrpo_jax import LossConfig
 from drgrpo_jax.models import from_pretrained, save_pretrained
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-from drgrpo_jax.train_step import (Batch, StepConfig, init_state, jit_train_step, make_optimizer, place,
-                                   state_shardings)
+from drgrpo_jax.train_step import Batch, StepConfig, init_state, jit_train_step, make_optimizer, place, state_shardings
 
 
 def smollm2_gguf() -> str:

@@ -14,7 +14,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dr_grpo", "grpo", "rloo", "gdpo", "gdpo_combined", "group_std", "whiten", "whiten_stats", "zero_signal_groups"]
+__all__ = [
+    "dr_grpo", "grpo", "rloo", "gdpo", "gdpo_combined", "group_std", "whiten", "whiten_stats", "zero_signal_groups",
+]
 
 AxisName = str | Sequence[str] | None
 
@@ -146,7 +148,9 @@ def group_std(rewards: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     return _group_stats(rewards, valid)[2]
 
 
-def whiten_stats(x: jax.Array, valid: jax.Array | None = None, *, axis_name: AxisName = None) -> tuple[jax.Array, jax.Array]:
+def whiten_stats(
+    x: jax.Array, valid: jax.Array | None = None, *, axis_name: AxisName = None
+) -> tuple[jax.Array, jax.Array]:
     """(mean, unbiased std) over the valid slots of the whole batch, psum-reduced over `axis_name`."""
     x_PG, valid_PG = _prepare(x, valid, 2)
 

@@ -39,7 +39,9 @@ def abstract_state_like(state: Any, shardings: Any = None) -> Any:
         shardings = jax.tree.map(lambda leaf: one, state)
     elif shardings is None:
         shardings = jax.tree.map(lambda leaf: getattr(leaf, "sharding", None) or default, state)
-    return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state, shardings)
+    return jax.tree.map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), state, shardings
+    )
 
 
 class Checkpointer:

@@ -79,7 +79,9 @@ class RunConfig:
 class ModelConfig:
     """The policy checkpoint."""
 
-    path: str = _f("", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)")
+    path: str = _f(
+        "", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)"
+    )
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
@@ -254,7 +256,10 @@ def _unknown_key_error(full_key: str, where: str) -> ConfigError:
     candidates = _section_fields(parent)
     close = difflib.get_close_matches(leaf, candidates, n=1, cutoff=0.6)
     prefix = f"{parent}." if parent else ""
-    hint = f"; did you mean {prefix}{close[0]}?" if close else (f"; known keys: {', '.join(candidates)}" if candidates else "")
+    if close:
+        hint = f"; did you mean {prefix}{close[0]}?"
+    else:
+        hint = f"; known keys: {', '.join(candidates)}" if candidates else ""
     return ConfigError(full_key, f"unknown key{where}{hint}")
 
 
@@ -303,7 +308,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         if not os.path.isfile(path):
             raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
         try:
-            loaded = OmegaConf.load(path)
+            loaded = OmegaConf.load(os.fspath(path))  # load() reads any non-str, non-Path argument as a file object
         except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
             raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
         if not isinstance(loaded, DictConfig):
@@ -504,7 +509,9 @@ def _check_rest(config: Config) -> None:
                 f"{name!r} is neither a built-in ({', '.join(_BUILTIN_REWARDS)}) nor 'package.module:function'{hint}",
             )
         if name == "task" and c.data.source != "reasoning_gym":
-            raise ConfigError(f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym")
+            raise ConfigError(
+                f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym"
+            )
     if len(set(c.reward.functions)) != len(c.reward.functions):
         raise ConfigError("reward.functions", f"lists a function twice: {list(c.reward.functions)}")
     if len(set(c.reward.components)) != len(c.reward.components):
@@ -543,7 +550,8 @@ def _check_float32_weights(config: Config) -> None:
         cast = np.asarray(weights, np.float64).astype(np.float32) if weights else np.zeros(0, np.float32)
     for i, (weight, value) in enumerate(zip(weights, cast)):
         if not np.isfinite(value):
-            raise ConfigError(f"reward.weights[{i}]", f"{weight} overflows float32 (|w| must be < {np.finfo(np.float32).max:.4g})")
+            limit = np.finfo(np.float32).max
+            raise ConfigError(f"reward.weights[{i}]", f"{weight} overflows float32 (|w| must be < {limit:.4g})")
         if weight != 0 and value == 0:
             raise ConfigError(f"reward.weights[{i}]", f"{weight} underflows to 0 in float32")
     if config.algorithm.name != "gdpo":
@@ -553,7 +561,8 @@ def _check_float32_weights(config: Config) -> None:
             if weights[i] != weights[j] and cast[i] == cast[j]:
                 raise ConfigError(
                     f"reward.weights[{j}]",
-                    f"{weights[j]} and reward.weights[{i}] = {weights[i]} collapse to one float32 value {float(cast[i])!r}; "
+                    f"{weights[j]} and reward.weights[{i}] = {weights[i]} collapse to one float32 value "
+                    f"{float(cast[i])!r}; "
                     "gdpo would weight the two components the same",
                 )
     if weights and not np.any(cast):
@@ -582,7 +591,8 @@ def resolve_model_path(spec: str, key: str = "model.path") -> str:
     except (ImportError, ValueError):
         found = None
     if found is None or not found.submodule_search_locations:
-        raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {package.replace('_', '-')})")
+        pip_name = package.replace("_", "-")
+        raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {pip_name})")
     folder = next(iter(found.submodule_search_locations))
     ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
     if len(ggufs) != 1:
@@ -595,7 +605,9 @@ def check_paths(config: Config) -> None:
     c = config
     resolve_model_path(c.model.path)
     if c.model.tokenizer_path and not os.path.isdir(c.model.tokenizer_path):
-        raise ConfigError("model.tokenizer_path", f"no such folder {c.model.tokenizer_path!r} (a local tokenizer folder)")
+        raise ConfigError(
+            "model.tokenizer_path", f"no such folder {c.model.tokenizer_path!r} (a local tokenizer folder)"
+        )
     if c.data.source != "reasoning_gym":
         for key, path in [("data.path", c.data.path), ("data.eval_path", c.data.eval_path)]:
             if path and not os.path.exists(path):
@@ -603,7 +615,10 @@ def check_paths(config: Config) -> None:
 
 
 def config_from_argv(argv: list[str] | None = None, prog: str = "drgrpo_jax") -> Config:
-    """`--config PATH [section.key=value ...]` -> Config; `--help` lists the sections; a bad config exits 2 in one line."""
+    """`--config PATH [section.key=value ...]` -> Config.
+
+    `--help` lists the sections; a bad config exits 2 in one line.
+    """
     parser = argparse.ArgumentParser(
         prog=prog, epilog=describe_config(), formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -71,9 +71,8 @@ def _reasoning_gym(config: DataConfig, seed: int) -> PromptDataset:
     for index in range(total):
         entry = dataset[index]
         answer = entry.get("answer")
-        examples.append(
-            Example(f"{config.task}/{seed}/{index}", str(entry["question"]), "" if answer is None else str(answer), entry)
-        )
+        answer_text = "" if answer is None else str(answer)
+        examples.append(Example(f"{config.task}/{seed}/{index}", str(entry["question"]), answer_text, entry))
     return PromptDataset(config.task, tuple(examples[: config.size]), tuple(examples[config.size :]))
 
 
@@ -118,12 +117,12 @@ def _examples(rows: Sequence[Mapping[str, Any]], name: str, config: DataConfig, 
     """Rows -> Examples with ids `name/row`; a missing field is a ConfigError naming the field."""
     examples = []
     for index, row in enumerate(rows):
-        for field_key, field in [("data.prompt_field", config.prompt_field), ("data.answer_field", config.answer_field)]:
+        fields = [("data.prompt_field", config.prompt_field), ("data.answer_field", config.answer_field)]
+        for field_key, field in fields:
             if field not in row:
                 raise ConfigError(field_key, f"{field!r} missing in row {index} of {key} (fields: {', '.join(row)})")
-        examples.append(
-            Example(f"{name}/{index}", str(row[config.prompt_field]), _answer_text(row[config.answer_field], config.answer_after))
-        )
+        answer = _answer_text(row[config.answer_field], config.answer_after)
+        examples.append(Example(f"{name}/{index}", str(row[config.prompt_field]), answer))
     return examples
 
 
@@ -148,7 +147,9 @@ def _from_files(config: DataConfig, seed: int) -> PromptDataset:
         train_order = train_order[: config.size]
     train = tuple(examples[i] for i in sorted(train_order))  # file order; batch_at does the shuffling
     if not train:
-        raise ConfigError("data.path", f"{config.path} has {len(examples)} rows, none left for training after data.eval_size")
+        raise ConfigError(
+            "data.path", f"{config.path} has {len(examples)} rows, none left for training after data.eval_size"
+        )
     return PromptDataset(name, train, tuple(held_out))
 
 

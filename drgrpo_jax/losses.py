@@ -137,8 +137,13 @@ def _aggregate(loss_NT, mask_NT, config: LossConfig, window: WindowStats, axis_n
         numerator = (loss_NT.sum(axis=1) / jnp.maximum(lengths, 1.0)).sum()
     else:
         numerator = loss_NT.sum()
+    def fixed_budget() -> jax.Array:
+        if config.budget is None:  # LossConfig already refuses this; the check narrows budget to int
+            raise FieldError("LossConfig", "budget", "fixed_budget needs the generation budget (max response tokens)")
+        return window.num_responses * config.budget
+
     denominator = {
-        "fixed_budget": lambda: window.num_responses * config.budget,
+        "fixed_budget": fixed_budget,
         "token_mean": lambda: window.num_tokens,
         "seq_mean_token_mean": lambda: window.num_responses,
         "seq_mean_token_sum": lambda: window.num_responses,
@@ -207,7 +212,10 @@ def loss_fn(
     # the advantage pushes it).
     clipped_NT = ((ratio < 1.0 - config.clip_low) & (adv < 0)) | ((ratio > 1.0 + config.upper_clip) & (adv > 0))
 
-    kl_NT = jnp.zeros_like(logprobs) if ref_logprobs is None else kl_divergence(logprobs, clean(ref_logprobs), config.kl_estimator)
+    if ref_logprobs is None:
+        kl_NT = jnp.zeros_like(logprobs)
+    else:
+        kl_NT = kl_divergence(logprobs, clean(ref_logprobs), config.kl_estimator)
     entropy_NT = jnp.zeros_like(logprobs) if entropy is None else clean(entropy)
     loss_NT = pg_NT + config.kl_coef * kl_NT - config.entropy_coef * entropy_NT
 

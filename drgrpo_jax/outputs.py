@@ -69,6 +69,8 @@ class RunLog:
         if not self.enabled:
             return
         self._append(self.metrics_path, row)
+        if self._tensorboard is None:  # __init__ makes the writer whenever enabled
+            raise RuntimeError("RunLog.metrics: enabled but has no TensorBoard writer")
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, row["step"])

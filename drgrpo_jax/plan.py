@@ -416,7 +416,8 @@ def format_text(plan: dict[str, Any]) -> str:
              f"over {m['processes']} process(es)", "", "parameter partition specs (per device):"]
     for g in plan["param_groups"]:
         spec = "P(" + ", ".join("None" if a is None else str(a) for a in g["spec"]) + ")"
-        lines.append(f"  {g['name']:<20} {str(tuple(g['shape'])):<24} {spec:<30} {g['bytes_per_device'] / 2**20:10.1f} MiB")
+        mib = g["bytes_per_device"] / 2**20
+        lines.append(f"  {g['name']:<20} {str(tuple(g['shape'])):<24} {spec:<30} {mib:10.1f} MiB")
     lines += ["", f"trainer, per device ({tr['rows_per_device']} response(s) of {tr['sequence']} tokens "
                   "per micro-batch):"]
     for key in ("params", "optimizer", "gradients", "reference", "activations", "logprob_chunks", "batch", "total"):

@@ -173,8 +173,9 @@ def _import_fn(path: str, key: str) -> RewardFn:
 
 def build_reward_fns(config: RewardConfig) -> tuple[RewardSpec, ...]:
     """One RewardSpec per `reward.functions` entry; import failures raise ConfigError."""
-    specs = []
+    specs: list[RewardSpec] = []
     for i, target in enumerate(config.functions):
+        fn: RewardFn
         if target in _BUILTINS:
             fn = functools.partial(_BUILTINS[target], answer_format=config.answer_format)
         else:

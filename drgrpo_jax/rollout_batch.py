@@ -79,11 +79,11 @@ class ScoredRollout:
 
     def take(self, groups: Sequence[int]) -> ScoredRollout:
         """The groups at these indices, in this order, with their rows and validity."""
-        groups = np.asarray(groups, np.int64)
-        row_index = (groups[:, None] * self.group_size + np.arange(self.group_size)).reshape(-1)
-        return dataclasses.replace(self, examples=tuple(self.examples[g] for g in groups),
-                                   prompt_ids=tuple(self.prompt_ids[g] for g in groups),
-                                   group_valid=self.group_valid[groups],
+        picked = np.asarray(groups, np.int64)
+        row_index = (picked[:, None] * self.group_size + np.arange(self.group_size)).reshape(-1)
+        return dataclasses.replace(self, examples=tuple(self.examples[g] for g in picked),
+                                   prompt_ids=tuple(self.prompt_ids[g] for g in picked),
+                                   group_valid=self.group_valid[picked],
                                    **{name: value[row_index] for name, value in self.rows().items()})
 
     @staticmethod
@@ -96,7 +96,7 @@ class ScoredRollout:
                                    **{name: np.concatenate([getattr(p, name) for p in parts])
                                       for name in first.ROW_FIELDS})
 
-    def to_batch(self, advantages_N: np.ndarray, prompt_length: int) -> Batch:
+    def to_batch(self, advantages_N: np.ndarray, prompt_length: int) -> Batch[np.ndarray]:
         """The step's host batch (numpy): prompts left-padded to prompt_length; old log-probs still zero."""
         from drgrpo_jax.train_step import Batch
 
@@ -120,7 +120,8 @@ class HostCounters:
 
     def __add__(self, other: HostCounters) -> HostCounters:
         """Sequential work (dynamic sampling's rounds): times and counts add up."""
-        return HostCounters(self.reward_functions, self.rollout_seconds + other.rollout_seconds, self.reward_seconds + other.reward_seconds,
+        return HostCounters(self.reward_functions, self.rollout_seconds + other.rollout_seconds,
+                            self.reward_seconds + other.reward_seconds,
                             self.reward_timeouts_F + other.reward_timeouts_F,
                             self.reward_errors_F + other.reward_errors_F,
                             (self.error_messages + other.error_messages)[:5])
@@ -134,8 +135,8 @@ class HostCounters:
     def across_hosts(self, stacked: dict[str, np.ndarray]) -> HostCounters:
         """Every host's `arrays()` stacked [H, ...] -> parallel work: the slowest host's time, summed counts."""
         seconds = stacked["seconds"].max(axis=0)
-        return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]), stacked["timeouts_F"].sum(axis=0),
-                            stacked["errors_F"].sum(axis=0), self.error_messages)
+        return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]),
+                            stacked["timeouts_F"].sum(axis=0), stacked["errors_F"].sum(axis=0), self.error_messages)
 
     def metrics(self) -> dict[str, int]:
         """Per-function and total reward timeouts and errors, for metrics.jsonl."""
@@ -176,7 +177,7 @@ def correct_mask(names: tuple[str, ...], components_NK: np.ndarray) -> np.ndarra
     """bool [N]: full credit on a correctness component (math_verify/task) if any, else a positive reward."""
     columns = [k for k, name in enumerate(names) if name in _CORRECTNESS]
     if columns:
-        return (components_NK[:, columns] >= 1.0).any(axis=1)
+        return np.asarray((components_NK[:, columns] >= 1.0).any(axis=1))
     return components_NK.sum(axis=1) > 0
 
 

@@ -201,6 +201,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     start_step, position = 0, 0
     if resume:
         restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding place gave it
+        if restored is None:  # should_resume saw a checkpoint; none is left
+            raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
         state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:
@@ -215,6 +217,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
             publisher.local_path(start_step), dtype=c.model.dtype, weight_version=start_step,
             log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))],
             api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c)))
+        if server.url is None:  # entering the context waits until the service answers at its URL
+            raise RuntimeError("the local generation service started without a URL")
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s,
                                                    api_key=api_key(c), local_server=server))

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import flax.struct
 import jax
@@ -77,22 +78,25 @@ class RowRequest:
     sample: int = 0  # which of the n samples of that prompt (folded in after `stream`)
 
 
+ArrayT = TypeVar("ArrayT")  # what a SamplerBatch holds: np.ndarray from make_batch, jax.Array under jit
+
+
 @flax.struct.dataclass
-class SamplerBatch:
+class SamplerBatch(Generic[ArrayT]):
     """Device inputs of one `generate` call; every field is per row."""
 
-    prompt_ids_BU: jax.Array  # int32, left-padded
-    prompt_positions_BU: jax.Array  # int32, -1 on padding, 0.. on real tokens
-    prompt_lengths_B: jax.Array  # int32 number of real prompt tokens
-    max_new_tokens_B: jax.Array  # int32 budget (<= the static T)
-    temperature_B: jax.Array  # float32, 0 = greedy
-    top_k_B: jax.Array  # int32, 0 = off
-    top_p_B: jax.Array  # float32, 1 = off
-    stop_ids_BE: jax.Array  # int32, -1 = unused slot
-    seeds_B: jax.Array  # uint32
-    streams_B: jax.Array  # int32
-    samples_B: jax.Array  # int32
-    live_B: jax.Array  # bool, False = a padding row added for a static batch size
+    prompt_ids_BU: ArrayT  # int32, left-padded
+    prompt_positions_BU: ArrayT  # int32, -1 on padding, 0.. on real tokens
+    prompt_lengths_B: ArrayT  # int32 number of real prompt tokens
+    max_new_tokens_B: ArrayT  # int32 budget (<= the static T)
+    temperature_B: ArrayT  # float32, 0 = greedy
+    top_k_B: ArrayT  # int32, 0 = off
+    top_p_B: ArrayT  # float32, 1 = off
+    stop_ids_BE: ArrayT  # int32, -1 = unused slot
+    seeds_B: ArrayT  # uint32
+    streams_B: ArrayT  # int32
+    samples_B: ArrayT  # int32
+    live_B: ArrayT  # bool, False = a padding row added for a static batch size
 
 
 @flax.struct.dataclass
@@ -117,7 +121,7 @@ def batch_bucket(n: int) -> int:
 
 
 def make_batch(rows: Sequence[RowRequest], eos_token_ids: Sequence[int], *, batch_size: int,
-               prompt_len: int) -> SamplerBatch:
+               prompt_len: int) -> SamplerBatch[np.ndarray]:
     """Left-pads `rows` into a `SamplerBatch` of static size [batch_size, prompt_len] (host, numpy)."""
     if not rows:
         raise ValueError("rows: need at least one row")
@@ -167,7 +171,7 @@ def _ordered_int32(x: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, jnp.int32(-2**31) - bits - 1, bits)
 
 
-def _largest_threshold(keys_BV: jax.Array, enough: callable) -> jax.Array:
+def _largest_threshold(keys_BV: jax.Array, enough: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """Largest int32 t per row with enough(keys_BV >= t) true, by bisection over all int32 values."""
     lo = jnp.full(keys_BV.shape[:1], -2**31, jnp.int32)  # enough() holds here (everything kept)
     hi = jnp.full(keys_BV.shape[:1], 2**31 - 1, jnp.int32)
@@ -249,7 +253,7 @@ def row_keys(seeds_B: jax.Array, streams_B: jax.Array, samples_B: jax.Array) -> 
     return jax.vmap(one)(seeds_B, streams_B, samples_B)
 
 
-def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, batch: SamplerBatch
+def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, batch: SamplerBatch[jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:
     """Picks one token per row and its log-prob under softmax(logits / temperature)."""
     greedy_B = batch.temperature_B <= 0
@@ -280,7 +284,8 @@ class _LoopState:
     done_B: jax.Array  # bool: row finished (or a padding row)
 
 
-def _record(state: _LoopState, tokens_B: jax.Array, logprobs_B: jax.Array, batch: SamplerBatch) -> _LoopState:
+def _record(state: _LoopState, tokens_B: jax.Array, logprobs_B: jax.Array, batch: SamplerBatch[jax.Array]
+            ) -> _LoopState:
     """Writes the tokens sampled at `state.step` for live rows and updates who is done."""
     active_B = ~state.done_B
     out = state.out
@@ -297,7 +302,7 @@ def _record(state: _LoopState, tokens_B: jax.Array, logprobs_B: jax.Array, batch
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_dtype"))
-def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
+def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
              cache_dtype: jnp.dtype = jnp.float32) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (one compiled program)."""
     model = nnx.merge(graphdef, state)
@@ -335,7 +340,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         rope = jax.tree.map(lambda table_TB1H: table_TB1H[s.step], rope_T)
         logits_B1V, cache = model.decode(s.tokens_B[:, None], positions_B1, s.cache, layers, rope)
         tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, s.step, batch)
-        s = _LoopState(s.step, cache, s.tokens_B, s.out.replace(num_steps=s.out.num_steps + 1), s.done_B)
+        s = _LoopState(s.step, cache, s.tokens_B, dataclasses.replace(s.out, num_steps=s.out.num_steps + 1), s.done_B)
         return _record(s, tokens_B, logprobs_B, batch)
 
     final = jax.lax.while_loop(keep_going, decode_one, loop0)

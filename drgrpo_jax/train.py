@@ -39,9 +39,19 @@ from drgrpo_jax.data import Example, tokenize_prompt
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.outputs import host_array
-from drgrpo_jax.rollout_batch import (HostCounters, ScoredRollout, advantages_N, correct_mask, group_signal_P,
-                                      host_share, merge_host_rows, response_stats, reward_weights, step_seed,
-                                      window_advantages)
+from drgrpo_jax.rollout_batch import (
+    HostCounters,
+    ScoredRollout,
+    advantages_N,
+    correct_mask,
+    group_signal_P,
+    host_share,
+    merge_host_rows,
+    response_stats,
+    reward_weights,
+    step_seed,
+    window_advantages,
+)
 from drgrpo_jax.run import Run, publish_weights, setup
 
 if TYPE_CHECKING:
@@ -74,6 +84,13 @@ def _stop_ids(run: Run) -> list[int]:
     return [int(eos)] if eos is not None else []
 
 
+def _version_number(version: str | None) -> int:
+    """A completion's weight version as a number (generate has checked it against the expected step)."""
+    if version is None:
+        raise ValueError("weight_version: the generation service reported none for a completion")
+    return int(version)
+
+
 def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
                   offset: int) -> tuple[ScoredRollout, HostCounters]:
     """This process's share of the prompts: sampled from the service(s) and scored here."""
@@ -94,7 +111,7 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
                             scored.errors_F, scored.error_messages)
     rows = {"response_ids": sampled.output_ids, "behaviour_logprobs": sampled.logprobs,
             "response_mask": sampled.mask, "lengths": sampled.lengths, "truncated": sampled.truncated,
-            "versions": np.asarray([int(v) for v in sampled.weight_versions], np.int64),
+            "versions": np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
             "components": scored.components_NK}
     return ScoredRollout.from_rows(examples, prompts, rows), counters
 
@@ -317,8 +334,9 @@ def _evaluate(run: Run, step: int) -> dict[str, Any]:
                                        skip_special_tokens=True)
     result = run.scorer.score(texts, list(examples))
     stats = response_stats(rollout.lengths, rollout.truncated, correct_mask(result.names, result.components_NK))
-    row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()}, "eval/reward_mean": float(result.total_N().mean()),
-           "eval/num_prompts": len(examples), "eval_seconds": time.perf_counter() - start}
+    row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()},
+           "eval/reward_mean": float(result.total_N().mean()), "eval/num_prompts": len(examples),
+           "eval_seconds": time.perf_counter() - start}
     return row
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,8 @@ from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
 
-__all__ = ["Batch", "StepConfig", "TrainState", "in_float32", "make_optimizer", "init_state", "policy_logprobs", "train_step",
-           "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
+__all__ = ["Batch", "StepConfig", "TrainState", "in_float32", "make_optimizer", "init_state", "policy_logprobs",
+           "train_step", "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
 
@@ -49,18 +49,21 @@ class TrainState:
     ref_params: nnx.State | None = None
 
 
+ArrayT = TypeVar("ArrayT")  # what a Batch holds: np.ndarray on the host, jax.Array on the mesh (or its shardings)
+
+
 @struct.dataclass
-class Batch:
+class Batch(Generic[ArrayT]):
     """One rollout batch of N responses, as arrays with N leading."""
 
-    prompt_ids: jax.Array  # int32 [N, U], left-padded
-    prompt_mask: jax.Array  # bool [N, U]
-    response_ids: jax.Array  # int32 [N, T], right-padded
-    response_mask: jax.Array  # bool [N, T]: tokens that count in the loss
-    advantages: jax.Array  # float32 [N]
-    old_logprobs: jax.Array  # float32 [N, T]: the policy before this update (recomputed by the trainer)
-    behaviour_logprobs: jax.Array  # float32 [N, T]: the sampler's, for TIS and the mismatch metric
-    row_valid: jax.Array  # bool [N]: False = a padding row added for static shapes
+    prompt_ids: ArrayT  # int32 [N, U], left-padded
+    prompt_mask: ArrayT  # bool [N, U]
+    response_ids: ArrayT  # int32 [N, T], right-padded
+    response_mask: ArrayT  # bool [N, T]: tokens that count in the loss
+    advantages: ArrayT  # float32 [N]
+    old_logprobs: ArrayT  # float32 [N, T]: the policy before this update (recomputed by the trainer)
+    behaviour_logprobs: ArrayT  # float32 [N, T]: the sampler's, for TIS and the mismatch metric
+    row_valid: ArrayT  # bool [N]: False = a padding row added for static shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +214,7 @@ def _unsplit(x):
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, micro: Batch):
+def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, micro: Batch[jax.Array]):
     """This micro-batch's share of the window's loss, and its metric shares."""
     logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.response_mask, temperature=config.temperature,
@@ -242,7 +245,8 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-               config: StepConfig, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+               config: StepConfig, state: TrainState, batch: Batch[jax.Array]
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer window: accumulate micro-batch gradients, then one update (pure)."""
     window = window_stats(batch.response_mask, batch.row_valid)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
@@ -268,7 +272,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     def keep_if_skipped(new, old):
         return jnp.where(skipped, old, new)
 
-    new_state = state.replace(
+    new_state = dataclasses.replace(
+        state,
         params=jax.tree.map(keep_if_skipped, params, state.params),
         opt_state=jax.tree.map(keep_if_skipped, opt_state, state.opt_state),
         step=state.step + 1,
@@ -295,11 +300,11 @@ def batch_shardings(mesh: Mesh) -> Batch:
 
 def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh) -> TrainState:
     """Shardings of a state: optimizer moments shaped like the params follow them, the rest is replicated."""
-    replicated = NamedSharding(mesh, P())
+    replicated: Any = NamedSharding(mesh, P())  # shardings where the arrays would be
     params_structure = jax.tree.structure(state.params)
 
     def like_params(node) -> bool:
-        return jax.tree.structure(node) == params_structure
+        return jax.tree.structure(node) == params_structure  # type: ignore[operator]  # jaxlib has no PyTreeDef stub
 
     return TrainState(
         params=params_shardings,

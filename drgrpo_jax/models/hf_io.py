@@ -10,7 +10,8 @@ import dataclasses
 import json
 import os
 import struct as pystruct
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,12 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
         header = json.loads(f.read(size))
     header.pop("__metadata__", None)
     return header, 8 + size
+
+
+class TensorIndex(Protocol):
+    """HF tensor name -> host array in HF layout (`SafetensorsIndex`, `gguf_io.GGUFIndex`)."""
+
+    def get(self, name: str) -> np.ndarray: ...
 
 
 class SafetensorsIndex:
@@ -163,7 +170,7 @@ def _to_hf(name: str, w: np.ndarray, config: DecoderConfig) -> np.ndarray:
     return _LAYER_MAP[name][2](w, config) if name in _LAYER_MAP else w
 
 
-def hf_param_reader(index: SafetensorsIndex, config: DecoderConfig) -> Callable[[str], np.ndarray]:
+def hf_param_reader(index: TensorIndex, config: DecoderConfig) -> Callable[[str], np.ndarray]:
     """Function: our parameter path -> host numpy array in our layout (layers stacked)."""
 
     def read(path: str) -> np.ndarray:
@@ -202,8 +209,10 @@ def build_model(config: DecoderConfig, read: Callable[[str], np.ndarray], *, dty
         else:
             sharding = named_sharding(name, shape, axes, mesh, rules)
             # Each device receives only its own slice of the host array.
-            value = jax.make_array_from_callback(
-                shape, sharding, lambda index, host=host: np.asarray(host[index], dtype=np_dtype))
+            def device_slice(index, host: np.ndarray = host) -> np.ndarray:
+                return np.asarray(host[index], dtype=np_dtype)
+
+            value = jax.make_array_from_callback(shape, sharding, device_slice)
         variable.set_value(value) if hasattr(variable, "set_value") else setattr(variable, "value", value)
     return nnx.merge(graphdef, state)
 

@@ -14,7 +14,9 @@ updates in place; `init_cache` makes the stacked [L, B, S, C, H] form that shard
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +36,8 @@ _MASKED = -1e30
 class KVCache:
     """Explicit decode state: keys/values per layer and the position stored in each slot."""
 
-    k: jax.Array  # [L, B, S, C, H]; a decode loop carries a tuple of L [B, C, S, H] arrays (`split_cache`)
-    v: jax.Array  # as k
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, C, H]; a decode loop carries L [B, C, S, H] (`split_cache`)
+    v: jax.Array | tuple[jax.Array, ...]  # as k
     positions_BS: jax.Array  # int32, -1 = empty slot or padding token
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
 
@@ -48,9 +50,11 @@ _CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
     """NamedShardings for a cache (a KVCache of shardings, usable as in/out_shardings)."""
-    arrays = {name: named_sharding(f"cache.{name}", getattr(cache, name).shape, axes, mesh, rules)
-              for name, axes in _CACHE_AXES.items()}
-    return KVCache(**arrays, length=NamedSharding(mesh, PartitionSpec()))
+    # Shardings where the arrays would be: Any, as KVCache's fields are typed for arrays.
+    shardings: dict[str, Any] = {name: named_sharding(f"cache.{name}", getattr(cache, name).shape, axes, mesh, rules)
+                                 for name, axes in _CACHE_AXES.items()}
+    shardings["length"] = NamedSharding(mesh, PartitionSpec())
+    return KVCache(**shardings)
 
 
 def init_cache(config: DecoderConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -95,7 +99,7 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
     L, D, I = config.num_layers, config.hidden_size, config.intermediate_size
     Q, C, H = config.num_heads, config.num_kv_heads, config.head_dim
     norm = "zeros" if config.gemma_norms else "ones"
-    specs = {
+    specs: dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]] = {
         "attn_norm": ((L, D), ("layers", "embed"), norm),
         "q_proj": ((L, D, Q, H), ("layers", "embed", "q_heads", "head_dim"), "normal"),
         "k_proj": ((L, D, C, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
@@ -123,8 +127,10 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
 
 def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
     """Every parameter's (shape, logical axes), keyed by its path ("embed", "blocks/q_proj", ...)."""
-    out = {"embed": ((config.vocab_size, config.hidden_size), ("vocab", "embed")),
-           "final_norm": ((config.hidden_size,), ("embed",))}
+    out: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {
+        "embed": ((config.vocab_size, config.hidden_size), ("vocab", "embed")),
+        "final_norm": ((config.hidden_size,), ("embed",)),
+    }
     if not config.tie_word_embeddings:
         out["lm_head"] = ((config.hidden_size, config.vocab_size), ("embed", "vocab"))
     for name, (shape, axes, _) in _param_specs(config).items():
@@ -132,9 +138,11 @@ def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple
     return out
 
 
-def _init(kind: str, key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+def _init(kind: str, key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
     """Random or constant initial value."""
     if kind == "normal":
+        if key is None:
+            raise ValueError("a 'normal' initial value needs a random key")
         return (0.02 * jax.random.normal(key, shape, _F32)).astype(dtype)
     return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
 
@@ -366,14 +374,14 @@ def split_cache(cache: KVCache) -> KVCache:
     and attention reads without a transpose (slicing a layer out of the stacked array is a copy, and its
     [B, S, C, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
     """
-    return cache.replace(k=tuple(jnp.swapaxes(k_BSCH, 1, 2) for k_BSCH in cache.k),
-                         v=tuple(jnp.swapaxes(v_BSCH, 1, 2) for v_BSCH in cache.v))
+    return dataclasses.replace(cache, k=tuple(jnp.swapaxes(k_BSCH, 1, 2) for k_BSCH in cache.k),
+                               v=tuple(jnp.swapaxes(v_BSCH, 1, 2) for v_BSCH in cache.v))
 
 
 def stack_cache(cache: KVCache) -> KVCache:
     """The inverse of `split_cache`: stacked [L, B, S, C, H] keys/values."""
-    return cache.replace(k=jnp.stack([jnp.swapaxes(k, 1, 2) for k in cache.k]),
-                         v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))
+    return dataclasses.replace(cache, k=jnp.stack([jnp.swapaxes(k, 1, 2) for k in cache.k]),
+                               v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))
 
 
 def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[str, jax.Array], ...]:
@@ -486,7 +494,7 @@ class Transformer(nnx.Module):
         split = split_cache(cache) if stacked else cache
         x_BTD, k, v = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
         if stacked:
-            restacked = stack_cache(split.replace(k=k, v=v))
+            restacked = stack_cache(dataclasses.replace(split, k=k, v=v))
             k, v = restacked.k, restacked.v
         hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
         new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
