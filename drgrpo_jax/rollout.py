@@ -87,7 +87,8 @@ def check_versions(versions: Sequence[str | None], expected: str | int, max_stal
         if version == expected_text:
             continue
         numeric = version is not None and version.lstrip("-").isdigit() and expected_text.isdigit()
-        if max_staleness > 0 and numeric and int(expected_text) - max_staleness <= int(version) <= int(expected_text):
+        if max_staleness > 0 and numeric and version is not None and \
+                int(expected_text) - max_staleness <= int(version) <= int(expected_text):
             continue
         raise StaleWeightsError(f"weight_version: got {version!r}, expected {expected_text!r}"
                                 + (f" (at most {max_staleness} versions old)" if max_staleness else ""))
@@ -396,6 +397,8 @@ class LocalServer:
 
     def log_tail(self, num_chars: int = 3000) -> str:
         """The end of the child's log."""
+        if self.log_path is None:
+            return ""
         try:
             with open(self.log_path, "rb") as f:
                 return f.read()[-num_chars:].decode(errors="replace")

@@ -86,6 +86,7 @@ def _prompts(text: str | list[str] | None, input_ids: list | None, tokenizer: An
             raise BadRequest(f"{field}: this server has no tokenizer; send token ids")
         texts = [text] if isinstance(text, str) else text
         return _tokenize(texts, tokenizer, field, max_context), not isinstance(text, str)
+    assert input_ids is not None  # exactly one of the two was given (checked above)
     is_batch = bool(input_ids) and isinstance(input_ids[0], list)
     return (input_ids if is_batch else [input_ids]), is_batch
 
@@ -337,7 +338,8 @@ async def models(request: Request) -> dict:
 def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) -> list[list[int]]:
     """Token-id prompts from OpenAI's `prompt`: a text, texts, token ids or lists of token ids."""
     text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
-    prompts, _ = _prompts(text, None if text is not None else prompt, tokenizer, "prompt", max_context)
+    ids = None if text is not None or isinstance(prompt, str) else prompt
+    prompts, _ = _prompts(text, ids, tokenizer, "prompt", max_context)
     return prompts
 
 
@@ -437,11 +439,12 @@ def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None
                   lifespan=functools.partial(_publish_port, port_file=port_file, port=port))
     app.state.service = Service(engine, tokenizer, config.served_model_name or config.model,
                                 normalize_roots(config.weights_roots))
-    app.add_exception_handler(RequestValidationError, _invalid_request)
-    app.add_exception_handler(BadRequest, _bad_request)
-    app.add_exception_handler(QueueFull, _busy)
-    app.add_exception_handler(ClientGone, _client_gone)
-    app.add_exception_handler(HTTPException, _http_error)
+    # Starlette types a handler as taking any Exception; each of these takes only the type it is registered for.
+    handlers: list[tuple[type[Exception], Any]] = [(RequestValidationError, _invalid_request),
+                                                    (BadRequest, _bad_request), (QueueFull, _busy),
+                                                    (ClientGone, _client_gone), (HTTPException, _http_error)]
+    for error_type, handler in handlers:
+        app.add_exception_handler(error_type, handler)
     for method, path, handler in _ROUTES:
         app.add_api_route(path, handler, methods=[method])
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
