@@ -65,7 +65,7 @@ def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
     from drgrpo_jax.train_step import init_state, make_optimizer, place, state_shardings
 
     data, fsdp, tensor = mesh
-    config = load_config(None, [f"model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+    config = load_config(None, ["model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                 f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
     tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)

@@ -47,7 +47,8 @@ def forward(model, ids):
 def full_forward_logprobs(model, prompt, completion, temperature):
     """log softmax(logits / temperature) of each completion token from one unpadded full forward."""
     logits_TV = forward(model, list(prompt) + list(completion))[len(prompt) - 1:-1] / temperature
-    return np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits_TV, -1), jnp.asarray(completion)[:, None], -1)[:, 0])
+    logprobs_TV = jax.nn.log_softmax(logits_TV, -1)
+    return np.asarray(jnp.take_along_axis(logprobs_TV, jnp.asarray(completion)[:, None], -1)[:, 0])
 
 
 def test_greedy_equals_argmax_of_repeated_full_forwards(model):
