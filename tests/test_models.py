@@ -14,6 +14,8 @@ from flax import nnx
 from drgrpo_jax.models import DecoderConfig, Transformer, from_hf_config, from_pretrained, init_cache, save_pretrained
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache, stack_cache, write_slots
 
+pytestmark = pytest.mark.heavy  # every model family against transformers, compiled per shape
+
 VOCAB = 96
 TOL = 1e-4
 

@@ -13,6 +13,8 @@ from flax import nnx
 
 from drgrpo_jax.models import from_pretrained, init_cache
 
+pytestmark = pytest.mark.heavy  # GGUF models compiled and compared with transformers
+
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

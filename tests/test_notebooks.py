@@ -24,6 +24,8 @@ from nbclient import NotebookClient
 
 from drgrpo_jax import LossConfig, advantages, loss_fn
 
+pytestmark = pytest.mark.heavy  # the notebooks' claims run seeded toy trainings
+
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 FIGURES = {"length_bias": "length_bias.png", "difficulty_bias": "difficulty_bias.png",

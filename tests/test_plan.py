@@ -58,6 +58,7 @@ def test_7b_plan_matches_the_hand_calculation():
     assert result["fits"] == {"trainer": True, "service": True}
 
 
+@pytest.mark.heavy  # a train state placed on each mesh
 @pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
 def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
     """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""

@@ -10,6 +10,8 @@ from drgrpo_jax import sampling
 from drgrpo_jax.models import DecoderConfig, Transformer, init_cache
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
+pytestmark = pytest.mark.heavy  # the sampler compiled per batch shape and filter
+
 VOCAB = 97
 PROMPTS = ((5, 17, 3), (40, 2, 9, 11, 60, 7, 8), (1,))
 

@@ -20,6 +20,8 @@ from drgrpo_jax.sharding import (
     shard_model,
 )
 
+pytestmark = pytest.mark.heavy  # models placed and compiled on several meshes
+
 CONFIG = DecoderConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(2,))
 

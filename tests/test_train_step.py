@@ -28,6 +28,8 @@ from drgrpo_jax.train_step import (
 from helpers import STEP_RESPONSE, STEP_ROWS, make_step_batch, tiny_decoder_config
 from two_processes import run_two_processes
 
+pytestmark = pytest.mark.heavy  # the sharded training step compiled on several meshes
+
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 TINY = tiny_decoder_config()
 
