@@ -14,3 +14,79 @@ import jax  # noqa: E402  (must come after XLA_FLAGS)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import contextlib  # noqa: E402
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+from helpers import write_prompts, write_tiny_llama  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# Shared inputs, built once per session
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """The folder of helpers.write_tiny_llama's default model (seed 0, vocab 51): read-only for tests."""
+    return write_tiny_llama(str(tmp_path_factory.mktemp("tiny_model") / "model"))
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory) -> str:
+    """40 arithmetic prompts as JSONL (helpers.write_prompts): read-only for tests."""
+    return write_prompts(str(tmp_path_factory.mktemp("prompts") / "prompts.jsonl"), 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# Markers: slow runs only when -m names it; a test that starts a process must say so
+# ---------------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config, items):
+    """A -m given on the command line replaces addopts' -m 'not slow': `-m "not subprocess"` would run the
+    slow checks too. Slow tests run only when the -m expression names them (`-m slow`, `-m "slow or ..."`)."""
+    if "slow" in config.getoption("markexpr", ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+@contextlib.contextmanager
+def _no_processes_unless_marked(item):
+    """While an unmarked test (or a fixture it sets up) runs, starting a process fails it: the service,
+    reward workers, the trainer CLI, notebook kernels and scripts all start through subprocess.Popen or
+    multiprocessing."""
+    if item.get_closest_marker("subprocess") is not None:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{item.nodeid} starts a process but is not marked subprocess: add @pytest.mark.subprocess "
+                    "(or the module's pytestmark)", pytrace=False)
+
+    targets = [(subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in targets]
+    for owner, name in targets:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes_unless_marked(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes_unless_marked(item):
+        yield

@@ -28,14 +28,15 @@ def main(process_id: int, port: int, out: str) -> None:
     from jax.sharding import PartitionSpec as P
 
     from drgrpo_jax import advantages
-    from test_gdpo import WEIGHTS, eight_group_batch
+
+    from helpers import GDPO_WEIGHTS, eight_group_batch
 
     components, valid = eight_group_batch()
     mine = slice(4 * process_id, 4 * process_id + 4)  # this host's groups only
     mesh = jax.make_mesh((8,), ("data",), devices=jax.devices())
     rows = NamedSharding(mesh, P("data"))
     local = [jax.make_array_from_process_local_data(rows, x[mine], x.shape) for x in (components, valid)]
-    fn = jax.jit(jax.shard_map(lambda c, v: advantages.gdpo(c, jnp.asarray(WEIGHTS), v, axis_name="data"),
+    fn = jax.jit(jax.shard_map(lambda c, v: advantages.gdpo(c, jnp.asarray(GDPO_WEIGHTS), v, axis_name="data"),
                                mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data")))
     result = multihost_utils.process_allgather(fn(*local), tiled=True)
     if process_id == 0:

@@ -29,25 +29,32 @@ def main(process_id: int, port: int, out: str) -> None:
     from jax.experimental import multihost_utils
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_train_step import RESPONSE, TINY, make_batch
-
     from drgrpo_jax import LossConfig
     from drgrpo_jax.models import Transformer
     from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-    from drgrpo_jax.train_step import (StepConfig, init_state, jit_policy_logprobs, jit_train_step, place,
-                                       shard_batch, state_shardings)
+    from drgrpo_jax.train_step import (
+        StepConfig,
+        init_state,
+        jit_policy_logprobs,
+        jit_train_step,
+        place,
+        shard_batch,
+        state_shardings,
+    )
+
+    from helpers import STEP_RESPONSE, make_step_batch, tiny_decoder_config
 
     assert jax.process_count() == 2 and jax.device_count() == 8
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
-    model = Transformer(TINY, rngs=nnx.Rngs(0))  # identical on every process; placed below
+    model = Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0))  # identical on every process; placed below
     optimizer = optax.sgd(0.5)
-    config = StepConfig(loss=LossConfig(budget=RESPONSE), micro_batches=2, logprob_chunk=5)
+    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), micro_batches=2, logprob_chunk=5)
     graphdef, state = init_state(model, optimizer, jax.random.key(0))
     params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
     state = place(state, shardings)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
-    whole = make_batch()
+    whole = make_step_batch()
     half = len(whole.row_valid) // 2
     local = jax.tree.map(lambda x: x[process_id * half:(process_id + 1) * half], whole)
     batch = shard_batch(local, mesh)

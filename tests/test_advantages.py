@@ -4,12 +4,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax import advantages, compute_advantages
+
+import oracles
 
 
 def _cases():
@@ -109,7 +110,8 @@ def test_whiten_and_group_std():
 
 def test_compute_advantages_follows_the_table():
     rewards, valid = _cases()
-    np.testing.assert_allclose(compute_advantages("dr_grpo", rewards, valid), oracles.dr_grpo(rewards, valid), atol=1e-6)
+    np.testing.assert_allclose(compute_advantages("dr_grpo", rewards, valid), oracles.dr_grpo(rewards, valid),
+                               atol=1e-6)
     np.testing.assert_allclose(compute_advantages("dapo", rewards, valid), oracles.grpo(rewards, valid), atol=1e-5)
     scaled = compute_advantages("rloo", rewards, valid, scale_rewards=True)
     assert np.all(np.isfinite(scaled))

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.errors import ConfigError
@@ -69,7 +70,8 @@ def test_cadence_force_and_retention(tmp_path):
     state = _train_state(0)
     with Checkpointer(tmp_path, save_every=2, keep=2) as checkpointer:
         assert checkpointer.restore_latest(jax.eval_shape(lambda: state)) is None
-        saved = [step for step in range(1, 8) if checkpointer.save(step, state, {"data_position": step}, force=step == 7)]
+        saved = [step for step in range(1, 8)
+                 if checkpointer.save(step, state, {"data_position": step}, force=step == 7)]
         assert saved == [2, 4, 6, 7]
         assert not checkpointer.save(7, state, {"data_position": 7}, force=True)  # the end right after a save
         assert checkpointer.all_steps() == [6, 7] and checkpointer.latest_step() == 7
@@ -107,6 +109,7 @@ CRASH_MID_SAVE = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess  # a checkpointing process killed mid-save
 def test_crash_mid_save_leaves_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")

@@ -57,7 +57,8 @@ def test_reasoning_gym_task_options_and_errors():
     assert all(e.question.count("+") + e.question.count("-") >= 1 for e in load_dataset(config, 0).train)
     with pytest.raises(ConfigError) as info:
         load_dataset(DataConfig(task="basic_arithmetc"), 0)
-    assert str(info.value).startswith("data.task: unknown reasoning-gym task") and "did you mean basic_arithmetic?" in str(info.value)
+    assert str(info.value).startswith("data.task: unknown reasoning-gym task")
+    assert "did you mean basic_arithmetic?" in str(info.value)
     with pytest.raises(ConfigError) as info:
         load_dataset(DataConfig(task="chain_sum", task_options={"no_such_option": 1}, size=2), 0)
     assert str(info.value).startswith("data.task_options: chain_sum")
@@ -83,7 +84,8 @@ def test_separate_eval_file(tmp_path):
     _write_jsonl(tmp_path / "test.jsonl", ROWS[:3])
     config = dataclasses.replace(_file_config(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"))
     dataset = load_dataset(config, seed=0)
-    assert len(dataset.train) == 20 and [e.prompt_id for e in dataset.eval] == ["test-eval/0", "test-eval/1", "test-eval/2"]
+    assert len(dataset.train) == 20
+    assert [e.prompt_id for e in dataset.eval] == ["test-eval/0", "test-eval/1", "test-eval/2"]
 
 
 def test_file_errors_name_the_field(tmp_path):
@@ -147,7 +149,8 @@ def _tiny_tokenizer(chat_template: str | None):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<bos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "What", "is", "2", "+", "?", "Answer", "Be", "brief"]
+    words = ["<bos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>",
+             "What", "is", "2", "+", "?", "Answer", "Be", "brief"]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])

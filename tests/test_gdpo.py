@@ -15,7 +15,8 @@ from drgrpo_jax.config import load_config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.rollout_batch import window_advantages
 
-WEIGHTS = [1.0, 0.5, 2.0]
+from helpers import GDPO_WEIGHTS as WEIGHTS
+from helpers import eight_group_batch, mixed_batch, start_trainer, trainer_overrides
 
 
 def oracle_combined(components, weights, valid, eps=1e-4):
@@ -42,25 +43,9 @@ def oracle(components, weights, valid, eps=1e-4):
     return out
 
 
-def _mixed_batch():
-    """Components of very different scales, a collapsed component, ragged groups and padding slots."""
-    rng = np.random.default_rng(0)
-    shape = (7, 6)
-    components = np.stack([rng.integers(0, 2, shape), rng.normal(300.0, 150.0, shape), rng.normal(0, 0.01, shape)], -1)
-    components = components.astype(np.float32)
-    components[0, :, 0] = 1.0  # correctness collapsed in group 0: contributes exactly 0
-    components[1, :, :] = [0.0, 250.0, 0.005]  # every component collapsed: zero-signal group
-    valid = np.ones(shape, bool)
-    valid[2, 4:] = False  # ragged group of 4
-    valid[3, 1:] = False  # a group of one
-    valid[4, :] = False  # all padding
-    components[~valid] = 1e6  # garbage in padding slots must not leak into any statistic
-    return components, valid
-
-
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_gdpo_matches_float64_oracle(use_jit):
-    components, valid = _mixed_batch()
+    components, valid = mixed_batch()
     fn = jax.jit(advantages.gdpo) if use_jit else advantages.gdpo
     got = np.asarray(fn(components, jnp.asarray(WEIGHTS), valid))
     np.testing.assert_allclose(got, oracle(components, WEIGHTS, valid), rtol=1e-5, atol=1e-5)
@@ -99,8 +84,8 @@ def test_b_length_does_not_drown_correctness():
     got = np.asarray(advantages.gdpo_combined(np.stack([correct, length], -1), [1.0, 1.0]))[0]
     assert np.argmax(got) in (0, 1)  # GDPO: the highest advantage goes to a right answer
     assert got[:2].mean() > 0 > got[2:].mean()  # both components count on one scale (z-scores)
-    np.testing.assert_allclose(got, oracle_combined(np.stack([correct, length], -1), [1.0, 1.0], np.ones((1, 4), bool))[0],
-                               rtol=1e-6)
+    want = oracle_combined(np.stack([correct, length], -1), [1.0, 1.0], np.ones((1, 4), bool))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_c_two_varying_components_weigh_twice_one():
@@ -121,7 +106,8 @@ def test_d_each_window_is_whitened_on_its_own():
     second, mean2, std2 = window_advantages(combined[8:], valid[8:], signal[8:])
     separate = np.concatenate([first, second])
     assert np.abs(together - separate).max() > 0.1
-    np.testing.assert_allclose(first, (combined[:8] - combined[:8].mean()) / (combined[:8].std(ddof=1) + 1e-4), rtol=1e-5)
+    np.testing.assert_allclose(first, (combined[:8] - combined[:8].mean()) / (combined[:8].std(ddof=1) + 1e-4),
+                               rtol=1e-5)
     np.testing.assert_allclose([mean2, std2], [combined[8:].mean(), combined[8:].std(ddof=1)], rtol=1e-5)
     # Padding and zero-signal rows stay 0; padding rows do not enter the statistics.
     valid[3] = False
@@ -129,12 +115,6 @@ def test_d_each_window_is_whitened_on_its_own():
     padded, mean, _ = window_advantages(combined[:8], valid[:8], signal[:8])
     assert padded[3] == 0 and padded[5] == 0
     np.testing.assert_allclose(mean, combined[:8][valid[:8]].mean(), rtol=1e-5)
-
-
-def eight_group_batch():
-    """The mixed batch with one more group, so 8 devices (or 2 processes x 4) hold whole groups each."""
-    components, valid = _mixed_batch()
-    return np.concatenate([components, components[:1]]), np.concatenate([valid, valid[:1]])
 
 
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
@@ -148,6 +128,7 @@ def test_sharded_batch_gives_the_same_advantages(devices):
     np.testing.assert_allclose(sharded, whole, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.subprocess  # two jax.distributed processes
 def test_two_processes_each_feeding_half_give_the_same_advantages(tmp_path):
     """jax.distributed on loopback: each process holds 4 of the 8 groups; the whitening spans both."""
     from two_processes import run_two_processes
@@ -206,20 +187,18 @@ def letters(completion: str, example) -> dict[str, float]:
     return {"has_letter_a": float("a" in completion), "count_b": float(completion.count("b")), "unused": 1.0}
 
 
+@pytest.mark.subprocess  # the trainer CLI and its generation service
 @pytest.mark.slow  # a trainer run with its service child process: 47 s measured on 2 busy cores
-def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path):
+def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path, tiny_model, prompts_file):
     import json
     import os
 
-    from test_train import _overrides, _start, write_prompts, write_tiny_model
-
-    inputs = {"model": write_tiny_model(str(tmp_path / "model")), "prompts": write_prompts(str(tmp_path / "p.jsonl"), 40)}
     output_dir = tmp_path / "gdpo"
-    overrides = _overrides(inputs, output_dir, steps=2) + [
+    overrides = trainer_overrides(tiny_model, prompts_file, output_dir, steps=2) + [
         "algorithm.name=gdpo", "reward.functions=[test_gdpo:letters,format]",
         "reward.components=[has_letter_a,count_b,format]", "reward.weights=[1.0,0.25,0.5]", "train.eval_every=0",
         "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=2"]
-    process = _start(overrides)
+    process = start_trainer(overrides)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:

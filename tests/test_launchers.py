@@ -11,7 +11,10 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO, trainer_overrides, write_prompts, write_tiny_llama
+
+pytestmark = pytest.mark.subprocess  # every test runs a launcher script
+
 TPU = os.path.join(REPO, "scripts", "launch_tpu_pod.sh")
 GPU = os.path.join(REPO, "scripts", "launch_gpu.sh")
 WAIT = ("bash -c 'for u in \"$@\"; do for t in $(seq 450); do curl -sf \"$u/health\" > /dev/null && continue 2; "
@@ -69,7 +72,8 @@ def test_tpu_services_on_a_separate_slice_and_on_spare_chips():
     assert result.returncode == 0, result.stderr
     assert "s3cret" not in result.stdout + result.stderr  # the variable's name is shown, never its value
     lines = [shlex.split(line) for line in result.stdout.splitlines()]
-    starts = [line for line in lines if line[5] == "gen" and line[6].startswith("--worker=") and line[6] != "--worker=all"]
+    starts = [line for line in lines
+              if line[5] == "gen" and line[6].startswith("--worker=") and line[6] != "--worker=all"]
     assert [line[6] for line in starts] == ["--worker=0", "--worker=1"]
     assert "TPU_VISIBLE_CHIPS=1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1" in starts[0][-1]
     assert "--host 0.0.0.0 --port 30001 --max-batch-size 32 --api-key-env GEN_KEY" in starts[0][-1]
@@ -151,11 +155,13 @@ def test_gpu_single_host_services_take_the_last_gpus():
     assert result.returncode == 0, result.stderr
     lines = commands(result.stdout)
     for k in range(2):
-        assert shlex.split(lines[k]) == shlex.split(f"env CUDA_VISIBLE_DEVICES={6 + k} python3 -m drgrpo_jax.serve --config c.yaml --model /m "
-                            f"--host 127.0.0.1 --port {30000 + k} --max-batch-size 32 > /tmp/l/serve_{k}.log 2>&1 &")
-    assert shlex.split(lines[-1]) == shlex.split("env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 python3 -m "
-                         "drgrpo_jax.train --config c.yaml 'rollout.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]' "
-                         "model.path=/m > /tmp/l/train_0.log 2>&1 &")
+        assert shlex.split(lines[k]) == shlex.split(
+            f"env CUDA_VISIBLE_DEVICES={6 + k} python3 -m drgrpo_jax.serve --config c.yaml --model /m "
+            f"--host 127.0.0.1 --port {30000 + k} --max-batch-size 32 > /tmp/l/serve_{k}.log 2>&1 &")
+    assert shlex.split(lines[-1]) == shlex.split(
+        "env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 python3 -m "
+        "drgrpo_jax.train --config c.yaml 'rollout.urls=[http://127.0.0.1:30000,http://127.0.0.1:30001]' "
+        "model.path=/m > /tmp/l/train_0.log 2>&1 &")
 
 
 def test_gpu_slurm_dry_run_derives_ids_from_srun():
@@ -193,7 +199,7 @@ def _free_port() -> int:
 
 
 def recorded_letter_a(completion: str, example) -> float:
-    """test_train.has_letter_a, recording which trainer process (the reward worker's parent) scored what."""
+    """helpers.has_letter_a, recording which trainer process (the reward worker's parent) scored what."""
     folder = os.environ.get("REWARD_RECORD_DIR")
     if folder:
         with open(os.path.join(folder, f"{os.getppid()}.txt"), "a") as f:
@@ -207,12 +213,8 @@ def nan_on_flagged_host(completion: str, example) -> float:
 
 
 def _overrides_2p(inputs_dir, out, reward: str = "test_launchers:recorded_letter_a") -> list[str]:
-    """test_train's tiny 2-step run (4 prompts x 4), without eval, on 2 data-parallel devices."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_train import _overrides
-
-    inputs = {"model": str(inputs_dir / "model"), "prompts": str(inputs_dir / "prompts.jsonl")}
-    overrides = [o for o in _overrides(inputs, out, 2)
+    """The tiny 2-step trainer run (4 prompts x 4), without eval, on 2 data-parallel devices."""
+    overrides = [o for o in trainer_overrides(str(inputs_dir / "model"), str(inputs_dir / "prompts.jsonl"), out, 2)
                  if not o.startswith(("train.eval_every", "mesh.data", "reward.functions"))]
     return overrides + ["train.eval_every=0", "mesh.data=2", f"reward.functions=[{reward},format]"]
 
@@ -247,10 +249,7 @@ def _scored(tmp_path, processes: int) -> list[list[str]]:
 
 
 def _inputs(tmp_path):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_train import write_prompts, write_tiny_model
-
-    write_tiny_model(str(tmp_path / "model"))
+    write_tiny_llama(str(tmp_path / "model"))
     write_prompts(str(tmp_path / "prompts.jsonl"), 40)
     (tmp_path / "base.yaml").write_text("model: {dtype: float32}\n")  # drgrpo_jax.serve reads model.* from it
 
@@ -307,7 +306,8 @@ def test_a_reward_failure_on_process_1_stops_both(tmp_path):
                 pytest.fail("a process hung after the other's reward failure")
     for i, (process, stderr) in enumerate(zip(processes, errors)):
         last = [line for line in stderr.splitlines() if line.strip()][-1]
-        assert process.returncode == 1 and last.startswith("python -m drgrpo_jax.train: RewardError: "), (i, stderr[-2000:])
+        assert process.returncode == 1, (i, stderr[-2000:])
+        assert last.startswith("python -m drgrpo_jax.train: RewardError: "), (i, stderr[-2000:])
     assert "sampling or scoring step 1 failed on process 1" in errors[0]
     assert "nan" in errors[1].lower()
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()

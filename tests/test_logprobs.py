@@ -9,6 +9,8 @@ from flax import nnx
 from drgrpo_jax.models import DecoderConfig, Transformer
 from drgrpo_jax.models.logprobs import naive_token_logprobs, sequence_logprobs, token_logprobs
 
+pytestmark = pytest.mark.heavy  # model forwards compiled per chunking
+
 
 def _inputs(B=3, T=37, D=16, V=101, seed=0):
     """Random hidden states, output projection and targets."""

@@ -5,13 +5,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax import LossConfig, loss_fn, window_stats
 from drgrpo_jax.errors import FieldError
+
+import oracles
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 BUDGET = 1024

@@ -11,9 +11,10 @@ import torch
 import transformers
 from flax import nnx
 
-from drgrpo_jax.models import (DecoderConfig, Transformer, from_hf_config, from_pretrained, init_cache,
-                               save_pretrained)
+from drgrpo_jax.models import DecoderConfig, Transformer, from_hf_config, from_pretrained, init_cache, save_pretrained
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache, stack_cache, write_slots
+
+pytestmark = pytest.mark.heavy  # every model family against transformers, compiled per shape
 
 VOCAB = 96
 TOL = 1e-4
@@ -241,7 +242,7 @@ def test_remat_gives_same_gradients():
     grads = []
     for remat in (False, True):
         graphdef, state = nnx.split(Transformer(dataclasses.replace(config, remat=remat), rngs=nnx.Rngs(0)))
-        grads.append(jax.jit(jax.grad(lambda s: nnx.merge(graphdef, s)(ids).mean()))(state))
+        grads.append(jax.jit(jax.grad(lambda s, graphdef=graphdef: nnx.merge(graphdef, s)(ids).mean()))(state))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads[0], grads[1])
 
 

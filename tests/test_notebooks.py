@@ -24,9 +24,12 @@ from nbclient import NotebookClient
 
 from drgrpo_jax import LossConfig, advantages, loss_fn
 
+pytestmark = pytest.mark.heavy  # the notebooks' claims run seeded toy trainings
+
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-FIGURES = {"length_bias": "length_bias.png", "difficulty_bias": "difficulty_bias.png", "compare_runs": "compare_runs.png"}
+FIGURES = {"length_bias": "length_bias.png", "difficulty_bias": "difficulty_bias.png",
+           "compare_runs": "compare_runs.png"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +88,7 @@ def test_committed_notebook_carries_its_outputs(path):
 
 # Executing a notebook starts a kernel and JAX; together they take about a minute on 2 cores, which
 # the issue asks for in the default suite so the notebooks cannot rot.
+@pytest.mark.subprocess  # a Jupyter kernel (nbclient)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     figure_dir = tmp_path / "figures"
@@ -107,6 +111,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_grpo_drgrpo.sh"
 
 
+@pytest.mark.subprocess  # scripts/compare_grpo_drgrpo.sh
 def test_compare_script_runs_both_algorithms_with_the_same_config_then_plots(tmp_path):
     # A stand-in python records each command instead of training for minutes.
     log = tmp_path / "calls.txt"
@@ -128,6 +133,7 @@ def test_compare_script_runs_both_algorithms_with_the_same_config_then_plots(tmp
     ]
 
 
+@pytest.mark.subprocess  # scripts/compare_grpo_drgrpo.sh
 @pytest.mark.parametrize("args", [[], ["0"], ["ten"]])
 def test_compare_script_rejects_a_bad_step_count(args):
     result = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True)

@@ -58,6 +58,7 @@ def test_7b_plan_matches_the_hand_calculation():
     assert result["fits"] == {"trainer": True, "service": True}
 
 
+@pytest.mark.heavy  # a train state placed on each mesh
 @pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
 def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
     """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
@@ -65,7 +66,7 @@ def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
     from drgrpo_jax.train_step import init_state, make_optimizer, place, state_shardings
 
     data, fsdp, tensor = mesh
-    config = load_config(None, [f"model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+    config = load_config(None, ["model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                 f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
     tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)

@@ -56,6 +56,7 @@ def test_extract_answer():
     assert extract_answer("no answer here", "answer_tags") is None
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_builtins_and_user_components(scorer, examples):
     right, wrong = examples[0], examples[1]
     completions = [
@@ -73,6 +74,7 @@ def test_builtins_and_user_components(scorer, examples):
     assert metrics["reward/format"] == pytest.approx(2 / 3) and metrics["reward_errors"] == 0
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_math_verify_is_equivalence_not_string_match(scorer):
     half = Example("x/0", "q", "\\frac{1}{2}")
     result = scorer.score(["so \\boxed{0.5}", "so \\boxed{1/2}", "so \\boxed{2}"], [half] * 3)
@@ -80,6 +82,7 @@ def test_math_verify_is_equivalence_not_string_match(scorer):
     assert result.errors_F[2] == 3  # 'task' on a prompt without a reasoning-gym entry: counted, scored 0
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
     completions = ["\\boxed{1} HANG", "\\boxed{1}", "\\boxed{1} HANG", "\\boxed{1}"]
     start = time.monotonic()
@@ -97,6 +100,7 @@ def test_hung_calls_are_killed_counted_and_do_not_stall(scorer, examples):
     assert again.timeouts_F.sum() == 0 and again.components_NK[0, 3] == 0.5
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_crashes_score_zero_and_are_counted(scorer, examples):
     completions = ["RAISE", "EXIT", "fine"]
     result = scorer.score(completions, examples[:3])
@@ -106,6 +110,7 @@ def test_crashes_score_zero_and_are_counted(scorer, examples):
     assert "RuntimeError: user code failed" in joined and "worker died (exit code 3)" in joined
 
 
+@pytest.mark.subprocess  # reward worker processes
 @pytest.mark.parametrize("completion, what", [("STR", "str '0.5'"), ("NONE", "NoneType None")])
 def test_missing_or_non_numeric_component_stops_with_prompt_and_component(scorer, examples, completion, what):
     with pytest.raises(RewardError) as info:
@@ -116,6 +121,7 @@ def test_missing_or_non_numeric_component_stops_with_prompt_and_component(scorer
     assert scorer.score(["fine"], examples[:1]).components_NK[0, 3] == 0.5  # the pool still serves the next batch
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_nan_reward_stops_with_prompt_and_component(scorer, examples):
     with pytest.raises(RewardError) as info:
         scorer.score(["fine", "NAN"], examples[:2])
@@ -133,6 +139,7 @@ def test_bad_import_paths_are_config_errors():
     assert str(info.value).startswith("reward.functions[0]: 'test_rewards' has no function 'missing_fn'")
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_close_stops_every_worker():
     scorer = RewardScorer(RewardConfig(functions=("format",), num_workers=1, timeout_s=TIMEOUT_S))
     processes = [worker.process for worker in scorer._workers]
@@ -166,6 +173,7 @@ def dict_scorer():
         yield scorer
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_components_can_be_keys_of_a_returned_dict(dict_scorer, examples):
     result = dict_scorer.score(["right \\boxed{1}", "wrong"], examples[:2])
     assert result.names == ("length", "format", "correct") and result.weights == (1.0, 1.0, 1.0)
@@ -174,12 +182,14 @@ def test_components_can_be_keys_of_a_returned_dict(dict_scorer, examples):
     assert set(result.metrics()) >= {"reward/length", "reward/correct", "reward/user_dict_reward_errors"}
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_a_failed_call_scores_its_components_zero_and_is_counted(dict_scorer, examples):
     result = dict_scorer.score(["RAISE \\boxed{1}", "right"], examples[:2])
     np.testing.assert_array_equal(result.components_NK, [[0.0, 1.0, 0.0], [5.0, 0.0, 1.0]])
     assert result.errors_F.tolist() == [1, 0]
 
 
+@pytest.mark.subprocess  # reward worker processes
 @pytest.mark.parametrize("completion, message", [
     ("DROP", "reward component 'length' is missing for prompt {id} (response 1): no reward function returned it"),
     ("BAD", "reward component 'length' returned list [1.0], not a number, for prompt {id} (response 1)"),
@@ -191,6 +201,7 @@ def test_a_missing_or_bad_dict_component_stops_with_prompt_and_component(dict_sc
     assert dict_scorer.score(["fine"], examples[:1]).components_NK[0, 0] == 4.0  # still serving
 
 
+@pytest.mark.subprocess  # reward worker processes
 def test_a_dict_needs_reward_components_and_a_number_needs_its_name_listed(examples):
     with RewardScorer(RewardConfig(functions=("test_rewards:user_dict_reward",), num_workers=1)) as scorer:
         with pytest.raises(RewardError, match="'user_dict_reward' returned a dict .* list the keys to use in "
@@ -202,6 +213,7 @@ def test_a_dict_needs_reward_components_and_a_number_needs_its_name_listed(examp
             scorer.score(["fine"], examples[:1])
 
 
+@pytest.mark.subprocess  # a script run as a child process
 def test_works_from_a_script_without_main_guard(tmp_path):
     """Workers are fresh interpreters: a plain script (or notebook) is not re-run in them."""
     import subprocess
@@ -220,6 +232,7 @@ def test_works_from_a_script_without_main_guard(tmp_path):
     assert process.stdout.strip() == "[1.0, 0.0]"
 
 
+@pytest.mark.subprocess  # a script run as a child process
 def test_hung_worker_dies_with_a_killed_parent(tmp_path):
     """A trainer killed mid-scoring leaves no worker behind, even one stuck in a hung call."""
     import signal

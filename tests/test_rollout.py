@@ -11,7 +11,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-from test_serve import write_tiny_llama
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
 from drgrpo_jax.rollout import LocalServer, RolloutClient, check_versions, prompt_seeds, retryable
@@ -245,10 +244,11 @@ def test_arguments_are_validated():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_llama(str(tmp_path_factory.mktemp("rollout") / "m"), seed=0)
+def model_dir(tiny_model):
+    return tiny_model
 
 
+@pytest.mark.subprocess  # the generation service as a child process
 def test_local_server_round_trip_and_clean_stop(model_dir):
     with LocalServer(model_dir, weight_version=5) as server:
         pid = server._process.pid
@@ -281,6 +281,7 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
         httpx.get(url + "/health", timeout=2.0)
 
 
+@pytest.mark.subprocess  # the generation service as a child process
 def test_local_server_reports_a_failed_start(tmp_path):
     with pytest.raises(RolloutError, match="exited with code") as error:
         LocalServer(str(tmp_path / "nothing"), startup_timeout_s=120).start()
@@ -301,6 +302,7 @@ def process_gone(pid: int, timeout_s: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.subprocess  # the generation service as a child process
 def test_the_service_exits_when_its_trainer_is_killed(model_dir):
     trainer = textwrap.dedent(f"""
         import os, signal, sys

@@ -10,6 +10,8 @@ from drgrpo_jax import sampling
 from drgrpo_jax.models import DecoderConfig, Transformer, init_cache
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
+pytestmark = pytest.mark.heavy  # the sampler compiled per batch shape and filter
+
 VOCAB = 97
 PROMPTS = ((5, 17, 3), (40, 2, 9, 11, 60, 7, 8), (1,))
 
@@ -47,7 +49,8 @@ def forward(model, ids):
 def full_forward_logprobs(model, prompt, completion, temperature):
     """log softmax(logits / temperature) of each completion token from one unpadded full forward."""
     logits_TV = forward(model, list(prompt) + list(completion))[len(prompt) - 1:-1] / temperature
-    return np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits_TV, -1), jnp.asarray(completion)[:, None], -1)[:, 0])
+    logprobs_TV = jax.nn.log_softmax(logits_TV, -1)
+    return np.asarray(jnp.take_along_axis(logprobs_TV, jnp.asarray(completion)[:, None], -1)[:, 0])
 
 
 def test_greedy_equals_argmax_of_repeated_full_forwards(model):

@@ -12,24 +12,13 @@ import pytest
 
 from drgrpo_jax.rollout import LocalServer
 
+from helpers import write_tiny_llama
+
 VOCAB = 64
 EOS = 2
+PEAKED = {"vocab_size": VOCAB, "initializer_range": 0.5, "max_position_embeddings": 256}  # seed-dependent outputs
 
-
-def write_tiny_llama(path: str, seed: int, hidden_size: int = 32) -> str:
-    """A random 2-layer Llama (transformers, saved offline) with a character-level tokenizer."""
-    import torch
-    import transformers
-    from char_tokenizer import save_char_tokenizer
-
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS,
-        tie_word_embeddings=False, initializer_range=0.5)  # large init: peaked, seed-dependent continuations
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()ABCDEFGHIJKLMNOPQRSTU"[:VOCAB - 3])
-    return path
+pytestmark = pytest.mark.subprocess  # the service runs as a child process
 
 
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
@@ -51,9 +40,9 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> tuple[list[i
 def folders(tmp_path_factory):
     """Two weight versions, a model of another shape and a corrupt copy."""
     root = tmp_path_factory.mktemp("serve")
-    v0 = write_tiny_llama(str(root / "v0"), seed=0)
-    v1 = write_tiny_llama(str(root / "v1"), seed=1)
-    wider = write_tiny_llama(str(root / "wider"), seed=2, hidden_size=48)
+    v0 = write_tiny_llama(str(root / "v0"), seed=0, **PEAKED)
+    v1 = write_tiny_llama(str(root / "v1"), seed=1, **PEAKED)
+    wider = write_tiny_llama(str(root / "wider"), seed=2, hidden_size=48, **PEAKED)
     corrupt = str(root / "corrupt")
     shutil.copytree(v1, corrupt)
     with open(os.path.join(corrupt, "model.safetensors"), "r+b") as f:

@@ -8,6 +8,8 @@ import pytest
 
 from drgrpo_jax.rollout import LocalServer
 
+from helpers import write_tiny_llama
+
 hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")
 
@@ -16,25 +18,10 @@ EXAMPLES_PER_ROUTE = 60
 ANSWERS = {200, 400, 401, 403, 413, 429}  # everything else (5xx above all) is a defect
 
 
-def _tiny_model(path: str) -> str:
-    """A random 2-layer Llama with a character tokenizer (so text prompts are served too)."""
-    import torch
-    import transformers
-    from char_tokenizer import save_char_tokenizer
-
-    vocab = save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz0123456789 .,!?")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
-    model = _tiny_model(str(root / "model"))
+    model = write_tiny_llama(str(root / "model"), max_position_embeddings=64)
     (root / "weights").mkdir()
     with LocalServer(model, env={"FUZZ_KEY": KEY}, api_key_env="FUZZ_KEY", weights_roots=[str(root / "weights")],
                      extra_args=["--max-batch-size", "8", "--max-request-tokens", "2048",

@@ -9,10 +9,18 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.models import (DecoderConfig, Transformer, cache_shardings, from_pretrained, init_cache,
-                               save_pretrained)
-from drgrpo_jax.sharding import (MeshShape, ShardingRules, batch_sharding, logical_to_spec, make_mesh,
-                                 named_sharding, shard_model)
+from drgrpo_jax.models import DecoderConfig, Transformer, cache_shardings, from_pretrained, init_cache, save_pretrained
+from drgrpo_jax.sharding import (
+    MeshShape,
+    ShardingRules,
+    batch_sharding,
+    logical_to_spec,
+    make_mesh,
+    named_sharding,
+    shard_model,
+)
+
+pytestmark = pytest.mark.heavy  # models placed and compiled on several meshes
 
 CONFIG = DecoderConfig(family="qwen3", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False, eos_token_ids=(2,))

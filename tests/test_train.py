@@ -5,50 +5,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from drgrpo_jax.rollout_batch import (HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats,
-                                      step_seed)
+from drgrpo_jax.rollout_batch import (
+    HostCounters,
+    correct_mask,
+    host_share,
+    left_pad,
+    merge_host_rows,
+    response_stats,
+    step_seed,
+)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()"
-
-
-def write_tiny_model(path: str, seed: int = 0) -> str:
-    """A random 2-layer Llama saved by transformers with a character-level tokenizer (offline)."""
-    import torch
-    import transformers
-    from char_tokenizer import save_char_tokenizer
-
-    vocab = save_char_tokenizer(path, VOCAB_CHARS)
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, initializer_range=0.3)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
-def write_prompts(path: str, num: int) -> str:
-    """Short arithmetic questions as JSONL (question/answer fields)."""
-    rng = np.random.default_rng(0)
-    with open(path, "w") as f:
-        for _ in range(num):
-            a, b = (int(x) for x in rng.integers(0, 10, 2))
-            f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
-    return path
-
-
-def has_letter_a(completion: str, example) -> float:
-    """A test reward a random model earns on some completions and misses on others."""
-    return 1.0 if "a" in completion else 0.0
-
+from helpers import REPO, start_trainer, trainer_overrides
 
 # ---------------------------------------------------------------------------------------------
 # Pure helpers
@@ -131,32 +103,12 @@ PROG_ERROR = "python -m drgrpo_jax.train: config error: "
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    return {"model": write_tiny_model(str(root / "model")), "prompts": write_prompts(str(root / "prompts.jsonl"), 40),
-            "root": root}
+def inputs(tmp_path_factory, tiny_model, prompts_file):
+    return {"model": tiny_model, "prompts": prompts_file, "root": tmp_path_factory.mktemp("train")}
 
 
 def _overrides(inputs, output_dir, steps: int) -> list[str]:
-    """A 2-way data-parallel run: 4 prompts x 4 samples, 2 minibatches, eval and a checkpoint every 2 steps."""
-    return [f"run.output_dir={output_dir}", "run.sample_every=2", f"model.path={inputs['model']}",
-            "data.source=jsonl", f"data.path={inputs['prompts']}", "data.template='{question}'", "data.size=0",
-            "data.eval_size=4", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
-            "rollout.max_prompt_tokens=16", "algorithm.minibatches_per_rollout=2",
-            "reward.functions=[test_train:has_letter_a,format]", "reward.num_workers=1",
-            "optimizer.learning_rate=0.01", f"train.steps={steps}", "train.eval_every=2", "train.save_every=2",
-            "mesh.data=2"]
-
-
-def _env() -> dict[str, str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, here]), "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HF_HUB_OFFLINE": "1"}
-
-
-def _start(overrides: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "drgrpo_jax.train", *overrides], cwd=REPO, env={**_env(), **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return trainer_overrides(inputs["model"], inputs["prompts"], output_dir, steps)
 
 
 def _services_of(pid: int) -> list[int]:
@@ -169,7 +121,8 @@ def _services_of(pid: int) -> list[int]:
                     args = f.read().split(b"\0")
             except OSError:
                 continue
-            if b"drgrpo_jax.serve" in args and b"--parent-pid" in args and args[args.index(b"--parent-pid") + 1] == str(pid).encode():
+            if (b"drgrpo_jax.serve" in args and b"--parent-pid" in args
+                    and args[args.index(b"--parent-pid") + 1] == str(pid).encode()):
                 found.append(int(entry))
     return found
 
@@ -191,12 +144,13 @@ def _rows(output_dir) -> tuple[list[dict], list[dict]]:
 @pytest.fixture(scope="module")
 def uninterrupted(inputs):
     output_dir = inputs["root"] / "uninterrupted"
-    process = _start(_overrides(inputs, output_dir, steps=4))
+    process = start_trainer(_overrides(inputs, output_dir, steps=4))
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     return output_dir, process.pid, stderr
 
 
+@pytest.mark.subprocess  # the trainer CLI and its generation service
 def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted):
     output_dir, pid, stderr = uninterrupted
     train_rows, eval_rows = _rows(output_dir)
@@ -240,11 +194,12 @@ def _reproducible(row: dict) -> dict:
     return {k: v for k, v in row.items() if "seconds" not in k and "per_second" not in k}
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow  # two more trainer runs, each with its service child process (146 s measured on 2 busy cores)
 def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterrupted):
     reference_dir = uninterrupted[0]
     output_dir = inputs["root"] / "killed"
-    process = _start(_overrides(inputs, output_dir, steps=4))
+    process = start_trainer(_overrides(inputs, output_dir, steps=4))
     checkpoint = output_dir / "checkpoints" / "2"
     while not checkpoint.exists() and process.poll() is None:
         time.sleep(0.05)
@@ -254,7 +209,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterru
     assert not (output_dir / "final").exists()
     assert _wait_gone(process.pid) == []  # the service noticed its parent died
 
-    resumed = _start(_overrides(inputs, output_dir, steps=4))
+    resumed = start_trainer(_overrides(inputs, output_dir, steps=4))
     _, stderr = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, stderr[-3000:]
     for (got, want) in zip(_rows(output_dir), _rows(reference_dir)):
@@ -265,12 +220,13 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterru
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-@pytest.mark.slow  # one more trainer run with its service child process (~2 minutes on 2 busy cores)
+@pytest.mark.slow
+@pytest.mark.subprocess  # one more trainer run, its service killed mid-rollout (~2 minutes on 2 busy cores)
 def test_the_run_survives_its_keyed_service_being_killed_mid_rollout(inputs, uninterrupted):
     """SIGKILL the child service once step 1 is logged (step 2's rollout): the run restarts it and finishes."""
     output_dir = inputs["root"] / "service_killed"
-    process = _start(_overrides(inputs, output_dir, steps=4) + ["rollout.api_key_env=DRGRPO_TEST_KEY"],
-                     DRGRPO_TEST_KEY="train-key-1")
+    process = start_trainer(_overrides(inputs, output_dir, steps=4) + ["rollout.api_key_env=DRGRPO_TEST_KEY"],
+                            DRGRPO_TEST_KEY="train-key-1")
     metrics = output_dir / "metrics.jsonl"
     while process.poll() is None and not (metrics.exists() and metrics.read_text().count('"loss"') >= 1):
         time.sleep(0.05)
@@ -293,14 +249,16 @@ def test_the_run_survives_its_keyed_service_being_killed_mid_rollout(inputs, uni
     assert _wait_gone(process.pid) == []
 
 
+@pytest.mark.subprocess  # the trainer CLI and its generation service
 def test_bad_model_path_task_and_url_fail_in_one_line(inputs, tmp_path):
     base = _overrides(inputs, tmp_path / "run", steps=1)
     cases = {
         "model.path": [f"model.path={tmp_path / 'missing'}"],
-        "data.task": ["data.source=reasoning_gym", "data.task=no_such_task", "data.size=10", "reward.functions=[format]"],
+        "data.task": ["data.source=reasoning_gym", "data.task=no_such_task", "data.size=10",
+                      "reward.functions=[format]"],
         "rollout.urls": ["rollout.urls=[http://127.0.0.1:9]"],
     }
-    processes = {key: _start(base + extra) for key, extra in cases.items()}
+    processes = {key: start_trainer(base + extra) for key, extra in cases.items()}
     for key, process in processes.items():
         _, stderr = process.communicate(timeout=300)
         assert process.returncode == 2, (key, stderr[-2000:])
@@ -367,7 +325,7 @@ def test_weight_publisher_keeps_the_newest_versions_and_drops_stale_ones(tmp_pat
 
 
 def test_weight_publisher_mirrors_each_version_to_run_weights_dir(tmp_path):
-    """run.weights_dir: each version is copied there (through etils.epath, as gs:// would be) and that path is pushed."""
+    """run.weights_dir: each version is copied there (through etils.epath, as gs:// would be); that path is pushed."""
     from flax import nnx
 
     from drgrpo_jax.models import DecoderConfig, Transformer

@@ -12,16 +12,26 @@ from flax import nnx
 
 from drgrpo_jax import LossConfig
 from drgrpo_jax.errors import FieldError
-from drgrpo_jax.models import DecoderConfig, Transformer
+from drgrpo_jax.models import Transformer
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
-from drgrpo_jax.train_step import (Batch, StepConfig, batch_shardings, init_state, jit_policy_logprobs,
-                                   jit_train_step, make_optimizer, policy_logprobs, state_shardings)
+from drgrpo_jax.train_step import (
+    StepConfig,
+    batch_shardings,
+    init_state,
+    jit_policy_logprobs,
+    jit_train_step,
+    make_optimizer,
+    policy_logprobs,
+    state_shardings,
+)
+
+from helpers import STEP_RESPONSE, STEP_ROWS, make_step_batch, tiny_decoder_config
 from two_processes import run_two_processes
 
+pytestmark = pytest.mark.heavy  # the sharded training step compiled on several meshes
+
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-N, PROMPT, RESPONSE = 16, 6, 12
-TINY = DecoderConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+TINY = tiny_decoder_config()
 
 
 COMPILES = []  # one entry per XLA backend compile in this process
@@ -29,34 +39,12 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda name, *_, **__: COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
 
 
-def make_batch(seed=0, lengths=None):
-    """Responses of very different lengths, long ones packed onto the first shards."""
-    rng = np.random.default_rng(seed)
-    prompt_lengths = rng.integers(1, PROMPT + 1, N)
-    prompt_mask = np.arange(PROMPT)[None, :] >= PROMPT - prompt_lengths[:, None]  # left-padded
-    if lengths is None:
-        lengths = np.array([12, 12, 11, 12, 10, 12, 9, 12, 1, 2, 0, 3, 1, 1, 2, 0])
-    response_mask = np.arange(RESPONSE)[None, :] < lengths[:, None]
-    row_valid = np.ones(N, bool)
-    row_valid[-1] = False  # a padding row
-    return Batch(
-        prompt_ids=np.where(prompt_mask, rng.integers(0, 64, (N, PROMPT)), 0).astype(np.int32),
-        prompt_mask=prompt_mask,
-        response_ids=np.where(response_mask, rng.integers(0, 64, (N, RESPONSE)), 0).astype(np.int32),
-        response_mask=response_mask,
-        advantages=rng.normal(size=N).astype(np.float32),
-        old_logprobs=np.zeros((N, RESPONSE), np.float32),  # filled by the policy before the step
-        behaviour_logprobs=np.zeros((N, RESPONSE), np.float32),
-        row_valid=row_valid,
-    )
-
-
 @functools.cache
 def initial_old_logprobs(lengths: tuple[int, ...] | None) -> np.ndarray:
     """The initial policy's log-probs of a batch, computed once on one device and shared by every run."""
     graphdef, params = nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)), nnx.Param)
-    config = StepConfig(loss=LossConfig(budget=RESPONSE), logprob_chunk=5)
-    batch = make_batch(lengths=None if lengths is None else np.array(lengths))
+    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), logprob_chunk=5)
+    batch = make_step_batch(lengths=None if lengths is None else np.array(lengths))
     return np.asarray(jax.jit(functools.partial(policy_logprobs, graphdef, config))(params, batch))
 
 
@@ -73,7 +61,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     model = shard_model(Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
     optimizer = optimizer or optax.sgd(0.5)
     schedule = optax.constant_schedule(0.5)
-    config = StepConfig(loss=LossConfig(aggregation=aggregation, budget=RESPONSE, kl_coef=kl_coef),
+    config = StepConfig(loss=LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef),
                         micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5, on_policy=on_policy)
     graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
     params_shardings = param_shardings(state.params, mesh)
@@ -82,7 +70,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
     old_logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
     key = None if lengths is None else tuple(int(n) for n in lengths)
-    batch = jax.device_put(make_batch(lengths=lengths), batch_shardings(mesh))
+    batch = jax.device_put(make_step_batch(lengths=lengths), batch_shardings(mesh))
     history = []
     for i in range(steps):
         old = jax.device_put(initial_old_logprobs(key), batch.old_logprobs.sharding) if i == 0 else \
@@ -153,8 +141,8 @@ def test_metrics_are_complete_and_the_step_compiles_once():
     assert expected <= set(history[0])
     for metrics in history:
         assert all(np.isfinite(v) for v in metrics.values())
-    assert history[0]["num_responses"] == N - 1
-    assert history[0]["num_tokens"] == make_batch().response_mask[:-1].sum()
+    assert history[0]["num_responses"] == STEP_ROWS - 1
+    assert history[0]["num_tokens"] == make_step_batch().response_mask[:-1].sum()
     assert int(state.step) == 4
     # Step 2 compiles the on-mesh old log-probs once (step 1 used shared ones); then nothing compiles.
     assert history[3]["compiles_so_far"] == history[1]["compiles_so_far"], "a step of the same shapes recompiled"
@@ -164,7 +152,7 @@ def test_metrics_are_complete_and_the_step_compiles_once():
 
 def test_empty_window_changes_nothing():
     initial = jax.device_get(nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)), nnx.Param)[1])
-    state, history, _ = run_step((2, 2, 2), 2, lengths=np.zeros(N, int), steps=2,
+    state, history, _ = run_step((2, 2, 2), 2, lengths=np.zeros(STEP_ROWS, int), steps=2,
                                  optimizer=make_optimizer(1e-2, total_steps=2)[0])
     for metrics in history:
         assert metrics["skipped"] == 1 and metrics["grad_norm"] == 0.0 and metrics["loss"] == 0.0
@@ -210,7 +198,8 @@ def test_adam_moments_are_float32_for_bfloat16_params():
     _, state = init_state(model, optimizer, jax.random.key(0))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
     floats = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
-    assert len(floats) == 2 * len(jax.tree.leaves(state.params)) and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    assert len(floats) == 2 * len(jax.tree.leaves(state.params))
+    assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     assert {x.dtype for x in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
@@ -237,6 +226,7 @@ def test_bad_step_config_names_the_field():
         make_optimizer(1e-3, total_steps=3, decay="step")
 
 
+@pytest.mark.subprocess  # two jax.distributed processes
 def test_two_processes_match_one(reference, tmp_path):
     """A two-process jax.distributed run on loopback gives the one-process update."""
     result = run_two_processes("multihost_worker.py", tmp_path / "out.npz")

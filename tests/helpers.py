@@ -1,0 +1,159 @@
+"""Shared test inputs: the tiny random model, prompt files, trainer runs, the step's tiny batch, GDPO's batch.
+
+Plain functions and constants, importable by test modules, conftest fixtures and the worker
+scripts the tests start (tests/ is on their path). Test modules import from here, never from
+one another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
+
+# ---------------------------------------------------------------------------------------------
+# The tiny random Llama (transformers, saved offline) with a character-level tokenizer
+# ---------------------------------------------------------------------------------------------
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()ABCDEFGHIJKLMNOPQRSTU"
+TINY_VOCAB = 3 + 48  # <unk>, <s>, </s>, then lowercase, digits, space and punctuation
+
+
+def write_tiny_llama(path: str, seed: int = 0, *, vocab_size: int = TINY_VOCAB, hidden_size: int = 32,
+                     initializer_range: float = 0.3, max_position_embeddings: int = 128) -> str:
+    """A random 2-layer Llama saved by transformers, with a character-level tokenizer of the first
+    vocab_size - 3 characters of CHARS; <s> = 1, </s> = 2 (EOS). A larger initializer_range gives
+    peaked, seed-dependent continuations."""
+    import torch
+    import transformers
+
+    from char_tokenizer import save_char_tokenizer
+
+    vocab = save_char_tokenizer(path, CHARS[:vocab_size - 3])
+    assert len(vocab) == vocab_size, (len(vocab), vocab_size)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=initializer_range)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def write_prompts(path: str, num: int) -> str:
+    """Short arithmetic questions as JSONL (question/answer fields)."""
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(num):
+            a, b = (int(x) for x in rng.integers(0, 10, 2))
+            f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer CLI on the tiny model (python -m drgrpo_jax.train as a child process)
+# ---------------------------------------------------------------------------------------------
+
+
+def has_letter_a(completion: str, example) -> float:
+    """A test reward (`helpers:has_letter_a`) a random model earns on some completions and misses on others."""
+    return 1.0 if "a" in completion else 0.0
+
+
+def trainer_overrides(model: str, prompts: str, output_dir, steps: int) -> list[str]:
+    """A 2-way data-parallel run: 4 prompts x 4 samples, 2 minibatches, eval and a checkpoint every 2 steps."""
+    return [f"run.output_dir={output_dir}", "run.sample_every=2", f"model.path={model}",
+            "data.source=jsonl", f"data.path={prompts}", "data.template='{question}'", "data.size=0",
+            "data.eval_size=4", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
+            "rollout.max_prompt_tokens=16", "algorithm.minibatches_per_rollout=2",
+            "reward.functions=[helpers:has_letter_a,format]", "reward.num_workers=1",
+            "optimizer.learning_rate=0.01", f"train.steps={steps}", "train.eval_every=2", "train.save_every=2",
+            "mesh.data=2"]
+
+
+def trainer_env() -> dict[str, str]:
+    """The environment of a trainer child: tests/ importable (reward functions), 2 fake CPU devices, offline."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, TESTS]), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HF_HUB_OFFLINE": "1"}
+
+
+def start_trainer(overrides: list[str], **env: str) -> subprocess.Popen:
+    """`python -m drgrpo_jax.train OVERRIDES...` with stdout and stderr piped (extra environment variables: env)."""
+    return subprocess.Popen([sys.executable, "-m", "drgrpo_jax.train", *overrides], cwd=REPO,
+                            env={**trainer_env(), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training step's tiny model and window (tests/test_train_step.py, tests/multihost_worker.py)
+# ---------------------------------------------------------------------------------------------
+
+STEP_ROWS, STEP_PROMPT, STEP_RESPONSE = 16, 6, 12
+
+
+def tiny_decoder_config():
+    """The step tests' 2-layer Llama-shaped DecoderConfig (vocab 64)."""
+    from drgrpo_jax.models import DecoderConfig
+
+    return DecoderConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def make_step_batch(seed=0, lengths=None):
+    """A window of responses of very different lengths, long ones packed onto the first shards."""
+    from drgrpo_jax.train_step import Batch
+
+    rows, prompt, response = STEP_ROWS, STEP_PROMPT, STEP_RESPONSE
+    rng = np.random.default_rng(seed)
+    prompt_lengths = rng.integers(1, prompt + 1, rows)
+    prompt_mask = np.arange(prompt)[None, :] >= prompt - prompt_lengths[:, None]  # left-padded
+    if lengths is None:
+        lengths = np.array([12, 12, 11, 12, 10, 12, 9, 12, 1, 2, 0, 3, 1, 1, 2, 0])
+    response_mask = np.arange(response)[None, :] < lengths[:, None]
+    row_valid = np.ones(rows, bool)
+    row_valid[-1] = False  # a padding row
+    return Batch(
+        prompt_ids=np.where(prompt_mask, rng.integers(0, 64, (rows, prompt)), 0).astype(np.int32),
+        prompt_mask=prompt_mask,
+        response_ids=np.where(response_mask, rng.integers(0, 64, (rows, response)), 0).astype(np.int32),
+        response_mask=response_mask,
+        advantages=rng.normal(size=rows).astype(np.float32),
+        old_logprobs=np.zeros((rows, response), np.float32),  # filled by the policy before the step
+        behaviour_logprobs=np.zeros((rows, response), np.float32),
+        row_valid=row_valid,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# GDPO's reward components (tests/test_gdpo.py, tests/gdpo_two_process_worker.py)
+# ---------------------------------------------------------------------------------------------
+
+GDPO_WEIGHTS = [1.0, 0.5, 2.0]
+
+
+def mixed_batch():
+    """Components of very different scales, a collapsed component, ragged groups and padding slots."""
+    rng = np.random.default_rng(0)
+    shape = (7, 6)
+    components = np.stack([rng.integers(0, 2, shape), rng.normal(300.0, 150.0, shape), rng.normal(0, 0.01, shape)], -1)
+    components = components.astype(np.float32)
+    components[0, :, 0] = 1.0  # correctness collapsed in group 0: contributes exactly 0
+    components[1, :, :] = [0.0, 250.0, 0.005]  # every component collapsed: zero-signal group
+    valid = np.ones(shape, bool)
+    valid[2, 4:] = False  # ragged group of 4
+    valid[3, 1:] = False  # a group of one
+    valid[4, :] = False  # all padding
+    components[~valid] = 1e6  # garbage in padding slots must not leak into any statistic
+    return components, valid
+
+
+def eight_group_batch():
+    """The mixed batch with one more group, so 8 devices (or 2 processes x 4) hold whole groups each."""
+    components, valid = mixed_batch()
+    return np.concatenate([components, components[:1]]), np.concatenate([valid, valid[:1]])
