@@ -12,6 +12,7 @@ from helpers import write_tiny_llama
 
 hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")
+pytestmark = pytest.mark.subprocess  # a real service child process
 
 KEY = "fuzz-key"
 EXAMPLES_PER_ROUTE = 60
