@@ -139,7 +139,8 @@ class RolloutConfig:
 class AlgorithmConfig:
     """The advantage estimator and the loss."""
 
-    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo"] = _f("dr_grpo", "algorithm (see drgrpo_jax.algorithms)")
+    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo", "gspo", "gspo_token", "cispo"] = _f(
+        "dr_grpo", "algorithm (see drgrpo_jax.algorithms); gspo's paper clips at clip_low=3e-4, clip_high=4e-4")
     scale_rewards: bool = _f(False, "divide advantages by the group std (GRPO's; Dr.GRPO forbids it)")
     whiten_advantages: bool = _f(False, "whiten advantages over the batch (Dr.GRPO forbids it)")
     kl_in_reward: bool = _f(False, "put the KL penalty in the reward instead of the loss (Dr.GRPO forbids it)")
@@ -150,6 +151,12 @@ class AlgorithmConfig:
     entropy_coef: float = _f(0.0, "entropy bonus weight (subtracted from the loss)")
     dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
     tis_cap: float | None = _f(None, "truncated importance weight cap C >= 1 for sampler/trainer mismatch (null = off)")
+    tis_level: Literal["token", "sequence"] = _f(
+        "token", "the mismatch ratio tis_cap and mis_high act on: per token, or the product over each response")
+    mis_high: float | None = _f(
+        None, "masked importance sampling: a response (sequence) or token whose mismatch ratio is above this "
+              "(>= 1) gets weight 0, the rest their ratio (null = off; exclusive with tis_cap)")
+    mis_low: float = _f(0.0, "masked importance sampling: also weight 0 below this ratio, in [0, 1]")
     ppo_epochs: int = _f(1, "passes over each rollout")
     minibatches_per_rollout: int = _f(1, "optimizer steps per pass; each takes P * G / this many responses")
 
@@ -412,9 +419,13 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
     ("LossConfig", "kl_coef"): "algorithm.kl_coef",
     ("LossConfig", "kl_estimator"): "algorithm.kl_estimator",
     ("LossConfig", "entropy_coef"): "algorithm.entropy_coef",
+    ("LossConfig", "policy_loss"): "algorithm.name",
     ("StepConfig", "micro_batches"): "train.micro_batches",
     ("StepConfig", "temperature"): "rollout.temperature",
     ("StepConfig", "tis_cap"): "algorithm.tis_cap",
+    ("StepConfig", "tis_level"): "algorithm.tis_level",
+    ("StepConfig", "mis_high"): "algorithm.mis_high",
+    ("StepConfig", "mis_low"): "algorithm.mis_low",
 }
 
 
@@ -431,10 +442,11 @@ def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
                                 kl_in_reward=a.kl_in_reward, group_size=config.rollout.group_size)
         loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
                           clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
-                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+                          policy_loss=ALGORITHMS[a.name].policy_loss)
         train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
-                           temperature=config.rollout.temperature, tis_cap=a.tis_cap,
-                           on_policy=one_window_per_rollout(a))
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap, tis_level=a.tis_level,
+                           mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a))
     except FieldError as error:
         key = _LIBRARY_KEYS.get((error.owner, error.field))
         if key is None:  # a field the run config does not set: a bug here, not a bad config
