@@ -166,7 +166,7 @@ class RewardConfig:
     """Reward components: each function is one named component, or returns a dict of named ones."""
 
     functions: tuple[str, ...] = _f(
-        ("math_verify",), "built-ins (math_verify, format, task) or 'package.module:function' import paths"
+        ("math_verify",), "built-ins (math_verify, format, task, overlong) or 'package.module:function' import paths"
     )
     components: tuple[str, ...] = _f(
         (), "component names: a function's name (it returns a number) or a key of the dict a function "
@@ -178,6 +178,9 @@ class RewardConfig:
     )
     timeout_s: float = _f(10.0, "seconds per reward call; a call over it is killed, scores 0 and is counted")
     num_workers: int = _f(2, "reward worker processes")
+    overlong_buffer: int = _f(
+        0, "the overlong reward (DAPO): 0 up to rollout.max_new_tokens - this many tokens, then linear to -1 at "
+           "the budget; must be in [1, max_new_tokens] when reward.functions lists overlong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +240,7 @@ class Config:
 # Loading
 # ---------------------------------------------------------------------------------------------
 
-_BUILTIN_REWARDS = ("math_verify", "format", "task")
+_BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -513,6 +516,10 @@ def _check_rest(config: Config) -> None:
             )
         if name == "task" and c.data.source != "reasoning_gym":
             raise ConfigError(f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym")
+    if "overlong" in c.reward.functions and not 1 <= c.reward.overlong_buffer <= c.rollout.max_new_tokens:
+        raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = "
+                                                    f"{c.rollout.max_new_tokens}] for the overlong reward, got "
+                                                    f"{c.reward.overlong_buffer}")
     if len(set(c.reward.functions)) != len(c.reward.functions):
         raise ConfigError("reward.functions", f"lists a function twice: {list(c.reward.functions)}")
     if len(set(c.reward.components)) != len(c.reward.components):

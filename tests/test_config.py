@@ -314,3 +314,12 @@ def test_sequence_importance_sampling_keys_reach_the_step():
 ])
 def test_what_the_new_options_forbid_names_the_key(overrides, key, fragment):
     _assert_one_line(_error(overrides), key, fragment)
+
+
+@pytest.mark.parametrize("buffer", [0, 300])
+def test_the_overlong_reward_needs_a_buffer_within_the_budget(buffer):
+    overrides = ["reward.functions=[math_verify,overlong]", f"reward.overlong_buffer={buffer}"]
+    _assert_one_line(_error(overrides), "reward.overlong_buffer", "[1, rollout.max_new_tokens = 256]")
+    config = load_config(None, BASE + ["reward.functions=[math_verify,overlong]", "reward.overlong_buffer=64",
+                                       "algorithm.name=gdpo"])
+    assert config.reward.functions == ("math_verify", "overlong")
