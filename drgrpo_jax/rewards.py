@@ -190,6 +190,7 @@ def build_reward_fns(config: RewardConfig) -> tuple[RewardSpec, ...]:
     """One RewardSpec per `reward.functions` entry; import failures raise ConfigError."""
     specs = []
     for i, target in enumerate(config.functions):
+        fn: RewardFn
         if target in LENGTH_REWARDS:
             fn = _length_only
         elif target in _BUILTINS:
@@ -339,7 +340,7 @@ class RewardScorer:
                                     if f not in self._by_length)
         for f in self._by_length:
             name = self.specs[f].name
-            if name in self._column:
+            if name in self._column and self.budget is not None and lengths is not None:  # checked above
                 penalty = overlong_penalty(np.asarray(lengths), self.budget, self._config.overlong_buffer)
                 scores_NK[:, self._column[name]], given_NK[:, self._column[name]] = penalty, True
 
