@@ -1,7 +1,10 @@
 """One explicit table: algorithm name -> advantage estimator, loss aggregation, what it forbids.
 
 `dr_grpo` is one switch for both halves of the method: group-centred advantages AND the
-fixed-budget loss (peers need two knobs, and users set one without the other).
+fixed-budget loss (peers need two knobs, and users set one without the other). Each entry
+also binds its policy-gradient surrogate (`LossConfig.policy_loss`): GSPO's sequence-level
+ratio and clip (Zheng et al. 2025; its paper clips at 3e-4 / 4e-4: set algorithm.clip_low and
+algorithm.clip_high), GSPO-token, and CISPO's clipped stop-gradient weights (MiniMax-M1).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import jax
 
 from drgrpo_jax import advantages as adv
 from drgrpo_jax.errors import FieldError, FieldTypeError
-from drgrpo_jax.losses import Aggregation, LossConfig
+from drgrpo_jax.losses import Aggregation, LossConfig, PolicyLoss
 
 __all__ = ["Algorithm", "ALGORITHMS", "check_algorithm_options", "compute_advantages", "group_signal"]
 
@@ -36,6 +39,7 @@ class Algorithm:
     min_group_size: int  # the estimator is meaningless below this group size
     forbids: frozenset[str]  # options of _REASONS this algorithm rejects
     multi_reward: bool = False  # the estimator takes [P, G, K] components and weights
+    policy_loss: PolicyLoss = "ppo_clip"  # the per-token surrogate (see drgrpo_jax.losses)
 
 
 ALGORITHMS: types.MappingProxyType[str, Algorithm] = types.MappingProxyType(
@@ -45,6 +49,14 @@ ALGORITHMS: types.MappingProxyType[str, Algorithm] = types.MappingProxyType(
         "dapo": Algorithm("dapo", adv.grpo, "token_mean", 2, frozenset({"scale_rewards", "kl_in_reward"})),
         "rloo": Algorithm("rloo", adv.rloo, "seq_mean_token_sum", 2, frozenset({"kl_in_reward"})),
         "gdpo": Algorithm("gdpo", adv.gdpo, "token_mean", 2, frozenset(_REASONS), multi_reward=True),
+        # GSPO's objective: 1/G sum_i min(s_i A_i, clip(s_i) A_i), one term per response (seq-mean).
+        "gspo": Algorithm("gspo", adv.grpo, "seq_mean_token_mean", 2, frozenset({"scale_rewards", "kl_in_reward"}),
+                          policy_loss="gspo"),
+        "gspo_token": Algorithm("gspo_token", adv.grpo, "seq_mean_token_mean", 2,
+                                frozenset({"scale_rewards", "kl_in_reward"}), policy_loss="gspo_token"),
+        # CISPO's objective: sum over the batch's tokens / their number (token-mean).
+        "cispo": Algorithm("cispo", adv.grpo, "token_mean", 2, frozenset({"scale_rewards", "kl_in_reward"}),
+                           policy_loss="cispo"),
     }
 )
 
@@ -75,10 +87,11 @@ def check_algorithm_options(
         if not isinstance(value, bool):
             raise FieldTypeError("algorithm", option, f"must be true or false, got {value!r}")
         if value and option in algorithm.forbids:
-            already = " (grpo already divides by it)" if option == "scale_rewards" and name in ("grpo", "dapo") else ""
+            divides = option == "scale_rewards" and algorithm.advantage_fn is adv.grpo
+            already = " (grpo already divides by it)" if divides else ""
             raise FieldError("algorithm", option, f"{name} forbids it: {_REASONS[option]}{already}")
     if budget is not None:
-        LossConfig(aggregation=algorithm.aggregation, budget=budget)
+        LossConfig(aggregation=algorithm.aggregation, budget=budget, policy_loss=algorithm.policy_loss)
     if group_size is not None and group_size < algorithm.min_group_size:
         raise FieldError("algorithm", "group_size",
                          f"{name} needs at least {algorithm.min_group_size} samples per prompt, got {group_size}")

@@ -145,7 +145,8 @@ class RolloutConfig:
 class AlgorithmConfig:
     """The advantage estimator and the loss."""
 
-    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo"] = _f("dr_grpo", "algorithm (see drgrpo_jax.algorithms)")
+    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo", "gspo", "gspo_token", "cispo"] = _f(
+        "dr_grpo", "algorithm (see drgrpo_jax.algorithms); gspo's paper clips at clip_low=3e-4, clip_high=4e-4")
     scale_rewards: bool = _f(False, "divide advantages by the group std (GRPO's; Dr.GRPO forbids it)")
     whiten_advantages: bool = _f(False, "whiten advantages over the batch (Dr.GRPO forbids it)")
     kl_in_reward: bool = _f(False, "put the KL penalty in the reward instead of the loss (Dr.GRPO forbids it)")
@@ -156,6 +157,12 @@ class AlgorithmConfig:
     entropy_coef: float = _f(0.0, "entropy bonus weight (subtracted from the loss)")
     dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
     tis_cap: float | None = _f(None, "truncated importance weight cap C >= 1 for sampler/trainer mismatch (null = off)")
+    tis_level: Literal["token", "sequence"] = _f(
+        "token", "the mismatch ratio tis_cap and mis_high act on: per token, or the product over each response")
+    mis_high: float | None = _f(
+        None, "masked importance sampling: a response (sequence) or token whose mismatch ratio is above this "
+              "(>= 1) gets weight 0, the rest their ratio (null = off; exclusive with tis_cap)")
+    mis_low: float = _f(0.0, "masked importance sampling: also weight 0 below this ratio, in [0, 1]")
     ppo_epochs: int = _f(1, "passes over each rollout")
     minibatches_per_rollout: int = _f(1, "optimizer steps per pass; each takes P * G / this many responses")
 
@@ -165,7 +172,7 @@ class RewardConfig:
     """Reward components: each function is one named component, or returns a dict of named ones."""
 
     functions: tuple[str, ...] = _f(
-        ("math_verify",), "built-ins (math_verify, format, task) or 'package.module:function' import paths"
+        ("math_verify",), "built-ins (math_verify, format, task, overlong) or 'package.module:function' import paths"
     )
     components: tuple[str, ...] = _f(
         (), "component names: a function's name (it returns a number) or a key of the dict a function "
@@ -177,6 +184,9 @@ class RewardConfig:
     )
     timeout_s: float = _f(10.0, "seconds per reward call; a call over it is killed, scores 0 and is counted")
     num_workers: int = _f(2, "reward worker processes")
+    overlong_buffer: int = _f(
+        0, "the overlong reward (DAPO): 0 up to rollout.max_new_tokens - this many tokens, then linear to -1 at "
+           "the budget; must be in [1, max_new_tokens] when reward.functions lists overlong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,7 +246,7 @@ class Config:
 # Loading
 # ---------------------------------------------------------------------------------------------
 
-_BUILTIN_REWARDS = ("math_verify", "format", "task")
+_BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -421,9 +431,13 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
     ("LossConfig", "kl_coef"): "algorithm.kl_coef",
     ("LossConfig", "kl_estimator"): "algorithm.kl_estimator",
     ("LossConfig", "entropy_coef"): "algorithm.entropy_coef",
+    ("LossConfig", "policy_loss"): "algorithm.name",
     ("StepConfig", "micro_batches"): "train.micro_batches",
     ("StepConfig", "temperature"): "rollout.temperature",
     ("StepConfig", "tis_cap"): "algorithm.tis_cap",
+    ("StepConfig", "tis_level"): "algorithm.tis_level",
+    ("StepConfig", "mis_high"): "algorithm.mis_high",
+    ("StepConfig", "mis_low"): "algorithm.mis_low",
 }
 
 
@@ -440,10 +454,11 @@ def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
                                 kl_in_reward=a.kl_in_reward, group_size=config.rollout.group_size)
         loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
                           clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
-                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef)
+                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+                          policy_loss=ALGORITHMS[a.name].policy_loss)
         train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
-                           temperature=config.rollout.temperature, tis_cap=a.tis_cap,
-                           on_policy=one_window_per_rollout(a))
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap, tis_level=a.tis_level,
+                           mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a))
     except FieldError as error:
         key = _LIBRARY_KEYS.get((error.owner, error.field))
         if key is None:  # a field the run config does not set: a bug here, not a bad config
@@ -512,6 +527,10 @@ def _check_rest(config: Config) -> None:
             raise ConfigError(
                 f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym"
             )
+    if "overlong" in c.reward.functions and not 1 <= c.reward.overlong_buffer <= c.rollout.max_new_tokens:
+        raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = "
+                                                    f"{c.rollout.max_new_tokens}] for the overlong reward, got "
+                                                    f"{c.reward.overlong_buffer}")
     if len(set(c.reward.functions)) != len(c.reward.functions):
         raise ConfigError("reward.functions", f"lists a function twice: {list(c.reward.functions)}")
     if len(set(c.reward.components)) != len(c.reward.components):

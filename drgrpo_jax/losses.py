@@ -12,6 +12,17 @@ and shards of a mesh add up to exactly the window's loss:
 
 N_w counts valid rows (a fully masked valid row counts; padding rows do not); T_w is the
 number of response tokens in the window.
+
+The policy-gradient term (`LossConfig.policy_loss`), with r_it = pi/pi_old per token and
+s_i = exp(mean_t log r_it) the geometric mean over response i (a fact of one row, so every
+micro-batch split by rows and every mesh keeps it exact):
+
+  ppo_clip    -min(r_it A, clip(r_it) A)                        PPO / GRPO / Dr.GRPO / DAPO
+  gspo        -min(s_i A, clip(s_i) A) on every token of row i   GSPO (Zheng et al. 2025)
+  gspo_token  as gspo, ratio sg(s_i) * r_it / sg(r_it): value s_i, gradient per token   GSPO-token
+  cispo       -sg(clip(r_it)) A log pi_it (value -sg(clip(r_it)) A r_it / sg(r_it))   CISPO (MiniMax-M1)
+
+Clipping has derivative 1 on the bounds themselves (torch.clamp's convention, as TRL and verl).
 """
 
 from __future__ import annotations
@@ -26,10 +37,12 @@ import jax.numpy as jnp
 
 from drgrpo_jax.errors import FieldError, FieldTypeError
 
-__all__ = ["Aggregation", "KLEstimator", "LossConfig", "WindowStats", "window_stats", "loss_fn", "kl_divergence"]
+__all__ = ["Aggregation", "KLEstimator", "PolicyLoss", "LossConfig", "WindowStats", "window_stats", "loss_fn",
+           "kl_divergence", "clip_ratio", "sequence_log_ratio"]
 
 Aggregation = Literal["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
+PolicyLoss = Literal["ppo_clip", "gspo", "gspo_token", "cispo"]
 AxisName = str | Sequence[str] | None
 
 
@@ -53,6 +66,7 @@ class LossConfig:
     kl_coef: float = 0.0  # weight of KL(policy || reference) in the loss
     kl_estimator: KLEstimator = "k3"  # Schulman's k1, k2 or k3
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
+    policy_loss: PolicyLoss = "ppo_clip"  # the policy-gradient surrogate; see the module docstring
 
     def __post_init__(self):
         def bad(name: str, reason: str, kind: type[FieldError] = FieldError) -> FieldError:
@@ -60,6 +74,8 @@ class LossConfig:
 
         if self.aggregation not in get_args(Aggregation):
             raise bad("aggregation", f"unknown {self.aggregation!r}; choose one of {get_args(Aggregation)}")
+        if self.policy_loss not in get_args(PolicyLoss):
+            raise bad("policy_loss", f"unknown {self.policy_loss!r}; choose one of {get_args(PolicyLoss)}")
         if self.kl_estimator not in get_args(KLEstimator):
             raise bad("kl_estimator", f"unknown {self.kl_estimator!r}; choose one of {get_args(KLEstimator)}")
         if self.budget is not None and not _is_int(self.budget):
@@ -79,6 +95,9 @@ class LossConfig:
                 raise bad(name, f"must be finite and >= 0, got {value}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise bad("dual_clip", f"must be > 1 (a bound above the clipped loss), got {self.dual_clip}")
+        if self.dual_clip is not None and self.policy_loss == "cispo":
+            raise bad("dual_clip", "cispo's loss is linear in log pi with a bounded weight: there is no unbounded "
+                                   "ratio for a dual clip to bound")
 
     @property
     def upper_clip(self) -> float:
@@ -128,6 +147,38 @@ def _safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """numerator / denominator, exactly 0 (with 0 gradient) where the denominator is 0."""
     ok = denominator > 0
     return jnp.where(ok, numerator / jnp.where(ok, denominator, 1.0), 0.0)
+
+
+def clip_ratio(ratio: jax.Array, low: float, high: float) -> jax.Array:
+    """clip(ratio, low, high) with derivative 1 on the bounds themselves (torch.clamp's; jnp.clip's is 0.5)."""
+    inside = (ratio >= low) & (ratio <= high)
+    return jnp.where(inside, ratio, jnp.clip(ratio, low, high))
+
+
+def sequence_log_ratio(log_ratio_NT: jax.Array, tok_NT: jax.Array) -> jax.Array:
+    """[N]: mean over each response's tokens of log(pi / pi_old), i.e. log of GSPO's s_i (0 for an empty row)."""
+    return (log_ratio_NT * tok_NT).sum(axis=1) / jnp.maximum(tok_NT.sum(axis=1), 1.0)
+
+
+def _policy_gradient(log_ratio_NT, adv_NT, tok_NT, config: LossConfig) -> tuple[jax.Array, jax.Array]:
+    """Per-token policy-gradient loss and the tokens its clip acts on (`clip_fraction`)."""
+    low, high = 1.0 - config.clip_low, 1.0 + config.upper_clip
+    if config.policy_loss in ("gspo", "gspo_token"):
+        seq_NT = jnp.broadcast_to(sequence_log_ratio(log_ratio_NT, tok_NT)[:, None], log_ratio_NT.shape)
+        if config.policy_loss == "gspo_token":  # value s_i, gradient s_i * grad log pi_it
+            seq_NT = jax.lax.stop_gradient(seq_NT) + log_ratio_NT - jax.lax.stop_gradient(log_ratio_NT)
+        log_ratio_NT = seq_NT
+    ratio = jnp.exp(log_ratio_NT)
+    if config.policy_loss == "cispo":
+        # Every token keeps its gradient; only its (stop-gradient) importance weight is clipped.
+        weight = jax.lax.stop_gradient(jnp.clip(ratio, low, high))
+        pg_NT = -weight * adv_NT * jnp.exp(log_ratio_NT - jax.lax.stop_gradient(log_ratio_NT))
+        return pg_NT, (ratio < low) | (ratio > high)
+    pg_NT = -jnp.minimum(ratio * adv_NT, clip_ratio(ratio, low, high) * adv_NT)
+    if config.dual_clip is not None:
+        pg_NT = jnp.where(adv_NT < 0, jnp.minimum(pg_NT, -config.dual_clip * adv_NT), pg_NT)
+    # Tokens whose gradient the clip removes (the ratio left the trust region on the side the advantage pushes it).
+    return pg_NT, ((ratio < low) & (adv_NT < 0)) | ((ratio > high) & (adv_NT > 0))
 
 
 def _aggregate(loss_NT, mask_NT, config: LossConfig, window: WindowStats, axis_name: AxisName) -> jax.Array:
@@ -202,15 +253,8 @@ def loss_fn(
     adv = clean(jnp.broadcast_to(jnp.asarray(adv, jnp.float32), logprobs.shape))
 
     log_ratio = logprobs - old_logprobs
-    ratio = jnp.exp(log_ratio)
-    unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.upper_clip) * adv
-    pg_NT = -jnp.minimum(unclipped, clipped)
-    if config.dual_clip is not None:
-        pg_NT = jnp.where(adv < 0, jnp.minimum(pg_NT, -config.dual_clip * adv), pg_NT)
-    # Tokens whose gradient the clip removes (the ratio left the trust region on the side
-    # the advantage pushes it).
-    clipped_NT = ((ratio < 1.0 - config.clip_low) & (adv < 0)) | ((ratio > 1.0 + config.upper_clip) & (adv > 0))
+    tok = token.astype(jnp.float32)
+    pg_NT, clipped_NT = _policy_gradient(log_ratio, adv, tok, config)
 
     if ref_logprobs is None:
         kl_NT = jnp.zeros_like(logprobs)
@@ -219,7 +263,6 @@ def loss_fn(
     entropy_NT = jnp.zeros_like(logprobs) if entropy is None else clean(entropy)
     loss_NT = pg_NT + config.kl_coef * kl_NT - config.entropy_coef * entropy_NT
 
-    tok = token.astype(jnp.float32)
     loss = _aggregate(loss_NT * tok, tok, config, window, axis_name)
 
     def token_mean(x_NT):

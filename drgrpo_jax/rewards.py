@@ -9,6 +9,9 @@ A function returns a number (the component of its own name) or a dict of named c
 (`reward.components` lists the ones the trainer uses; other keys are ignored). A missing or
 non-numeric component stops the run naming the prompt id and the component, unless the call
 that should have given it timed out or failed: that is already counted, and scores 0.
+
+`overlong` (DAPO's soft overlong punishment) is a function of the response's length in tokens, not
+of its text: the scorer computes it in this process from the lengths the sampler reports.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from drgrpo_jax.config import RewardConfig, component_names, function_name
 from drgrpo_jax.data import Example
 from drgrpo_jax.errors import ConfigError, RewardError
 
-__all__ = ["RewardResult", "RewardScorer", "RewardSpec", "build_reward_fns", "extract_answer"]
+__all__ = ["RewardResult", "RewardScorer", "RewardSpec", "build_reward_fns", "extract_answer", "overlong_penalty"]
 
 RewardFn = Callable[[str, Example], "float | dict[str, float]"]  # (completion, example) -> reward(s)
 
@@ -150,6 +153,18 @@ def task_reward(completion: str, example: Example, *, answer_format: str) -> flo
     return float(_task_scorer(example.entry["metadata"]["source_dataset"])(answer, example.entry))
 
 
+def overlong_penalty(lengths_N: np.ndarray, budget: int, buffer: int) -> np.ndarray:
+    """DAPO's soft overlong punishment, float32 [N]: 0 up to budget - buffer tokens, then linear to -1 at the budget."""
+    lengths = np.asarray(lengths_N, np.float64)
+    return np.clip((budget - buffer - lengths) / buffer, -1.0, 0.0).astype(np.float32)
+
+
+def _length_only(completion: str, example: Example) -> float:
+    raise RuntimeError("overlong is computed from token lengths by RewardScorer.score, never from the text")
+
+
+LENGTH_REWARDS = ("overlong",)  # built-ins computed from the response's length in tokens, in the scorer's process
+
 _BUILTINS: dict[str, Callable[..., float]] = {
     "math_verify": math_verify_reward,
     "format": format_reward,
@@ -176,7 +191,9 @@ def build_reward_fns(config: RewardConfig) -> tuple[RewardSpec, ...]:
     specs: list[RewardSpec] = []
     for i, target in enumerate(config.functions):
         fn: RewardFn
-        if target in _BUILTINS:
+        if target in LENGTH_REWARDS:
+            fn = _length_only
+        elif target in _BUILTINS:
             fn = functools.partial(_BUILTINS[target], answer_format=config.answer_format)
         else:
             fn = _import_fn(target, f"reward.functions[{i}]")
@@ -267,8 +284,12 @@ class RewardScorer:
 
     STARTUP_TIMEOUT_S = 300.0  # a worker not ready by then is a broken environment, not a slow reward
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, *, budget: int | None = None):
         self.specs = build_reward_fns(config)  # import errors surface here, in the parent
+        self.budget = budget  # the generation budget (rollout.max_new_tokens) the length rewards measure against
+        self._by_length = [f for f, spec in enumerate(self.specs) if spec.name in LENGTH_REWARDS]
+        if self._by_length and budget is None:
+            raise ValueError("RewardScorer: the overlong reward needs the generation budget (budget=)")
         self.names = component_names(config)
         self.weights = tuple(float(w) for w in config.weights) or (1.0,) * len(self.names)
         self._column = {name: k for k, name in enumerate(self.names)}
@@ -297,10 +318,16 @@ class RewardScorer:
         worker.conn.close()
         self._workers[self._workers.index(worker)] = self._start()
 
-    def score(self, completions: Sequence[str], examples: Sequence[Example]) -> RewardResult:
-        """Scores completion i against examples[i] with every function; raises RewardError on a bad component."""
+    def score(self, completions: Sequence[str], examples: Sequence[Example],
+              lengths: Sequence[int] | np.ndarray | None = None) -> RewardResult:
+        """Scores completion i against examples[i] with every function; raises RewardError on a bad component.
+
+        `lengths`: each completion's length in tokens, needed by the length rewards (overlong).
+        """
         if len(completions) != len(examples):
             raise ValueError(f"score: {len(completions)} completions for {len(examples)} examples")
+        if self._by_length and (lengths is None or len(lengths) != len(completions)):
+            raise ValueError("score: the overlong reward needs one token length per completion")
         num, num_functions = len(completions), len(self.specs)
         scores_NK = np.zeros((num, len(self.names)), np.float32)
         given_NK = np.zeros(scores_NK.shape, bool)  # which components some call supplied
@@ -309,7 +336,13 @@ class RewardScorer:
         errors_F = np.zeros(num_functions, np.int64)
         messages: list[str] = []
         problems: list[str] = []  # values that stop the run, raised once no call is in flight
-        pending = collections.deque((i, f) for i in range(num) for f in range(num_functions))
+        pending = collections.deque((i, f) for i in range(num) for f in range(num_functions)
+                                    if f not in self._by_length)
+        for f in self._by_length:
+            name = self.specs[f].name
+            if name in self._column and self.budget is not None and lengths is not None:  # checked above
+                penalty = overlong_penalty(np.asarray(lengths), self.budget, self._config.overlong_buffer)
+                scores_NK[:, self._column[name]], given_NK[:, self._column[name]] = penalty, True
 
         def fail(i: int, f: int, counter: np.ndarray, why: str) -> None:
             counter[f] += 1

@@ -187,7 +187,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
                                                     keep=c.train.keep_checkpoints))
     resume = checkpointer.should_resume(c.train.resume)
-    scorer = stack.enter_context(RewardScorer(c.reward))
+    scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
 
     mesh = build_mesh(c)
     dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]

@@ -106,7 +106,7 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
     texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.output_ids, sampled.lengths)],
                                        skip_special_tokens=True)
     start = time.perf_counter()
-    scored = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)])
+    scored = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)], sampled.lengths)
     counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
                             scored.errors_F, scored.error_messages)
     rows = {"response_ids": sampled.output_ids, "behaviour_logprobs": sampled.logprobs,
@@ -332,7 +332,7 @@ def _evaluate(run: Run, step: int) -> dict[str, Any]:
                                   temperature=0.0, stop_token_ids=_stop_ids(run), seed=0, expected_version=step)
     texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
                                        skip_special_tokens=True)
-    result = run.scorer.score(texts, list(examples))
+    result = run.scorer.score(texts, list(examples), rollout.lengths)
     stats = response_stats(rollout.lengths, rollout.truncated, correct_mask(result.names, result.components_NK))
     row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()},
            "eval/reward_mean": float(result.total_N().mean()), "eval/num_prompts": len(examples),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +32,8 @@ from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
 
-__all__ = ["Batch", "StepConfig", "TrainState", "in_float32", "make_optimizer", "init_state", "policy_logprobs",
-           "train_step", "jit_train_step", "jit_policy_logprobs", "place", "shard_batch"]
+__all__ = ["Batch", "StepConfig", "TrainState", "importance_weights", "in_float32", "init_state", "jit_policy_logprobs",
+           "jit_train_step", "make_optimizer", "place", "policy_logprobs", "shard_batch", "train_step"]
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
 
@@ -66,6 +66,9 @@ class Batch(Generic[ArrayT]):
     row_valid: ArrayT  # bool [N]: False = a padding row added for static shapes
 
 
+ImportanceLevel = Literal["token", "sequence"]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """What the step computes; static under jit; validated at construction (FieldError naming the field)."""
@@ -74,6 +77,9 @@ class StepConfig:
     micro_batches: int = 1  # gradient-accumulation slices of one window
     temperature: float = 1.0  # the sampler's temperature; log-probs use the same scaling
     tis_cap: float | None = None  # truncated importance sampling: cap C >= 1 on exp(old - behaviour); None = off
+    tis_level: ImportanceLevel = "token"  # tis_cap's and mis_high's ratio: per token or per response
+    mis_high: float | None = None  # masked importance sampling: weight 0 above this ratio (>= 1), else the ratio
+    mis_low: float = 0.0  # masked importance sampling: weight 0 below this ratio too, in [0, 1]
     logprob_chunk: int = 256  # tokens per chunk of the vocabulary projection
     # The rollout gets exactly one optimizer window (one epoch, one minibatch): the old policy IS the current
     # one, so its log-probs are this forward's with the gradient stopped and the batch's old_logprobs are unused.
@@ -98,6 +104,26 @@ class StepConfig:
         if self.tis_cap is not None and not 1 <= self.tis_cap < float("inf"):
             raise FieldError("StepConfig", "tis_cap", "must be finite and >= 1 (a cap on an importance ratio), "
                                                       f"got {self.tis_cap}")
+        self._check_masked_is()
+
+    def _check_masked_is(self):
+        if self.tis_level not in get_args(ImportanceLevel):
+            raise FieldError("StepConfig", "tis_level", f"unknown {self.tis_level!r}; choose one of "
+                                                        f"{get_args(ImportanceLevel)}")
+        for name, kinds in [("mis_high", (int, float, type(None))), ("mis_low", (int, float))]:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise FieldTypeError("StepConfig", name, f"must be a number, got {type(value).__name__} {value!r}")
+        if self.mis_high is not None and not 1 <= self.mis_high < float("inf"):
+            raise FieldError("StepConfig", "mis_high", f"must be finite and >= 1 (on-policy tokens have ratio 1), "
+                                                       f"got {self.mis_high}")
+        if not 0 <= self.mis_low <= 1:
+            raise FieldError("StepConfig", "mis_low", f"must be in [0, 1] (on-policy tokens have ratio 1), "
+                                                      f"got {self.mis_low}")
+        if self.mis_low > 0 and self.mis_high is None:
+            raise FieldError("StepConfig", "mis_low", "needs mis_high (masked importance sampling is off)")
+        if self.mis_high is not None and self.tis_cap is not None:
+            raise FieldError("StepConfig", "mis_high", "and tis_cap correct the same mismatch two ways; set one")
 
 
 def make_optimizer(
@@ -214,6 +240,27 @@ def _unsplit(x):
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def importance_weights(mismatch_NT: jax.Array, config: StepConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weight, truncated, dropped) [N, T] of the sampler/trainer mismatch log(pi_old / pi_sampler) per token.
+
+    The ratio is per token, or at tis_level="sequence" the product over each response (a fact of one
+    row, so exact under any split by rows). TIS: min(ratio, tis_cap). MIS: the ratio inside
+    [mis_low, mis_high], else 0 (the response or token leaves the policy gradient; it still counts in the
+    window's N_w and T_w, which are facts of the rollout). Neither: 1.
+    """
+    log_ratio = mismatch_NT
+    if config.tis_level == "sequence":
+        log_ratio = jnp.broadcast_to(mismatch_NT.sum(axis=1, keepdims=True), mismatch_NT.shape)
+    none = jnp.zeros(mismatch_NT.shape, bool)
+    ratio = jnp.exp(log_ratio)  # may overflow to inf at the sequence level: capped or masked below, never used
+    if config.tis_cap is not None:
+        return jnp.minimum(ratio, config.tis_cap), ratio > config.tis_cap, none
+    if config.mis_high is not None:
+        inside = (ratio <= config.mis_high) & (ratio >= config.mis_low)
+        return jnp.where(inside, ratio, 0.0), none, ~inside
+    return jnp.ones(mismatch_NT.shape, jnp.float32), none, none
+
+
 def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, micro: Batch[jax.Array]):
     """This micro-batch's share of the window's loss, and its metric shares."""
     logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
@@ -228,10 +275,9 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
     token = micro.response_mask & micro.row_valid[:, None]
     advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)
     mismatch = jnp.where(token, old_logprobs - micro.behaviour_logprobs, 0.0)
-    tis_weight = jnp.ones_like(logprobs)
-    if config.tis_cap is not None:
-        # A positive per-token weight on the advantage scales exactly the policy-gradient term.
-        tis_weight = jnp.minimum(jnp.exp(mismatch), config.tis_cap)
+    tis_weight, truncated, dropped = importance_weights(mismatch, config)
+    if config.tis_cap is not None or config.mis_high is not None:
+        # A non-negative per-token weight on the advantage scales exactly the policy-gradient term.
         advantages = advantages * tis_weight
     loss, metrics = loss_fn(logprobs, old_logprobs, advantages, micro.response_mask, config=config.loss,
                             ref_logprobs=ref_logprobs, entropy=entropy, window=window, row_valid=micro.row_valid)
@@ -241,6 +287,8 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
 
     metrics["behaviour_kl"] = token_share(kl_divergence(micro.behaviour_logprobs, old_logprobs, "k3"))
     metrics["tis_weight"] = token_share(tis_weight)
+    metrics["is_truncated"] = token_share(truncated.astype(jnp.float32))
+    metrics["is_dropped"] = token_share(dropped.astype(jnp.float32))
     return loss, metrics
 
 
@@ -260,7 +308,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         return (grads, loss + micro_loss, metrics), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "behaviour_kl", "tis_weight")
+    metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "behaviour_kl", "tis_weight",
+                    "is_truncated", "is_dropped")
     carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names})
     (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, _split(batch, config.micro_batches))
 

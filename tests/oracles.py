@@ -105,3 +105,38 @@ def aggregate(token_loss, mask, aggregation, budget=None, row_valid=None):
         return total / n_valid
     per_seq = [(token_loss[i] * mask[i]).sum() / max(1, mask[i].sum()) for i in range(len(mask)) if row_valid[i]]
     return sum(per_seq) / n_valid
+
+
+def policy_gradient(logprobs, old, adv, mask, clip_low, clip_high, policy_loss, row_valid=None):
+    """(per-token policy-gradient loss, its gradient wrt logprobs per unit weight) in float64.
+
+    The gradient is d l_it / d logprobs summed the way the aggregation sums it: for ppo_clip and
+    cispo the token's own derivative; for gspo and gspo_token the derivative of row i's sequence
+    term s_i = exp(mean_t log r_it) wrt logprob_it, times the row length (the row's value sits on
+    each of its tokens and seq_mean_token_mean divides it by that length). On a clip bound the
+    gradient flows (torch.clamp's convention).
+    """
+    logprobs, old = np.asarray(logprobs, np.float64), np.asarray(old, np.float64)
+    adv = np.asarray(adv, np.float64)
+    adv = adv[:, None] * np.ones_like(logprobs) if adv.ndim == 1 else adv
+    mask = np.asarray(mask, bool)
+    if row_valid is not None:
+        mask = mask & np.asarray(row_valid, bool)[:, None]
+    low, high = 1 - clip_low, 1 + clip_high
+    loss, grad = np.zeros_like(logprobs), np.zeros_like(logprobs)
+    for i in range(mask.shape[0]):
+        idx = np.flatnonzero(mask[i])
+        if not len(idx):
+            continue
+        seq = np.exp(np.mean(logprobs[i, idx] - old[i, idx]))
+        for t in idx:
+            a = adv[i, t]
+            ratio = seq if policy_loss in ("gspo", "gspo_token") else np.exp(logprobs[i, t] - old[i, t])
+            if policy_loss == "cispo":
+                weight = min(max(ratio, low), high)
+                loss[i, t], grad[i, t] = -weight * a, -weight * a
+                continue
+            loss[i, t] = -min(ratio * a, min(max(ratio, low), high) * a)
+            flows = not ((ratio > high and a > 0) or (ratio < low and a < 0))
+            grad[i, t] = -a * ratio if flows else 0.0
+    return loss, grad

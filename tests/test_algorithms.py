@@ -13,10 +13,10 @@ def test_dr_grpo_is_one_switch_for_both_halves():
 
 
 def test_every_entry_is_consistent():
-    assert set(ALGORITHMS) == {"dr_grpo", "grpo", "dapo", "rloo", "gdpo"}
+    assert set(ALGORITHMS) == {"dr_grpo", "grpo", "dapo", "rloo", "gdpo", "gspo", "gspo_token", "cispo"}
     for name, algorithm in ALGORITHMS.items():
         assert algorithm.name == name
-        LossConfig(aggregation=algorithm.aggregation, budget=16)  # a valid aggregation
+        LossConfig(aggregation=algorithm.aggregation, budget=16, policy_loss=algorithm.policy_loss)
     assert ALGORITHMS["grpo"].aggregation == "seq_mean_token_mean"
     assert ALGORITHMS["dapo"].aggregation == "token_mean"
     assert ALGORITHMS["gdpo"].multi_reward
@@ -52,3 +52,16 @@ def test_allowed_options_pass():
     check_algorithm_options("dr_grpo", budget=64, group_size=2)
     check_algorithm_options("rloo", scale_rewards=True, whiten_advantages=True, group_size=4)
     check_algorithm_options("grpo", whiten_advantages=True)
+
+
+def test_the_2025_successors_bind_their_surrogate_and_aggregation():
+    expected = {"gspo": ("gspo", "seq_mean_token_mean"), "gspo_token": ("gspo_token", "seq_mean_token_mean"),
+                "cispo": ("cispo", "token_mean")}
+    for name, (policy_loss, aggregation) in expected.items():
+        algorithm = ALGORITHMS[name]
+        assert (algorithm.policy_loss, algorithm.aggregation) == (policy_loss, aggregation)
+        assert algorithm.advantage_fn is advantages.grpo  # both papers normalise rewards within the group
+        check_algorithm_options(name, whiten_advantages=True, budget=64, group_size=2)
+        with pytest.raises(FieldError, match=rf"^algorithm.scale_rewards: {name} forbids it.*already divides"):
+            check_algorithm_options(name, scale_rewards=True)
+    assert all(ALGORITHMS[name].policy_loss == "ppo_clip" for name in ("dr_grpo", "grpo", "dapo", "rloo", "gdpo"))

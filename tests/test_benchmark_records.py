@@ -7,7 +7,10 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.subprocess  # record.py runs the benchmark command and git
 
 
 def _load(relative: str):

@@ -283,3 +283,43 @@ def test_command_line_help_and_one_line_errors(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert all(f"\n{name}: " in out for name in ("run", "model", "data", "rollout", "algorithm", "reward", "mesh"))
+
+
+@pytest.mark.parametrize("name, policy_loss, aggregation", [
+    ("gspo", "gspo", "seq_mean_token_mean"), ("gspo_token", "gspo_token", "seq_mean_token_mean"),
+    ("cispo", "cispo", "token_mean")])
+def test_the_new_algorithms_build_their_loss(name, policy_loss, aggregation):
+    config = load_config(None, BASE + [f"algorithm.name={name}", "algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4"])
+    train, _ = step_configs(config)
+    assert (train.loss.policy_loss, train.loss.aggregation) == (policy_loss, aggregation)
+    assert (train.loss.clip_low, train.loss.upper_clip) == (3e-4, 4e-4)
+
+
+def test_sequence_importance_sampling_keys_reach_the_step():
+    config = load_config(None, BASE + ["algorithm.tis_level=sequence", "algorithm.mis_high=2", "algorithm.mis_low=0.5"])
+    train, logprob = step_configs(config)
+    assert (train.tis_level, train.mis_high, train.mis_low, train.tis_cap) == ("sequence", 2.0, 0.5, None)
+    assert logprob.mis_high == 2.0
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    (["algorithm.name=cispo", "algorithm.dual_clip=3"], "algorithm.dual_clip", "cispo"),
+    (["algorithm.name=gspo", "algorithm.scale_rewards=true"], "algorithm.scale_rewards", "gspo forbids it"),
+    (["algorithm.name=gspo_token", "algorithm.kl_in_reward=true"], "algorithm.kl_in_reward", "forbids"),
+    (["algorithm.tis_level=row"], "algorithm.tis_level", "row"),
+    (["algorithm.mis_high=0.5"], "algorithm.mis_high", ">= 1"),
+    (["algorithm.mis_low=0.5"], "algorithm.mis_low", "needs mis_high"),
+    (["algorithm.mis_high=2", "algorithm.mis_low=2"], "algorithm.mis_low", "[0, 1]"),
+    (["algorithm.mis_high=2", "algorithm.tis_cap=2"], "algorithm.mis_high", "tis_cap"),
+])
+def test_what_the_new_options_forbid_names_the_key(overrides, key, fragment):
+    _assert_one_line(_error(overrides), key, fragment)
+
+
+@pytest.mark.parametrize("buffer", [0, 300])
+def test_the_overlong_reward_needs_a_buffer_within_the_budget(buffer):
+    overrides = ["reward.functions=[math_verify,overlong]", f"reward.overlong_buffer={buffer}"]
+    _assert_one_line(_error(overrides), "reward.overlong_buffer", "[1, rollout.max_new_tokens = 256]")
+    config = load_config(None, BASE + ["reward.functions=[math_verify,overlong]", "reward.overlong_buffer=64",
+                                       "algorithm.name=gdpo"])
+    assert config.reward.functions == ("math_verify", "overlong")

@@ -288,3 +288,22 @@ def test_foreign_policy_one_device_and_shard_map_agree():
         np.testing.assert_allclose(grads_8[name], grads[name], rtol=0, atol=1e-5 * largest, err_msg=name)
     for name in metrics:
         np.testing.assert_allclose(metrics_8[name], metrics[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_length_bias_toy_gspo_follows_grpo_and_cispo_does_not():
+    # The notebook's successors section: GSPO's geometric-mean ratio is GRPO's 1/|o_i|; CISPO's token mean is not.
+    from drgrpo_jax import ALGORITHMS
+
+    def entry(name, **clips):
+        algorithm = ALGORITHMS[name]
+        return algorithm.advantage_fn, LossConfig(algorithm.aggregation, budget=BUDGET,
+                                                  policy_loss=algorithm.policy_loss, **clips)
+
+    grpo = toy_run(advantages.grpo, LossConfig("seq_mean_token_mean", budget=BUDGET), steps=60, seed=2)
+    gspo = toy_run(*entry("gspo", clip_low=3e-4, clip_high=4e-4), steps=60, seed=2)
+    gspo_token = toy_run(*entry("gspo_token", clip_low=3e-4, clip_high=4e-4), steps=60, seed=2)
+    cispo = toy_run(*entry("cispo", clip_low=1.0, clip_high=4.0), steps=60, seed=2)
+    np.testing.assert_allclose(gspo, grpo, atol=1e-3)
+    np.testing.assert_allclose(gspo_token, grpo, atol=1e-3)
+    assert gspo[-1][0] > gspo[0][0] + 10, gspo[-1]
+    assert abs(cispo[-1][0] - cispo[0][0]) < 3, cispo[-1]

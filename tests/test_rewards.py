@@ -9,7 +9,7 @@ import pytest
 from drgrpo_jax.config import DataConfig, RewardConfig
 from drgrpo_jax.data import Example, load_dataset
 from drgrpo_jax.errors import ConfigError, RewardError
-from drgrpo_jax.rewards import RewardScorer, build_reward_fns, extract_answer
+from drgrpo_jax.rewards import RewardScorer, build_reward_fns, extract_answer, overlong_penalty
 
 TIMEOUT_S = 4.0  # above math-verify's slowest first call on a loaded 2-core machine, below "stalled"
 
@@ -269,3 +269,35 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_overlong_penalty_by_hand():
+    # DAPO's soft punishment with budget 100 and a 20-token buffer: 0 up to 80 tokens, then linear to -1 at 100.
+    penalty = overlong_penalty(np.array([0, 10, 80, 81, 90, 99, 100]), budget=100, buffer=20)
+    np.testing.assert_allclose(penalty, [0, 0, 0, -0.05, -0.5, -0.95, -1.0], rtol=1e-6)
+    assert penalty.dtype == np.float32
+    np.testing.assert_array_equal(overlong_penalty(np.array([3, 4]), budget=4, buffer=4), [-0.75, -1.0])
+
+
+def test_overlong_is_a_component_of_the_token_lengths(examples):
+    config = RewardConfig(functions=("format", "overlong"), weights=(1.0, 0.5), overlong_buffer=20, num_workers=1,
+                          timeout_s=TIMEOUT_S)
+    with RewardScorer(config, budget=100) as scorer:
+        result = scorer.score(["\\boxed{1}", "none", "\\boxed{2}"], [examples[0]] * 3, lengths=[10, 90, 100])
+        assert result.names == ("format", "overlong")
+        np.testing.assert_allclose(result.components_NK, [[1, 0], [0, -0.5], [1, -1]], rtol=1e-6)
+        np.testing.assert_allclose(result.total_N(), [1, -0.25, 0.5], rtol=1e-6)
+        with pytest.raises(ValueError, match="token length"):
+            scorer.score(["x"], [examples[0]])
+    with pytest.raises(ValueError, match="budget"):
+        RewardScorer(config)
+
+
+def test_overlong_works_with_gdpo():
+    # A [P, G, K] batch of (correct, overlong): the length component shifts advantages within a group.
+    from drgrpo_jax import advantages
+
+    correct = np.array([[1.0, 1.0, 0.0, 0.0]])
+    overlong = overlong_penalty(np.array([[10, 95, 10, 95]]), budget=100, buffer=20)
+    combined = advantages.gdpo(np.stack([correct, overlong], axis=-1), [1.0, 0.5])
+    assert combined[0, 0] > combined[0, 1] > combined[0, 2] > combined[0, 3]

@@ -17,6 +17,7 @@ from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_mod
 from drgrpo_jax.train_step import (
     StepConfig,
     batch_shardings,
+    importance_weights,
     init_state,
     jit_policy_logprobs,
     jit_train_step,
@@ -49,7 +50,7 @@ def initial_old_logprobs(lengths: tuple[int, ...] | None) -> np.ndarray:
 
 
 def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None, steps=1, kl_coef=0.0,
-             optimizer=None, tis_cap=None, behaviour_shift=0.0, on_policy=False):
+             optimizer=None, tis_cap=None, behaviour_shift=0.0, on_policy=False, loss_options=(), **step_options):
     """Params and metrics after `steps` steps of the tiny model on a (data, fsdp, tensor) mesh.
 
     The first step's old log-probs come from one shared single-device computation (so only
@@ -61,8 +62,10 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     model = shard_model(Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
     optimizer = optimizer or optax.sgd(0.5)
     schedule = optax.constant_schedule(0.5)
-    config = StepConfig(loss=LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef),
-                        micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5, on_policy=on_policy)
+    loss = LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef, **dict(loss_options))
+    config = StepConfig(loss=loss,
+                        micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5, on_policy=on_policy,
+                        **step_options)
     graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
     params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
@@ -235,3 +238,85 @@ def test_two_processes_match_one(reference, tmp_path):
         np.testing.assert_allclose(result[f"param_{i}"], leaf, rtol=1e-5, atol=1e-5 * np.abs(leaf).max())
     for k in ref_history[0].keys() - {"compiles_so_far"}:
         np.testing.assert_allclose(result[f"metric_{k}"], ref_history[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+# ------------------------------------------------------------------ sequence-level TIS / MIS, GSPO and CISPO
+
+
+def importance_oracle(mismatch, mask, level, tis_cap=None, mis_high=None, mis_low=0.0):
+    """float64 weights per token from log(pi_old / pi_sampler), written from the formulas with loops."""
+    mismatch, mask = np.asarray(mismatch, np.float64), np.asarray(mask, bool)
+    out = np.ones_like(mismatch)
+    for i, t in zip(*np.nonzero(mask)):
+        ratio = np.exp(mismatch[i, mask[i]].sum() if level == "sequence" else mismatch[i, t])
+        if tis_cap is not None:
+            out[i, t] = min(ratio, tis_cap)
+        elif mis_high is not None:
+            out[i, t] = ratio if mis_low <= ratio <= mis_high else 0.0
+    return out
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("options", [dict(tis_cap=1.5), dict(mis_high=1.5), dict(mis_high=2.0, mis_low=0.7), {}])
+def test_importance_weights_match_the_oracle(level, options):
+    rng = np.random.default_rng(1)
+    mask = np.arange(STEP_RESPONSE)[None, :] < rng.integers(0, STEP_RESPONSE + 1, (32, 1))
+    mismatch = np.where(mask, rng.normal(0, 0.15, (32, STEP_RESPONSE)), 0.0).astype(np.float32)
+    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), tis_level=level, **options)
+    weight, truncated, dropped = importance_weights(jnp.asarray(mismatch), config)
+    expected = importance_oracle(mismatch, mask, level, **options)
+    np.testing.assert_allclose(np.where(mask, weight, 1.0), expected, rtol=1e-5)
+    if "mis_high" in options:
+        assert 0 < (dropped & mask).sum() < mask.sum() and not truncated.any()
+        np.testing.assert_array_equal(dropped & mask, (expected == 0) & mask)
+    if "tis_cap" in options:
+        assert 0 < (truncated & mask).sum() < mask.sum() and not dropped.any()
+
+
+SEQUENCE_IS = [dict(tis_cap=1.5, tis_level="sequence"), dict(mis_high=1.6, mis_low=0.5, tis_level="sequence")]
+
+
+@pytest.mark.parametrize("options", SEQUENCE_IS)
+def test_sequence_importance_sampling_is_invariant_to_mesh_and_micro_batches(options):
+    # old / behaviour = exp(0.05) per token: the sequence ratio exp(0.05 * length) leaves the band on long rows.
+    shift = dict(behaviour_shift=-0.05, **options)
+    ref_state, ref_history, _ = run_step((1, 1, 1), 1, "token_mean", **shift)
+    state, history, _ = run_step((2, 2, 2), 4, "token_mean", **shift)
+    assert_same(state.params, ref_state.params, "params")
+    for k in ("loss", "tis_weight", "is_truncated", "is_dropped", "behaviour_kl"):
+        np.testing.assert_allclose(history[0][k], ref_history[0][k], rtol=1e-5, atol=1e-7, err_msg=k)
+    plain_state, plain_history, _ = run_step((1, 1, 1), 1, "token_mean")
+    assert ref_history[0]["loss"] != plain_history[0]["loss"], "the correction changes the update"
+    if "mis_high" in options:  # some responses leave the gradient, never all
+        assert 0 < ref_history[0]["is_dropped"] < 1
+    else:
+        assert 0 < ref_history[0]["is_truncated"] < 1
+
+
+@pytest.mark.parametrize("policy_loss, aggregation", [("gspo", "seq_mean_token_mean"),
+                                                      ("gspo_token", "seq_mean_token_mean"), ("cispo", "token_mean")])
+def test_new_policy_losses_are_invariant_to_mesh_and_micro_batches(policy_loss, aggregation):
+    # Two optimizer steps, so the second one's ratios differ from 1 and the clip and weights act.
+    options = dict(loss_options={"policy_loss": policy_loss}, steps=2)
+    ref_state, ref_history, _ = run_step((1, 1, 1), 1, aggregation, **options)
+    state, history, _ = run_step((2, 2, 2), 4, aggregation, **options)
+    assert_same(state.params, ref_state.params, "params")
+    for k in ("loss", "pg_loss", "clip_fraction", "grad_norm"):
+        np.testing.assert_allclose(history[1][k], ref_history[1][k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "options, error, field",
+    [
+        (dict(tis_level="row"), FieldError, "StepConfig.tis_level"),
+        (dict(mis_high=0.9), FieldError, "StepConfig.mis_high"),
+        (dict(mis_high="2"), TypeError, "StepConfig.mis_high"),
+        (dict(mis_high=2.0, mis_low=1.5), FieldError, "StepConfig.mis_low"),
+        (dict(mis_low=0.5), FieldError, "StepConfig.mis_low"),
+        (dict(mis_high=2.0, tis_cap=2.0), FieldError, "StepConfig.mis_high"),
+    ],
+)
+def test_bad_importance_options_name_the_field(options, error, field):
+    with pytest.raises(error) as info:
+        StepConfig(loss=LossConfig(budget=4), **options)
+    assert str(info.value).startswith(field) and "\n" not in str(info.value)
