@@ -279,6 +279,7 @@ def test_overlong_penalty_by_hand():
     np.testing.assert_array_equal(overlong_penalty(np.array([3, 4]), budget=4, buffer=4), [-0.75, -1.0])
 
 
+@pytest.mark.subprocess  # the scorer starts its reward workers
 def test_overlong_is_a_component_of_the_token_lengths(examples):
     config = RewardConfig(functions=("format", "overlong"), weights=(1.0, 0.5), overlong_buffer=20, num_workers=1,
                           timeout_s=TIMEOUT_S)
