@@ -175,6 +175,7 @@ def test_auto_per_backend_and_explicit_kernels_check_their_constraints():
     choose = attn.choose_impl
     assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="gpu") == "cudnn"
     assert choose("auto", seq_len=4096, dtype=jnp.float32, head_dim=64, backend="gpu") == "blockwise"
+    assert choose("auto", seq_len=4095, dtype=jnp.bfloat16, head_dim=64, backend="gpu") == "blockwise"
     assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="tpu") == "splash"
     assert choose("auto", seq_len=4000, dtype=jnp.bfloat16, head_dim=64, backend="tpu") == "blockwise"
     with pytest.raises(ValueError, match="cudnn"):

@@ -212,10 +212,10 @@ def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
 # ---------------------------------------------------------------- accelerator kernels shipped with JAX
 
 
-def _cudnn_supported(dtype, head_dim: int) -> bool:
+def _cudnn_supported(dtype, head_dim: int, seq_len: int) -> bool:
     """cuDNN flash attention's constraints (jax._src.cudnn.fused_attention_stablehlo): 16-bit floats, H % 8 == 0,
-    H <= 128 (<= 256 from Hopper, compute capability 9.0)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8:
+    H <= 128 (<= 256 from Hopper, compute capability 9.0), an even length (training with a bias, our mask)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8 or seq_len % 2:
         return False
     if head_dim <= 128:
         return True
@@ -229,9 +229,10 @@ def cudnn_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, pos
 
     Causality and the window go to cuDNN as such (the window by index: q_pos - k_pos equals the index
     difference inside a segment when positions count up by one, as the trainer's do). Segments and padding go
-    as a boolean [B, 1, T, S] mask, which JAX turns into an additive bias: one [B, T, S] array per call, not
-    per head and not kept as probabilities, but still quadratic (cuDNN's own padding mask only knows
-    right-padded lengths, and the trainer's rows are left-padded).
+    as a boolean [B, 1, T, S] mask, which JAX turns into an additive bias (and cuDNN's backward into a bias
+    gradient of the same shape): [B, T, S] arrays per call, not per head and not kept as probabilities, but
+    still quadratic (cuDNN's own padding mask only knows right-padded lengths, and the trainer's rows are
+    left-padded; its packed layout with segment offsets is not public API).
     """
     del positions_BT
     seg_BT = segment_ids_BT
@@ -295,15 +296,15 @@ def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str |
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention: {impl!r} is not supported (supported: {ATTENTION_IMPLS})")
     backend = backend or jax.default_backend()
-    if impl == "cudnn" and not _cudnn_supported(dtype, head_dim):
-        raise ValueError(f"attention: cudnn needs bfloat16/float16 and head_dim % 8 == 0, <= 128 (256 on Hopper); "
-                         f"got {jnp.dtype(dtype).name}, head_dim {head_dim}")
+    if impl == "cudnn" and not _cudnn_supported(dtype, head_dim, seq_len):
+        raise ValueError(f"attention: cudnn needs bfloat16/float16, head_dim % 8 == 0, <= 128 (256 on Hopper) and "
+                         f"an even length; got {jnp.dtype(dtype).name}, head_dim {head_dim}, length {seq_len}")
     if impl == "splash" and not _splash_supported(seq_len):
         raise ValueError(f"attention: splash needs a length multiple of {_SPLASH_BLOCK}, got {seq_len}")
     if impl != "auto":
         return impl
     if backend == "gpu":
-        return "cudnn" if _cudnn_supported(dtype, head_dim) else "blockwise"
+        return "cudnn" if _cudnn_supported(dtype, head_dim, seq_len) else "blockwise"
     if backend == "tpu":
         return "splash" if _splash_supported(seq_len) else "blockwise"
     return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "reference"
