@@ -27,11 +27,15 @@ from drgrpo_jax.models.config import ATTENTION_IMPLS
 _F32 = jnp.float32
 # Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
 _MASKED = -1e30
-DEFAULT_BLOCK_SIZE = 512
-# "auto" on CPU below this length keeps the reference. Measured with benchmarks/attention.py (SmolLM2 heads,
-# Q=9, C=3, H=64, B=2, float32, forward+backward, 2-core EPYC): reference vs blockwise 2.5 vs 3.2 ms at S=128,
-# 21 vs 26 ms at S=512, 0.43 vs 0.27 s at S=2048 (and 1.5 GB vs 0.03 GB of temporaries); blockwise wins from ~1024.
-BLOCKWISE_MIN_LENGTH = 1024
+# 128: the block's [B, C, R, W, W] float32 temporaries stay in cache. Measured with benchmarks/attention.py,
+# SmolLM2 heads, B=2, S=2048, forward+backward, same run: W=64/128/256/512/1024 took 1.70/1.79/1.99/~2.3-2.6/5.2 s
+# (a busy 2-core machine: ratios only); at B=8, S=1024: W=64/128/256 took 2.4/2.5/4.2 s.
+DEFAULT_BLOCK_SIZE = 128
+# "auto" on CPU below this length keeps the reference. Measured with benchmarks/attention.py (Q=9, C=3, H=64,
+# B=2, float32, forward+backward, same run, busy machine): reference vs blockwise 1.3 vs 1.2 ms at S=32,
+# 2.0 vs 3.1 ms at S=64, 19 vs 19 ms at S=192, 38 vs 24 ms at S=256, 0.43 vs 0.09 s at S=512,
+# 9.0 vs 0.68 s at S=2048 (temporaries 1.22 vs 0.03 GB), 34 vs 2.0 s at S=4096 (4.85 vs 0.06 GB).
+BLOCKWISE_MIN_LENGTH = 256
 
 
 def self_attention_mask(q_seg_BT: jax.Array, k_seg_BS: jax.Array, q_idx_T: jax.Array, k_idx_S: jax.Array,
