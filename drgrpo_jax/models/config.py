@@ -27,6 +27,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+# Self-attention of a full forward (models/attention.py): "auto" picks by backend and length.
+ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "blockwise", "cudnn", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,7 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...] = ()  # every token that ends a generation
     pad_token_id: int | None = None  # padding token, if the checkpoint names one
     remat: bool = False  # runtime option: rematerialise each block in the backward pass
+    attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -121,6 +124,9 @@ class DecoderConfig:
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads={self.num_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl: {self.attention_impl!r} is not supported (supported: {ATTENTION_IMPLS})")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: {self.activation!r} is not supported (supported: {ACTIVATIONS})")
         if self.layer_types:

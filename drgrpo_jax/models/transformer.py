@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
@@ -243,19 +244,6 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=name == "gelu_pytorch_tanh")
 
 
-def attend(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array,
-           scale: float) -> jax.Array:
-    """Grouped-query softmax attention with a boolean visibility mask; scores in float32."""
-    B, T, Q, H = q_BTQH.shape
-    C = k_BSCH.shape[2]
-    q_BTCRH = q_BTQH.reshape(B, T, C, Q // C, H)
-    scores_BCRTS = jnp.einsum("btcrh,bsch->bcrts", q_BTCRH, k_BSCH, preferred_element_type=_F32) * scale
-    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, _MASKED)
-    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BSCH.dtype)
-    out_BTCRH = jnp.einsum("bcrts,bsch->btcrh", probs_BCRTS, v_BSCH, preferred_element_type=_F32)
-    return out_BTCRH.reshape(B, T, Q, H).astype(q_BTQH.dtype)
-
-
 def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
     """((cos, sin) for global layers, (cos, sin) for sliding layers), each [B, T, H]."""
     global_tables = rope_tables(positions_BT, config.rope.inv_freq(config.head_dim))
@@ -307,11 +295,31 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
         return x_BTD + m_BTD
 
 
+def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH: jax.Array, v_BTCH: jax.Array,
+                     positions_BT: jax.Array, segment_ids_BT: jax.Array, sliding: jax.Array) -> jax.Array:
+    """One scanned layer's attention by a memory-linear `impl`; the window is static, so mixed layers take a cond."""
+    def run(window):
+        return attention(q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, scale=config.attn_scale,
+                         window=window, impl=impl)
+
+    kinds = set(config.sliding_layers)
+    if config.sliding_window is None or kinds == {False}:
+        return run(None)
+    if kinds == {True}:
+        return run(config.sliding_window)
+    return jax.lax.cond(sliding, lambda: run(config.sliding_window), lambda: run(None))
+
+
 def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
-                masks: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers."""
+                segment_ids_BT: jax.Array) -> jax.Array:
+    """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers.
+
+    Attention by `config.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
+    layers; the others derive visibility from positions and segment ids inside their kernels.
+    """
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
-    mask_full_BTS, mask_local_BTS = masks
+    impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=x_BTD.dtype, head_dim=config.head_dim)
+    masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
 
     def block(x_BTD, layer):
@@ -319,8 +327,11 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
             q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, cos, sin)
-            mask_BTS = jnp.where(sliding, mask_local_BTS, mask_full_BTS)
-            o_BTQH = attend(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale)
+            if masks is None:
+                o_BTQH = _layer_attention(config, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, sliding)
+            else:
+                mask_BTS = jnp.where(sliding, masks[1], masks[0])
+                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale)
         return _after_attention(config, p, x_BTD, o_BTQH), None
 
     if config.remat:
@@ -331,7 +342,7 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
 
 def attend_slots(q_BTQH: jax.Array, k_BCSH: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
                  scale: float) -> jax.Array:
-    """`attend` over a per-layer cache in attention order [B, C, S, H]; scores and softmax in float32.
+    """`reference_attention` over a per-layer cache in attention order [B, C, S, H]; scores and softmax in float32.
 
     Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA
     transpose every layer's slots every decode step); only the few queries are transposed.
@@ -401,10 +412,8 @@ def _window(config: DecoderConfig, q_pos_BT: jax.Array, k_pos_BS: jax.Array) -> 
 
 def forward_masks(config: DecoderConfig, positions_BT: jax.Array, segment_ids_BT: jax.Array):
     """(full, sliding) masks [B, T, T]: same non-zero segment, causal by index, window by position."""
-    T = positions_BT.shape[1]
-    same_BTS = (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]) & (segment_ids_BT[:, :, None] != 0)
-    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    full_BTS = same_BTS & causal_TS[None]
+    idx_T = jnp.arange(positions_BT.shape[1])
+    full_BTS = self_attention_mask(segment_ids_BT, segment_ids_BT, idx_T, idx_T, positions_BT, positions_BT, None)
     return full_BTS, full_BTS & _window(config, positions_BT, positions_BT)
 
 
@@ -451,8 +460,7 @@ class Transformer(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        masks = forward_masks(self.config, positions_BT, segment_ids_BT)
-        x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, masks)
+        x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, segment_ids_BT)
         return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
 
     def unembed_DV(self) -> jax.Array:

@@ -1,0 +1,330 @@
+"""Self-attention of a full (cache-free) forward: the reference, a memory-linear blockwise kernel, cuDNN, TPU splash.
+
+Shape letters (the README's glossary): B rows, T query positions, S key positions, Q query heads, C key/value
+heads, R query heads per kv head (Q = C * R), H head dim, J blocks and W positions per block.
+
+Visibility is one rule (`self_attention_mask`): key s is visible to query t when both carry the same non-zero
+segment id, s <= t by index (causal), and, with a window, q_pos - k_pos < window (Gemma 3's sliding layers).
+Segment id 0 marks padding: a padding query sees nothing (the reference gives it the mean of the values, the
+others give 0; nothing downstream reads it) and a padding key is seen by nobody.
+
+`reference_attention` materialises [B, C, R, T, S] float32 scores and probabilities, and autodiff keeps them for
+the backward: memory quadratic in length, the test oracle. `blockwise_attention` runs an online softmax over
+key blocks and a custom backward that recomputes each block's probabilities from the saved log-sum-exp
+(FlashAttention-2), so it keeps O(B * T * Q) statistics instead of O(B * Q * T * S) probabilities.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from drgrpo_jax.models.config import ATTENTION_IMPLS
+
+_F32 = jnp.float32
+# Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
+_MASKED = -1e30
+# 128: the block's [B, C, R, W, W] float32 temporaries stay in cache. Measured with benchmarks/attention.py,
+# SmolLM2 heads, B=2, S=2048, forward+backward, same run: W=64/128/256/512/1024 took 1.70/1.79/1.99/~2.3-2.6/5.2 s
+# (a busy 2-core machine: ratios only); at B=8, S=1024: W=64/128/256 took 2.4/2.5/4.2 s.
+DEFAULT_BLOCK_SIZE = 128
+# "auto" on CPU below this length keeps the reference. Measured with benchmarks/attention.py (Q=9, C=3, H=64,
+# B=2, float32, forward+backward, same run, busy machine): reference vs blockwise 1.3 vs 1.2 ms at S=32,
+# 2.0 vs 3.1 ms at S=64, 19 vs 19 ms at S=192, 38 vs 24 ms at S=256, 0.43 vs 0.09 s at S=512,
+# 9.0 vs 0.68 s at S=2048 (temporaries 1.22 vs 0.03 GB), 34 vs 2.0 s at S=4096 (4.85 vs 0.06 GB).
+BLOCKWISE_MIN_LENGTH = 256
+
+
+def self_attention_mask(q_seg_BT: jax.Array, k_seg_BS: jax.Array, q_idx_T: jax.Array, k_idx_S: jax.Array,
+                        q_pos_BT: jax.Array, k_pos_BS: jax.Array, window: int | None) -> jax.Array:
+    """bool [B, T, S]: same non-zero segment, causal by index, and (with a window) q_pos - k_pos < window."""
+    visible_BTS = (q_seg_BT[:, :, None] == k_seg_BS[:, None, :]) & (q_seg_BT[:, :, None] != 0)
+    visible_BTS = visible_BTS & (q_idx_T[:, None] >= k_idx_S[None, :])[None]
+    if window is not None:
+        visible_BTS = visible_BTS & (q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < window)
+    return visible_BTS
+
+
+def reference_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array,
+                        scale: float) -> jax.Array:
+    """Grouped-query softmax attention with a boolean visibility mask; scores in float32 (the oracle)."""
+    B, T, Q, H = q_BTQH.shape
+    C = k_BSCH.shape[2]
+    q_BTCRH = q_BTQH.reshape(B, T, C, Q // C, H)
+    scores_BCRTS = jnp.einsum("btcrh,bsch->bcrts", q_BTCRH, k_BSCH, preferred_element_type=_F32) * scale
+    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, _MASKED)
+    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BSCH.dtype)
+    out_BTCRH = jnp.einsum("bcrts,bsch->btcrh", probs_BCRTS, v_BSCH, preferred_element_type=_F32)
+    return out_BTCRH.reshape(B, T, Q, H).astype(q_BTQH.dtype)
+
+
+# ---------------------------------------------------------------- blockwise (flash-style) attention
+
+
+def _to_blocks(x_BT: jax.Array, W: int, J: int, fill=0) -> jax.Array:
+    """[B, T, ...] padded to J * W positions and cut into blocks: [J, B, W, ...]."""
+    B, T = x_BT.shape[:2]
+    pad = [(0, 0), (0, J * W - T)] + [(0, 0)] * (x_BT.ndim - 2)
+    x_BJW = jnp.pad(x_BT, pad, constant_values=fill).reshape(B, J, W, *x_BT.shape[2:])
+    return jnp.moveaxis(x_BJW, 1, 0)
+
+
+def _block_mask(seg_JBW, pos_JBW, i, j, W: int, window: int | None) -> jax.Array:
+    """bool [B, W, W]: which keys of block j the queries of block i see."""
+    idx_W = jnp.arange(W)
+    return self_attention_mask(seg_JBW[i], seg_JBW[j], i * W + idx_W, j * W + idx_W, pos_JBW[i], pos_JBW[j], window)
+
+
+def _scores(q_BCRWH, k_BCWH, mask_BWW, scale: float) -> jax.Array:
+    """float32 scores [B, C, R, W, W] with hidden keys at -inf."""
+    s_BCRWW = jnp.einsum("bcrwh,bcsh->bcrws", q_BCRWH, k_BCWH, preferred_element_type=_F32) * scale
+    return jnp.where(mask_BWW[:, None, None], s_BCRWW, -jnp.inf)
+
+
+def _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale: float, window: int | None):
+    """Output [J, B, C, R, W, H] (input dtype) and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen)."""
+    J, B, C, R, W, H = q_JBCRWH.shape
+
+    def query_block(i):
+        q_BCRWH = q_JBCRWH[i]
+
+        def key_block(j, carry):
+            mask_BWW = _block_mask(seg_JBW, pos_JBW, i, j, W, window)
+
+            def update(carry):
+                m_BCRW, l_BCRW, acc_BCRWH = carry
+                s_BCRWW = _scores(q_BCRWH, k_JBCWH[j], mask_BWW, scale)
+                m_new = jnp.maximum(m_BCRW, s_BCRWW.max(-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p_BCRWW = jnp.exp(s_BCRWW - m_safe[..., None])
+                correction = jnp.exp(m_BCRW - m_safe)
+                pv_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", p_BCRWW.astype(v_JBCWH.dtype), v_JBCWH[j],
+                                      preferred_element_type=_F32)
+                return m_new, l_BCRW * correction + p_BCRWW.sum(-1), acc_BCRWH * correction[..., None] + pv_BCRWH
+
+            # Blocks nobody in them sees (windows, padding) cost one mask; causality bounds the loop.
+            return jax.lax.cond(mask_BWW.any(), update, lambda c: c, carry)
+
+        init = (jnp.full((B, C, R, W), -jnp.inf, _F32), jnp.zeros((B, C, R, W), _F32),
+                jnp.zeros((B, C, R, W, H), _F32))
+        m_BCRW, l_BCRW, acc_BCRWH = jax.lax.fori_loop(0, i + 1, key_block, init)
+        seen = l_BCRW > 0
+        out_BCRWH = jnp.where(seen[..., None], acc_BCRWH / jnp.where(seen, l_BCRW, 1.0)[..., None], 0.0)
+        lse_BCRW = jnp.where(seen, m_BCRW + jnp.log(jnp.where(seen, l_BCRW, 1.0)), 0.0)
+        return out_BCRWH.astype(q_JBCRWH.dtype), lse_BCRW
+
+    return jax.lax.map(query_block, jnp.arange(J))
+
+
+def _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
+                    scale: float, window: int | None):
+    """(dq, dk, dv) in float32, each block's probabilities recomputed from the log-sum-exp (FlashAttention-2)."""
+    J = q_JBCRWH.shape[0]
+    W = q_JBCRWH.shape[4]
+    dtype = q_JBCRWH.dtype
+    delta_JBCRW = jnp.sum(do_JBCRWH.astype(_F32) * out_JBCRWH.astype(_F32), axis=-1)
+
+    def key_block(dq_JBCRWH, j):
+        k_BCWH, v_BCWH = k_JBCWH[j], v_JBCWH[j]
+
+        def query_block(i, carry):
+            dk_BCWH, dv_BCWH, dq_JBCRWH = carry
+            mask_BWW = _block_mask(seg_JBW, pos_JBW, i, j, W, window)
+
+            def grads(dkv):
+                dk_BCWH, dv_BCWH = dkv
+                q_BCRWH, do_BCRWH = q_JBCRWH[i], do_JBCRWH[i]
+                s_BCRWW = _scores(q_BCRWH, k_BCWH, mask_BWW, scale)
+                p_BCRWW = jnp.exp(s_BCRWW - lse_JBCRW[i][..., None])  # hidden keys: exp(-inf) = 0
+                dv_BCWH = dv_BCWH + jnp.einsum("bcrws,bcrwh->bcsh", p_BCRWW.astype(dtype), do_BCRWH,
+                                               preferred_element_type=_F32)
+                dp_BCRWW = jnp.einsum("bcrwh,bcsh->bcrws", do_BCRWH, v_BCWH, preferred_element_type=_F32)
+                ds_BCRWW = (p_BCRWW * (dp_BCRWW - delta_JBCRW[i][..., None]) * scale).astype(dtype)
+                dq_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", ds_BCRWW, k_BCWH, preferred_element_type=_F32)
+                dk_BCWH = dk_BCWH + jnp.einsum("bcrws,bcrwh->bcsh", ds_BCRWW, q_BCRWH, preferred_element_type=_F32)
+                return dk_BCWH, dv_BCWH, dq_BCRWH
+
+            def skip(dkv):
+                return *dkv, jnp.zeros(q_JBCRWH.shape[1:], _F32)
+
+            dk_BCWH, dv_BCWH, dq_BCRWH = jax.lax.cond(mask_BWW.any(), grads, skip, (dk_BCWH, dv_BCWH))
+            # The dq update stays outside the cond: a cond carrying the whole dq copied it per block.
+            dq_JBCRWH = jax.lax.dynamic_update_index_in_dim(dq_JBCRWH, dq_JBCRWH[i] + dq_BCRWH, i, 0)
+            return dk_BCWH, dv_BCWH, dq_JBCRWH
+
+        zeros_BCWH = jnp.zeros(k_JBCWH.shape[1:], _F32)
+        dk_BCWH, dv_BCWH, dq_JBCRWH = jax.lax.fori_loop(j, J, query_block, (zeros_BCWH, zeros_BCWH, dq_JBCRWH))
+        return dq_JBCRWH, (dk_BCWH, dv_BCWH)
+
+    dq_JBCRWH, (dk_JBCWH, dv_JBCWH) = jax.lax.scan(key_block, jnp.zeros(q_JBCRWH.shape, _F32), jnp.arange(J))
+    return dq_JBCRWH, dk_JBCWH, dv_JBCWH
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window):
+    """Blocked attention output; the custom backward keeps only the inputs, output and log-sum-exp."""
+    return _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window)[0]
+
+
+def _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window):
+    """Output and residuals (inputs, output, float32 log-sum-exp)."""
+    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window)
+    return out_JBCRWH, (q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW)
+
+
+def _flash_bwd(scale, window, residuals, do_JBCRWH):
+    """Cotangents of q, k, v in their dtypes; none for the integer segment ids and positions."""
+    q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW = residuals
+    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
+                                 scale, window)
+    return dq.astype(q_JBCRWH.dtype), dk.astype(k_JBCWH.dtype), dv.astype(v_JBCWH.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
+                        segment_ids_BT: jax.Array, *, scale: float, window: int | None = None,
+                        block_size: int | None = None) -> jax.Array:
+    """Self-attention [B, T, Q, H] in blocks of W = min(T, block_size): memory linear in T, same rule as the reference.
+
+    `block_size` None reads DEFAULT_BLOCK_SIZE when called (tests shrink it to cut a tiny model into blocks).
+
+    Float32 softmax statistics whatever the input dtype; kv heads are never repeated (queries are grouped
+    [B, C, R, W, H]); queries that see nothing (padding) get 0 and pass no gradient.
+    """
+    B, T, Q, H = q_BTQH.shape
+    C = k_BSCH.shape[2]
+    if k_BSCH.shape[1] != T:
+        raise ValueError(f"blockwise_attention: self-attention only, got {T} queries and {k_BSCH.shape[1]} keys")
+    W = min(T, block_size or DEFAULT_BLOCK_SIZE)
+    J = -(-T // W)
+    q_JBWCRH = _to_blocks(q_BTQH.reshape(B, T, C, Q // C, H), W, J)
+    q_JBCRWH = q_JBWCRH.transpose(0, 1, 3, 4, 2, 5)
+    k_JBCWH = _to_blocks(k_BSCH, W, J).transpose(0, 1, 3, 2, 4)
+    v_JBCWH = _to_blocks(v_BSCH, W, J).transpose(0, 1, 3, 2, 4)
+    seg_JBW = _to_blocks(segment_ids_BT.astype(jnp.int32), W, J)  # padded positions: segment 0, never seen
+    pos_JBW = _to_blocks(positions_BT.astype(jnp.int32), W, J)
+    out_JBCRWH = _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, float(scale), window)
+    out_BJWQH = out_JBCRWH.transpose(1, 0, 4, 2, 3, 5).reshape(B, J * W, Q, H)
+    return out_BJWQH[:, :T]
+
+
+# ---------------------------------------------------------------- accelerator kernels shipped with JAX
+
+
+def _cudnn_supported(dtype, head_dim: int, seq_len: int) -> bool:
+    """cuDNN flash attention's constraints (jax._src.cudnn.fused_attention_stablehlo): 16-bit floats, H % 8 == 0,
+    H <= 128 (<= 256 from Hopper, compute capability 9.0), an even length (training with a bias, our mask)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8 or seq_len % 2:
+        return False
+    if head_dim <= 128:
+        return True
+    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+    return head_dim <= 256 and tuple(int(x) for x in str(capability).split(".")) >= (9, 0)
+
+
+def cudnn_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
+                    segment_ids_BT: jax.Array, *, scale: float, window: int | None = None) -> jax.Array:
+    """`jax.nn.dot_product_attention(implementation="cudnn")` with the same visibility rule (GPU only).
+
+    Causality and the window go to cuDNN as such (the window by index: q_pos - k_pos equals the index
+    difference inside a segment when positions count up by one, as the trainer's do). Segments and padding go
+    as a boolean [B, 1, T, S] mask, which JAX turns into an additive bias (and cuDNN's backward into a bias
+    gradient of the same shape): [B, T, S] arrays per call, not per head and not kept as probabilities, but
+    still quadratic (cuDNN's own padding mask only knows right-padded lengths, and the trainer's rows are
+    left-padded; its packed layout with segment offsets is not public API).
+    """
+    del positions_BT
+    seg_BT = segment_ids_BT
+    mask_B1TS = ((seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, :, None] != 0))[:, None]
+    return jax.nn.dot_product_attention(
+        q_BTQH, k_BSCH, v_BSCH, mask=mask_B1TS, scale=scale, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
+
+
+_SPLASH_BLOCK = 128  # splash's default block sizes; T must be a multiple
+
+
+def _splash_supported(seq_len: int) -> bool:
+    """Lengths the splash kernel's default 128 x 128 blocks tile."""
+    return seq_len % _SPLASH_BLOCK == 0
+
+
+def splash_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
+                     segment_ids_BT: jax.Array, *, scale: float, window: int | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """TPU Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention) with the same rule.
+
+    Causal or causal-local mask by index (see `cudnn_attention` on windows), segment ids for packing and
+    padding; one MQA kernel per kv head (vmapped over B and C), so kv heads are not repeated. Padding queries
+    see the padding keys before them: finite, ignored outputs. Single device: under a sharded jit the kernel
+    needs a shard_map over the batch, which this module does not add yet. `interpret` runs it on CPU (tests).
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+    del positions_BT
+    B, T, Q, H = q_BTQH.shape
+    C = k_BSCH.shape[2]
+    R = Q // C
+    if window is None:
+        mask = splash_mask.CausalMask((T, T))
+    else:
+        mask = splash_mask.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
+    kernel = splash.make_splash_mqa_single_device(splash_mask.MultiHeadMask([mask] * R), interpret=interpret)
+    q_BCRTH = (q_BTQH.reshape(B, T, C, R, H) * jnp.asarray(scale, q_BTQH.dtype)).transpose(0, 2, 3, 1, 4)
+    k_BCSH, v_BCSH = k_BSCH.transpose(0, 2, 1, 3), v_BSCH.transpose(0, 2, 1, 3)
+
+    def one_row(q_CRTH, k_CSH, v_CSH, seg_T):
+        ids = splash.SegmentIds(q=seg_T, kv=seg_T)
+        return jax.vmap(lambda q_RTH, k_SH, v_SH: kernel(q_RTH, k_SH, v_SH, ids))(q_CRTH, k_CSH, v_CSH)
+
+    out_BCRTH = jax.vmap(one_row)(q_BCRTH, k_BCSH, v_BCSH, segment_ids_BT.astype(jnp.int32))
+    return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | None = None) -> str:
+    """The implementation `attention` runs: `impl` itself, or for "auto" the best one the backend supports.
+
+    auto: GPU -> cuDNN for bf16/fp16 (else blockwise); TPU -> splash where T is a multiple of 128 (else
+    blockwise); CPU -> blockwise from BLOCKWISE_MIN_LENGTH keys, the reference below. An explicit kernel that
+    cannot run these shapes raises rather than falling back silently.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention: {impl!r} is not supported (supported: {ATTENTION_IMPLS})")
+    backend = backend or jax.default_backend()
+    if impl == "cudnn" and not _cudnn_supported(dtype, head_dim, seq_len):
+        raise ValueError(f"attention: cudnn needs bfloat16/float16, head_dim % 8 == 0, <= 128 (256 on Hopper) and "
+                         f"an even length; got {jnp.dtype(dtype).name}, head_dim {head_dim}, length {seq_len}")
+    if impl == "splash" and not _splash_supported(seq_len):
+        raise ValueError(f"attention: splash needs a length multiple of {_SPLASH_BLOCK}, got {seq_len}")
+    if impl != "auto":
+        return impl
+    if backend == "gpu":
+        return "cudnn" if _cudnn_supported(dtype, head_dim, seq_len) else "blockwise"
+    if backend == "tpu":
+        return "splash" if _splash_supported(seq_len) else "blockwise"
+    return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "reference"
+
+
+def attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
+              segment_ids_BT: jax.Array, *, scale: float, window: int | None = None, impl: str = "auto") -> jax.Array:
+    """Self-attention [B, T, Q, H] of a full forward by `choose_impl(impl, ...)`; `window` is static (or None)."""
+    B, T, Q, H = q_BTQH.shape
+    chosen = choose_impl(impl, seq_len=T, dtype=q_BTQH.dtype, head_dim=H)
+    if chosen == "blockwise":
+        return blockwise_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
+    if chosen == "cudnn":
+        return cudnn_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
+    if chosen == "splash":
+        return splash_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
+    idx_T = jnp.arange(T)
+    mask_BTS = self_attention_mask(segment_ids_BT, segment_ids_BT, idx_T, idx_T, positions_BT, positions_BT, window)
+    return reference_attention(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale)
