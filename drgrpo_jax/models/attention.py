@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from drgrpo_jax.models.config import ATTENTION_IMPLS
 
@@ -271,6 +270,7 @@ def splash_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, po
     B, T, Q, H = q_BTQH.shape
     C = k_BSCH.shape[2]
     R = Q // C
+    mask: splash_mask.Mask
     if window is None:
         mask = splash_mask.CausalMask((T, T))
     else:
