@@ -317,6 +317,7 @@ def test_the_service_exits_when_its_trainer_is_killed(model_dir):
     assert process_gone(int(result.stdout.split()[0]))
 
 
+@pytest.mark.subprocess  # a generation service child process, killed and restarted
 def test_a_killed_local_service_is_restarted_on_the_pushed_weights_and_the_rollout_redone(model_dir, tmp_path):
     """SIGKILL the child mid-rollout: the client restarts it on the last pushed version and redoes the request."""
     import concurrent.futures
