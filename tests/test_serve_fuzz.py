@@ -4,14 +4,14 @@ import json
 import os
 
 import httpx
+import hypothesis  # the dev extra installs it: a missing hypothesis is a failure, not a skip
+import hypothesis.strategies as st
 import pytest
 
 from drgrpo_jax.rollout import LocalServer
 
 from helpers import write_tiny_llama
 
-hypothesis = pytest.importorskip("hypothesis")
-st = pytest.importorskip("hypothesis.strategies")
 pytestmark = pytest.mark.subprocess  # a real service child process
 
 KEY = "fuzz-key"
