@@ -70,12 +70,16 @@ class RewardResult:
         out = {"reward_mean": float(self.total_N().mean()) if len(self.components_NK) else 0.0}
         for k, name in enumerate(self.names):
             out[f"reward/{name}"] = float(self.components_NK[:, k].mean()) if len(self.components_NK) else 0.0
-        for f, name in enumerate(self.functions):
-            out[f"reward/{name}_timeouts"] = int(self.timeouts_F[f])
-            out[f"reward/{name}_errors"] = int(self.errors_F[f])
-        out["reward_timeouts"] = int(self.timeouts_F.sum())
-        out["reward_errors"] = int(self.errors_F.sum())
-        return out
+        return out | failure_metrics(self.functions, self.timeouts_F, self.errors_F)
+
+
+def failure_metrics(functions: Sequence[str], timeouts_F: np.ndarray, errors_F: np.ndarray) -> dict[str, int]:
+    """Per-function and total reward timeouts and errors, for metrics.jsonl."""
+    out = {}
+    for f, name in enumerate(functions):
+        out[f"reward/{name}_timeouts"] = int(timeouts_F[f])
+        out[f"reward/{name}_errors"] = int(errors_F[f])
+    return out | {"reward_timeouts": int(np.sum(timeouts_F)), "reward_errors": int(np.sum(errors_F))}
 
 
 # ---------------------------------------------------------------------------------------------

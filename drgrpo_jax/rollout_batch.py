@@ -140,13 +140,9 @@ class HostCounters:
 
     def metrics(self) -> dict[str, int]:
         """Per-function and total reward timeouts and errors, for metrics.jsonl."""
-        out = {}
-        for f, name in enumerate(self.reward_functions):
-            out[f"reward/{name}_timeouts"] = int(self.reward_timeouts_F[f])
-            out[f"reward/{name}_errors"] = int(self.reward_errors_F[f])
-        out["reward_timeouts"] = int(self.reward_timeouts_F.sum())
-        out["reward_errors"] = int(self.reward_errors_F.sum())
-        return out
+        from drgrpo_jax.rewards import failure_metrics
+
+        return failure_metrics(self.reward_functions, self.reward_timeouts_F, self.reward_errors_F)
 
 
 def merge_host_rows(stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
