@@ -138,8 +138,8 @@ def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[lis
     return rollout, counters.across_hosts(stacked_counters)
 
 
-def collect_rollout(run: Run, step: int) -> tuple[ScoredRollout, HostCounters, dict[str, Any]]:
-    """The step's P scored groups, the counters of every round, and sampling metrics.
+def collect_rollout(run: Run, step: int) -> tuple[ScoredRollout, np.ndarray, HostCounters, dict[str, Any]]:
+    """The step's P scored groups, bool [P] which carry a learning signal, every round's counters, sampling metrics.
 
     With rollout.dynamic_sampling, groups without a learning signal (the algorithm's own test,
     `algorithms.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
@@ -165,7 +165,7 @@ def collect_rollout(run: Run, step: int) -> tuple[ScoredRollout, HostCounters, d
     total = sum(counters[1:], counters[0])
     metrics: dict[str, Any] = {"zero_signal_fraction": float(1.0 - signal.mean())}
     if not r.dynamic_sampling:
-        return rollout, total, metrics
+        return rollout, signal, total, metrics
     keep = np.flatnonzero(signal)[:r.prompts_per_step].tolist()
     fill = np.flatnonzero(~signal)[:r.prompts_per_step - len(keep)].tolist()
     metrics.update({"sampling_rounds": len(rounds), "groups_drawn": len(signal),
@@ -173,7 +173,7 @@ def collect_rollout(run: Run, step: int) -> tuple[ScoredRollout, HostCounters, d
                     "groups_surplus": int(signal.sum()) - len(keep)})
     chosen = ScoredRollout.concat(rounds).take(keep + fill)
     chosen = dataclasses.replace(chosen, group_valid=np.asarray([True] * len(keep) + [False] * len(fill)))
-    return chosen, total, metrics
+    return chosen, chosen.group_valid, total, metrics  # the kept groups have a signal, the padding ones none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,9 +292,9 @@ def train_one_step(run: Run, state: TrainState, step: int) -> tuple[TrainState, 
     """Step `step` (0-based): rollout -> rewards -> advantages -> update -> weight push; (new state, metrics row)."""
     c = run.config
     started = time.perf_counter()
-    rollout, counters, sampling = collect_rollout(run, step)
+    rollout, signal_P, counters, sampling = collect_rollout(run, step)
     batch = rollout.to_batch(advantages_N(c, rollout), c.rollout.max_prompt_tokens)
-    signal_N = np.repeat(group_signal_P(c, rollout), rollout.group_size)
+    signal_N = np.repeat(signal_P, rollout.group_size)
     train_start = time.perf_counter()
     state, updates = update(run, state, step, batch, signal_N)
     push_start = time.perf_counter()
