@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -39,18 +40,42 @@ def _sampler(r: dict) -> tuple[str, str]:
 
 
 FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"train_step": _train_step, "sampler": _sampler}
+# The headline ratio of each script, (what it is, its key): the spread over reproductions is shown on it.
+RATIOS: dict[str, tuple[str, str]] = {"train_step": ("ratio", "jax_over_torch"),
+                                      "sampler": ("float32 ratio", "ratio_float32")}
 
 
-def newest_records() -> dict[str, dict]:
-    """script name -> its newest record (by the record's date)."""
-    newest: dict[str, dict] = {}
+def _code_commit(commit: str) -> str:
+    """The last commit at or before `commit` that changed more than benchmark records (itself if git cannot say):
+    a record committed before its reproduction was taken must not split the two."""
+    found = subprocess.run(["git", "log", "-1", "--format=%H", commit, "--", ".", ":!benchmarks/results"],
+                           cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+    return found or commit
+
+
+def newest_records() -> dict[str, list[dict]]:
+    """script name -> its records of the code of its newest record, newest first (the others reproduce it)."""
+    by_script: dict[str, list[dict]] = {}
     for path in sorted(RESULTS.glob("*.json")):
         record = json.loads(path.read_text())
         record["file"] = path.relative_to(ROOT).as_posix()
-        script = record["script"]
-        if script not in newest or record["date"] > newest[script]["date"]:
-            newest[script] = record
+        by_script.setdefault(record["script"], []).append(record)
+    newest = {}
+    for script, records in by_script.items():
+        records.sort(key=lambda r: r["date"], reverse=True)
+        code = _code_commit(records[0]["commit"])
+        newest[script] = [r for r in records if _code_commit(r["commit"]) == code]
     return newest
+
+
+def _spread(script: str, records: list[dict]) -> str:
+    if script not in RATIOS:
+        return ""
+    label, key = RATIOS[script]
+    ratios = sorted(r["results"][-1][key] for r in records if key in r["results"][-1])
+    if len(ratios) < 2:
+        return ""
+    return f"; {label} over {len(ratios)} runs of this code: {ratios[0]:.2f}x-{ratios[-1]:.2f}x"
 
 
 def table(records: dict[str, dict]) -> str:
@@ -58,8 +83,9 @@ def table(records: dict[str, dict]) -> str:
     for script, format_row in FORMATS.items():
         if script not in records:
             continue
-        record = records[script]
+        record = records[script][0]
         what, figures = format_row(record["results"][-1])
+        figures += _spread(script, records[script])
         m = record["machine"]
         source = (f"[{record['date'][:10]}]({record['file']}), {record['commit'][:7]}"
                   f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores, load "
