@@ -39,7 +39,18 @@ def _sampler(r: dict) -> tuple[str, str]:
     return what, "; ".join(parts) or "-"
 
 
-FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"train_step": _train_step, "sampler": _sampler}
+def _quickstart(r: dict) -> tuple[str, str]:
+    what = f"README command 1 (`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}), whole job"
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
+    rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
+    return what, (f"{r['wall_s'] / 60:.1f} min for {r['steps']} steps; a step after the first "
+                  f"{r['step_s_median_after_first']:.1f} s ({phases}); reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; "
+                  f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
+                  f"peak RSS {r['peak_rss_gb']:.1f} GB")
+
+
+FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"quickstart": _quickstart, "train_step": _train_step,
+                                                         "sampler": _sampler}
 # The headline ratio of each script, (what it is, its key): the spread over reproductions is shown on it.
 RATIOS: dict[str, tuple[str, str]] = {"train_step": ("ratio", "jax_over_torch"),
                                       "sampler": ("float32 ratio", "ratio_float32")}
