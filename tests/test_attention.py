@@ -188,6 +188,7 @@ def test_auto_per_backend_and_explicit_kernels_check_their_constraints():
         DecoderConfig(attention_impl="flash")
 
 
+@pytest.mark.heavy  # compiles the interpreted Pallas kernel
 def test_splash_interpreted_on_cpu_matches_reference():
     """The TPU path's mask and layout, run through Pallas' interpreter (no TPU here: values only)."""
     B, T, C, R, H = 1, 256, 2, 2, 128
@@ -216,6 +217,7 @@ def _family_config(family: str, impl: str) -> DecoderConfig:
     return DecoderConfig(**common, qkv_bias=family == "qwen2")
 
 
+@pytest.mark.heavy  # builds and compiles four model families
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_model_forward_and_gradients_blockwise_equal_reference(family, monkeypatch):
     monkeypatch.setattr(attn, "DEFAULT_BLOCK_SIZE", 8)  # cut T = 30 into ragged blocks
@@ -242,6 +244,7 @@ def test_model_forward_and_gradients_blockwise_equal_reference(family, monkeypat
         np.testing.assert_allclose(g, r, atol=1e-5 * max(1.0, np.abs(r).max()), rtol=1e-4)
 
 
+@pytest.mark.heavy  # compiles the sharded train step
 def test_train_step_blockwise_equals_reference(monkeypatch):
     """One Dr.GRPO step of the tiny model (left-padded prompts, right-padded responses) on 2 devices."""
     monkeypatch.setattr(attn, "DEFAULT_BLOCK_SIZE", 8)
