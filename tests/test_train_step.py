@@ -35,9 +35,11 @@ AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_t
 TINY = tiny_decoder_config()
 
 
-COMPILES = []  # one entry per XLA backend compile in this process
+COMPILES = []  # one entry per program XLA compiled or took from the persistent cache (conftest) in this process
 jax.monitoring.register_event_duration_secs_listener(
     lambda name, *_, **__: COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+jax.monitoring.register_event_listener(
+    lambda name, **_: COMPILES.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
 
 
 @functools.cache
@@ -148,6 +150,7 @@ def test_metrics_are_complete_and_the_step_compiles_once():
     assert history[0]["num_tokens"] == make_step_batch().response_mask[:-1].sum()
     assert int(state.step) == 4
     # Step 2 compiles the on-mesh old log-probs once (step 1 used shared ones); then nothing compiles.
+    assert history[0]["compiles_so_far"] > 0, "the counter sees programs, compiled or cached"
     assert history[3]["compiles_so_far"] == history[1]["compiles_so_far"], "a step of the same shapes recompiled"
     # on-policy (old == current at the start of each step): the ratio is 1 and nothing clips
     assert history[0]["clip_fraction"] == 0 and history[0]["approx_kl"] < 1e-10
