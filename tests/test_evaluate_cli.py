@@ -48,7 +48,7 @@ def test_evaluate_a_jsonl_suite_on_the_tiny_model(tiny_model, tmp_path):
     output = tmp_path / "report"
     done = evaluate_cli("--model", tiny_model, "--suite", str(suite), "--k", "4", "--temperature", "1.0",
                         "--max-new-tokens", "8", "--reward", "helpers:has_letter_a", "--template", "{question}",
-                        "--batch-prompts", "4", "-o", str(output))
+                        "-o", str(output))
     assert done.returncode == 0, done.stderr[-3000:]
     results = _check_report(str(output), k=4)
     assert results["suite"] == "sums" and results["k"] == 4 and results["rewards"] == ["helpers:has_letter_a"]
