@@ -185,22 +185,39 @@ metric_list:
 """
 
 
+LM_EVAL_CHOICE_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files: {data}
+test_split: train
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}="
+doc_to_choice: "{{{{[answer, '9']}}}}"
+doc_to_target: 0
+metric_list:
+  - metric: acc
+"""
+
+
 @pytest.mark.slow  # lm_eval imports torch, datasets and evaluate: ~1 minute on 2 cores
 def test_lm_eval_local_completions_runs_against_the_service(server, model, tmp_path):
-    pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra")  # installed with .[dev]
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"question": f"{a}+{a}", "answer": str(2 * a)}) + "\n" for a in range(4)))
     (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "tiny_sums.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    (tmp_path / "tasks" / "tiny_sums.yaml").write_text(LM_EVAL_TASK.format(data=data))  # generate_until: stop
+    (tmp_path / "tasks" / "tiny_choice.yaml").write_text(LM_EVAL_CHOICE_TASK.format(data=data))  # echo + logprobs
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
                f"model=tiny,base_url={server.url}/v1/completions,tokenizer={model},tokenizer_backend=huggingface,"
-               "num_concurrent=1,max_retries=1", "--tasks", "tiny_sums", "--include_path", str(tmp_path / "tasks"),
+               "num_concurrent=1,max_retries=1", "--tasks", "tiny_sums,tiny_choice",
+               "--include_path", str(tmp_path / "tasks"),
                "--output_path", str(tmp_path / "out")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     (results_file,) = [os.path.join(root, f) for root, _, files in os.walk(tmp_path / "out") for f in files
                        if f.startswith("results")]
     with open(results_file) as f:
-        results = json.load(f)["results"]["tiny_sums"]
-    assert 0.0 <= results["exact_match,none"] <= 1.0
+        report = json.load(f)
+    assert 0.0 <= report["results"]["tiny_sums"]["exact_match,none"] <= 1.0  # generated, cut at the stop string
+    assert 0.0 <= report["results"]["tiny_choice"]["acc,none"] <= 1.0  # from the echoed prompt's log-probs
+    assert report["n-samples"]["tiny_choice"]["effective"] == 4
