@@ -11,7 +11,7 @@ import pytest
 
 from drgrpo_jax.passk import pass_at_k
 
-from helpers import REPO, trainer_env
+from helpers import REPO, trainer_env, wandb_offline_run
 
 pytestmark = pytest.mark.subprocess  # the evaluation CLI and its generation service
 
@@ -61,13 +61,26 @@ def test_evaluate_a_jsonl_suite_on_the_tiny_model(tiny_model, tmp_path):
 
 
 @pytest.mark.slow  # SmolLM2-135M: a 1-step quickstart run, then two evaluations (~5 minutes on 2 cores)
-def test_evaluate_the_quickstart_final_model_and_its_checkpoint_on_a_reasoning_gym_suite(tmp_path):
+def test_evaluate_the_quickstart_final_model_and_its_checkpoint_on_a_reasoning_gym_suite(tmp_path, monkeypatch):
     run_dir = tmp_path / "quickstart"
+    # A short quickstart run (2 prompts x 2 samples, to stay small beside other jobs) that also reports to W&B
+    # offline and an MLflow file store, as the check asks.
     train = subprocess.run([sys.executable, "-m", "drgrpo_jax.train", "--config", "configs/quickstart.yaml",
-                            f"run.output_dir={run_dir}", "train.steps=1", "train.eval_every=0",
-                            "rollout.prompts_per_step=4", "train.micro_batches=1", "data.size=16"],
-                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=1800)
+                            f"run.output_dir={run_dir}", "train.steps=1", "train.eval_every=1", "data.eval_size=4",
+                            "rollout.prompts_per_step=2", "rollout.group_size=2", "train.micro_batches=1",
+                            "data.size=16", "run.report_to=[tensorboard,wandb,mlflow]", "run.project=quickstart",
+                            f"run.mlflow_tracking_uri=file:{run_dir}/mlruns"],
+                           cwd=REPO, env={**trainer_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+                           capture_output=True, text=True, timeout=1800)
     assert train.returncode == 0, train.stderr[-3000:]
+    _, history = wandb_offline_run(str(run_dir / "wandb"))
+    assert any("loss" in row for row in history) and any("eval/pass@4" in row for row in history)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{run_dir}/mlruns")
+    (run,) = client.search_runs([client.get_experiment_by_name("quickstart").experiment_id])
+    assert {"loss", "reward_mean", "eval/pass_at_4", "eval/accuracy"} <= set(run.data.metrics)
     output = tmp_path / "final_report"
     done = evaluate_cli("--model", str(run_dir), "--suite", "chain_sum_1digit", "--k", "4", "--size", "8",
                         "-o", str(output))
