@@ -73,6 +73,17 @@ class RunConfig:
         None, "where each weight version is copied for the services to load: a folder they all read or "
               "gs://bucket/path (needs gcsfs); null = run.output_dir/weights"
     )
+    report_to: tuple[str, ...] = _f(
+        ("tensorboard",), "experiment trackers, any of tensorboard, wandb, mlflow (wandb and mlflow need their "
+                          "extras: pip install -e '.[wandb]'); metrics.jsonl is always written"
+    )
+    project: str = _f("drgrpo_jax", "W&B project and MLflow experiment name")
+    name: str = _f("", "run name in W&B and MLflow; empty = the name of run.output_dir")
+    mlflow_tracking_uri: str = _f("", "MLflow tracking URI (e.g. file:/path/mlruns); empty = MLflow's default "
+                                      "(MLFLOW_TRACKING_URI or ./mlruns)")
+    push_to_hub: str | None = _f(None, "Hugging Face Hub repo id (user/name) the final policy is uploaded to at "
+                                       "the end of the run (token: HF_TOKEN or huggingface-cli login); null = off")
+    hub_private: bool = _f(True, "create the run.push_to_hub repo as private when it does not exist")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +220,10 @@ class TrainConfig:
 
     steps: int = _f(100, "rollouts to train on (one rollout = ppo_epochs * minibatches_per_rollout updates)")
     micro_batches: int = _f(1, "gradient-accumulation slices of each optimizer step")
-    eval_every: int = _f(0, "greedy accuracy on the held-out prompts every N steps (0 = never)")
+    eval_every: int = _f(0, "evaluate on the held-out prompts every N steps and at the end (0 = never)")
+    eval_samples: int = _f(4, "evaluation: k sampled completions per held-out prompt for avg@k and pass@k, besides "
+                              "the greedy one (0 = greedy only)")
+    eval_temperature: float = _f(0.6, "evaluation: temperature of the k sampled completions (> 0)")
     save_every: int = _f(50, "checkpoint every N steps (always at the end)")
     keep_checkpoints: int = _f(2, "keep the newest N checkpoints")
     resume: bool | None = _f(None, "continue from the latest checkpoint; null = when run.output_dir has one")
@@ -392,6 +406,7 @@ def _check_ranges(config: Config) -> None:
         ("optimizer.max_grad_norm", c.optimizer.max_grad_norm, 0.0),
         ("train.steps", c.train.steps, 1),
         ("train.eval_every", c.train.eval_every, 0),
+        ("train.eval_samples", c.train.eval_samples, 0),
         ("train.save_every", c.train.save_every, 1),
         ("train.keep_checkpoints", c.train.keep_checkpoints, 1),
         ("mesh.data", c.mesh.data, 1),
@@ -409,6 +424,10 @@ def _check_ranges(config: Config) -> None:
         _finite(key, value)
         if value <= 0:
             raise ConfigError(key, f"must be > 0, got {value}")
+    _finite("train.eval_temperature", c.train.eval_temperature)
+    if c.train.eval_samples and c.train.eval_temperature <= 0:
+        raise ConfigError("train.eval_temperature", f"must be > 0 to sample train.eval_samples = "
+                          f"{c.train.eval_samples} completions, got {c.train.eval_temperature}")
     if not 0.0 < c.rollout.top_p <= 1.0:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
     for key, value in [("optimizer.b1", c.optimizer.b1), ("optimizer.b2", c.optimizer.b2)]:
@@ -542,6 +561,7 @@ def _check_rest(config: Config) -> None:
     for i, weight in enumerate(c.reward.weights):
         _finite(f"reward.weights[{i}]", weight)
     _check_float32_weights(c)
+    _check_run_outputs(c.run)
     if c.mesh.process_id >= c.mesh.num_processes:
         raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
     if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
@@ -550,6 +570,23 @@ def _check_rest(config: Config) -> None:
         raise ConfigError("rollout.urls", f"must list the generation services when mesh.num_processes = "
                                           f"{c.mesh.num_processes}: the trainer's mesh takes every device of every "
                                           "host, so start the services apart (scripts/launch_*.sh --serve-*)")
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+_HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def _check_run_outputs(run: RunConfig) -> None:
+    """Trackers known and listed once; a Hub repo id shaped user/name."""
+    for i, name in enumerate(run.report_to):
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(name, TRACKERS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"run.report_to[{i}]", f"{name!r} is not a tracker ({', '.join(TRACKERS)}){hint}")
+    if len(set(run.report_to)) != len(run.report_to):
+        raise ConfigError("run.report_to", f"lists a tracker twice: {list(run.report_to)}")
+    if run.push_to_hub is not None and not _HUB_REPO.match(run.push_to_hub):
+        raise ConfigError("run.push_to_hub", f"{run.push_to_hub!r} is not a Hub repo id (user/name)")
 
 
 def function_name(target: str) -> str:

@@ -1,4 +1,5 @@
-"""The run directory's outputs: metrics.jsonl, TensorBoard, samples.jsonl and versioned HF weight exports.
+"""The run directory's outputs: metrics.jsonl, the trackers (TensorBoard, W&B, MLflow), samples.jsonl and
+versioned HF weight exports.
 
 Only process 0 writes; every process joins the gathers (multi-host arrays are collected first).
 """
@@ -9,11 +10,13 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from drgrpo_jax.paths import copy_folder, is_remote, remove_folder, versions_in
+from drgrpo_jax.trackers import Tracker, close_all, scalars
 
 __all__ = ["RunLog", "WeightPublisher", "host_array"]
 
@@ -44,47 +47,48 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
 
 
 class RunLog:
-    """Appends metrics and samples as JSON lines and mirrors scalars to TensorBoard."""
+    """Appends metrics and samples as JSON lines and mirrors them to the experiment trackers.
 
-    def __init__(self, output_dir: str, start_step: int, enabled: bool):
+    `trackers`: the backends (drgrpo_jax.trackers; None = TensorBoard alone), opened by process 0 only.
+    """
+
+    def __init__(self, output_dir: str, start_step: int, enabled: bool, trackers: Sequence[Tracker] | None = None):
         self.enabled = enabled
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
-        self._tensorboard = None
+        self.trackers: list[Tracker] = []
         if enabled:
             for path in (self.metrics_path, self.samples_path):
                 _truncate_jsonl(path, start_step)
-            from tensorboardX import SummaryWriter
+            from drgrpo_jax.trackers import TensorBoardTracker
 
-            # purge_step hides events a killed run wrote past its last checkpoint.
-            self._tensorboard = SummaryWriter(os.path.join(output_dir, "tensorboard"),
-                                              purge_step=start_step + 1 if start_step else None)
+            self.trackers = list(trackers) if trackers is not None else [TensorBoardTracker(output_dir, start_step)]
 
     def _append(self, path: str, row: dict[str, Any]) -> None:
         with open(path, "a") as f:
             f.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
 
     def metrics(self, row: dict[str, Any]) -> None:
-        """One metrics.jsonl row; its finite numbers also go to TensorBoard."""
+        """One metrics.jsonl row; its finite numbers also go to every tracker."""
         if not self.enabled:
             return
         self._append(self.metrics_path, row)
-        if self._tensorboard is None:  # __init__ makes the writer whenever enabled
-            raise RuntimeError("RunLog.metrics: enabled but has no TensorBoard writer")
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self._tensorboard.add_scalar(key, value, row["step"])
-        self._tensorboard.flush()
+        values = scalars(row)
+        for tracker in self.trackers:
+            tracker.metrics(values, int(row["step"]))
 
     def samples(self, rows: list[dict[str, Any]]) -> None:
-        """Sample completions, one JSON line each."""
-        if self.enabled:
-            for row in rows:
-                self._append(self.samples_path, row)
+        """Sample completions, one JSON line each, and one table per step in every tracker."""
+        if not self.enabled or not rows:
+            return
+        for row in rows:
+            self._append(self.samples_path, row)
+        for tracker in self.trackers:
+            tracker.samples(rows, int(rows[0]["step"]))
 
     def close(self) -> None:
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        trackers, self.trackers = self.trackers, []
+        close_all(trackers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ from drgrpo_jax.config import Config, check_paths, dump_config, resolve_model_pa
 from drgrpo_jax.data import PromptDataset, PromptStream
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
+from drgrpo_jax.hub import check_hub
 from drgrpo_jax.outputs import RunLog, WeightPublisher
+from drgrpo_jax.trackers import check_trackers, open_trackers
 
 if TYPE_CHECKING:
     import jax
@@ -145,7 +147,7 @@ def _initialize_distributed(config: Config) -> None:
         jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
 
 
-def _optimizer(config: Config) -> tuple[Any, Any]:
+def optimizer_of(config: Config) -> tuple[Any, Any]:
     """(optax optimizer, learning-rate schedule) over every update of the run."""
     from drgrpo_jax.train_step import make_optimizer
 
@@ -173,6 +175,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     if jax.process_count() > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
     check_paths(c)
+    check_trackers(c)
+    check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
     train_config, logprob_config = step_configs(c)
     dataset = load_dataset(c.data, c.run.seed)
@@ -192,7 +196,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     mesh = build_mesh(c)
     dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
     model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat)
-    optimizer, schedule = _optimizer(c)
+    optimizer, schedule = optimizer_of(c)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
     del model
     params_shardings = param_shardings(state.params, mesh)
@@ -207,7 +211,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(dump_config(c))
-    log = RunLog(out, start_step, main_process)
+    log = RunLog(out, start_step, main_process, open_trackers(c, out, start_step) if main_process else [])
     stack.callback(log.close)
     publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir)
     publish_weights(publisher, client, state.params, start_step, rollback=resume)

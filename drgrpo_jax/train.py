@@ -37,7 +37,9 @@ import numpy as np
 from drgrpo_jax.config import Config, component_names, config_from_argv, one_window_per_rollout
 from drgrpo_jax.data import Example, tokenize_prompt
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.evaluation import EvalSettings, eval_metrics, eval_summary
 from drgrpo_jax.hosts import fail_together, gather_hosts
+from drgrpo_jax.hub import push_folder
 from drgrpo_jax.outputs import host_array
 from drgrpo_jax.rollout_batch import (
     HostCounters,
@@ -61,6 +63,7 @@ __all__ = ["main", "train"]
 
 PROG = "python -m drgrpo_jax.train"
 _RESAMPLE_PURPOSE = 1000  # step_seed purposes 1000 + r: dynamic sampling's extra rollouts (1 + epoch: minibatch order)
+_EVAL_PURPOSE = 999  # step_seed purpose of the evaluation's sampled completions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,7 +312,7 @@ def train_one_step(run: Run, state: TrainState, step: int) -> tuple[TrainState, 
 
 
 def evaluate(run: Run, step: int) -> dict[str, Any] | None:
-    """Greedy accuracy on the held-out split after `step` steps: process 0 evaluates (None elsewhere).
+    """Greedy accuracy, avg@k and pass@k on the held-out split after `step` steps: process 0 evaluates (None elsewhere).
 
     The other processes wait for it (and raise with it if it fails), so none runs ahead into the
     next step's collectives.
@@ -324,20 +327,15 @@ def evaluate(run: Run, step: int) -> dict[str, Any] | None:
 
 
 def _evaluate(run: Run, step: int) -> dict[str, Any]:
-    """evaluate's work on process 0."""
+    """evaluate's work on process 0: greedy and train.eval_samples sampled completions (drgrpo_jax.evaluation)."""
     c = run.config
     start = time.perf_counter()
-    examples = run.dataset.eval
-    rollout = run.client.generate(_prompt_ids(run, examples), 1, max_new_tokens=c.rollout.max_new_tokens,
-                                  temperature=0.0, stop_token_ids=_stop_ids(run), seed=0, expected_version=step)
-    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.output_ids, rollout.lengths)],
-                                       skip_special_tokens=True)
-    result = run.scorer.score(texts, list(examples), rollout.lengths)
-    stats = response_stats(rollout.lengths, rollout.truncated, correct_mask(result.names, result.components_NK))
-    row = {"step": step, **{f"eval/{k}": v for k, v in stats.items()},
-           "eval/reward_mean": float(result.total_N().mean()), "eval/num_prompts": len(examples),
-           "eval_seconds": time.perf_counter() - start}
-    return row
+    settings = EvalSettings(max_new_tokens=c.rollout.max_new_tokens, samples=c.train.eval_samples,
+                            temperature=c.train.eval_temperature, seed=step_seed(c.run.seed, step, _EVAL_PURPOSE),
+                            chunk_prompts=max(len(run.dataset.eval), 1))
+    row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, _prompt_ids(run, run.dataset.eval),
+                       settings, stop_token_ids=_stop_ids(run), expected_version=step)
+    return {"step": step, **row, "eval_seconds": time.perf_counter() - start}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,11 +374,13 @@ def train(config: Config) -> str:
             if c.train.eval_every and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
                 if (eval_row := evaluate(run, step + 1)) is not None:
                     run.log.metrics(eval_row)
-                    bar.write(f"step {step + 1} eval accuracy {eval_row['eval/accuracy']:.3f}")
+                    bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
             host = {"step": step + 1, "data_position": run.stream.state(), "weight_version": step + 1}
             run.checkpointer.save(step + 1, state, host, force=step + 1 == c.train.steps)
         final = os.path.join(c.run.output_dir, "final")
         run.publisher.export(state.params, final, tokenizer=run.tokenizer)
+        if c.run.push_to_hub and run.log.enabled:
+            bar.write(f"pushed {final} to the Hub: {push_folder(final, c.run.push_to_hub, private=c.run.hub_private)}")
         bar.write(f"done: {c.train.steps} steps; policy exported to {final}")
     return c.run.output_dir
 

@@ -1,9 +1,9 @@
 """Training curves of one or more runs, overlaid: `python scripts/plot_run.py RUN_DIR [RUN_DIR ...] -o out.png`.
 
-Panels: reward and accuracy (training, plus held-out greedy accuracy when evaluated), response
-length split by correct and incorrect answers, KL to the reference (or the policy's approximate
-KL to the rollout policy when no reference is kept), and the gradient norm. Each run keeps one
-colour across panels; it is labelled by its folder name (or --labels).
+Panels: reward and accuracy (training, plus the held-out greedy accuracy, avg@k and largest pass@k when
+evaluated), response length split by correct and incorrect answers, KL to the reference (or the policy's
+approximate KL to the rollout policy when no reference is kept), and the gradient norm. Each run keeps
+one colour across panels; it is labelled by its folder name (or --labels).
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
+def sampled_eval_keys(evals: list[dict]) -> list[str]:
+    """The sampled evaluation's avg@k and its largest pass@k (train.eval_samples > 0), when the rows have them."""
+    keys = sorted({k for row in evals for k in row if k.startswith(("eval/avg@", "eval/pass@"))})
+    avg = [k for k in keys if k.startswith("eval/avg@")]
+    passes = sorted((k for k in keys if k.startswith("eval/pass@")), key=lambda k: int(k.rpartition("@")[2]))
+    return avg[-1:] + passes[-1:]
+
+
 def _kl_key(rows: list[dict]) -> str:
     """'kl' when a reference model was used (some value non-zero), else the rollout-policy 'approx_kl'."""
     return "kl" if any(r.get("kl") for r in rows) else "approx_kl"
@@ -68,6 +76,9 @@ def plot_runs(run_dirs: Sequence[str], output: str, labels: Sequence[str] | None
         if evals:
             reward_ax.plot(*_series(evals, "eval/accuracy"), color=color, linestyle=":", marker="o",
                            label=f"{label} eval accuracy (greedy)")
+            for key, marker in zip(sampled_eval_keys(evals), ("s", "^")):
+                reward_ax.plot(*_series(evals, key), color=color, linestyle=":", marker=marker,
+                               label=f"{label} eval {key.removeprefix('eval/')}")
         length_ax.plot(*_series(train, "response_length_correct"), color=color, label=f"{label} correct")
         length_ax.plot(*_series(train, "response_length_incorrect"), color=color, linestyle="--",
                        label=f"{label} incorrect")

@@ -273,6 +273,12 @@ def test_a_top_k_beyond_the_vocabulary_means_all_of_it(server):
     assert generate(server.url, body).json()["output_ids"] == greedy
 
 
+def test_chat_completions_need_a_chat_template(server):
+    answer = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                        timeout=60)
+    assert answer.status_code == 400 and "chat template" in answer.json()["error"]["message"]
+
+
 def test_the_readme_curl_example_works_and_a_form_body_says_what_to_send(server):
     import re
     import subprocess

@@ -55,6 +55,7 @@ def _values() -> st.SearchStrategy:
 VALID = {  # one body per route that the service answers with 200; the fuzz mutates up to three of its fields
     "/generate": {"input_ids": [[5, 9, 3]], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}},
     "/v1/completions": {"prompt": "hi there", "max_tokens": 4},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},  # no template: 400
     "/update_weights_from_disk": {"model_path": "/nowhere", "weight_version": "1"},
 }
 
@@ -102,7 +103,7 @@ def _fuzz(client: httpx.Client, url: str, bodies: st.SearchStrategy, headers: di
     check()
 
 
-@pytest.mark.slow  # 3 routes x 60 examples through a real service child process (~45 s on 2 busy cores)
+@pytest.mark.slow  # 4 routes x 60 examples through a real service child process (~1 min on 2 busy cores)
 def test_fuzzed_requests_never_get_5xx_and_the_service_stays_healthy(service):
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     spec = httpx.get(service.url + "/openapi.json", headers=headers, timeout=30).json()

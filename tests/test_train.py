@@ -20,7 +20,7 @@ from drgrpo_jax.rollout_batch import (
     step_seed,
 )
 
-from helpers import REPO, start_trainer, trainer_overrides
+from helpers import REPO, start_trainer, trainer_overrides, wandb_offline_run
 
 # ---------------------------------------------------------------------------------------------
 # Pure helpers
@@ -141,17 +141,23 @@ def _rows(output_dir) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r]
 
 
+# The uninterrupted run also reports to W&B (offline) and an MLflow file store: the same scalars reach both.
+TRACKED = ["run.report_to=[tensorboard,wandb,mlflow]", "run.project=tests"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(inputs):
     output_dir = inputs["root"] / "uninterrupted"
-    process = start_trainer(_overrides(inputs, output_dir, steps=4))
+    overrides = [*_overrides(inputs, output_dir, steps=4), *TRACKED,
+                 f"run.mlflow_tracking_uri=file:{output_dir}/mlruns"]
+    process = start_trainer(overrides, WANDB_MODE="offline", WANDB_SILENT="true")
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     return output_dir, process.pid, stderr
 
 
 @pytest.mark.subprocess  # the trainer CLI and its generation service
-def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted):
+def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted, monkeypatch):
     output_dir, pid, stderr = uninterrupted
     train_rows, eval_rows = _rows(output_dir)
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
@@ -164,6 +170,23 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted):
     assert [r["weight_version"] for r in train_rows] == [0, 1, 2, 3]
     assert [r["step"] for r in eval_rows] == [0, 2, 4]
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in eval_rows)
+    # Greedy and train.eval_samples (default 4) sampled completions per held-out prompt.
+    for row in eval_rows:
+        assert row["eval/pass@1"] == pytest.approx(row["eval/avg@4"]) and row["eval/pass@1"] <= row["eval/pass@4"]
+        assert 0.0 <= row["eval/sampled/truncated_fraction"] <= 1.0
+    # The same scalars in MLflow's file store and the offline W&B run.
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads file stores only when told to
+    client = MlflowClient(tracking_uri=f"file:{output_dir}/mlruns")
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")) == \
+        [(r["step"], pytest.approx(r["loss"])) for r in train_rows]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/pass_at_4")) == [0, 2, 4]
+    assert run.data.params["train.steps"] == "4" and run.info.status == "FINISHED"
+    _, history = wandb_offline_run(str(output_dir / "wandb"))
+    assert [(row["_step"], row["loss"]) for row in history if "loss" in row] == \
+        [(r["step"], pytest.approx(r["loss"])) for r in train_rows]
     assert _wait_gone(pid) == []
     # The rest of the run directory.
     files = set(os.listdir(output_dir))
@@ -276,7 +299,8 @@ def test_bad_model_path_task_and_url_fail_in_one_line(inputs, tmp_path):
 def _synthetic_run(path, slope: float) -> str:
     os.makedirs(path)
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        f.write(json.dumps({"step": 0, "eval/accuracy": 0.1}) + "\n")
+        f.write(json.dumps({"step": 0, "eval/accuracy": 0.1, "eval/avg@4": 0.2, "eval/pass@1": 0.2, "eval/pass@2": 0.3,
+                            "eval/pass@4": 0.4}) + "\n")
         for step in range(1, 6):
             f.write(json.dumps({"step": step, "loss": 0.1, "reward_mean": slope * step, "accuracy": slope * step,
                                 "response_length_correct": None if step == 1 else 20 + step,
@@ -295,6 +319,8 @@ def test_plot_run_overlays_runs_into_a_png(tmp_path):
     train, evals = plot_run.read_metrics(runs[0])
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5] and [r["step"] for r in evals] == [0]
     assert plot_run._kl_key(train) == "approx_kl"
+    assert plot_run.sampled_eval_keys(evals) == ["eval/avg@4", "eval/pass@4"]  # avg@k and the largest pass@k
+    assert plot_run.sampled_eval_keys([{"step": 0, "eval/accuracy": 0.5}]) == []  # greedy-only evaluations
     output = tmp_path / "out" / "curves.png"
     assert plot_run.main([*runs, "-o", str(output)]) == 0
     with open(output, "rb") as f:

@@ -8,19 +8,23 @@ thread runs the jitted sampler on each batch with the weights current when the b
 weight update (`/update_weights_from_disk`) swaps atomically between batches: batches in flight
 finish on the old weights, and every completion reports the `weight_version` it was sampled with.
 
-Layout (imports point one way, security <- engine <- api <- __main__; schemas <- api):
-    security.py  keys (Bearer, constant time), the Host and body-size guard, weight-path roots
-    engine.py    ServeConfig and its YAML loading, Weights, the compatibility check, the batching Engine
-    schemas.py   the request bodies, every field bounded to what the engine can hold
-    api.py       the route handlers; build_app wires them into a FastAPI app behind the guard
-    __main__.py  the CLI: flags, tokenizer, socket, parent watch, uvicorn
+Layout (imports point one way, security <- engine <- api <- openai_routes <- app <- __main__; schemas <- api):
+    security.py       keys (Bearer, constant time), the Host and body-size guard, weight-path roots
+    engine.py         ServeConfig and its YAML loading, Weights, the compatibility check, the batching Engine
+    schemas.py        the request bodies, every field bounded to what the engine can hold
+    api.py            the SGLang-native route handlers and the checks every route shares; build_app's core
+    scoring.py        log-probs of given sequences (OpenAI's echo, logprobs and top_logprobs)
+    openai_routes.py  /v1/models, /v1/completions (stop strings, logprobs, echo), /v1/chat/completions
+    app.py            build_app: every route behind the guard
+    __main__.py       the CLI: flags, tokenizer, socket, parent watch, uvicorn
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from drgrpo_jax.serve.api import BadRequest, build_app
+from drgrpo_jax.serve.api import BadRequest
+from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.engine import (
     Engine,
     RowResult,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import drgrpo_jax.serve
-from drgrpo_jax.serve.api import build_app
+from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.engine import DTYPES, Engine, ServeConfig, load_config
 from drgrpo_jax.serve.security import read_keys
 

@@ -1,4 +1,5 @@
-"""The HTTP layer: request schemas and route handlers over the Engine (SGLang-native routes + OpenAI completions)."""
+"""The HTTP layer: the SGLang-native route handlers over the Engine, the checks and helpers every route shares
+(openai_routes.py builds OpenAI's on them), and build_app."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import functools
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -22,7 +22,6 @@ from drgrpo_jax.sampling import RowRequest, SamplingParams
 from drgrpo_jax.serve.engine import Engine, InvalidWeights, QueueFull, RowResult, check_newer
 from drgrpo_jax.serve.schemas import (
     MAX_TEXT_CHARS,
-    CompletionRequest,
     GenerateRequest,
     SamplingParamsIn,
     UpdateWeightsRequest,
@@ -326,82 +325,14 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     return out if is_batch or len(out) > 1 else out[0]
 
 
-# ---------------------------------------------------------------- OpenAI-compatible routes
-
-async def models(request: Request) -> dict:
-    """GET /v1/models: the one served model."""
-    service = _service(request)
-    return {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "drgrpo_jax",
-                                        "max_model_len": service.engine.max_context}]}
-
-
-def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) -> list[list[int]]:
-    """Token-id prompts from OpenAI's `prompt`: a text, texts, token ids or lists of token ids."""
-    text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
-    ids = None if text is not None or isinstance(prompt, str) else prompt
-    prompts, _ = _prompts(text, ids, tokenizer, "prompt", max_context)
-    return prompts
-
-
-def _completion_params(body: CompletionRequest) -> SamplingParamsIn:
-    """The request's sampling settings in SGLang's terms; a null field takes OpenAI's default."""
-    return SamplingParamsIn(max_new_tokens=16 if body.max_tokens is None else body.max_tokens,
-                            temperature=1.0 if body.temperature is None else body.temperature,
-                            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, n=body.n,
-                            stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos)
-
-
-def _completion_logprobs(result: RowResult, tokenizer: Any, top: int) -> dict:
-    """OpenAI's logprobs object for one choice."""
-    tokens = (tokenizer.convert_ids_to_tokens(result.output_ids) if tokenizer is not None
-              else [f"token_id:{t}" for t in result.output_ids])
-    pieces = [_decode(tokenizer, [t], False) for t in result.output_ids]
-    # Only the sampled token's log-prob is computed: top_logprobs holds that one entry.
-    return {"tokens": tokens, "token_logprobs": result.logprobs,
-            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, result.logprobs)] if top > 0 else None,
-            "text_offset": np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist() if pieces else []}
-
-
-def _completion_choice(index: int, result: RowResult, tokenizer: Any, logprobs: int | None) -> dict:
-    """One OpenAI choice, plus the token ids and weight version an RL client needs."""
-    return {"index": index, "text": _decode(tokenizer, result.output_ids),
-            "logprobs": None if logprobs is None else _completion_logprobs(result, tokenizer, logprobs),
-            "finish_reason": "stop" if result.stopped else "length",
-            "token_ids": result.output_ids, "weight_version": result.weight_version}
-
-
-def _usage(prompts: list[list[int]], results: list[RowResult]) -> dict:
-    """OpenAI's token counts."""
-    completion_tokens = sum(len(r.output_ids) for r in results)
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-async def completions(body: CompletionRequest, request: Request) -> dict:
-    """POST /v1/completions: every prompt gets the same settings, and n completions each."""
-    service = _service(request)
-    engine = service.engine
-    prompts = await asyncio.to_thread(_completion_prompts, body.prompt, service.tokenizer, engine.max_context)
-    params = _completion_params(body)
-    _check_request(engine, prompts, [params] * len(prompts), "prompt", "")
-    rows = _rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
-    results = await _run(engine, rows, request)
-    choices = [_completion_choice(i, result, service.tokenizer, body.logprobs) for i, result in enumerate(results)]
-    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-            "model": body.model or service.name, "choices": choices, "usage": _usage(prompts, results)}
-
-
 # ---------------------------------------------------------------- the application
 
 _ROUTES = (  # (method, path, handler)
     ("GET", "/health", health),
     ("GET", "/get_model_info", model_info),
     ("GET", "/get_weight_version", weight_version),
-    ("GET", "/v1/models", models),
     ("POST", "/update_weights_from_disk", update_weights),
     ("POST", "/generate", generate),
-    ("POST", "/v1/completions", completions),
 )
 
 
@@ -431,9 +362,10 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None, port_file: str = "", port: int = 0
-              ) -> FastAPI:
-    """The FastAPI application: SGLang-style native routes plus OpenAI /v1/completions, behind the Guard."""
+def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None, port_file: str = "", port: int = 0,
+              extra_routes: Sequence[tuple[str, str, Any]] = ()) -> FastAPI:
+    """The FastAPI application: SGLang-style native routes plus `extra_routes` (method, path, handler; the OpenAI
+    ones: serve/app.py), behind the Guard."""
     config = engine.config
     app = FastAPI(title="drgrpo_jax generation service",
                   lifespan=functools.partial(_publish_port, port_file=port_file, port=port))
@@ -445,7 +377,7 @@ def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None
                                                     (ClientGone, _client_gone), (HTTPException, _http_error)]
     for error_type, handler in handlers:
         app.add_exception_handler(error_type, handler)
-    for method, path, handler in _ROUTES:
+    for method, path, handler in (*_ROUTES, *extra_routes):
         app.add_api_route(path, handler, methods=[method])
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(Guard, keys=keys or Keys(), max_body_bytes=config.max_body_bytes, loopback_only=config.loopback)

@@ -87,6 +87,11 @@ class UpdateWeightsRequest(_Request):
     allow_rollback: StrictBool = False
 
 
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; lm-evaluation-harness sends a task's `until` list, which can be longer
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
+
+
 class CompletionRequest(_Request):
     """OpenAI's `/v1/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
 
@@ -100,8 +105,44 @@ class CompletionRequest(_Request):
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     seed: Seed | None = None
     stream: Literal[False] = False
-    echo: Literal[False] = False
-    stop: None = None  # stop strings are not implemented: use stop_token_ids
+    echo: StrictBool = False  # the prompt (and, with logprobs, its tokens' log-probs) before the completion
+    stop: Stop | None = None  # strings that end a completion, matched on the decoded text, left out of it
+    user: Name | None = None
+    top_k: TopK = -1
+    stop_token_ids: StopIds | None = None
+    ignore_eos: StrictBool = False
+
+
+class TextPart(_Request):
+    """One part of a message's content list (only text parts are served)."""
+
+    type: Literal["text"]
+    text: PromptText
+
+
+class ChatMessage(_Request):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: PromptText | Annotated[list[TextPart], Field(max_length=MAX_PROMPTS)] | None = None
+    name: Name | None = None
+
+
+class ChatCompletionRequest(_Request):
+    """OpenAI's `/v1/chat/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_PROMPTS)]
+    model: Name | None = None
+    max_tokens: NewTokens | None = None
+    max_completion_tokens: NewTokens | None = None  # the newer name of max_tokens; wins when both are given
+    temperature: Temperature | None = 1.0
+    top_p: Probability | None = 1.0
+    n: Count = 1
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    seed: Seed | None = None
+    stream: Literal[False] = False
+    stop: Stop | None = None
     user: Name | None = None
     top_k: TopK = -1
     stop_token_ids: StopIds | None = None

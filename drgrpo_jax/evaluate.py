@@ -1,0 +1,269 @@
+"""`python -m drgrpo_jax.evaluate --model PATH_OR_URL --suite NAME [--k 8] [--temperature 0.6] [--max-new-tokens N]`.
+
+Samples one greedy and k sampled completions per problem through the generation service (a local child
+service on the model, or the given URLs), scores them with the training reward functions, and prints and
+writes accuracy (greedy), avg@k, unbiased pass@k, response lengths of correct and incorrect answers and the
+truncation rate (results.json, results.md, completions.jsonl under --output).
+
+--model: a run directory (its final/ policy, or weights/vN with --step N; its config.yaml gives the prompt
+template, rewards and budget), a run's orbax checkpoint (RUN/checkpoints/N), an HF folder, a .gguf file,
+pkg:PACKAGE, or http(s)://HOST:PORT (repeat --model for several services; --tokenizer then names the
+tokenizer unless the service reports a local one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from drgrpo_jax.config import Config, DataConfig, RewardConfig, load_config, resolve_model_path
+from drgrpo_jax.errors import ConfigError
+
+__all__ = ["ModelSource", "main", "resolve_model"]
+
+PROG = "python -m drgrpo_jax.evaluate"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where completions come from: a local model (served by a child service) or running services."""
+
+    path: str | None  # HF folder or .gguf to serve; None with urls
+    urls: tuple[str, ...] = ()
+    run_config: Config | None = None  # the training run's config, when --model is a run or its checkpoint
+    checkpoint: tuple[str, int] | None = None  # (run directory, step) of an orbax checkpoint to export first
+
+
+def _is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def _run_config(run_dir: str) -> Config:
+    try:
+        return load_config(os.path.join(run_dir, "config.yaml"))
+    except ConfigError as error:
+        raise ConfigError("--model", f"{run_dir}/config.yaml: {error}") from None
+
+
+def resolve_model(specs: list[str], step: int | None = None) -> ModelSource:
+    """--model given once (a local model) or as one or more URLs; ConfigError naming --model otherwise."""
+    if any(_is_url(s) for s in specs):
+        if not all(_is_url(s) for s in specs):
+            raise ConfigError("--model", "give either one local model or only http(s):// service URLs")
+        return ModelSource(None, tuple(specs))
+    if len(specs) != 1:
+        raise ConfigError("--model", f"one local model at a time, got {len(specs)}")
+    spec = os.path.normpath(specs[0]) if not specs[0].startswith("pkg:") else specs[0]
+    parent = os.path.dirname(spec)
+    if os.path.basename(parent) == "checkpoints" and os.path.basename(spec).isdigit():  # RUN/checkpoints/N
+        run_dir = os.path.dirname(parent)
+        return ModelSource(None, run_config=_run_config(run_dir), checkpoint=(run_dir, int(os.path.basename(spec))))
+    if os.path.isfile(os.path.join(spec, "config.yaml")) and os.path.isdir(os.path.join(spec, "checkpoints")):
+        folder = os.path.join(spec, "final") if step is None else os.path.join(spec, "weights", f"v{step}")
+        if not os.path.isdir(folder):
+            what = "final/ (the run has not finished)" if step is None else f"weights/v{step} (try RUN/checkpoints/N)"
+            raise ConfigError("--model", f"run directory {spec} has no {what}")
+        return ModelSource(folder, run_config=_run_config(spec))
+    if step is not None:
+        raise ConfigError("--step", "only applies to a run directory")
+    return ModelSource(resolve_model_path(specs[0], key="--model"))
+
+
+def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> str:
+    """The policy of orbax checkpoint `step` of a run, written as an HF folder at `output`."""
+    import jax
+
+    from drgrpo_jax.checkpoint import Checkpointer
+    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.outputs import WeightPublisher
+    from drgrpo_jax.run import load_tokenizer, optimizer_of
+    from drgrpo_jax.train_step import init_state
+
+    model_path = resolve_model_path(config.model.path, key=f"{run_dir}/config.yaml model.path")
+    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[config.model.dtype]
+    optimizer, _ = optimizer_of(config)
+    graphdef, state = init_state(from_pretrained(model_path, dtype=dtype), optimizer, jax.random.key(0),
+                                 with_reference=config.algorithm.kl_coef > 0)
+    with Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, keep=1 << 30) as checkpointer:
+        if step not in checkpointer.all_steps():
+            raise ConfigError("--model", f"{run_dir}/checkpoints has no step {step} "
+                                         f"(steps: {checkpointer.all_steps()})")
+        restored = checkpointer.restore(step, state)
+    tokenizer = load_tokenizer(model_path, config.model.tokenizer_path)
+    return WeightPublisher(output, graphdef).export(restored.state.params, output, tokenizer=tokenizer)
+
+
+def _settings(args: argparse.Namespace, config: Config | None):
+    """EvalSettings from the flags (the run's budget when --max-new-tokens is not given)."""
+    from drgrpo_jax.evaluation import EvalSettings
+
+    budget = args.max_new_tokens or (config.rollout.max_new_tokens if config else 512)
+    try:
+        return EvalSettings(max_new_tokens=budget, samples=args.k, temperature=args.temperature, top_p=args.top_p,
+                            greedy=args.greedy, seed=args.seed, chunk_prompts=args.batch_prompts)
+    except ValueError as error:
+        raise ConfigError("--k/--temperature/--max-new-tokens", str(error)) from None
+
+
+def _data_config(args: argparse.Namespace, config: Config | None) -> DataConfig:
+    """The prompt template: the run's, else the flags'."""
+    base = config.data if config is not None else DataConfig()
+    changes = {k: v for k, v in [("template", args.template), ("system_prompt", args.system_prompt)] if v is not None}
+    if args.no_chat_template:
+        changes["use_chat_template"] = False
+    if "{question}" not in changes.get("template", base.template):
+        raise ConfigError("--template", "must contain the {question} placeholder")
+    return dataclasses.replace(base, **changes)
+
+
+def _reward_config(args: argparse.Namespace, config: Config | None) -> RewardConfig:
+    """The training run's rewards (or --reward, default math_verify); `overlong` is a training penalty, left out."""
+    if args.reward:
+        return RewardConfig(functions=tuple(args.reward), num_workers=args.reward_workers)
+    if config is None:
+        return RewardConfig(functions=("math_verify",), num_workers=args.reward_workers)
+    reward = config.reward
+    keep = [i for i, f in enumerate(reward.functions) if f != "overlong"]
+    if len(keep) == len(reward.functions):
+        return dataclasses.replace(reward, num_workers=args.reward_workers)
+    return dataclasses.replace(reward, functions=tuple(reward.functions[i] for i in keep), components=(), weights=(),
+                               num_workers=args.reward_workers)
+
+
+def _tokenizer(args: argparse.Namespace, source: ModelSource, client: Any) -> Any:
+    """The tokenizer of the model (or --tokenizer); for URLs, the service's own when it is a local folder."""
+    from drgrpo_jax.run import load_tokenizer
+
+    if source.path is not None:
+        return load_tokenizer(source.path, args.tokenizer)
+    path = args.tokenizer or client.model_info().get("tokenizer_path") or ""
+    if not (os.path.isdir(path) or path.endswith(".gguf")):
+        raise ConfigError("--tokenizer", "needed with service URLs: a local tokenizer folder (or the model's .gguf)")
+    return load_tokenizer(path, None) if path.endswith(".gguf") else load_tokenizer("", path)
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the evaluation the flags describe; returns results.json's content."""
+    from tqdm.auto import tqdm
+
+    from drgrpo_jax.data import tokenize_prompt
+    from drgrpo_jax.eval_report import markdown_table, report_rows, write_report
+    from drgrpo_jax.eval_suites import load_suite
+    from drgrpo_jax.evaluation import evaluate_problems
+    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.rollout import LocalServer, RolloutClient
+
+    source = resolve_model(args.model, args.step)
+    config = source.run_config
+    settings = _settings(args, config)
+    suite = load_suite(args.suite, size=args.size, seed=args.seed, problem_field=args.problem_field,
+                       answer_field=args.answer_field)
+    data, rewards = _data_config(args, config), _reward_config(args, config)
+    output = args.output or os.path.join("evaluations", f"{_model_name(args.model)}-{suite.name.replace(':', '_')}")
+    os.makedirs(output, exist_ok=True)
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        path = source.path
+        if source.checkpoint is not None and config is not None:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="drgrpo_eval_"))
+            path = export_checkpoint(*source.checkpoint, config, os.path.join(folder, "policy"))
+        urls = list(source.urls)
+        if path is not None:
+            server = stack.enter_context(LocalServer(
+                path, dtype=args.dtype, log_path=os.path.join(output, "serve.log"),
+                extra_args=["--max-batch-size", str(args.max_batch_size)]))
+            urls = [str(server.url)]
+        api_key = (os.environ.get(args.api_key_env, "").strip() or None) if args.api_key_env else None
+        client = stack.enter_context(RolloutClient(urls, timeout_s=args.timeout, api_key=api_key))
+        tokenizer = _tokenizer(args, dataclasses.replace(source, path=path), client)
+        scorer = stack.enter_context(RewardScorer(rewards, budget=settings.max_new_tokens))
+        prompts = [tokenize_prompt(example, data, tokenizer) for example in suite.examples]
+        eos = getattr(tokenizer, "eos_token_id", None)
+        total = len(prompts) * (int(settings.greedy) + int(settings.samples > 0))
+        with tqdm(total=total, desc=f"evaluate {suite.name}", unit="problem", file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            greedy, sampled = evaluate_problems(client, tokenizer, scorer, suite.examples, prompts, settings,
+                                                stop_token_ids=[] if eos is None else [int(eos)], progress=bar.update)
+    rows = report_rows(suite, greedy, sampled)
+    header = {"model": " ".join(args.model), "suite": suite.name, "problems": len(suite.examples),
+              "k": settings.samples,
+              "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens, "seed": args.seed,
+              "rewards": list(rewards.functions), "seconds": round(time.perf_counter() - start, 1)}
+    paths = write_report(output, header, rows, suite, greedy, sampled)
+    print(markdown_table(rows))
+    print(f"written: {paths['results.json']}, {paths['results.md']}, {paths['completions.jsonl']}", file=sys.stderr)
+    return {**header, "results": rows}
+
+
+def _model_name(specs: list[str]) -> str:
+    """A short name for the output folder: the model's folder or file name (a run's name with final/ or a step)."""
+    spec = specs[0].rstrip("/")
+    if _is_url(spec):
+        return spec.split("://", 1)[1].replace(":", "_").replace("/", "_")
+    path = os.path.normpath(spec.removeprefix("pkg:"))
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    if name == "final" or os.path.basename(parent) in ("checkpoints", "weights"):
+        run_dir = parent if name == "final" else os.path.dirname(parent)
+        return f"{os.path.basename(os.path.abspath(run_dir))}-{name}"
+    return os.path.splitext(name)[0]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", action="append", required=True, help="run dir, checkpoint, HF folder, .gguf, pkg:NAME "
+                                                                   "or service URL (repeat for several URLs)")
+    p.add_argument("--suite", required=True, help="a named mix (chain_sum_1digit, arithmetic), rg:TASK[,TASK...] or a "
+                                                  ".jsonl file with problem/answer")
+    p.add_argument("--k", type=int, default=8, help="sampled completions per problem (0 = greedy only)")
+    p.add_argument("--temperature", type=float, default=0.6, help="temperature of the k samples")
+    p.add_argument("--top-p", dest="top_p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=0,
+                   help="generation budget (default: the run's rollout.max_new_tokens, else 512)")
+    p.add_argument("--no-greedy", dest="greedy", action="store_false", help="skip the greedy completion")
+    p.add_argument("--size", type=int, default=50, help="problems per reasoning-gym task; rows of a file (0 = all)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the generated problems and of the samples")
+    p.add_argument("--step", type=int, help="with a run directory: evaluate weights/vSTEP instead of final/")
+    p.add_argument("--reward", action="append", help="reward functions (default: the run's, else math_verify)")
+    p.add_argument("--reward-workers", dest="reward_workers", type=int, default=2)
+    p.add_argument("--template", help="prompt template with {question} (default: the run's, else the trainer's)")
+    p.add_argument("--system-prompt", dest="system_prompt")
+    p.add_argument("--no-chat-template", dest="no_chat_template", action="store_true")
+    p.add_argument("--problem-field", dest="problem_field", help="JSONL field of the problem (default problem, "
+                                                                 "else question)")
+    p.add_argument("--answer-field", dest="answer_field", default="answer")
+    p.add_argument("--tokenizer", help="tokenizer folder (needed with URLs unless the service's is local)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the local service's dtype")
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=64, help="the local service's rows")
+    p.add_argument("--batch-prompts", dest="batch_prompts", type=int, default=64, help="problems per request")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for one request")
+    p.add_argument("--api-key-env", dest="api_key_env", default="", metavar="NAME",
+                   help="environment variable holding the services' API key")
+    p.add_argument("--output", "-o", help="report folder (default: evaluations/MODEL-SUITE)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: a bad flag, model or suite exits 2 and a failed evaluation 1, each with one line on stderr."""
+    args = parse_args(argv)
+    try:
+        evaluate(args)
+    except ConfigError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 - one line; the service log is in the output folder
+        message = (str(error).strip().splitlines() or [""])[0][:500]
+        print(f"{PROG}: {type(error).__name__}: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

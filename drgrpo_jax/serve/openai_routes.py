@@ -1,0 +1,275 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions` (with `stop`, `logprobs`, `echo`) and
+`/v1/chat/completions` (the tokenizer's chat template), for ordinary clients and lm-evaluation-harness.
+
+Stop strings: the sampler stops on tokens, so a completion runs to its budget, EOS or a stop token, and is
+then cut before the earliest stop string in its decoded text (OpenAI leaves the stop string out; as vLLM,
+`token_ids` keep the tokens through the one that completed it). Log-probs: with `logprobs` (and for the
+prompt with `echo`), every reported log-prob and top entry comes from one forward pass over prompt +
+completion at the request's temperature (1 for greedy, as the sampler reports), so a token's log-prob
+equals its top entry exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree
+to ~1e-4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import HTTPException, Request
+
+from drgrpo_jax.serve.api import (
+    BadRequest,
+    Service,
+    _check_request,
+    _decode,
+    _prompts,
+    _rows,
+    _run,
+    _service,
+    _tokenize,
+)
+from drgrpo_jax.serve.engine import RowResult
+from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
+from drgrpo_jax.serve.scoring import ScoredSequence, score_sequences
+
+__all__ = ["ROUTES", "Choice", "apply_stop", "chat_completions", "completions", "first_stop", "models"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One completion after its stop strings: the tokens kept, its text and why it ended."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
+    weight_version: str
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """(index, string) of the earliest stop string in `text` (the longest of those starting there), or None."""
+    found = [(text.find(stop), -len(stop), stop) for stop in stops if stop in text]
+    if not found:
+        return None
+    index, _, stop = min(found)
+    return index, stop
+
+
+def _tokens_covering(tokenizer: Any, ids: list[int], num_chars: int) -> int:
+    """The fewest leading tokens whose decoded text has at least `num_chars` characters (binary search)."""
+    low, high = 1, len(ids)
+    while low < high:
+        middle = (low + high) // 2
+        if len(_decode(tokenizer, ids[:middle])) >= num_chars:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def apply_stop(result: RowResult, tokenizer: Any, stops: list[str]) -> Choice:
+    """The completion cut before its earliest stop string (unchanged when none occurs)."""
+    text = _decode(tokenizer, result.output_ids)
+    reason = "stop" if result.stopped else "length"
+    found = first_stop(text, stops) if stops else None
+    if found is None:
+        return Choice(result.output_ids, text, reason, result.weight_version)
+    index, stop = found
+    keep = _tokens_covering(tokenizer, result.output_ids, index + len(stop))
+    return Choice(result.output_ids[:keep], text[:index], "stop", result.weight_version)
+
+
+def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if stops and tokenizer is None:
+        raise BadRequest("stop: this server has no tokenizer to match stop strings; use stop_token_ids")
+    return stops
+
+
+async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
+                 choices: list[Choice]) -> list[ScoredSequence]:
+    """Log-probs of each sequence under the weights that sampled it (503 when they were swapped meanwhile)."""
+    weights = service.engine.weights
+    if any(c.weight_version != weights.version for c in choices):
+        raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
+    return await asyncio.to_thread(score_sequences, weights.graphdef, weights.state, sequences,
+                                   [temperature] * len(sequences), top, weights.config.vocab_size)
+
+
+def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's own text (special tokens included), or `token_id:N` without a tokenizer."""
+    return [_decode(tokenizer, [t], False) if tokenizer is not None else f"token_id:{t}" for t in ids]
+
+
+def _token_names(tokenizer: Any, ids: list[int]) -> list[str]:
+    """The vocabulary's names of the tokens (what OpenAI's legacy `tokens` lists)."""
+    return tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [f"token_id:{t}" for t in ids]
+
+
+# ---------------------------------------------------------------- /v1/models and /v1/completions
+
+async def models(request: Request) -> dict:
+    """GET /v1/models: the one served model."""
+    service = _service(request)
+    return {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "drgrpo_jax",
+                                        "max_model_len": service.engine.max_context}]}
+
+
+def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) -> list[list[int]]:
+    """Token-id prompts from OpenAI's `prompt`: a text, texts, token ids or lists of token ids."""
+    text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
+    ids = None if text is not None or isinstance(prompt, str) else prompt
+    prompts, _ = _prompts(text, ids, tokenizer, "prompt", max_context)
+    return prompts
+
+
+def _params(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int) -> SamplingParamsIn:
+    """The request's sampling settings in SGLang's terms; a null field takes OpenAI's default."""
+    return SamplingParamsIn(max_new_tokens=max_new_tokens,
+                            temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, n=body.n,
+                            stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos)
+
+
+def _legacy_logprobs(tokenizer: Any, sequence: list[int], scored: ScoredSequence, first: int, top: int) -> dict:
+    """OpenAI's completions `logprobs` of sequence[first:] (position 0 has none: null, as OpenAI's echo)."""
+    ids = sequence[first:]
+    names, pieces = _token_names(tokenizer, ids), _pieces(tokenizer, ids)
+    positions = range(first, len(sequence))
+    token_logprobs = [None if i == 0 else scored.token_logprobs[i - 1] for i in positions]
+    tops = None
+    if top > 0:
+        tops = [None if i == 0 else dict(zip(_token_names(tokenizer, scored.top_ids[i - 1]),
+                                             scored.top_logprobs[i - 1])) for i in positions]
+    return {"tokens": names, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist() if pieces else []}
+
+
+def _echo_prefix(prompt: str | list, index: int, ids: list[int], tokenizer: Any) -> str:
+    """What `echo` puts before completion `index`'s text: its prompt as sent, or decoded from its ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and isinstance(prompt[0], str):
+        return str(prompt[index])
+    return _decode(tokenizer, ids, False)
+
+
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    """OpenAI's token counts (each prompt once, as vLLM counts them)."""
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def completions(body: CompletionRequest, request: Request) -> dict:
+    """POST /v1/completions: every prompt gets the same settings, and n completions each."""
+    service = _service(request)
+    engine, tokenizer = service.engine, service.tokenizer
+    prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, engine.max_context)
+    stops = _stops(body.stop, tokenizer)
+    params = _params(body, 16 if body.max_tokens is None else body.max_tokens)
+    _check_request(engine, prompts, [params] * len(prompts), "prompt", "")
+    results = await _run(engine, _rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size),
+                         request)
+    choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
+    prompt_of = [i for i in range(len(prompts)) for _ in range(body.n)]
+    sequences = [prompts[p] + c.token_ids for p, c in zip(prompt_of, choices)]
+    scored = (await _score(service, sequences, params.temperature, body.logprobs, choices)
+              if body.logprobs is not None else None)
+    out = []
+    for index, (p, choice) in enumerate(zip(prompt_of, choices)):
+        prefix = _echo_prefix(body.prompt, p, prompts[p], tokenizer) if body.echo else ""
+        first = 0 if body.echo else len(prompts[p])
+        logprobs = (None if scored is None or body.logprobs is None else
+                    _legacy_logprobs(tokenizer, sequences[index], scored[index], first, body.logprobs))
+        out.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason, "token_ids": choice.token_ids,
+                    "weight_version": choice.weight_version})
+    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model or service.name, "choices": out, "usage": _usage(prompts, choices)}
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+def _message_text(message: ChatMessage) -> str | None:
+    if message.content is None or isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def _chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_context: int) -> list[int]:
+    """The conversation rendered by the tokenizer's chat template, ready for the assistant's turn, as ids."""
+    if tokenizer is None:
+        raise BadRequest("messages: this server has no tokenizer to apply a chat template")
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("messages: the served tokenizer has no chat template; use /v1/completions")
+    conversation = [{"role": m.role, "content": _message_text(m), **({"name": m.name} if m.name else {})}
+                    for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # noqa: BLE001 - templates raise their own errors on conversations they refuse
+        raise BadRequest(f"messages: the chat template refuses this conversation: {error}") from None
+    # The template writes its special tokens (BOS included) itself: none are added when tokenizing.
+    ids = _tokenize([text], _NoSpecialTokens(tokenizer), "messages", max_context)[0]
+    if not ids:
+        raise BadRequest("messages: the chat template rendered an empty prompt")
+    return ids
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoSpecialTokens:
+    """The tokenizer, called without adding special tokens (a chat template holds them already)."""
+
+    tokenizer: Any
+
+    def __call__(self, text: str) -> Any:
+        return self.tokenizer(text, add_special_tokens=False)
+
+
+def _chat_logprobs(tokenizer: Any, sequence: list[int], scored: ScoredSequence, first: int, top: int) -> dict:
+    """OpenAI's chat `logprobs.content`: each completion token's text, log-prob, bytes and top entries."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = _pieces(tokenizer, [token_id])[0]
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for i in range(first, len(sequence)):
+        tops = [entry(t, lp) for t, lp in zip(scored.top_ids[i - 1][:top], scored.top_logprobs[i - 1][:top])]
+        content.append({**entry(sequence[i], scored.token_logprobs[i - 1]), "top_logprobs": tops})
+    return {"content": content}
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
+    """POST /v1/chat/completions: n assistant replies to one conversation."""
+    service = _service(request)
+    engine, tokenizer = service.engine, service.tokenizer
+    prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, engine.max_context)
+    stops = _stops(body.stop, tokenizer)
+    budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _params(body, max(engine.max_context - len(prompt), 0) if budget is None else budget)
+    _check_request(engine, [prompt], [params], "messages", "")
+    results = await _run(engine, _rows([prompt], [params], True, engine.weights.config.vocab_size), request)
+    choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:
+        raise BadRequest("top_logprobs: needs logprobs: true")
+    sequences = [prompt + c.token_ids for c in choices]
+    scored = await _score(service, sequences, params.temperature, top, choices) if body.logprobs else None
+    out = [{"index": j, "message": {"role": "assistant", "content": choice.text},
+            "logprobs": None if scored is None else _chat_logprobs(tokenizer, sequences[j], scored[j], len(prompt),
+                                                                   top),
+            "finish_reason": choice.finish_reason, "token_ids": choice.token_ids,
+            "weight_version": choice.weight_version} for j, choice in enumerate(choices)]
+    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model or service.name, "choices": out, "usage": _usage([prompt], choices)}
+
+
+ROUTES = (  # (method, path, handler), wired by serve/app.py
+    ("GET", "/v1/models", models),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat_completions),
+)
