@@ -170,14 +170,18 @@ def _transposed(x_MX: jax.Array) -> jax.Array:
 
 @jax.custom_vjp
 def _dense(x_MX: jax.Array, w_XY: jax.Array) -> jax.Array:
-    """[M, X] @ [X, Y] as one plain GEMM accumulating in float32, cast back to x's dtype."""
+    """[M, X] @ [X, Y] as one plain GEMM in the weight's dtype accumulating in float32, cast back to x's dtype.
+
+    A bfloat16 weight under float32 activations (mixed precision, `StepConfig.compute_dtype`) rounds x to
+    bfloat16 for the GEMM only: the residual stream and everything elementwise stay float32.
+    """
     # float32 accumulation also makes bf16 fast on CPU: XLA's CPU dot with a bf16 output is slower than with f32.
-    return jnp.dot(x_MX, w_XY, preferred_element_type=_F32).astype(x_MX.dtype)
+    return jnp.dot(x_MX.astype(w_XY.dtype), w_XY, preferred_element_type=_F32).astype(x_MX.dtype)
 
 
 def _dense_fwd(x_MX: jax.Array, w_XY: jax.Array):
-    """Output and the residuals the backward needs (the GEMM's inputs)."""
-    return _dense(x_MX, w_XY), (x_MX, w_XY)
+    """Output and the residuals the backward needs (the GEMM's inputs, x in the weight's dtype)."""
+    return _dense(x_MX, w_XY), (x_MX.astype(w_XY.dtype), w_XY)
 
 
 def _dense_bwd(residuals, dy_MY: jax.Array):
@@ -185,8 +189,9 @@ def _dense_bwd(residuals, dy_MY: jax.Array):
     # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, I] MLP activations)
     # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
     # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
-    x_MX, w_XY = residuals
-    dx_MX = jnp.dot(dy_MY, w_XY.T, preferred_element_type=_F32).astype(x_MX.dtype)
+    x_MX, w_XY = residuals  # x in w's dtype; dy in x's original dtype, which dx takes
+    dx_MX = jnp.dot(dy_MY.astype(w_XY.dtype), w_XY.T, preferred_element_type=_F32).astype(dy_MY.dtype)
+    dy_MY = dy_MY.astype(w_XY.dtype)
     if x_MX.shape[1] <= dy_MY.shape[1]:
         dw_XY = jnp.dot(_transposed(x_MX), dy_MY, preferred_element_type=_F32)
     else:
