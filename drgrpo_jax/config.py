@@ -85,8 +85,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
     compute_dtype: Literal["auto", "float32", "bfloat16"] = _f(
         "auto", "dtype of the GEMMs in the train step and the trainer's own generation service (float32 "
-                   "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 where "
-                   "the hardware has native bfloat16 (TPU, Ampere+ GPU, AVX512-BF16/AMX CPU), else float32")
+                   "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
+                   "TPUs and Ampere+ GPUs, float32 on CPUs (measured no faster there)")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
 

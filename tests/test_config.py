@@ -344,3 +344,19 @@ def test_compute_dtype_reaches_the_step_and_the_old_logprob_pass(overrides, conc
 def test_an_unknown_compute_dtype_names_the_key_when_the_step_refuses_it():
     with pytest.raises(ConfigError, match="^model.compute_dtype: unknown 'float16'"):
         step_configs(load_config(None, BASE), "float16")
+
+
+def test_auto_compute_dtype_is_bfloat16_on_native_accelerators_only():
+    from types import SimpleNamespace
+
+    from drgrpo_jax.models.precision import native_bfloat16, resolve_compute_dtype
+
+    tpu, a100, v100 = (SimpleNamespace(platform="tpu"), SimpleNamespace(platform="gpu", compute_capability="8.0"),
+                       SimpleNamespace(platform="gpu", compute_capability="7.0"))
+    cpu = SimpleNamespace(platform="cpu")
+    assert [resolve_compute_dtype("auto", "float32", d) for d in (tpu, a100, v100, cpu)] == \
+        ["bfloat16", "bfloat16", "float32", "float32"]
+    assert resolve_compute_dtype("bfloat16", "float32", cpu) == "bfloat16"  # asked for: given on any device
+    assert resolve_compute_dtype("auto", "bfloat16", v100) == "bfloat16"  # bfloat16 params: nothing to cast
+    assert native_bfloat16(cpu, frozenset({"avx512f", "avx512_bf16"}))
+    assert not native_bfloat16(cpu, frozenset({"avx512f", "avx2"}))

@@ -185,10 +185,10 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted):
     assert all(r["old_logprob_seconds"] > 0 for r in train_rows)  # two minibatches per rollout: the pass runs
     import jax
 
-    from drgrpo_jax.models.precision import native_bfloat16
+    from drgrpo_jax.models.precision import resolve_compute_dtype
 
-    # model.compute_dtype=auto, resolved on this CPU; the line is the trainer's own report of it.
-    assert f"model.compute_dtype: {'bfloat16' if native_bfloat16(jax.devices()[0]) else 'float32'}" in stderr
+    # model.compute_dtype=auto, resolved on this machine; the line is the trainer's own report of it.
+    assert f"model.compute_dtype: {resolve_compute_dtype('auto', 'float32', jax.devices()[0])}" in stderr
 
 
 @pytest.mark.subprocess
