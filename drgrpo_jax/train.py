@@ -365,7 +365,9 @@ def train(config: Config) -> str:
         run, state = setup(config, stack)
         c = run.config
         bar = stack.enter_context(_progress(run))
-        bar.write(f"model.compute_dtype: {run.compute_dtype} (GEMMs of the train step and the local service)")
+        if run.log.enabled:  # process 0; beside the progress bar on stderr
+            print(f"model.compute_dtype: {run.compute_dtype} (GEMMs of the train step and the local service)",
+                  file=sys.stderr, flush=True)
         if c.train.eval_every and run.start_step == 0:
             if (row := evaluate(run, 0)) is not None:
                 run.log.metrics(row)
