@@ -164,8 +164,15 @@ class Blocks(nnx.Module):
 
 
 def _transposed(x_MX: jax.Array) -> jax.Array:
-    """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own."""
-    return jax.lax.optimization_barrier(x_MX.T)
+    """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own.
+
+    A 16-bit x goes through a flat reshape, which forces a row-major copy: XLA's CPU bf16 dot runs ~150
+    GFLOP/s on a column-major (transposed-layout) operand and ~1000 on a row-major one (XNNPACK), so the
+    backward's bf16 GEMMs were slower than float32's without it.
+    """
+    if not _is_half(x_MX.dtype):
+        return jax.lax.optimization_barrier(x_MX.T)
+    return jax.lax.optimization_barrier(x_MX.T.reshape(-1)).reshape(x_MX.shape[::-1])
 
 
 @jax.custom_vjp
@@ -190,9 +197,12 @@ def _dense_bwd(residuals, dy_MY: jax.Array):
     # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
     # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
     x_MX, w_XY = residuals  # x in w's dtype; dy in x's original dtype, which dx takes
-    dx_MX = jnp.dot(dy_MY.astype(w_XY.dtype), w_XY.T, preferred_element_type=_F32).astype(dy_MY.dtype)
+    w_YX = _transposed(w_XY) if _is_half(w_XY.dtype) else w_XY.T
+    dx_MX = jnp.dot(dy_MY.astype(w_XY.dtype), w_YX, preferred_element_type=_F32).astype(dy_MY.dtype)
     dy_MY = dy_MY.astype(w_XY.dtype)
-    if x_MX.shape[1] <= dy_MY.shape[1]:
+    # 16-bit: always x.T @ dy; (dy.T @ x).T asks XLA's CPU for a bf16 dot with a transposed f32 output, which
+    # it refuses ("Unsupported element type for DotThunk").
+    if _is_half(x_MX.dtype) or x_MX.shape[1] <= dy_MY.shape[1]:
         dw_XY = jnp.dot(_transposed(x_MX), dy_MY, preferred_element_type=_F32)
     else:
         dw_XY = jnp.dot(_transposed(dy_MY), x_MX, preferred_element_type=_F32).T
