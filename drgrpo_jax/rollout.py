@@ -197,12 +197,13 @@ class RolloutClient:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
                  expected_version: str | int | None = None, max_staleness: int = 0, prompt_offset: int = 0,
-                 first_url: int = 0) -> Rollout:
+                 first_url: int = 0, ignore_eos: bool = False) -> Rollout:
         """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version.
 
         `prompt_offset`: the index of prompts[0] in the whole rollout, so that a host sampling its share
         draws the same per-prompt seeds as one client sampling everything. `first_url`: the URL that
-        takes the first share (hosts start at different URLs to spread the load).
+        takes the first share (hosts start at different URLs to spread the load). `ignore_eos`: SGLang's
+        sampling parameter, the model's EOS does not end a completion (stop_token_ids still do).
         """
         if group_size < 1 or max_new_tokens < 1:
             raise ValueError(f"group_size, max_new_tokens: must be >= 1, got {group_size}, {max_new_tokens}")
@@ -214,7 +215,8 @@ class RolloutClient:
         def body(start: int, stop: int) -> dict:
             params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
                        "top_k": top_k if top_k > 0 else -1, "n": group_size, "seed": seeds[i],
-                       "stop_token_ids": list(stop_token_ids)} for i in range(start, stop)]
+                       "stop_token_ids": list(stop_token_ids), **({"ignore_eos": True} if ignore_eos else {})}
+                      for i in range(start, stop)]
             return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
                     "return_logprob": True}
 

@@ -36,6 +36,7 @@ class Run:
     """What the host loop reads: built once by `setup`; the train state travels beside it, step to step."""
 
     config: Config
+    compute_dtype: str  # model.compute_dtype made concrete for this device (the step's and the child service's)
     dataset: PromptDataset
     tokenizer: Any  # a Hugging Face tokenizer
     mesh: jax.sharding.Mesh
@@ -166,6 +167,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     from drgrpo_jax.checkpoint import Checkpointer
     from drgrpo_jax.data import load_dataset
     from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.models.precision import resolve_compute_dtype
     from drgrpo_jax.rewards import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.sharding import param_shardings
@@ -178,7 +180,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     check_trackers(c)
     check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
-    train_config, logprob_config = step_configs(c)
+    compute_dtype = resolve_compute_dtype(c.model.compute_dtype, c.model.dtype, jax.devices()[0])
+    train_config, logprob_config = step_configs(c, compute_dtype)
     dataset = load_dataset(c.data, c.run.seed)
     client = None
     if c.rollout.urls:  # every host checks that it reaches every service; all fail together if one does not
@@ -218,7 +221,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     server = None
     if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(
-            publisher.local_path(start_step), dtype=c.model.dtype, weight_version=start_step,
+            publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
             log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))],
             api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c)))
         if server.url is None:  # entering the context waits until the service answers at its URL
@@ -226,7 +229,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s,
                                                    api_key=api_key(c), local_server=server))
-    run = Run(config=c, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
+    run = Run(config=c, compute_dtype=compute_dtype, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
               train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
               logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),
               checkpointer=checkpointer, publisher=publisher, log=log,

@@ -102,7 +102,8 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
     r = run.config.rollout
     start = time.perf_counter()
     sampled = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                  top_p=r.top_p, top_k=r.top_k, stop_token_ids=_stop_ids(run), seed=seed,
+                                  top_p=r.top_p, top_k=r.top_k, stop_token_ids=[] if r.ignore_eos else _stop_ids(run),
+                                  ignore_eos=r.ignore_eos, seed=seed,
                                   expected_version=step, max_staleness=r.max_staleness, prompt_offset=offset,
                                   first_url=jax.process_index())
     rollout_seconds = time.perf_counter() - start
@@ -202,6 +203,7 @@ class UpdateResult:
 
     metrics: list[dict[str, float]]  # one row per update (optimizer window)
     whitening: list[tuple[float, float]]  # gdpo: each window's (mean, std) of the combined advantages
+    old_logprob_seconds: float = 0.0  # the old-logprob forward over the rollout (0: skipped, on-policy)
 
 
 def update(run: Run, state: TrainState, step: int, batch: Batch,
@@ -216,9 +218,11 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
     from drgrpo_jax.algorithms import ALGORITHMS
 
     a = run.config.algorithm
+    start = time.perf_counter()
     if not one_window_per_rollout(a):  # else the step uses its own forward's log-probs (StepConfig.on_policy)
         old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh)))
         batch = dataclasses.replace(batch, old_logprobs=old_logprobs)
+    old_logprob_seconds = time.perf_counter() - start
     num = batch.row_valid.shape[0]
     size = num // a.minibatches_per_rollout
     history, whitening = [], []
@@ -233,7 +237,7 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
                 whitening.append((mean, std))
             state, metrics = run.train_fn(state, _global_batch(window, run.mesh))
             history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return state, UpdateResult(history, whitening)
+    return state, UpdateResult(history, whitening, old_logprob_seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +265,8 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         "rollout_tokens_per_second": generated / max(counters.rollout_seconds, 1e-9),
         "train_tokens_per_second": trained / seconds["train"],
         "rollout_seconds": counters.rollout_seconds, "reward_seconds": counters.reward_seconds,
-        "train_seconds": seconds["train"], "push_seconds": seconds["push"], "step_seconds": seconds["step"]}
+        "train_seconds": seconds["train"], "old_logprob_seconds": updates.old_logprob_seconds,
+        "push_seconds": seconds["push"], "step_seconds": seconds["step"]}
     if updates.whitening:  # gdpo: the batch whitening statistics, averaged over the step's windows
         row["whiten_mean"] = float(np.mean([m for m, _ in updates.whitening]))
         row["whiten_std"] = float(np.mean([sd for _, sd in updates.whitening]))
@@ -358,6 +363,9 @@ def train(config: Config) -> str:
         run, state = setup(config, stack)
         c = run.config
         bar = stack.enter_context(_progress(run))
+        if run.log.enabled:  # process 0; beside the progress bar on stderr
+            print(f"model.compute_dtype: {run.compute_dtype} (GEMMs of the train step and the local service)",
+                  file=sys.stderr, flush=True)
         if c.train.eval_every and run.start_step == 0:
             if (row := evaluate(run, 0)) is not None:
                 run.log.metrics(row)

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
+from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype, matmul_weights_in
 
 __all__ = ["Batch", "StepConfig", "TrainState", "importance_weights", "in_float32", "init_state", "jit_policy_logprobs",
            "jit_train_step", "make_optimizer", "place", "policy_logprobs", "shard_batch", "train_step"]
@@ -84,6 +85,9 @@ class StepConfig:
     # The rollout gets exactly one optimizer window (one epoch, one minibatch): the old policy IS the current
     # one, so its log-probs are this forward's with the gradient stopped and the batch's old_logprobs are unused.
     on_policy: bool = False
+    # Mixed precision: "bfloat16" runs the model's GEMMs on a bfloat16 copy of the projection and unembedding
+    # weights (float32 accumulation) while params, gradients, optimizer state, log-probs and the loss stay float32.
+    compute_dtype: ComputeDtype = "float32"
 
     def __post_init__(self):
         for name, kinds in [("micro_batches", int), ("logprob_chunk", int), ("temperature", (int, float)),
@@ -105,6 +109,9 @@ class StepConfig:
             raise FieldError("StepConfig", "tis_cap", "must be finite and >= 1 (a cap on an importance ratio), "
                                                       f"got {self.tis_cap}")
         self._check_masked_is()
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise FieldError("StepConfig", "compute_dtype", f"unknown {self.compute_dtype!r}; choose one of "
+                                                            f"{sorted(COMPUTE_DTYPES)}")
 
     def _check_masked_is(self):
         if self.tis_level not in get_args(ImportanceLevel):
@@ -199,15 +206,21 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 
 
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
-                      response_mask, *, temperature: float, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy."""
-    model = nnx.merge(graphdef, params)
+                      response_mask, *, temperature: float, chunk: int,
+                      compute_dtype: ComputeDtype = "float32") -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
+
+    `compute_dtype="bfloat16"`: the GEMMs run on bfloat16 weights (`matmul_weights_in`) and inputs with
+    float32 accumulation; the log-softmax, log-probs and entropies stay float32.
+    """
+    low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
+    model = nnx.merge(graphdef, params if low is None else matmul_weights_in(params, low))
     tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     hidden_NSD = model.hidden_states(tokens, positions, segments)
     prompt_len = prompt_ids.shape[1]
     hidden_NTD = hidden_NSD[:, prompt_len - 1:]  # the state before each response token predicts it
     return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
-                          final_logit_softcap=model.config.final_logit_softcap)
+                          final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low)
 
 
 def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch) -> jax.Array:
@@ -215,7 +228,8 @@ def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.Stat
 
     def one(micro):
         return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                                 micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk)[0]
+                                 micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk,
+                                 compute_dtype=config.compute_dtype)[0]
 
     return _unsplit(jax.lax.map(one, _split(batch, config.micro_batches)))
 
@@ -265,12 +279,12 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
     """This micro-batch's share of the window's loss, and its metric shares."""
     logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.response_mask, temperature=config.temperature,
-                                          chunk=config.logprob_chunk)
+                                          chunk=config.logprob_chunk, compute_dtype=config.compute_dtype)
     ref_logprobs = None
     if ref_params is not None:
         ref_logprobs = jax.lax.stop_gradient(response_logprobs(
             graphdef, ref_params, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
-            temperature=config.temperature, chunk=config.logprob_chunk)[0])
+            temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype)[0])
     old_logprobs = jax.lax.stop_gradient(logprobs) if config.on_policy else micro.old_logprobs
     token = micro.response_mask & micro.row_valid[:, None]
     advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)

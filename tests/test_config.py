@@ -200,6 +200,9 @@ def test_missing_or_broken_config_file(tmp_path):
         (["data.source=jsonl", "data.path=x.jsonl", "reward.functions=[task]"], "reward.functions[0]", "reasoning_gym"),
         (["mesh.num_processes=2"], "mesh.coordinator_address", "must be set"),
         (["mesh.process_id=1"], "mesh.process_id", "< mesh.num_processes"),
+        (["model.dtype=bfloat16", "model.compute_dtype=float32"], "model.compute_dtype", "model.dtype=float32"),
+        (["model.compute_dtype=float16"], "model.compute_dtype", "expected one of"),
+        (["rollout.ignore_eos=maybe"], "rollout.ignore_eos", ""),
     ],
 )
 def test_validation_rules(overrides, key, fragment):
@@ -323,3 +326,37 @@ def test_the_overlong_reward_needs_a_buffer_within_the_budget(buffer):
     config = load_config(None, BASE + ["reward.functions=[math_verify,overlong]", "reward.overlong_buffer=64",
                                        "algorithm.name=gdpo"])
     assert config.reward.functions == ("math_verify", "overlong")
+
+
+@pytest.mark.parametrize("overrides, concrete, step_dtype", [
+    ([], "float32", "float32"),  # auto: validation knows no device and builds a float32 step
+    ([], "bfloat16", "bfloat16"),  # run.setup passes the device's resolution
+    (["model.compute_dtype=bfloat16"], None, "bfloat16"),
+    (["model.compute_dtype=float32"], None, "float32"),
+])
+def test_compute_dtype_reaches_the_step_and_the_old_logprob_pass(overrides, concrete, step_dtype):
+    config = load_config(None, BASE + overrides)
+    assert load_config(None, BASE).model.compute_dtype == "auto"
+    train, logprob = step_configs(config, concrete)
+    assert (train.compute_dtype, logprob.compute_dtype) == (step_dtype, step_dtype)
+
+
+def test_an_unknown_compute_dtype_names_the_key_when_the_step_refuses_it():
+    with pytest.raises(ConfigError, match="^model.compute_dtype: unknown 'float16'"):
+        step_configs(load_config(None, BASE), "float16")
+
+
+def test_auto_compute_dtype_is_bfloat16_on_native_accelerators_only():
+    from types import SimpleNamespace
+
+    from drgrpo_jax.models.precision import native_bfloat16, resolve_compute_dtype
+
+    tpu, a100, v100 = (SimpleNamespace(platform="tpu"), SimpleNamespace(platform="gpu", compute_capability="8.0"),
+                       SimpleNamespace(platform="gpu", compute_capability="7.0"))
+    cpu = SimpleNamespace(platform="cpu")
+    assert [resolve_compute_dtype("auto", "float32", d) for d in (tpu, a100, v100, cpu)] == \
+        ["bfloat16", "bfloat16", "float32", "float32"]
+    assert resolve_compute_dtype("bfloat16", "float32", cpu) == "bfloat16"  # asked for: given on any device
+    assert resolve_compute_dtype("auto", "bfloat16", v100) == "bfloat16"  # bfloat16 params: nothing to cast
+    assert native_bfloat16(cpu, frozenset({"avx512f", "avx512_bf16"}))
+    assert not native_bfloat16(cpu, frozenset({"avx512f", "avx2"}))

@@ -49,6 +49,22 @@ def test_rollout_is_prompt_major_padded_and_aligned():
     assert rollout.weight_versions == ("3",) * 8
 
 
+def test_ignore_eos_is_sent_only_when_asked():
+    """rollout.ignore_eos reaches the service as SGLang's sampling parameter; other bodies stay as they were."""
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return fake_generate(request)
+
+    with client_with(handler) as client:
+        client.generate(PROMPTS[:2], 2, max_new_tokens=4, seed=0, stop_token_ids=[2])
+        client.generate(PROMPTS[:2], 2, max_new_tokens=4, seed=0, ignore_eos=True)
+    assert [p.get("ignore_eos") for p in bodies[0]["sampling_params"]] == [None, None]
+    assert [p["stop_token_ids"] for p in bodies[0]["sampling_params"]] == [[2], [2]]
+    assert [(p["ignore_eos"], p["stop_token_ids"]) for p in bodies[1]["sampling_params"]] == [(True, [])] * 2
+
+
 def test_seeds_do_not_depend_on_how_the_fleet_splits_prompts():
     with client_with(fake_generate) as one, client_with(fake_generate, ["http://a", "http://b", "http://c"]) as three:
         a = one.generate(PROMPTS, 3, max_new_tokens=4, seed=5)

@@ -205,6 +205,25 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted, monkeypa
     transformers.AutoTokenizer.from_pretrained(output_dir / "final")
     transformers.AutoModelForCausalLM.from_pretrained(output_dir / "final")
     assert "Traceback" not in stderr
+    assert all(r["old_logprob_seconds"] > 0 for r in train_rows)  # two minibatches per rollout: the pass runs
+    import jax
+
+    from drgrpo_jax.models.precision import resolve_compute_dtype
+
+    # model.compute_dtype=auto, resolved on this machine; the line is the trainer's own report of it.
+    assert f"model.compute_dtype: {resolve_compute_dtype('auto', 'float32', jax.devices()[0])}" in stderr
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # one more trainer run with its service (~1 minute)
+def test_ignore_eos_runs_every_training_completion_to_the_budget(inputs):
+    output_dir = inputs["root"] / "ignore_eos"
+    process = start_trainer(_overrides(inputs, output_dir, steps=1) + ["rollout.ignore_eos=true",
+                                                                       "train.eval_every=0"])
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    (row,), _ = _rows(output_dir)
+    assert row["response_length_mean"] == 12 and row["truncated_fraction"] == 1.0, row
 
 
 def _weights(folder) -> dict[str, np.ndarray]:

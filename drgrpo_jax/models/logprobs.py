@@ -32,10 +32,13 @@ def _chunk_stats(hidden_WD: jax.Array, targets_W: jax.Array, unembed_DV: jax.Arr
 
 def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
                    temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                   final_logit_softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
+                   final_logit_softcap: float | None = None,
+                   compute_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
     """float32 (log-prob of each target, entropy of each position's distribution), both [B, T].
 
     Logits are soft-capped (if the model does), then divided by temperature, as the sampler does.
+    `compute_dtype` (e.g. bfloat16): the vocabulary GEMM's inputs are cast to it inside each chunk, so
+    the unembedding's gradient still sums over chunks in its own dtype; logits and softmax stay float32.
     """
     if not chunk_size > 0:
         raise ValueError(f"chunk_size: must be a positive int, got {chunk_size}")
@@ -53,7 +56,10 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
     @jax.checkpoint  # recompute each chunk's logits in the backward pass instead of storing them
     def one_chunk(args):
         hidden_WD, targets_W = args
-        return _chunk_stats(hidden_WD, targets_W, unembed_DV, temperature, final_logit_softcap)
+        unembed = unembed_DV
+        if compute_dtype is not None:
+            hidden_WD, unembed = hidden_WD.astype(compute_dtype), unembed_DV.astype(compute_dtype)
+        return _chunk_stats(hidden_WD, targets_W, unembed, temperature, final_logit_softcap)
 
     logprobs_JW, entropy_JW = jax.lax.map(one_chunk, (hidden_MD.reshape(J, W, D), targets_M.reshape(J, W)))
     return logprobs_JW.reshape(-1)[:M].reshape(B, T), entropy_JW.reshape(-1)[:M].reshape(B, T)

@@ -164,20 +164,31 @@ class Blocks(nnx.Module):
 
 
 def _transposed(x_MX: jax.Array) -> jax.Array:
-    """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own."""
-    return jax.lax.optimization_barrier(x_MX.T)
+    """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own.
+
+    A 16-bit x goes through a flat reshape, which forces a row-major copy: XLA's CPU bf16 dot runs ~150
+    GFLOP/s on a column-major (transposed-layout) operand and ~1000 on a row-major one (XNNPACK), so the
+    backward's bf16 GEMMs were slower than float32's without it.
+    """
+    if not _is_half(x_MX.dtype):
+        return jax.lax.optimization_barrier(x_MX.T)
+    return jax.lax.optimization_barrier(x_MX.T.reshape(-1)).reshape(x_MX.shape[::-1])
 
 
 @jax.custom_vjp
 def _dense(x_MX: jax.Array, w_XY: jax.Array) -> jax.Array:
-    """[M, X] @ [X, Y] as one plain GEMM accumulating in float32, cast back to x's dtype."""
+    """[M, X] @ [X, Y] as one plain GEMM in the weight's dtype accumulating in float32, cast back to x's dtype.
+
+    A bfloat16 weight under float32 activations (mixed precision, `StepConfig.compute_dtype`) rounds x to
+    bfloat16 for the GEMM only: the residual stream and everything elementwise stay float32.
+    """
     # float32 accumulation also makes bf16 fast on CPU: XLA's CPU dot with a bf16 output is slower than with f32.
-    return jnp.dot(x_MX, w_XY, preferred_element_type=_F32).astype(x_MX.dtype)
+    return jnp.dot(x_MX.astype(w_XY.dtype), w_XY, preferred_element_type=_F32).astype(x_MX.dtype)
 
 
 def _dense_fwd(x_MX: jax.Array, w_XY: jax.Array):
-    """Output and the residuals the backward needs (the GEMM's inputs)."""
-    return _dense(x_MX, w_XY), (x_MX, w_XY)
+    """Output and the residuals the backward needs (the GEMM's inputs, x in the weight's dtype)."""
+    return _dense(x_MX, w_XY), (x_MX.astype(w_XY.dtype), w_XY)
 
 
 def _dense_bwd(residuals, dy_MY: jax.Array):
@@ -185,9 +196,13 @@ def _dense_bwd(residuals, dy_MY: jax.Array):
     # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, I] MLP activations)
     # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
     # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
-    x_MX, w_XY = residuals
-    dx_MX = jnp.dot(dy_MY, w_XY.T, preferred_element_type=_F32).astype(x_MX.dtype)
-    if x_MX.shape[1] <= dy_MY.shape[1]:
+    x_MX, w_XY = residuals  # x in w's dtype; dy in x's original dtype, which dx takes
+    w_YX = _transposed(w_XY) if _is_half(w_XY.dtype) else w_XY.T
+    dx_MX = jnp.dot(dy_MY.astype(w_XY.dtype), w_YX, preferred_element_type=_F32).astype(dy_MY.dtype)
+    dy_MY = dy_MY.astype(w_XY.dtype)
+    # 16-bit: always x.T @ dy; (dy.T @ x).T asks XLA's CPU for a bf16 dot with a transposed f32 output, which
+    # it refuses ("Unsupported element type for DotThunk").
+    if _is_half(x_MX.dtype) or x_MX.shape[1] <= dy_MY.shape[1]:
         dw_XY = jnp.dot(_transposed(x_MX), dy_MY, preferred_element_type=_F32)
     else:
         dw_XY = jnp.dot(_transposed(dy_MY), x_MX, preferred_element_type=_F32).T
