@@ -85,6 +85,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
+    attention_impl: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = _f(
+        "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
+                "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
