@@ -138,16 +138,19 @@ def batch_bucket(n: int) -> int:
 
 
 def span_schedule(prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
-    """Cache slots of each decode phase: the powers of two above prompt_len, capped by U + T - 1.
+    """Cache slots of each decode phase: the powers of two above prompt_len, then U + T - 1.
 
     The last sampled token is never fed back, so U + T - 1 slots hold everything attended to; no phase
-    is needed when the prefill's token is the whole budget.
+    is needed when the prefill's token is the whole budget. A power of two that U + T - 1 exceeds by less
+    than half is skipped: growing it would copy the cache (old and new copies live at once) for few slots.
     """
     total = prompt_len + max_new_tokens - 1
     spans, span = [], 1 << int(prompt_len).bit_length()
     while span < total:
         spans.append(span)
         span *= 2
+    if spans and 2 * total < 3 * spans[-1]:
+        spans.pop()
     return (*spans, total) if total > prompt_len else ()
 
 
