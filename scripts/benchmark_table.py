@@ -38,7 +38,28 @@ def _sampler(r: dict) -> tuple[str, str]:
     return what, "; ".join(parts) or "-"
 
 
-FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"train_step": _train_step, "sampler": _sampler}
+def _long_context(r: dict) -> tuple[str, str]:
+    what = "SmolLM2 long context: train step (blockwise + remat) vs torch, peak RSS; sampler vs transformers"
+    parts = []
+    for entry in r.get("train", []):
+        ours, theirs = entry["ours"], entry["torch"]
+        if "speedup" in entry:
+            parts.append(f"{entry['batch']}: **{entry['speedup']:.2f}x** torch tok/s at {entry['memory_ratio']:.2f}x "
+                         f"its memory ({ours['peak_rss_gb']:.1f} vs {theirs['peak_rss_gb']:.1f} GB)")
+        elif "error" not in ours:
+            parts.append(f"{entry['batch']}: {ours['tokens_per_s']:.0f} tok/s, {ours['peak_rss_gb']:.1f} GB "
+                         "(torch failed)")
+    sampler = r.get("sampler", {})
+    if "speedup" in sampler:
+        ours, theirs = sampler["ours"], sampler["transformers"]
+        parts.append(f"sampler {sampler['prompts']}x{sampler['new_tokens']} {sampler['dtype']}: "
+                     f"**{sampler['speedup']:.2f}x** ({ours['tokens_per_s']:.0f} vs "
+                     f"{theirs['tokens_per_s']:.0f} tok/s)")
+    return what, "; ".join(parts) or "-"
+
+
+FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"train_step": _train_step, "sampler": _sampler,
+                                                            "long_context": _long_context}
 
 
 def newest_records() -> dict[str, dict]:
