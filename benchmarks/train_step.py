@@ -14,7 +14,6 @@ PyTorch: `torch.autocast` to bfloat16), float32 master weights and optimizer sta
 import argparse
 import dataclasses
 import json
-import os
 import resource
 import tempfile
 import time
@@ -28,7 +27,7 @@ from drgrpo_jax.models import from_pretrained, save_pretrained
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
 from drgrpo_jax.train_step import Batch, StepConfig, init_state, jit_train_step, make_optimizer, place, state_shardings
 
-from _common import median_time, smollm2_gguf
+from _common import median_time, smollm2_gguf, torch_step_seconds, training_token_ids
 
 
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
@@ -48,13 +47,13 @@ def flops_per_token(config, seq_len: int) -> float:
 
 
 def make_batch(rows, prompt, response, vocab, seed=0):
-    rng = np.random.default_rng(seed)
+    prompt_ids, response_ids = training_token_ids(rows, prompt, response, vocab, seed)
     return Batch(
-        prompt_ids=rng.integers(0, vocab, (rows, prompt)).astype(np.int32),
+        prompt_ids=prompt_ids,
         prompt_mask=np.ones((rows, prompt), bool),
-        response_ids=rng.integers(0, vocab, (rows, response)).astype(np.int32),
+        response_ids=response_ids,
         response_mask=np.ones((rows, response), bool),
-        advantages=rng.normal(size=rows).astype(np.float32),
+        advantages=np.random.default_rng(seed + 1).normal(size=rows).astype(np.float32),
         old_logprobs=np.full((rows, response), -10.0, np.float32),
         behaviour_logprobs=np.full((rows, response), -10.0, np.float32),
         row_valid=np.ones(rows, bool),
@@ -83,35 +82,6 @@ def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float3
     return median_time(one, repeats), compile_seconds
 
 
-def torch_step_seconds(folder, batch, repeats, compute_dtype="float32"):
-    import contextlib
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids = torch.from_numpy(np.concatenate([batch.prompt_ids, batch.response_ids], axis=1)).long()
-
-    def autocast():
-        if compute_dtype == "float32":
-            return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=getattr(torch, compute_dtype))
-
-    def one():
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-
-    one()  # warm-up
-    return median_time(one, repeats)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=16)
@@ -138,8 +108,9 @@ def main():
         save_pretrained(model, folder)
         jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats,
                                                         args.compute_dtype)
-        torch_seconds = None if args.skip_torch else torch_step_seconds(folder, batch, args.repeats,
-                                                                        args.compute_dtype)
+        torch_seconds = None if args.skip_torch else torch_step_seconds(
+            folder, np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), args.repeats,
+            args.compute_dtype)
     result = {
         "benchmark": "train_step",
         "model": "SmolLM2-135M-Instruct",

@@ -100,6 +100,10 @@ class ModelConfig:
                    "TPUs and Ampere+ GPUs, float32 on CPUs (measured no faster there)")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
+    attention_impl: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = _f(
+        "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
+                "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,6 +84,16 @@ def build_mesh(config: Config) -> jax.sharding.Mesh:
     return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
 
 
+_KERNEL_BACKENDS = {"cudnn": "gpu", "splash": "tpu"}  # attention kernels that run on one backend only
+
+
+def check_attention_backend(impl: str, backend: str) -> None:
+    """ConfigError unless model.attention_impl can run on `backend` (checked before anything compiles)."""
+    needed = _KERNEL_BACKENDS.get(impl)
+    if needed is not None and backend != needed:
+        raise ConfigError("model.attention_impl", f"{impl} runs on {needed} devices only; this run's are {backend}")
+
+
 def api_key(config: Config) -> str | None:
     """The services' API key from the variable rollout.api_key_env names (None: no key); ConfigError if unset."""
     name = config.rollout.api_key_env
@@ -198,7 +208,9 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
 
     mesh = build_mesh(c)
     dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
-    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat)
+    check_attention_backend(c.model.attention_impl, jax.default_backend())
+    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat,
+                            attention_impl=c.model.attention_impl)
     optimizer, schedule = optimizer_of(c)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
     del model

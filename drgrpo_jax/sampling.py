@@ -1,31 +1,34 @@
-"""KV-cache sampling: left-padded prompt batches, one prefill, a compiled decode loop (pure, jitted).
+"""KV-cache sampling: each distinct prompt prefilled once, then decode phases over a growing cache (pure, jitted).
 
-Shape letters (the README's glossary): B rows (prompt x sample, padded to a bucket), U prompt positions
-(bucketed), T new-token budget (bucketed), V vocab, E stop (end) ids per row, J vocab chunks, W vocab ids
-per chunk.
+Shape letters (the README's glossary): P distinct prompts (padded to a bucket), U prompt positions
+(bucketed), B rows (prompt x sample, padded to a bucket), T new-token budget (bucketed), S cache slots,
+V vocab, E stop (end) ids per row.
 
-One call of `generate` is one XLA program: prefill of the whole padded prompt batch, then a
-`lax.while_loop` that decodes one token per row per iteration and stops as soon as every row has
-finished. The KV cache is an explicit pytree that never leaves the program: the loop carries it,
-so XLA updates it in place every step (what donating it to a per-step jit would buy, without a
-host round trip per token). Weights and cache are split per layer once, before the prefill, and
-every step's RoPE tables computed before the loop, so the loop body (30 unrolled layers for
-SmolLM2) reads weights and cache in place (see `Transformer.decode`). Every per-request knob
-(temperature, top-k, top-p, budget, stop ids, seed) is a per-row array, so requests with different
-settings share a batch and a program; only (B, U, T) are static and each is rounded up to a power
-of two, so a long run compiles a handful of programs.
+`generate` runs a few compiled programs from the host:
+- `_prefill` runs the P distinct prompts of the batch (rows with identical prompt ids, such as the n
+  samples of one prompt, share one prompt row), gives every row a copy of its prompt's keys and values
+  and samples each row's first token: a prompt's KV is computed once, not once per sample.
+- `_decode_phase` is a `lax.while_loop` that decodes one token per live row per iteration over a cache
+  of S slots, and stops when every row has finished, the budget is spent or the slots are full. The
+  cache is an explicit pytree that the loop carries (XLA updates it in place) and the phase donates.
+- Between phases `_regrow` pads the cache to the next span of `span_schedule` (powers of two above U,
+  then U + T - 1), so a step attends over at most twice the slots in use instead of the whole budget;
+  when at most half the rows are still live it also drops the finished ones (the batch shrinks to the
+  live rows' bucket), so finished rows stop costing.
 
-Log-probabilities are those of the sampled token under softmax(logits / temperature) over the
-whole vocabulary (before top-k/top-p truncation): the definition the trainer's
-`drgrpo_jax.models.logprobs.token_logprobs` uses. A greedy row (temperature 0) reports
-log-probs at temperature 1.
+Weights and cache are split per layer, and each phase's RoPE tables computed before its loop, so the
+loop body (30 unrolled layers for SmolLM2) reads weights and cache in place (see `Transformer.decode`).
+Every per-request knob (temperature, top-k, top-p, budget, stop ids, seed) is a per-row array, so
+requests with different settings share a batch and a program; only shapes are static and each is a
+bucket, so a long run compiles a bounded set of programs. A row's draws depend only on its (seed,
+stream, sample) and the step (`draws.row_keys`), never on the phases or on its batch-mates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Generic, TypeVar
 
 import flax.struct
@@ -34,11 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drgrpo_jax.models import init_cache
+from drgrpo_jax.draws import filter_top_k_top_p, row_keys, sample_inverse_cdf, sample_step
+from drgrpo_jax.models import KVCache, init_cache
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache
 
+__all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
+           "batch_bucket", "bucket", "compiled_programs", "filter_top_k_top_p", "generate", "make_batch",
+           "row_keys", "sample_inverse_cdf", "sample_step", "span_schedule"]
+
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
-_CDF_CHUNK = 256  # vocabulary chunk of the two-level inverse-CDF sampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +85,14 @@ class RowRequest:
     sample: int = 0  # which of the n samples of that prompt (folded in after `stream`)
 
 
-ArrayT = TypeVar("ArrayT")  # what a SamplerBatch holds: np.ndarray from make_batch, jax.Array under jit
+ArrayT = TypeVar("ArrayT")  # what a batch holds: np.ndarray from make_batch, jax.Array under jit
 
 
 @flax.struct.dataclass
-class SamplerBatch(Generic[ArrayT]):
-    """Device inputs of one `generate` call; every field is per row."""
+class RowSettings(Generic[ArrayT]):
+    """Per-row inputs of `generate` (what compaction keeps for the live rows)."""
 
-    prompt_ids_BU: ArrayT  # int32, left-padded
-    prompt_positions_BU: ArrayT  # int32, -1 on padding, 0.. on real tokens
+    prompt_index_B: ArrayT  # int32: the row of SamplerBatch.prompt_ids_PU this row continues
     prompt_lengths_B: ArrayT  # int32 number of real prompt tokens
     max_new_tokens_B: ArrayT  # int32 budget (<= the static T)
     temperature_B: ArrayT  # float32, 0 = greedy
@@ -100,6 +106,15 @@ class SamplerBatch(Generic[ArrayT]):
 
 
 @flax.struct.dataclass
+class SamplerBatch(Generic[ArrayT]):
+    """Device inputs of one `generate` call: the distinct prompts, and the rows that continue them."""
+
+    prompt_ids_PU: ArrayT  # int32, left-padded
+    prompt_positions_PU: ArrayT  # int32, -1 on padding, 0.. on real tokens
+    rows: RowSettings[ArrayT]
+
+
+@flax.struct.dataclass
 class SamplerOutput:
     """What `generate` returns; positions past a row's length hold pad id 0 and log-prob 0."""
 
@@ -108,6 +123,8 @@ class SamplerOutput:
     lengths_B: jax.Array  # int32 number of generated tokens
     stopped_B: jax.Array  # bool: ended on a stop/EOS token (else: ran out of budget)
     num_steps: jax.Array  # int32 decode iterations run (early exit shows here)
+    # (rows, cache slots, decode iterations) of each phase run: what the steps cost (host-side, not traced).
+    phases: tuple[tuple[int, int, int], ...] = flax.struct.field(pytree_node=False, default=())
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -120,228 +137,258 @@ def batch_bucket(n: int) -> int:
     return bucket(n, minimum=1)
 
 
-def make_batch(rows: Sequence[RowRequest], eos_token_ids: Sequence[int], *, batch_size: int,
-               prompt_len: int) -> SamplerBatch[np.ndarray]:
-    """Left-pads `rows` into a `SamplerBatch` of static size [batch_size, prompt_len] (host, numpy)."""
+def span_schedule(prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
+    """Cache slots of each decode phase: the powers of two above prompt_len, then U + T - 1.
+
+    The last sampled token is never fed back, so U + T - 1 slots hold everything attended to; no phase
+    is needed when the prefill's token is the whole budget. A power of two that U + T - 1 exceeds by less
+    than half is skipped: growing it would copy the cache (old and new copies live at once) for few slots.
+    """
+    total = prompt_len + max_new_tokens - 1
+    spans, span = [], 1 << int(prompt_len).bit_length()
+    while span < total:
+        spans.append(span)
+        span *= 2
+    if spans and 2 * total < 3 * spans[-1]:
+        spans.pop()
+    return (*spans, total) if total > prompt_len else ()
+
+
+def _left_pad(prompts: Sequence[tuple[int, ...]], num_prompts: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ids and positions [num_prompts, prompt_len], left-padded (host, numpy)."""
+    ids = np.zeros((num_prompts, prompt_len), np.int32)
+    # A padding prompt is one real token at position 0 so its attention is never empty (no NaN).
+    pos = np.full((num_prompts, prompt_len), -1, np.int32)
+    pos[:, -1] = 0
+    for p, prompt in enumerate(prompts):
+        ids[p, prompt_len - len(prompt):] = prompt
+        pos[p, :] = -1
+        pos[p, prompt_len - len(prompt):] = np.arange(len(prompt))
+    return ids, pos
+
+
+def make_batch(rows: Sequence[RowRequest], eos_token_ids: Sequence[int], *, batch_size: int, prompt_len: int,
+               num_prompts: int | None = None) -> SamplerBatch[np.ndarray]:
+    """Left-pads the distinct prompts of `rows` and their per-row settings into a `SamplerBatch` (host, numpy).
+
+    Rows with identical prompt ids share one prompt row (prefilled once). `num_prompts`: the static number of
+    prompt rows; None = `batch_bucket` of the distinct prompts (at most batch_size).
+    """
     if not rows:
         raise ValueError("rows: need at least one row")
     if len(rows) > batch_size:
         raise ValueError(f"batch_size: {batch_size} is smaller than the {len(rows)} rows")
-    num_stop = max(len(r.params.stop_token_ids) + (0 if r.params.ignore_eos else len(eos_token_ids)) for r in rows)
-    ids = np.zeros((batch_size, prompt_len), np.int32)
-    # A padding row is one real token at position 0 so its attention is never empty (no NaN).
-    pos = np.full((batch_size, prompt_len), -1, np.int32)
-    pos[:, -1] = 0
-    lengths = np.ones(batch_size, np.int32)
-    budget = np.zeros(batch_size, np.int32)
-    temperature = np.zeros(batch_size, np.float32)
-    top_k = np.zeros(batch_size, np.int32)
-    top_p = np.ones(batch_size, np.float32)
-    # The stop-id width is bucketed too: a request with one more stop token must not recompile.
-    stop = np.full((batch_size, bucket(num_stop, minimum=4)), -1, np.int32)
-    seeds = np.zeros(batch_size, np.uint32)
-    streams = np.zeros(batch_size, np.int32)
-    samples = np.zeros(batch_size, np.int32)
-    live = np.zeros(batch_size, bool)
     for b, row in enumerate(rows):
-        n = len(row.prompt_ids)
-        if not 0 < n <= prompt_len:
-            raise ValueError(f"prompt_ids: row {b} has {n} tokens, must be in [1, {prompt_len}]")
-        ids[b, prompt_len - n:] = row.prompt_ids
-        pos[b, :] = -1
-        pos[b, prompt_len - n:] = np.arange(n)
-        lengths[b] = n
+        if not 0 < len(row.prompt_ids) <= prompt_len:
+            raise ValueError(f"prompt_ids: row {b} has {len(row.prompt_ids)} tokens, must be in [1, {prompt_len}]")
+    prompts = list(dict.fromkeys(tuple(r.prompt_ids) for r in rows))
+    if num_prompts is None:
+        num_prompts = min(batch_bucket(len(prompts)), batch_size)
+    if len(prompts) > num_prompts:
+        raise ValueError(f"num_prompts: {num_prompts} is smaller than the {len(prompts)} distinct prompts")
+    prompt_row = {prompt: p for p, prompt in enumerate(prompts)}
+    num_stop = max(len(r.params.stop_token_ids) + (0 if r.params.ignore_eos else len(eos_token_ids)) for r in rows)
+    settings = RowSettings(
+        prompt_index_B=np.zeros(batch_size, np.int32), prompt_lengths_B=np.ones(batch_size, np.int32),
+        max_new_tokens_B=np.zeros(batch_size, np.int32), temperature_B=np.zeros(batch_size, np.float32),
+        top_k_B=np.zeros(batch_size, np.int32), top_p_B=np.ones(batch_size, np.float32),
+        # The stop-id width is bucketed too: a request with one more stop token must not recompile.
+        stop_ids_BE=np.full((batch_size, bucket(num_stop, minimum=4)), -1, np.int32),
+        seeds_B=np.zeros(batch_size, np.uint32), streams_B=np.zeros(batch_size, np.int32),
+        samples_B=np.zeros(batch_size, np.int32), live_B=np.zeros(batch_size, bool))
+    padding_prompt_length = len(prompts[0])  # padding rows continue prompt 0 (they are done from the start)
+    settings.prompt_lengths_B[:] = padding_prompt_length
+    for b, row in enumerate(rows):
         p = row.params
-        budget[b] = p.max_new_tokens
-        temperature[b] = p.temperature
-        top_k[b] = max(p.top_k, 0)
-        top_p[b] = p.top_p
+        settings.prompt_index_B[b] = prompt_row[tuple(row.prompt_ids)]
+        settings.prompt_lengths_B[b] = len(row.prompt_ids)
+        settings.max_new_tokens_B[b] = p.max_new_tokens
+        settings.temperature_B[b] = p.temperature
+        settings.top_k_B[b] = max(p.top_k, 0)
+        settings.top_p_B[b] = p.top_p
         stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos_token_ids))
-        stop[b, :len(stops)] = stops
-        seeds[b] = np.uint32(row.seed & 0xFFFFFFFF)
-        streams[b] = row.stream
-        samples[b] = row.sample
-        live[b] = True
-    return SamplerBatch(ids, pos, lengths, budget, temperature, top_k, top_p, stop, seeds, streams, samples, live)
-
-
-def _ordered_int32(x: jax.Array) -> jax.Array:
-    """Maps float32 to int32 so that integer order equals float order (for exact bisection)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.where(bits < 0, jnp.int32(-2**31) - bits - 1, bits)
-
-
-def _largest_threshold(keys_BV: jax.Array, enough: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """Largest int32 t per row with enough(keys_BV >= t) true, by bisection over all int32 values."""
-    lo = jnp.full(keys_BV.shape[:1], -2**31, jnp.int32)  # enough() holds here (everything kept)
-    hi = jnp.full(keys_BV.shape[:1], 2**31 - 1, jnp.int32)
-
-    def step(_, lo_hi):
-        lo, hi = lo_hi
-        # Midpoint rounded up, computed without int32 overflow.
-        mid = (lo >> 1) + (hi >> 1) + ((lo & 1) | (hi & 1))
-        ok = enough(keys_BV >= mid[:, None])
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
-
-    lo, _ = jax.lax.fori_loop(0, 32, step, (lo, hi))
-    return lo
-
-
-def filter_top_k_top_p(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf (ties kept).
-
-    No sort: on CPU a [32, 49152] sort costs ~20x a decode step's sampling, so the k-th largest
-    value and the nucleus threshold are found by bisection over the float bits instead.
-    """
-    keys_BV = _ordered_int32(scaled_BV)
-    num_vocab = scaled_BV.shape[-1]
-    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, num_vocab), num_vocab)
-    kth_B = _largest_threshold(keys_BV, lambda keep_BV: jnp.sum(keep_BV, axis=-1) >= k_B)
-    after_k_BV = jnp.where(keys_BV >= kth_B[:, None], scaled_BV, -jnp.inf)
-    probs_BV = jax.nn.softmax(after_k_BV, axis=-1)
-    # Keep the smallest top set whose mass reaches top_p: the largest threshold that still has it.
-    nucleus_B = _largest_threshold(
-        keys_BV, lambda keep_BV: jnp.sum(jnp.where(keep_BV, probs_BV, 0.0), axis=-1) >= top_p_B)
-    # top_p = 1 keeps everything (float rounding of the mass must not drop the tail), and any
-    # threshold above the top token (rounding again) must still keep that token.
-    nucleus_B = jnp.where(top_p_B >= 1, jnp.int32(-2**31), jnp.minimum(nucleus_B, jnp.max(keys_BV, axis=-1)))
-    return jnp.where(keys_BV >= jnp.maximum(kth_B, nucleus_B)[:, None], scaled_BV, -jnp.inf)
-
-
-def _inclusive_cumsum(x: jax.Array) -> jax.Array:
-    """Cumulative sum over the last axis as a triangular matmul (XLA CPU's cumsum is ~10x slower)."""
-    size = x.shape[-1]
-    upper_WW = jnp.triu(jnp.ones((size, size), x.dtype))
-    return jnp.einsum("...i,ij->...j", x, upper_WW, precision=jax.lax.Precision.HIGHEST)
-
-
-def sample_inverse_cdf(logits_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
-    """Draws one token per row from softmax(logits_BV) by inverting its CDF at uniform_B in [0, 1).
-
-    Two levels (chunk masses, then the chosen chunk) so the work is one pass over V and the
-    randomness is one number per row (a Gumbel draw needs V random numbers: ~40 ms per step at
-    [32, 49152] on CPU). Tokens of zero probability are never drawn.
-    """
-    return _sample_weights(jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)), uniform_B)
-
-
-def _sample_weights(weights_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
-    """`sample_inverse_cdf` from unnormalised probabilities (the exp of max-shifted logits)."""
-    num_rows, num_vocab = weights_BV.shape
-    num_chunks = -(-num_vocab // _CDF_CHUNK)
-    weights_BJW = jnp.pad(weights_BV, ((0, 0), (0, num_chunks * _CDF_CHUNK - num_vocab))).reshape(
-        num_rows, num_chunks, _CDF_CHUNK)
-    chunk_cdf_BJ = _inclusive_cumsum(jnp.sum(weights_BJW, axis=-1))
-    target_B = uniform_B * chunk_cdf_BJ[:, -1]
-    # First chunk whose cumulative mass exceeds the target (zero-mass chunks never exceed it).
-    chunk_B = jnp.minimum(jnp.sum(chunk_cdf_BJ <= target_B[:, None], axis=-1), num_chunks - 1)
-    before_B = jnp.take_along_axis(chunk_cdf_BJ, chunk_B[:, None], axis=-1)[:, 0] - jnp.take_along_axis(
-        jnp.sum(weights_BJW, axis=-1), chunk_B[:, None], axis=-1)[:, 0]
-    weights_BW = jnp.take_along_axis(weights_BJW, chunk_B[:, None, None], axis=1)[:, 0]
-    within_BW = _inclusive_cumsum(weights_BW)
-    offset_B = jnp.sum(within_BW <= (target_B - before_B)[:, None], axis=-1)
-    # Rounding can put the target at the chunk's end: fall back to its last non-zero token.
-    last_nonzero_B = _CDF_CHUNK - 1 - jnp.argmax(weights_BW[:, ::-1] > 0, axis=-1)
-    offset_B = jnp.minimum(offset_B, last_nonzero_B)
-    return (chunk_B * _CDF_CHUNK + offset_B).astype(jnp.int32)
-
-
-def row_keys(seeds_B: jax.Array, streams_B: jax.Array, samples_B: jax.Array) -> jax.Array:
-    """One key per row from (seed, stream, sample): a row's draws do not depend on its batch-mates."""
-    def one(seed, stream, sample):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), sample)
-    return jax.vmap(one)(seeds_B, streams_B, samples_B)
-
-
-def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, batch: SamplerBatch[jax.Array]
-                ) -> tuple[jax.Array, jax.Array]:
-    """Picks one token per row and its log-prob under softmax(logits / temperature)."""
-    greedy_B = batch.temperature_B <= 0
-    temperature_B = jnp.where(greedy_B, 1.0, batch.temperature_B)
-    scaled_BV = logits_BV.astype(jnp.float32) / temperature_B[:, None]
-    # One exp pass over [B, V] serves the log-probs and, unless a row filters, the draw.
-    max_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True)
-    weights_BV = jnp.exp(scaled_BV - max_B1)
-    logsumexp_B = max_B1[:, 0] + jnp.log(jnp.sum(weights_BV, axis=-1))
-    needs_filter = jnp.any(((batch.top_k_B > 0) | (batch.top_p_B < 1)) & ~greedy_B)
-    uniform_B = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, step)))(keys_B)
-    sampled_B = jax.lax.cond(
-        needs_filter,
-        lambda: sample_inverse_cdf(filter_top_k_top_p(scaled_BV, batch.top_k_B, batch.top_p_B), uniform_B),
-        lambda: _sample_weights(weights_BV, uniform_B))
-    tokens_B = jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), sampled_B)
-    return tokens_B, jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0] - logsumexp_B
+        settings.stop_ids_BE[b, :len(stops)] = stops
+        settings.seeds_B[b] = np.uint32(row.seed & 0xFFFFFFFF)
+        settings.streams_B[b] = row.stream
+        settings.samples_B[b] = row.sample
+        settings.live_B[b] = True
+    ids, pos = _left_pad(prompts, num_prompts, prompt_len)
+    return SamplerBatch(ids, pos, settings)
 
 
 @flax.struct.dataclass
-class _LoopState:
-    """Carry of the decode loop."""
+class _Decoding:
+    """What the programs carry from one to the next: every per-row field follows the kept rows."""
 
     step: jax.Array  # int32 index of the token about to be written
-    cache: object  # the model's KV cache pytree, updated in place by XLA
+    cache: KVCache  # split per layer ([B, C, S, H]), S = the phase's span
     tokens_B: jax.Array  # last sampled token of every row
-    out: SamplerOutput
     done_B: jax.Array  # bool: row finished (or a padding row)
+    out: SamplerOutput  # [B, T]
+    rows: RowSettings[jax.Array]
+    keys_B: jax.Array  # each row's random key (`row_keys`)
 
 
-def _record(state: _LoopState, tokens_B: jax.Array, logprobs_B: jax.Array, batch: SamplerBatch[jax.Array]
-            ) -> _LoopState:
-    """Writes the tokens sampled at `state.step` for live rows and updates who is done."""
-    active_B = ~state.done_B
-    out = state.out
-    column = state.step
-    tokens_BT = jax.lax.dynamic_update_slice(
-        out.tokens_BT, jnp.where(active_B, tokens_B, 0)[:, None], (0, column))
+def _draw(decoding: _Decoding, logits_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's token at `decoding.step` and its log-prob."""
+    rows = decoding.rows
+    return sample_step(logits_BV, decoding.keys_B, decoding.step, rows.temperature_B, rows.top_k_B, rows.top_p_B)
+
+
+def _record(decoding: _Decoding, tokens_B: jax.Array, logprobs_B: jax.Array) -> _Decoding:
+    """Writes the tokens sampled at `decoding.step` for live rows and updates who is done."""
+    active_B = ~decoding.done_B
+    out = decoding.out
+    column = decoding.step
+    tokens_BT = jax.lax.dynamic_update_slice(out.tokens_BT, jnp.where(active_B, tokens_B, 0)[:, None], (0, column))
     logprobs_BT = jax.lax.dynamic_update_slice(
         out.logprobs_BT, jnp.where(active_B, logprobs_B, 0.0)[:, None], (0, column))
     lengths_B = out.lengths_B + active_B.astype(jnp.int32)
-    hit_stop_B = active_B & jnp.any(tokens_B[:, None] == batch.stop_ids_BE, axis=-1)
-    done_B = state.done_B | hit_stop_B | (lengths_B >= batch.max_new_tokens_B)
-    out = SamplerOutput(tokens_BT, logprobs_BT, lengths_B, out.stopped_B | hit_stop_B, out.num_steps)
-    return _LoopState(state.step + 1, state.cache, tokens_B, out, done_B)
+    hit_stop_B = active_B & jnp.any(tokens_B[:, None] == decoding.rows.stop_ids_BE, axis=-1)
+    done_B = decoding.done_B | hit_stop_B | (lengths_B >= decoding.rows.max_new_tokens_B)
+    out = dataclasses.replace(out, tokens_BT=tokens_BT, logprobs_BT=logprobs_BT, lengths_B=lengths_B,
+                              stopped_B=out.stopped_B | hit_stop_B)
+    return dataclasses.replace(decoding, step=decoding.step + 1, tokens_B=tokens_B, out=out, done_B=done_B)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_dtype"))
-def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
-             cache_dtype: jnp.dtype = jnp.float32) -> SamplerOutput:
-    """Samples up to `max_new_tokens` tokens for every row of `batch` (one compiled program)."""
+def _take_and_grow(cache: KVCache, index_B: jax.Array, num_slots: int) -> KVCache:
+    """Rows `index_B` of a split cache, its slot axis padded with empty slots to `num_slots`."""
+    extra = num_slots - cache.positions_BS.shape[1]
+
+    def grow(x_BCSH: jax.Array) -> jax.Array:
+        return jnp.pad(x_BCSH[index_B], ((0, 0), (0, 0), (0, extra), (0, 0)))
+
+    positions_BS = jnp.pad(cache.positions_BS[index_B], ((0, 0), (0, extra)), constant_values=-1)
+    return KVCache(k=tuple(map(grow, cache.k)), v=tuple(map(grow, cache.v)), positions_BS=positions_BS,
+                   length=cache.length)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype"))
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
+             num_slots: int, cache_dtype: jnp.dtype) -> _Decoding:
+    """Prefills each distinct prompt once, copies its slots to its rows (a cache of `num_slots`), samples token 0."""
     model = nnx.merge(graphdef, state)
-    num_rows, prompt_len = batch.prompt_ids_BU.shape
-    # Weights and cache split per layer once: prefill and every step then read and write each layer in place.
+    num_prompts, prompt_len = batch.prompt_ids_PU.shape
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
-    # The last sampled token is never fed back, so U + T - 1 slots hold everything attended to.
-    cache = split_cache(init_cache(model.config, num_rows, prompt_len + max_new_tokens - 1, dtype=cache_dtype))
+    cache = split_cache(init_cache(model.config, num_prompts, prompt_len, dtype=cache_dtype))
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
-    # then feed the last column alone: only [B, 1, V] logits are ever made, not [B, U, V].
+    # then feed the last column alone: only [P, 1, V] logits are ever made, not [P, U, V].
     if prompt_len > 1:
-        _, cache = model.decode(batch.prompt_ids_BU[:, :-1], batch.prompt_positions_BU[:, :-1], cache, layers)
-    logits_B1V, cache = model.decode(batch.prompt_ids_BU[:, -1:], batch.prompt_positions_BU[:, -1:], cache, layers)
-    # Every step's RoPE tables up front (position of the token fed at step s: prompt length + s - 1).
-    positions_TB1 = batch.prompt_lengths_B[None, :, None] + jnp.arange(max_new_tokens)[:, None, None] - 1
-    rope_T = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_TB1)
-    keys_B = row_keys(batch.seeds_B, batch.streams_B, batch.samples_B)
-    out = SamplerOutput(
-        tokens_BT=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
-        logprobs_BT=jnp.zeros((num_rows, max_new_tokens), jnp.float32),
-        lengths_B=jnp.zeros((num_rows,), jnp.int32),
-        stopped_B=jnp.zeros((num_rows,), bool),
-        num_steps=jnp.int32(0))
-    state0 = _LoopState(jnp.int32(0), cache, jnp.zeros((num_rows,), jnp.int32), out,
-                        ~batch.live_B | (batch.max_new_tokens_B <= 0))
-    tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, state0.step, batch)
-    loop0 = _record(state0, tokens_B, logprobs_B, batch)
+        _, cache = model.decode(batch.prompt_ids_PU[:, :-1], batch.prompt_positions_PU[:, :-1], cache, layers)
+    logits_P1V, cache = model.decode(batch.prompt_ids_PU[:, -1:], batch.prompt_positions_PU[:, -1:], cache, layers)
+    rows = batch.rows
+    num_rows = rows.live_B.shape[0]
+    out = SamplerOutput(tokens_BT=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
+                        logprobs_BT=jnp.zeros((num_rows, max_new_tokens), jnp.float32),
+                        lengths_B=jnp.zeros((num_rows,), jnp.int32), stopped_B=jnp.zeros((num_rows,), bool),
+                        num_steps=jnp.int32(0))
+    decoding = _Decoding(step=jnp.int32(0), cache=_take_and_grow(cache, rows.prompt_index_B, num_slots),
+                         tokens_B=jnp.zeros((num_rows,), jnp.int32), done_B=~rows.live_B | (rows.max_new_tokens_B <= 0),
+                         out=out, rows=rows, keys_B=row_keys(rows.seeds_B, rows.streams_B, rows.samples_B))
+    tokens_B, logprobs_B = _draw(decoding, logits_P1V[rows.prompt_index_B, 0])
+    return _record(decoding, tokens_B, logprobs_B)
 
-    def keep_going(s: _LoopState) -> jax.Array:
-        return (s.step < max_new_tokens) & ~jnp.all(s.done_B)
 
-    def decode_one(s: _LoopState) -> _LoopState:
-        # Position of the token fed now = prompt length + index of that token in the completion.
-        positions_B1 = (batch.prompt_lengths_B + s.step - 1)[:, None]
-        rope = jax.tree.map(lambda table_TB1H: table_TB1H[s.step], rope_T)
-        logits_B1V, cache = model.decode(s.tokens_B[:, None], positions_B1, s.cache, layers, rope)
-        tokens_B, logprobs_B = sample_step(logits_B1V[:, 0], keys_B, s.step, batch)
-        s = _LoopState(s.step, cache, s.tokens_B, dataclasses.replace(s.out, num_steps=s.out.num_steps + 1), s.done_B)
-        return _record(s, tokens_B, logprobs_B, batch)
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("decoding",))
+def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding) -> _Decoding:
+    """Decodes until every row is done, the budget is spent or the cache's slots are full (one loop per shape)."""
+    model = nnx.merge(graphdef, state)
+    layers = layer_params(model.blocks.arrays(), model.config.num_layers)
+    num_slots = decoding.cache.positions_BS.shape[1]
+    max_new_tokens = decoding.out.tokens_BT.shape[1]
+    first = decoding.step
+    # RoPE tables of every step this phase can run (fewer than num_slots), before the loop. The position of
+    # the token fed at step s is prompt length + s - 1.
+    positions_SB1 = decoding.rows.prompt_lengths_B[None, :, None] + (first + jnp.arange(num_slots))[:, None, None] - 1
+    rope_S = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_SB1)
 
-    final = jax.lax.while_loop(keep_going, decode_one, loop0)
-    return final.out
+    def keep_going(d: _Decoding) -> jax.Array:
+        return (d.step < max_new_tokens) & (d.cache.length < num_slots) & ~jnp.all(d.done_B)
+
+    def decode_one(d: _Decoding) -> _Decoding:
+        positions_B1 = (d.rows.prompt_lengths_B + d.step - 1)[:, None]
+        rope = jax.tree.map(lambda table_SB1H: table_SB1H[d.step - first], rope_S)
+        logits_B1V, cache = model.decode(d.tokens_B[:, None], positions_B1, d.cache, layers, rope)
+        d = dataclasses.replace(d, cache=cache, out=dataclasses.replace(d.out, num_steps=d.out.num_steps + 1))
+        return _record(d, *_draw(d, logits_B1V[:, 0]))
+
+    return jax.lax.while_loop(keep_going, decode_one, decoding)
+
+
+@functools.partial(jax.jit, static_argnames=("num_slots",))
+def _regrow(decoding: _Decoding, index_B: jax.Array, *, num_slots: int) -> _Decoding:
+    """Keeps rows `index_B` (all of them, or the live ones) with the cache grown to `num_slots` slots."""
+    def take(x):
+        return x[index_B]
+
+    out = decoding.out
+    return dataclasses.replace(
+        decoding, cache=_take_and_grow(decoding.cache, index_B, num_slots), tokens_B=take(decoding.tokens_B),
+        done_B=take(decoding.done_B), rows=jax.tree.map(take, decoding.rows), keys_B=take(decoding.keys_B),
+        out=dataclasses.replace(out, tokens_BT=take(out.tokens_BT), logprobs_BT=take(out.logprobs_BT),
+                                lengths_B=take(out.lengths_B), stopped_B=take(out.stopped_B)))
+
+
+def _kept_rows(done_B: np.ndarray) -> np.ndarray | None:
+    """Indices of the live rows padded to their bucket with finished rows, or None when that would not halve B."""
+    live = np.flatnonzero(~done_B)
+    size = batch_bucket(len(live))
+    if size > len(done_B) // 2:
+        return None
+    return np.concatenate([live, np.full(size - len(live), np.flatnonzero(done_B)[0])]).astype(np.int32)
+
+
+class _Collected:
+    """Host copies of every row's output, filled as rows leave the device batch."""
+
+    def __init__(self, num_rows: int, max_new_tokens: int):
+        self.tokens_BT = np.zeros((num_rows, max_new_tokens), np.int32)
+        self.logprobs_BT = np.zeros((num_rows, max_new_tokens), np.float32)
+        self.lengths_B = np.zeros(num_rows, np.int32)
+        self.stopped_B = np.zeros(num_rows, bool)
+
+    def save(self, out: SamplerOutput, row_ids: np.ndarray) -> None:
+        """Stores the device rows whose original index is `row_ids` (-1 = a padding row, skipped)."""
+        got = jax.device_get((out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+        real = row_ids >= 0
+        for mine, theirs in zip((self.tokens_BT, self.logprobs_BT, self.lengths_B, self.stopped_B), got):
+            mine[row_ids[real]] = theirs[real]
+
+
+def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
+             cache_dtype: jnp.dtype = jnp.float32, compact: bool = True) -> SamplerOutput:
+    """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    num_rows, prompt_len = batch.rows.live_B.shape[0], batch.prompt_ids_PU.shape[1]
+    spans = span_schedule(prompt_len, max_new_tokens)
+    decoding = _prefill(graphdef, state, batch, max_new_tokens=max_new_tokens, num_slots=(spans or (prompt_len,))[0],
+                        cache_dtype=cache_dtype)
+    collected, row_ids = _Collected(num_rows, max_new_tokens), np.arange(num_rows)
+    phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
+    first_steps: list[int] = []  # decode iterations run before each phase
+    for index, span in enumerate(spans):
+        done_B, steps = jax.device_get((decoding.done_B, decoding.out.num_steps))
+        if done_B.all():
+            break
+        if index:
+            kept = _kept_rows(done_B) if compact else None
+            if kept is not None:
+                collected.save(decoding.out, row_ids)  # the rows that leave are finished: their outputs are final
+                row_ids = np.where(~done_B[kept], row_ids[kept], -1)
+            decoding = _regrow(decoding, jnp.arange(len(row_ids)) if kept is None else jnp.asarray(kept),
+                               num_slots=span)
+        phases.append((len(row_ids), span))
+        first_steps.append(int(steps))
+        decoding = _decode_phase(graphdef, state, decoding)
+    num_steps = int(jax.device_get(decoding.out.num_steps))
+    collected.save(decoding.out, row_ids)
+    steps_run = np.diff([*first_steps, num_steps]).tolist()
+    return SamplerOutput(jnp.asarray(collected.tokens_BT), jnp.asarray(collected.logprobs_BT),
+                         jnp.asarray(collected.lengths_B), jnp.asarray(collected.stopped_B), jnp.int32(num_steps),
+                         tuple((rows, span, steps) for (rows, span), steps in zip(phases, steps_run)))
+
+
+def compiled_programs() -> int:
+    """How many sampler programs are compiled so far (prefill, decode phases, regrows): for tests of bucketing."""
+    return sum(f._cache_size() for f in (_prefill, _decode_phase, _regrow))  # type: ignore[attr-defined]

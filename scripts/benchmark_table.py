@@ -49,8 +49,30 @@ def _quickstart(r: dict) -> tuple[str, str]:
                   f"peak RSS {r['peak_rss_gb']:.1f} GB")
 
 
+def _long_context(r: dict) -> tuple[str, str]:
+    what = "SmolLM2 long context: train step (blockwise + remat) vs torch, peak RSS; sampler vs transformers"
+    parts = []
+    for entry in r.get("train", []):
+        ours, theirs = entry["ours"], entry["torch"]
+        if "speedup" in entry:
+            parts.append(f"{entry['batch']}: **{entry['speedup']:.2f}x** torch tok/s at {entry['memory_ratio']:.2f}x "
+                         f"its memory ({ours['peak_rss_gb']:.1f} vs {theirs['peak_rss_gb']:.1f} GB)")
+        elif "error" not in ours:
+            parts.append(f"{entry['batch']}: {ours['tokens_per_s']:.0f} tok/s, {ours['peak_rss_gb']:.1f} GB "
+                         "(torch failed)")
+    sampler = r.get("sampler", {})
+    if "speedup" in sampler:
+        ours, theirs = sampler["ours"], sampler["transformers"]
+        parts.append(f"sampler {sampler['prompts']}x{sampler['new_tokens']} {sampler['dtype']}: "
+                     f"**{sampler['speedup']:.2f}x** ({ours['tokens_per_s']:.0f} vs "
+                     f"{theirs['tokens_per_s']:.0f} tok/s)")
+    return what, "; ".join(parts) or "-"
+
+
 FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"quickstart": _quickstart, "train_step": _train_step,
-                                                         "sampler": _sampler}
+                                                         "sampler": _sampler, "long_context": _long_context}
+
+
 # The headline ratio of each script, (what it is, its key): the spread over reproductions is shown on it.
 RATIOS: dict[str, tuple[str, str]] = {"train_step": ("ratio", "jax_over_torch"),
                                       "sampler": ("float32 ratio", "ratio_float32")}

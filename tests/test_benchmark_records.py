@@ -56,3 +56,23 @@ def test_the_table_leads_with_the_same_run_ratio_and_cites_the_record(tmp_path, 
     readme.write_text(f"before\n{table.BEGIN}\nold\n{table.END}\nafter\n")
     assert table.main(["--write", str(readme)]) == 0
     assert readme.read_text() == f"before\n{table.BEGIN}\n{text}\n{table.END}\nafter\n"
+
+
+def test_long_context_series_row_and_failed_worker():
+    """benchmarks/long_context.py's memory series and README row, and a worker that fails is reported, not raised."""
+    long_context, table = _load("benchmarks/long_context.py"), _load("scripts/benchmark_table.py")
+    train = [{"batch": f"{rows}x{length}", "tokens": rows * length,
+              "ours": {"tokens_per_s": 50.0, "peak_rss_gb": gb}, "torch": {"tokens_per_s": 40.0, "peak_rss_gb": 9.0},
+              "speedup": 1.25, "memory_ratio": round(gb / 9.0, 3)}
+             for rows, length, gb in [(1, 8192, 6.0), (2, 2048, 3.0), (1, 4096, 3.0)]]
+    series = long_context.memory_series(train + [{"batch": "1x16384", "tokens": 16384, "ours": {"error": "oom"}}])
+    assert series["batches"] == ["1x4096", "2x2048", "1x8192"] and series["ours_peak_rss_gb"] == [3.0, 3.0, 6.0]
+    fit = series["fit_gb_per_1k_tokens"], series["fit_intercept_gb"], series["fit_max_residual_gb"]
+    assert fit == (0.75, 0.0, 0.0)
+    sampler = {"prompts": 16, "new_tokens": 1024, "dtype": "float32", "speedup": 2.5,
+               "ours": {"tokens_per_s": 250.0}, "transformers": {"tokens_per_s": 100.0}}
+    _, row = table.FORMATS["long_context"]({"train": train[1:2], "sampler": sampler})
+    assert row == ("2x2048: **1.25x** torch tok/s at 0.33x its memory (3.0 vs 9.0 GB); "
+                   "sampler 16x1024 float32: **2.50x** (250 vs 100 tok/s)")
+    failed = long_context.run_worker("no_such_worker", {}, timeout_s=120)
+    assert failed["error"].startswith("exit 1: KeyError")

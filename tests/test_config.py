@@ -106,6 +106,7 @@ def test_every_field_has_a_description():
         (["train.resume=maybe"], "train.resume", "bool"),
         (["algorithm.name=ppo"], "algorithm.name", "expected one of"),
         (["model.dtype=float16"], "model.dtype", "expected one of"),
+        (["model.attention_impl=flash"], "model.attention_impl", "expected one of"),
         (["data.source=csv"], "data.source", "expected one of"),
         (["optimizer.decay=step"], "optimizer.decay", "expected one of"),
         (["train.steps"], "train.steps", "section.key=value"),
@@ -360,3 +361,29 @@ def test_auto_compute_dtype_is_bfloat16_on_native_accelerators_only():
     assert resolve_compute_dtype("auto", "bfloat16", v100) == "bfloat16"  # bfloat16 params: nothing to cast
     assert native_bfloat16(cpu, frozenset({"avx512f", "avx512_bf16"}))
     assert not native_bfloat16(cpu, frozenset({"avx512f", "avx2"}))
+
+
+def test_attention_impl_lists_the_model_choices_and_kernels_need_their_backend():
+    import typing
+
+    from drgrpo_jax.config import ModelConfig
+    from drgrpo_jax.models.config import ATTENTION_IMPLS
+    from drgrpo_jax.run import check_attention_backend
+
+    assert typing.get_args(typing.get_type_hints(ModelConfig)["attention_impl"]) == ATTENTION_IMPLS
+    for impl, backend in [("auto", "cpu"), ("reference", "tpu"), ("blockwise", "cpu"), ("cudnn", "gpu"),
+                          ("splash", "tpu")]:
+        check_attention_backend(impl, backend)
+    with pytest.raises(ConfigError, match="^model.attention_impl: cudnn runs on gpu devices only; this run's are cpu$"):
+        check_attention_backend("cudnn", "cpu")
+    with pytest.raises(ConfigError, match="^model.attention_impl: splash runs on tpu"):
+        check_attention_backend("splash", "gpu")
+
+
+def test_long_quickstart_sets_the_long_context_options():
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "long_quickstart.yaml")
+    config = load_config(path)
+    assert config.rollout.max_new_tokens == 1024 and config.data.task == "gsm_symbolic"
+    assert config.model.remat and config.model.attention_impl == "blockwise"

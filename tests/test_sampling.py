@@ -7,25 +7,19 @@ import pytest
 from flax import nnx
 
 from drgrpo_jax import sampling
-from drgrpo_jax.models import DecoderConfig, Transformer, init_cache
+from drgrpo_jax.models import init_cache
 from drgrpo_jax.sampling import RowRequest, SamplingParams
+
+from helpers import tiny_sampler_model
 
 pytestmark = pytest.mark.heavy  # the sampler compiled per batch shape and filter
 
-VOCAB = 97
 PROMPTS = ((5, 17, 3), (40, 2, 9, 11, 60, 7, 8), (1,))
 
 
 @pytest.fixture(scope="module")
 def model():
-    """A tiny random Llama-family model (GQA, untied head); scaled-up init so logits are not flat."""
-    config = DecoderConfig(family="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
-                         eos_token_ids=(VOCAB - 1,))
-    m = Transformer(config, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(m)
-    state = jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, state)
-    return nnx.merge(graphdef, state)
+    return tiny_sampler_model()
 
 
 def run(model, rows, *, batch_size=4):
@@ -66,18 +60,18 @@ def test_greedy_equals_argmax_of_repeated_full_forwards(model):
 
 
 def test_prefill_then_decode_logits_equal_full_forward(model):
-    """The sampler's cache use (left-padded prefill of P-1 columns, then one token at a time)."""
+    """The sampler's cache use (left-padded prefill of U-1 columns, then one token at a time); one row per prompt."""
     rows = [RowRequest(p, SamplingParams(), seed=0) for p in PROMPTS]
     batch = sampling.make_batch(rows, (), batch_size=4, prompt_len=8)
     completion = np.asarray([[3, 14, 15], [92, 65, 35], [89, 79, 32], [0, 0, 0]], np.int32)
     decode = jax.jit(lambda m, ids, pos, cache: m.decode(ids, pos, cache))
     cache = init_cache(model.config, 4, 8 + 3)
-    _, cache = decode(model, batch.prompt_ids_BU[:, :-1], batch.prompt_positions_BU[:, :-1], cache)
+    _, cache = decode(model, batch.prompt_ids_PU[:, :-1], batch.prompt_positions_PU[:, :-1], cache)
     step_logits = []
-    logits, cache = decode(model, batch.prompt_ids_BU[:, -1:], batch.prompt_positions_BU[:, -1:], cache)
+    logits, cache = decode(model, batch.prompt_ids_PU[:, -1:], batch.prompt_positions_PU[:, -1:], cache)
     step_logits.append(logits[:, 0])
     for t in range(3):
-        positions = (batch.prompt_lengths_B + t)[:, None]
+        positions = (batch.prompt_positions_PU.max(axis=1) + 1 + t)[:, None]
         logits, cache = decode(model, jnp.asarray(completion[:, t:t + 1]), positions, cache)
         step_logits.append(logits[:, 0])
     for b, prompt in enumerate(PROMPTS):
@@ -200,11 +194,11 @@ def test_top_k_one_samples_the_argmax(model):
 def test_prompts_in_one_bucket_share_one_program(model):
     graphdef, state = nnx.split(model)
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
-    before = sampling.generate._cache_size()
+    before = sampling.compiled_programs()
     for prompt in [(1, 2), (3, 4, 5, 6, 7), tuple(range(1, 17))]:
         batch = sampling.make_batch([RowRequest(prompt, params, seed=0)], (), batch_size=4, prompt_len=16)
         sampling.generate(graphdef, state, batch, max_new_tokens=16)
-    assert sampling.generate._cache_size() - before <= 1
+    assert sampling.compiled_programs() - before <= 2  # one prefill and one decode phase (U + T - 1 = 31 slots)
 
 
 def test_buckets_and_validation():

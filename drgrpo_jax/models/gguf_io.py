@@ -135,12 +135,10 @@ class GGUFIndex:
 
 
 def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
-              remat: bool = False) -> Transformer:
+              remat: bool = False, attention_impl: str = "auto") -> Transformer:
     """A Transformer from a GGUF file (any quantisation the gguf package can dequantise)."""
     reader = gguf.GGUFReader(path)
-    config = from_hf_config(gguf_hf_config(reader))
-    if remat:
-        config = dataclasses.replace(config, remat=True)
+    config = dataclasses.replace(from_hf_config(gguf_hf_config(reader)), remat=remat, attention_impl=attention_impl)
     index = GGUFIndex(reader, config.num_heads, config.num_kv_heads)
     return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
 

@@ -230,13 +230,11 @@ def load_hf_config(folder: str) -> DecoderConfig:
 
 
 def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-            rules: ShardingRules = ShardingRules(), remat: bool = False) -> Transformer:
+            rules: ShardingRules = ShardingRules(), remat: bool = False, attention_impl: str = "auto") -> Transformer:
     """A Transformer from an HF folder (config.json + safetensors)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path: {folder!r} is neither a folder with config.json nor a .gguf file")
-    config = load_hf_config(folder)
-    if remat:
-        config = dataclasses.replace(config, remat=True)
+    config = dataclasses.replace(load_hf_config(folder), remat=remat, attention_impl=attention_impl)
     return build_model(config, hf_param_reader(SafetensorsIndex(folder), config), dtype=dtype, mesh=mesh, rules=rules)
 
 

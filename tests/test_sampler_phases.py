@@ -1,0 +1,101 @@
+"""The phased sampler (each prompt prefilled once, decode over a growing cache, finished rows dropped) against
+the full-cache sampler it replaced, a full forward, and transformers' greedy decoding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from drgrpo_jax import sampling
+from drgrpo_jax.models.logprobs import sequence_logprobs
+from drgrpo_jax.sampling import RowRequest, SamplingParams
+
+from helpers import full_cache_sample, tiny_sampler_model
+
+SHORT, LONG = (5, 17, 3), (40, 2, 9, 11, 60, 7, 8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_sampler_model()
+
+
+def mixed_rows() -> list[RowRequest]:
+    """4 samples of one prompt, 2 of another, 1 of a third: greedy, plain and filtered sampling, short and long
+    budgets (3 rows outlive the first phase of 32 slots, 1 the second: the batch of 8 shrinks to 4, then 1 row)."""
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = SamplingParams(max_new_tokens=6, temperature=1.0)
+    filtered = SamplingParams(max_new_tokens=5, temperature=0.7, top_k=5, top_p=0.9)
+    return ([RowRequest(SHORT, greedy, seed=1, sample=0), RowRequest(SHORT, plain, seed=1, sample=1),
+             RowRequest(SHORT, plain, seed=1, sample=2), RowRequest(SHORT, filtered, seed=1, sample=3)]
+            + [RowRequest(LONG, plain, seed=2, sample=0),
+               RowRequest(LONG, SamplingParams(max_new_tokens=60, temperature=1.0, ignore_eos=True), seed=2, sample=1)]
+            + [RowRequest((1,), greedy, seed=3)])
+
+
+@pytest.fixture(scope="module")
+def mixed(model):
+    """The mixed rows' batch and what the full-cache sampler draws for them."""
+    batch = sampling.make_batch(mixed_rows(), model.config.eos_token_ids, batch_size=8, prompt_len=16)
+    return batch, full_cache_sample(model, batch, 128)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("compact", [True, False])
+def test_tokens_equal_the_full_cache_sampler_across_phases(model, mixed, compact):
+    batch, oracle = mixed
+    assert batch.prompt_ids_PU.shape == (4, 16)  # 3 distinct prompts (a bucket of 4) for 7 rows
+    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(model), batch, max_new_tokens=128, compact=compact))
+    np.testing.assert_array_equal(out.lengths_B, oracle["lengths"])
+    np.testing.assert_array_equal(out.tokens_BT, oracle["tokens"])
+    np.testing.assert_array_equal(out.stopped_B, oracle["stopped"])
+    np.testing.assert_allclose(out.logprobs_BT, oracle["logprobs"], atol=1e-4)  # float32 rounding of big logits
+    assert out.lengths_B[[0, 5, 6]].tolist() == [40, 60, 40]
+    # Slots grow 32 -> 64 -> 143 (U + T - 1); rows finished by the end of a phase are dropped.
+    assert [span for _, span, _ in out.phases] == [32, 64, 143]
+    assert [rows for rows, _, _ in out.phases] == ([8, 4, 1] if compact else [8, 8, 8])
+    assert sum(steps for _, _, steps in out.phases) == out.num_steps == 59
+    # Row 5 decoded its last tokens alone in a batch of 1: its log-probs still equal a full forward's.
+    ids = jnp.asarray([list(LONG) + out.tokens_BT[5, :60].tolist()], jnp.int32)
+    trainer_BT, _ = sequence_logprobs(model, ids[:, :-1], ids[:, 1:])
+    np.testing.assert_allclose(out.logprobs_BT[5, :60], trainer_BT[0, len(LONG) - 1:], atol=1e-4)
+
+
+@pytest.mark.heavy
+def test_greedy_equals_transformers_greedy(tiny_model):
+    """Our model and sampler on the tiny HF Llama against `generate(do_sample=False)` of transformers, prompt by
+    prompt unpadded; a repeated prompt shares its prefill and must give the same continuation."""
+    import torch
+    import transformers
+
+    from drgrpo_jax.models import from_pretrained
+
+    prompts = [(1, 7, 12, 30, 4), (1, 22), (1, 7, 12, 30, 4), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
+    ours = from_pretrained(tiny_model)
+    params = SamplingParams(max_new_tokens=48, temperature=0.0)
+    batch = sampling.make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
+                                batch_size=4, prompt_len=16)
+    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(ours), batch, max_new_tokens=64))
+    reference = transformers.LlamaForCausalLM.from_pretrained(tiny_model).eval()
+    for b, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            full = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=48, pad_token_id=0)
+        expected = full[0, len(prompt):].tolist()
+        assert out.tokens_BT[b, :out.lengths_B[b]].tolist() == expected
+    assert max(out.lengths_B) > 16  # at least one row decoded past the first phase
+
+
+def test_span_schedule_and_shared_prompt_rows():
+    assert sampling.span_schedule(16, 16) == (31,)
+    assert sampling.span_schedule(16, 64) == (32, 79)  # 64 skipped: 79 slots are less than 1.5 x 64
+    assert sampling.span_schedule(16, 128) == (32, 64, 143)
+    assert sampling.span_schedule(64, 1024) == (128, 256, 512, 1087)
+    assert sampling.span_schedule(16, 1) == ()  # the prefill's token is the whole budget
+    rows = [RowRequest(p, SamplingParams(), seed=0, sample=s) for s, p in enumerate([SHORT, LONG, SHORT, (1,)])]
+    batch = sampling.make_batch(rows, (), batch_size=8, prompt_len=8)
+    assert batch.prompt_ids_PU.shape == (4, 8) and batch.rows.prompt_index_B[:4].tolist() == [0, 1, 0, 2]
+    assert batch.prompt_ids_PU[1, -len(LONG):].tolist() == list(LONG)
+    assert batch.rows.prompt_lengths_B[:4].tolist() == [3, 7, 3, 1] and batch.rows.live_B.sum() == 4
+    with pytest.raises(ValueError, match="num_prompts"):
+        sampling.make_batch(rows, (), batch_size=8, prompt_len=8, num_prompts=2)
