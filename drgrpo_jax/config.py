@@ -30,12 +30,14 @@ from omegaconf.errors import (
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
 from drgrpo_jax.errors import ConfigError, FieldError, MissingValueError
 from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.config import LORA_TARGETS, LoraSpec
 from drgrpo_jax.train_step import StepConfig
 
 __all__ = [
     "AlgorithmConfig",
     "Config",
     "DataConfig",
+    "LoraConfig",
     "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -49,6 +51,7 @@ __all__ = [
     "describe_config",
     "dump_config",
     "load_config",
+    "lora_spec",
     "one_window_per_rollout",
     "resolve_model_path",
     "step_configs",
@@ -87,6 +90,21 @@ class RunConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA: train low-rank adapters on frozen base weights (rank 0 = full fine-tuning)."""
+
+    rank: int = _f(0, "adapter rank r; 0 = off (every weight trains)")
+    alpha: float = _f(32.0, "the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)")
+    dropout: float = _f(0.0, "dropout on the adapters' input while training, in [0, 1)")
+    targets: tuple[str, ...] = _f(LORA_TARGETS, "projections that get adapters: q_proj k_proj v_proj o_proj "
+                                                 "(attention), gate_proj up_proj down_proj (MLP)")
+    export_merged: bool = _f(False, "final/ also gets merged/: an HF folder of the base with the adapters merged")
+    push: Literal["adapter", "merged"] = _f(
+        "adapter", "what each weight push sends the services: the PEFT adapter folder (a few MB; drgrpo_jax.serve "
+                   "merges it into its base) or the merged HF model (for servers that cannot load an adapter)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The policy checkpoint."""
 
@@ -104,6 +122,8 @@ class ModelConfig:
         "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
                 "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
     )
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig, metadata={
+        "help": "LoRA: train low-rank adapters on the frozen base (rank 0 = off)"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +297,7 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 # Section name -> dataclass (annotations are strings under `from __future__ import annotations`).
 _FIELD_TYPES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+_FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
 
 
 def _section_fields(path: str) -> list[str]:
@@ -370,12 +391,22 @@ def describe_config() -> str:
     for section in dataclasses.fields(Config):
         cls = _FIELD_TYPES[section.name]
         lines.append(f"\n{section.name}: {(cls.__doc__ or '').strip()}")
-        defaults = cls()
-        for field in dataclasses.fields(cls):
-            default = getattr(defaults, field.name)
-            shown = "null" if default is None else repr(default) if isinstance(default, str) else default
-            lines.append(f"  {section.name}.{field.name} = {shown}  # {field.metadata.get('help', '')}")
+        lines += _describe_fields(section.name, cls)
     return "\n".join(lines)
+
+
+def _describe_fields(prefix: str, cls: type) -> list[str]:
+    """`prefix.field = default  # help` for each field of a section, nested sections expanded."""
+    lines, defaults = [], cls()
+    for field in dataclasses.fields(cls):
+        default = getattr(defaults, field.name)
+        if dataclasses.is_dataclass(default):
+            lines.append(f"  {prefix}.{field.name} = (section)  # {field.metadata.get('help', '')}:")
+            lines += _describe_fields(f"{prefix}.{field.name}", type(default))
+            continue
+        shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+        lines.append(f"  {prefix}.{field.name} = {shown}  # {field.metadata.get('help', '')}")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,7 +500,22 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
     ("StepConfig", "mis_high"): "algorithm.mis_high",
     ("StepConfig", "mis_low"): "algorithm.mis_low",
     ("StepConfig", "compute_dtype"): "model.compute_dtype",
+    ("LoraSpec", "rank"): "model.lora.rank",
+    ("LoraSpec", "alpha"): "model.lora.alpha",
+    ("LoraSpec", "dropout"): "model.lora.dropout",
+    ("LoraSpec", "targets"): "model.lora.targets",
 }
+
+
+def lora_spec(config: Config) -> LoraSpec | None:
+    """The adapters' spec from model.lora (None when rank is 0: full fine-tuning); ConfigError naming the key."""
+    lora = config.model.lora
+    if lora.rank == 0:
+        return None
+    try:
+        return LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets))
+    except FieldError as error:
+        raise ConfigError(_LIBRARY_KEYS[(error.owner, error.field)], error.reason) from None
 
 
 def one_window_per_rollout(algorithm: AlgorithmConfig) -> bool:
@@ -650,6 +696,8 @@ def _check_float32_weights(config: Config) -> None:
 def validate(config: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
     _check_ranges(config)
+    _at_least("model.lora.rank", config.model.lora.rank, 0)
+    lora_spec(config)
     step_configs(config)
     _check_batches(config)
     _check_rest(config)

@@ -6,11 +6,12 @@ Only process 0 writes; every process joins the gathers (multi-host arrays are co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,37 +102,65 @@ class WeightPublisher:
 
     With `mirror` (run.weights_dir: a folder every service reads, or gs://bucket/path) each version
     is also copied to mirror/v{version}, which is then the path the services are told to load.
+    With `lora` (the model's DecoderConfig, which carries the adapters' spec), params are LoRA adapters
+    and each version is a PEFT adapter folder naming `base_model`, a few MB instead of the whole model.
     """
 
-    def __init__(self, root: str, graphdef: Any, keep: int = 2, mirror: str | None = None):
+    def __init__(self, root: str, graphdef: Any, keep: int = 2, mirror: str | None = None, *,
+                 lora: Any = None, base_model: str = "", push_merged: bool = False):
         self.root, self.graphdef, self.keep = os.path.abspath(root), graphdef, keep
         self.mirror = mirror if mirror is None or is_remote(mirror) else os.path.abspath(mirror)
+        self.lora, self.base_model, self.push_merged = lora, base_model, push_merged
 
     def export(self, params: Any, path: str, tokenizer: Any = None) -> str:
-        """Writes `params` as an HF folder at `path` atomically (tmp folder, then rename)."""
+        """Writes `params` as an HF folder (a PEFT adapter folder with LoRA) at `path` atomically."""
         import jax
         from flax import nnx
 
         from drgrpo_jax.models import save_pretrained
+        from drgrpo_jax.models.lora import adapter_arrays, save_adapter
 
         host_params = jax.tree.map(host_array, params)  # a collective in multi-host runs
         if jax.process_index() == 0:
-            tmp = path + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_pretrained(nnx.merge(self.graphdef, host_params), tmp, tokenizer=tokenizer)
-            shutil.rmtree(path, ignore_errors=True)
-            os.replace(tmp, path)
+            with _atomic_folder(path) as tmp:
+                if self.lora is None:
+                    save_pretrained(nnx.merge(self.graphdef, host_params), tmp, tokenizer=tokenizer)
+                else:
+                    save_adapter(adapter_arrays(host_params), self.lora, tmp, base_model=self.base_model)
+                    if tokenizer is not None:
+                        tokenizer.save_pretrained(tmp)
+        return path
+
+    def export_merged(self, params: Any, frozen: Any, path: str, tokenizer: Any = None) -> str:
+        """Writes the base with the LoRA adapters merged in as an HF folder at `path` atomically."""
+        import jax
+        from flax import nnx
+
+        from drgrpo_jax.models import save_pretrained
+        from drgrpo_jax.models.lora import merged_model
+
+        host_params, host_frozen = jax.tree.map(host_array, (params, frozen))
+        if jax.process_index() == 0:
+            with _atomic_folder(path) as tmp:
+                save_pretrained(merged_model(nnx.merge(self.graphdef, host_params, host_frozen)), tmp,
+                                tokenizer=tokenizer)
         return path
 
     def local_path(self, version: int) -> str:
         """The trainer's own copy of version `version`."""
         return os.path.join(self.root, f"v{version}")
 
-    def publish(self, params: Any, version: int) -> str:
-        """Exports version `version` (and mirrors it), keeps the newest `keep`; returns the path services load."""
+    def publish(self, params: Any, version: int, frozen: Any = None) -> str:
+        """Exports version `version` (and mirrors it), keeps the newest `keep`; returns the path services load.
+
+        With LoRA and `push_merged`, the version is the merged model (`frozen`: the base), not the adapter.
+        """
         import jax
 
-        path = self.export(params, self.local_path(version))
+        if self.lora is not None and self.push_merged:
+            path = self.export_merged(params, frozen, self.local_path(version))
+        else:
+            path = self.export(params, self.local_path(version))
         if jax.process_index() != 0:
             return path if self.mirror is None else f"{self.mirror.rstrip('/')}/v{version}"
         _prune(self.root, version, self.keep)
@@ -142,6 +171,16 @@ class WeightPublisher:
         copy_folder(path, target)
         _prune(self.mirror, version, self.keep)
         return target
+
+
+@contextlib.contextmanager
+def _atomic_folder(path: str) -> Iterator[str]:
+    """A temporary folder that replaces `path` once the block has written it (a crash leaves `path` as it was)."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    yield tmp
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
 
 
 def _prune(root: str, version: int, keep: int) -> None:

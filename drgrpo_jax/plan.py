@@ -1,7 +1,8 @@
 """A run's mesh, partition specs and per-device memory, before anything runs (jax.eval_shape only).
 
     python -m drgrpo_jax.plan --config PATH [section.key=value ...] [--device NAME | --device-memory GiB]
-                              [--model-config NAME|PATH] [--serve-batch-size ROWS] [--format text|json]
+                              [--model-config NAME|PATH] [--serve-batch-size ROWS] [--serve-tensor N]
+                              [--format text|json]
 
 --serve-batch-size defaults to rollout.service_batch_size (the services' --max-batch-size).
 
@@ -30,7 +31,7 @@ import os
 import sys
 from typing import Any
 
-from drgrpo_jax.config import Config, load_config
+from drgrpo_jax.config import Config, load_config, lora_spec
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 
@@ -157,24 +158,37 @@ def _variables(tree: Any) -> list[tuple[str, Any, tuple | None]]:
     return out
 
 
-def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any]:
-    """(params, optimizer state) as abstract trees: the real model and optax chain under eval_shape."""
+def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any, Any]:
+    """(trainable params, optimizer state, frozen LoRA base or None) as abstract trees: the real model, its
+    adapters (model.lora) and optax chain under eval_shape, split as `train_step.init_state` splits them."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from drgrpo_jax.models import Transformer
+    from drgrpo_jax.models.lora import add_adapters
     from drgrpo_jax.train_step import make_optimizer
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.model.dtype]
-    abstract_model = nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0), dtype=dtype))
-    _, params = nnx.split(abstract_model, nnx.Param)
+    spec = lora_spec(config)
+
+    def build():
+        base = Transformer(model, rngs=nnx.Rngs(0), dtype=dtype)
+        return base if spec is None else add_adapters(base, spec, jax.random.key(0))
+
+    abstract_model = nnx.eval_shape(build)
+    frozen = None
+    if spec is None:
+        _, params = nnx.split(abstract_model, nnx.Param)
+    else:
+        _, params, *rest = nnx.split(abstract_model, nnx.LoRAParam, nnx.Param)
+        frozen = rest[0]
     o, a = config.optimizer, config.algorithm
     optimizer, _ = make_optimizer(o.learning_rate, total_steps=config.train.steps * a.ppo_epochs
                                   * a.minibatches_per_rollout, warmup_steps=o.warmup_steps, decay=o.decay,
                                   weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                                   max_grad_norm=o.max_grad_norm or None)
-    return params, jax.eval_shape(optimizer.init, params)
+    return params, jax.eval_shape(optimizer.init, params), frozen
 
 
 def state_bytes(tree: Any, sizes: dict[str, int]) -> tuple[int, int]:
@@ -260,30 +274,48 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
     return bucket(serve_batch_size, minimum=1)
 
 
-def service_memory(config: Config, model: DecoderConfig, weights_bytes: int, rows: int) -> dict[str, int]:
-    """One generation-service device: weights, KV cache and the prefill's attention scores."""
+def service_memory(config: Config, model: DecoderConfig, weights_bytes: int, rows: int,
+                   merge_bytes: int = 0) -> dict[str, int]:
+    """One generation-service device: weights, KV cache, the prefill's attention scores and, with LoRA, the
+    base copy of the adapted projections kept to merge each new adapter into (`merge_bytes`)."""
     a, r = _ITEMSIZE[config.model.dtype], config.rollout
     prompt, new = bucket(r.max_prompt_tokens), bucket(r.max_new_tokens)
     slots = prompt + new - 1
     kv = 2 * model.num_layers * rows * slots * model.num_kv_heads * model.head_dim * a + rows * slots * 4
     prefill = rows * model.num_heads * (prompt - 1) * slots * (4 + 4)  # float32 scores and softmax
-    return {"weights": weights_bytes, "kv_cache": kv, "prefill_attention": prefill,
+    return {"weights": weights_bytes, "adapter_merge": merge_bytes, "kv_cache": kv, "prefill_attention": prefill,
             "logits": rows * model.vocab_size * 4 * 2}
 
 
-def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state: Any) -> dict[str, int]:
-    """Per-device trainer figures in bytes (exact params/optimizer; estimated activations)."""
+def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state: Any,
+                   frozen: Any = None) -> dict[str, int]:
+    """Per-device trainer figures in bytes (exact params/adapters/optimizer; estimated activations).
+
+    With LoRA (`frozen` given), `params` are the base weights (frozen: no gradient, no optimizer state) and
+    `adapters` the float32 adapters, whose gradients and Adam moments are the only ones; the KL reference
+    is the base with the adapters off, so it costs nothing.
+    """
     sizes = _mesh_sizes(config)
-    params_device, params_total = state_bytes(params, sizes)
+    trainable_device, trainable_total = state_bytes(params, sizes)
     opt_device, _ = state_bytes(opt_state, sizes)
-    param_itemsize = _ITEMSIZE[config.model.dtype]
-    # train_step accumulates float32 gradients and holds one micro-batch's gradient in the param dtype.
-    grads = params_device * 4 // param_itemsize + params_device
-    return {"params": params_device, "optimizer": opt_device, "gradients": grads,
-            "reference": params_device if config.algorithm.kl_coef > 0 else 0,
+    # train_step accumulates float32 gradients and holds one micro-batch's gradient in the trainable dtype.
+    trainable_itemsize = 4 if frozen is not None else _ITEMSIZE[config.model.dtype]
+    grads = trainable_device * 4 // trainable_itemsize + trainable_device
+    if frozen is None:
+        params_device, params_total, adapters = trainable_device, trainable_total, 0
+    else:
+        (params_device, params_total), adapters = state_bytes(frozen, sizes), trainable_device
+    return {"params": params_device, "adapters": adapters, "optimizer": opt_device, "gradients": grads,
+            "reference": params_device if config.algorithm.kl_coef > 0 and frozen is None else 0,
             "activations": activation_bytes(config, model, config.model.remat),
             "logprob_chunks": logprob_chunk_bytes(config, model), "batch": batch_bytes(config),
             "_params_total": params_total}
+
+
+def adapted_bytes(frozen: Any, targets: tuple[str, ...]) -> int:
+    """Bytes of the base weights LoRA adapts (all devices): what a service keeps a second copy of to merge into."""
+    return sum(math.prod(value.shape) * value.dtype.itemsize for name, value, _ in _variables(frozen)
+               if name.removeprefix("blocks/") in targets)
 
 
 def _total(figures: dict[str, int]) -> int:
@@ -324,7 +356,8 @@ def _micro_batch_advice(config: Config, model: DecoderConfig, budget: int) -> st
 
 def trainer_advice(config: Config, model: DecoderConfig, figures: dict[str, int], usable: int) -> list[str]:
     """Plain sentences naming the config values that bring the trainer under `usable` bytes per device."""
-    state = figures["params"] + figures["optimizer"] + figures["gradients"] + figures["reference"]
+    state = (figures["params"] + figures["adapters"] + figures["optimizer"] + figures["gradients"]
+             + figures["reference"])
     rest = _total(figures) - state - figures["activations"]
     advice = []
     if config.model.dtype == "float32":
@@ -344,20 +377,25 @@ def trainer_advice(config: Config, model: DecoderConfig, figures: dict[str, int]
     return advice
 
 
-def service_advice(config: Config, model: DecoderConfig, weights: int, usable: int, rows: int) -> list[str]:
+def service_advice(config: Config, model: DecoderConfig, weights: int, usable: int, rows: int,
+                   merge_bytes: int = 0, tensor: int = 1) -> list[str]:
     """The largest batch one service device holds, or that the weights alone do not fit."""
-    if weights > usable:
+
+    def per_device(batch: int) -> int:
+        return _total(service_memory(config, model, weights, batch, merge_bytes)) // tensor
+
+    if (weights + merge_bytes) // tensor > usable:
         return [f"the generation service's weights ({weights / GIB:.1f} GiB) exceed one device: drgrpo_jax.serve "
                 "uses one device per process, so run the service on a larger device (rollout.urls) or use a "
                 "tensor-parallel server (SGLang-JAX, vLLM-TPU) there"]
     fits = rows
-    while fits > 1 and _total(service_memory(config, model, weights, fits)) > usable:
+    while fits > 1 and per_device(fits) > usable:
         fits //= 2
-    if _total(service_memory(config, model, weights, fits)) > usable:
+    if per_device(fits) > usable:
         return ["even one row does not fit: lower rollout.max_new_tokens or rollout.max_prompt_tokens"]
     return [f"start each generation service with --max-batch-size {fits} (and list them in rollout.urls; "
             f"rollout.service_batch_size={fits} starts the trainer's own child so and lets the plan check it); "
-            f"{rows} rows at once need {_total(service_memory(config, model, weights, rows)) / GIB:.1f} GiB"]
+            f"{rows} rows at once need {per_device(rows) / GIB:.1f} GiB"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,33 +403,52 @@ def service_advice(config: Config, model: DecoderConfig, weights: int, usable: i
 # ---------------------------------------------------------------------------------------------
 
 
+def shares_one_device(config: Config) -> bool:
+    """One process, one device and no rollout.urls: the trainer's own child service runs on the same device."""
+    m = config.mesh
+    return not config.rollout.urls and m.num_processes == 1 and m.data * m.fsdp * m.tensor == 1
+
+
 def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None = None,
-              serve_batch_size: int | None = None, model_source: str = "") -> dict[str, Any]:
-    """The whole plan as one JSON-able dict (bytes as ints)."""
+              serve_batch_size: int | None = None, model_source: str = "", serve_tensor: int = 1) -> dict[str, Any]:
+    """The whole plan as one JSON-able dict (bytes as ints).
+
+    `serve_tensor`: devices one generation service splits the model over (an external tensor-parallel server;
+    drgrpo_jax.serve uses one), so its per-device figures are divided by it.
+    """
     sizes = _mesh_sizes(config)
-    params, opt_state = abstract_state(config, model)
-    trainer = trainer_memory(config, model, params, opt_state)
+    params, opt_state, frozen = abstract_state(config, model)
+    trainer = trainer_memory(config, model, params, opt_state, frozen)
     params_total = trainer.pop("_params_total")
     rows = service_rows(config, serve_batch_size)
-    service = service_memory(config, model, params_total, rows)
+    # drgrpo_jax.serve keeps the adapted base weights to merge each pushed adapter into; merged pushes need none.
+    merge = 0 if frozen is None or config.model.lora.push == "merged" else adapted_bytes(frozen,
+                                                                                         config.model.lora.targets)
+    service = {k: v // serve_tensor for k, v in service_memory(config, model, params_total, rows, merge).items()}
+    base = params if frozen is None else frozen
     alternative = "activations_without_remat" if config.model.remat else "activations_with_remat"
     plan: dict[str, Any] = {
         "mesh": {**sizes, "devices": math.prod(sizes.values()), "processes": config.mesh.num_processes},
         "model": {"source": model_source, "family": model.family, "layers": model.num_layers,
                   "hidden_size": model.hidden_size, "vocab_size": model.vocab_size, "dtype": config.model.dtype,
-                  "parameters": sum(math.prod(v.shape) for _, v, _ in _variables(params)),
-                  "remat": config.model.remat},
-        "param_groups": param_groups(params, sizes),
+                  "parameters": sum(math.prod(v.shape) for _, v, _ in _variables(base)),
+                  "adapter_parameters": 0 if frozen is None else sum(math.prod(v.shape) for _, v, _ in
+                                                                     _variables(params)),
+                  "lora_rank": config.model.lora.rank, "remat": config.model.remat},
+        "param_groups": param_groups(base, sizes) + ([] if frozen is None else param_groups(params, sizes)),
         "trainer": {**trainer, "total": _total(trainer),
                     alternative: activation_bytes(config, model, not config.model.remat),
                     "rows_per_device": rows_per_device(config),
                     "sequence": config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1},
-        "service": {**service, "total": _total(service), "rows": rows, "devices": "one per service process"},
-        "device": None, "fits": None, "advice": [],
+        "service": {**service, "total": _total(service), "rows": rows, "tensor_ways": serve_tensor,
+                    "devices": "one per service process" if serve_tensor == 1 else f"{serve_tensor} per service"},
+        "shared_device": shares_one_device(config), "device": None, "fits": None, "advice": [],
     }
     if device is not None:
         usable = int(device.memory_bytes * HEADROOM)
         fits = {"trainer": plan["trainer"]["total"] <= usable, "service": plan["service"]["total"] <= usable}
+        if plan["shared_device"]:  # the trainer's child service lives beside it on the same device
+            fits["together"] = plan["trainer"]["total"] + plan["service"]["total"] <= usable
         plan["device"] = {"name": device.name, "memory_bytes": device.memory_bytes, "usable_bytes": usable,
                           "source": device.source}
         plan["fits"] = fits
@@ -399,7 +456,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
             plan["advice"] += [f"trainer: {line}" for line in trainer_advice(config, model, trainer, usable)]
         if not fits["service"]:
             plan["advice"] += [f"service: {line}" for line in service_advice(config, model, params_total, usable,
-                                                                               rows)]
+                                                                               rows, merge, serve_tensor)]
     return plan
 
 
@@ -410,8 +467,10 @@ def _gib(n: int) -> str:
 def format_text(plan: dict[str, Any]) -> str:
     """The plan as a short human report."""
     m, mo, tr, sv = plan["mesh"], plan["model"], plan["trainer"], plan["service"]
+    lora = (f"; LoRA rank {mo['lora_rank']}: {mo['adapter_parameters']:,} adapter parameters train, the base is "
+            "frozen" if mo["lora_rank"] else "")
     lines = [f"model: {mo['source']}: {mo['family']}, {mo['parameters']:,} parameters, {mo['layers']} layers, "
-             f"dtype {mo['dtype']}, remat {mo['remat']}",
+             f"dtype {mo['dtype']}, remat {mo['remat']}{lora}",
              f"mesh: data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} -> {m['devices']} devices "
              f"over {m['processes']} process(es)", "", "parameter partition specs (per device):"]
     for g in plan["param_groups"]:
@@ -420,12 +479,14 @@ def format_text(plan: dict[str, Any]) -> str:
         lines.append(f"  {g['name']:<20} {str(tuple(g['shape'])):<24} {spec:<30} {mib:10.1f} MiB")
     lines += ["", f"trainer, per device ({tr['rows_per_device']} response(s) of {tr['sequence']} tokens "
                   "per micro-batch):"]
-    for key in ("params", "optimizer", "gradients", "reference", "activations", "logprob_chunks", "batch", "total"):
+    for key in ("params", "adapters", "optimizer", "gradients", "reference", "activations", "logprob_chunks", "batch",
+                "total"):
         lines.append(f"  {key:<16} {_gib(tr[key])}")
     other = "activations_without_remat" if "activations_without_remat" in tr else "activations_with_remat"
     lines.append(f"  ({other.replace('_', ' ')}: {_gib(tr[other]).strip()})")
-    lines += ["", f"generation service, one device ({sv['rows']} rows at once):"]
-    for key in ("weights", "kv_cache", "prefill_attention", "logits", "total"):
+    where = "one device" if sv["tensor_ways"] == 1 else f"one of its {sv['tensor_ways']} devices (tensor-parallel)"
+    lines += ["", f"generation service, {where} ({sv['rows']} rows at once):"]
+    for key in ("weights", "adapter_merge", "kv_cache", "prefill_attention", "logits", "total"):
         lines.append(f"  {key:<17} {_gib(sv[key])}")
     if plan["device"] is None:
         lines += ["", "no target device: pass --device NAME or --device-memory GiB to check the fit"]
@@ -436,6 +497,10 @@ def format_text(plan: dict[str, Any]) -> str:
     for part in ("trainer", "service"):
         verdict = "fits" if plan["fits"][part] else "DOES NOT FIT"
         lines.append(f"  {part}: {_gib(plan[part]['total']).strip()} -> {verdict}")
+    if "together" in plan["fits"]:
+        together = plan["trainer"]["total"] + plan["service"]["total"]
+        verdict = "fits" if plan["fits"]["together"] else "DOES NOT FIT"
+        lines.append(f"  trainer + its child service on this one device: {_gib(together).strip()} -> {verdict}")
     lines += [f"  change {line}" for line in plan["advice"]]
     return "\n".join(lines)
 
@@ -464,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-config", help=f"HF folder, config.json or preset ({', '.join(PRESETS)})")
     parser.add_argument("--serve-batch-size", type=int,
                         help="rows one generation service samples at once (default: rollout.service_batch_size)")
+    parser.add_argument("--serve-tensor", type=int, default=1,
+                        help="devices one generation service splits the model over (an external tensor-parallel "
+                             "server such as SGLang-JAX --tp N; drgrpo_jax.serve uses 1)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # eval_shape needs no accelerator
@@ -480,7 +548,10 @@ def main(argv: list[str] | None = None) -> int:
             device = DeviceSpec(f"{args.device_memory:g} GiB", int(args.device_memory * GIB), "--device-memory")
         if args.serve_batch_size is not None and args.serve_batch_size < 1:
             raise ConfigError("--serve-batch-size", f"must be >= 1, got {args.serve_batch_size}")
-        plan = make_plan(config, model, device=device, serve_batch_size=args.serve_batch_size, model_source=source)
+        if args.serve_tensor < 1:
+            raise ConfigError("--serve-tensor", f"must be >= 1, got {args.serve_tensor}")
+        plan = make_plan(config, model, device=device, serve_batch_size=args.serve_batch_size, model_source=source,
+                         serve_tensor=args.serve_tensor)
     except ConfigError as error:
         print(f"python -m drgrpo_jax.plan: config error: {error}", file=sys.stderr)
         return 2

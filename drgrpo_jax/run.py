@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from drgrpo_jax.config import Config, check_paths, dump_config, resolve_model_path, step_configs
+from drgrpo_jax.config import Config, check_paths, dump_config, lora_spec, resolve_model_path, step_configs
 from drgrpo_jax.data import PromptDataset, PromptStream
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
@@ -42,7 +42,7 @@ class Run:
     mesh: jax.sharding.Mesh
     graphdef: nnx.GraphDef
     train_fn: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
-    logprob_fn: Callable[[nnx.State, Batch], jax.Array]  # the policy's log-probs of a whole rollout
+    logprob_fn: Callable[..., jax.Array]  # (params, batch, frozen) -> the policy's log-probs of a whole rollout
     checkpointer: Checkpointer
     publisher: WeightPublisher
     log: RunLog
@@ -132,8 +132,10 @@ def service_batch_size(config: Config) -> int:
 
 
 def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, params: nnx.State, version: int,
-                    *, rollback: bool = False) -> str:
+                    *, rollback: bool = False, frozen: nnx.State | None = None) -> str:
     """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0).
+
+    With LoRA, `params` are the adapters and `frozen` the base (needed when model.lora.push is merged).
 
     `rollback`: the services may hold a newer version (a resumed run's first push) and go back to this one.
 
@@ -143,7 +145,7 @@ def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, pa
     import jax
 
     with fail_together(f"publishing weight version {version}"):
-        path = publisher.publish(params, version)  # every process joins its gather
+        path = publisher.publish(params, version, frozen)  # every process joins its gather
         if client is not None and jax.process_index() == 0:
             client.update_weights(path, version, rollback=rollback)
     return path
@@ -156,6 +158,9 @@ def _initialize_distributed(config: Config) -> None:
         import jax
 
         jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
+
+
+_LORA_INIT_PURPOSE = 0x10A  # fold_in(key(run.seed), this): the adapters' initial A
 
 
 def optimizer_of(config: Config) -> tuple[Any, Any]:
@@ -211,25 +216,36 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     check_attention_backend(c.model.attention_impl, jax.default_backend())
     model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat,
                             attention_impl=c.model.attention_impl)
+    if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
+        from drgrpo_jax.models.lora import add_adapters
+
+        model = add_adapters(model, spec, jax.random.fold_in(jax.random.key(c.run.seed), _LORA_INIT_PURPOSE))
     optimizer, schedule = optimizer_of(c)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
+    model_config = model.config
     del model
     params_shardings = param_shardings(state.params, mesh)
-    shardings = state_shardings(state, params_shardings, mesh)
+    frozen_shardings = None if state.frozen is None else param_shardings(state.frozen, mesh)
+    shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
     state = place(state, shardings)  # works across processes, where device_put cannot
     start_step, position = 0, 0
     if resume:
-        restored = checkpointer.restore_latest(state)  # each leaf keeps the sharding place gave it
+        # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
+        restored = checkpointer.restore_latest(state.checkpointed())
         if restored is None:  # should_resume saw a checkpoint; none is left
             raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
-        state, start_step, position = restored.state, int(restored.host["step"]), int(restored.host["data_position"])
+        state = dataclasses.replace(restored.state, frozen=state.frozen)
+        start_step, position = int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:
             f.write(dump_config(c))
     log = RunLog(out, start_step, main_process, open_trackers(c, out, start_step) if main_process else [])
     stack.callback(log.close)
-    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir)
-    publish_weights(publisher, client, state.params, start_step, rollback=resume)
+    # With LoRA each version is a PEFT adapter folder naming the base; a service given one loads that base.
+    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir,
+                                lora=model_config if spec is not None else None, base_model=os.path.abspath(model_path),
+                                push_merged=c.model.lora.push == "merged")
+    publish_weights(publisher, client, state.params, start_step, rollback=resume, frozen=state.frozen)
     server = None
     if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(
@@ -243,7 +259,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
                                                    api_key=api_key(c), local_server=server))
     run = Run(config=c, compute_dtype=compute_dtype, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
               train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
-              logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh),
+              logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh, frozen_shardings),
               checkpointer=checkpointer, publisher=publisher, log=log,
               stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
               start_step=start_step, client=client, scorer=scorer, server=server)

@@ -17,8 +17,8 @@ are checkpointed with the train state, so a resumed run reproduces an uninterrup
 
 Run directory: config.yaml (resolved), metrics.jsonl (one row per step; eval rows carry
 `eval/*` keys instead of `loss`), samples.jsonl, tensorboard/, checkpoints/, weights/,
-serve.log, final/ (HF folder of the last policy). Throughput in metrics: tokens_per_second =
-generated tokens / whole step time; rollout_tokens_per_second = generated tokens / rollout
+serve.log, final/ (HF folder of the last policy; with LoRA a PEFT adapter folder). Throughput in
+metrics: tokens_per_second = generated tokens / whole step time; rollout_tokens_per_second = generated tokens / rollout
 time; train_tokens_per_second = (prompt + response) tokens x ppo_epochs / train time.
 """
 
@@ -220,7 +220,7 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
     a = run.config.algorithm
     start = time.perf_counter()
     if not one_window_per_rollout(a):  # else the step uses its own forward's log-probs (StepConfig.on_policy)
-        old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh)))
+        old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh), state.frozen))
         batch = dataclasses.replace(batch, old_logprobs=old_logprobs)
     old_logprob_seconds = time.perf_counter() - start
     num = batch.row_valid.shape[0]
@@ -306,7 +306,7 @@ def train_one_step(run: Run, state: TrainState, step: int) -> tuple[TrainState, 
     train_start = time.perf_counter()
     state, updates = update(run, state, step, batch, signal_N)
     push_start = time.perf_counter()
-    publish_weights(run.publisher, run.client, state.params, step + 1)
+    publish_weights(run.publisher, run.client, state.params, step + 1, frozen=state.frozen)
     now = time.perf_counter()
     seconds = {"train": push_start - train_start, "push": now - push_start, "step": now - started}
     row = step_metrics(c, step + 1, rollout, batch, counters, updates, seconds)
@@ -384,9 +384,11 @@ def train(config: Config) -> str:
                     run.log.metrics(eval_row)
                     bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
             host = {"step": step + 1, "data_position": run.stream.state(), "weight_version": step + 1}
-            run.checkpointer.save(step + 1, state, host, force=step + 1 == c.train.steps)
+            run.checkpointer.save(step + 1, state.checkpointed(), host, force=step + 1 == c.train.steps)
         final = os.path.join(c.run.output_dir, "final")
-        run.publisher.export(state.params, final, tokenizer=run.tokenizer)
+        run.publisher.export(state.params, final, tokenizer=run.tokenizer)  # with LoRA: the PEFT adapter
+        if state.frozen is not None and c.model.lora.export_merged:
+            run.publisher.export_merged(state.params, state.frozen, os.path.join(final, "merged"), run.tokenizer)
         if c.run.push_to_hub and run.log.enabled:
             bar.write(f"pushed {final} to the Hub: {push_folder(final, c.run.push_to_hub, private=c.run.hub_private)}")
         bar.write(f"done: {c.train.steps} steps; policy exported to {final}")

@@ -10,7 +10,9 @@ policy's log-probs with the model (chunked, never full float32 logits), the refe
 when KL is on, and `loss_fn` with the window's statistics, accumulating gradients; then one
 optax update. The micro-batch shares sum to the window's loss, so the update depends neither
 on the number of micro-batches nor on the mesh. An empty window (T_w = 0) leaves parameters
-and optimizer state untouched, counts the step and sets `skipped`.
+and optimizer state untouched, counts the step and sets `skipped`. With LoRA adapters
+(`TrainState.frozen` holds the base) the gradients, the optimizer state and the update cover the
+adapters alone, and the reference is the base with the adapters off.
 """
 
 from __future__ import annotations
@@ -41,13 +43,23 @@ BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split ove
 
 @struct.dataclass
 class TrainState:
-    """Everything the step changes, plus the frozen reference (None unless KL is on)."""
+    """Everything the step changes, the frozen reference (None unless KL is on) and the frozen base (LoRA).
+
+    With LoRA adapters, `params` holds only the adapters (the gradients and the optimizer state are theirs)
+    and `frozen` the base weights; the KL reference is then the base with the adapters off, so
+    `ref_params` stays None. Checkpoints leave `frozen` out (`checkpointed`): it is reloaded from model.path.
+    """
 
     params: nnx.State
     opt_state: optax.OptState
     step: jax.Array  # int32 scalar: optimizer windows consumed (skipped ones included)
     rng: jax.Array  # root key; per-step keys are fold_in(rng, step)
     ref_params: nnx.State | None = None
+    frozen: nnx.State | None = None  # LoRA: the base weights, never updated
+
+    def checkpointed(self) -> TrainState:
+        """What a checkpoint holds: everything but the frozen base."""
+        return dataclasses.replace(self, frozen=None)
 
 
 ArrayT = TypeVar("ArrayT")  # what a Batch holds: np.ndarray on the host, jax.Array on the mesh (or its shardings)
@@ -187,11 +199,25 @@ def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformat
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
                *, with_reference: bool = False) -> tuple[nnx.GraphDef, TrainState]:
-    """(graphdef, state) from a model; the reference is a copy of the initial policy."""
+    """(graphdef, state) from a model; the reference is a copy of the initial policy.
+
+    A model with LoRA adapters (`models.lora.add_adapters`) trains them alone: `params` are the adapters,
+    `frozen` the base, and no reference copy is made (the reference is the base with the adapters off).
+    """
+    if nnx.state(model, nnx.LoRAParam):
+        graphdef, params, *rest = nnx.split(model, nnx.LoRAParam, nnx.Param)
+        frozen = rest[0]
+        return graphdef, TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                                    rng=rng, frozen=frozen)
     graphdef, params = nnx.split(model, nnx.Param)
     ref = jax.tree.map(jnp.copy, params) if with_reference else None
     return graphdef, TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
                                 rng=rng, ref_params=ref)
+
+
+def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> Any:
+    """The model from its trainable params and, with LoRA, the frozen base."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
 
 
 # ------------------------------------------------------------------ log-probs
@@ -206,30 +232,33 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 
 
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
-                      response_mask, *, temperature: float, chunk: int,
-                      compute_dtype: ComputeDtype = "float32") -> tuple[jax.Array, jax.Array]:
+                      response_mask, *, temperature: float, chunk: int, compute_dtype: ComputeDtype = "float32",
+                      frozen: nnx.State | None = None,
+                      lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
 
     `compute_dtype="bfloat16"`: the GEMMs run on bfloat16 weights (`matmul_weights_in`) and inputs with
-    float32 accumulation; the log-softmax, log-probs and entropies stay float32.
+    float32 accumulation; the log-softmax, log-probs and entropies stay float32. With LoRA (`frozen`: the
+    base weights; `lora_key`: the adapters' dropout, training only) the step runs in float32 for now.
     """
-    low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
-    model = nnx.merge(graphdef, params if low is None else matmul_weights_in(params, low))
+    low = None if compute_dtype == "float32" or frozen is not None else COMPUTE_DTYPES[compute_dtype]
+    model = merge_model(graphdef, params if low is None else matmul_weights_in(params, low), frozen)
     tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden_NSD = model.hidden_states(tokens, positions, segments)
+    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key)
     prompt_len = prompt_ids.shape[1]
     hidden_NTD = hidden_NSD[:, prompt_len - 1:]  # the state before each response token predicts it
     return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
                           final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low)
 
 
-def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch) -> jax.Array:
+def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch,
+                    frozen: nnx.State | None = None) -> jax.Array:
     """The policy's log-probs [N, T] of a batch's responses (the trainer's old log-probs)."""
 
     def one(micro):
         return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                  micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk,
-                                 compute_dtype=config.compute_dtype)[0]
+                                 compute_dtype=config.compute_dtype, frozen=frozen)[0]
 
     return _unsplit(jax.lax.map(one, _split(batch, config.micro_batches)))
 
@@ -275,16 +304,29 @@ def importance_weights(mismatch_NT: jax.Array, config: StepConfig) -> tuple[jax.
     return jnp.ones(mismatch_NT.shape, jnp.float32), none, none
 
 
-def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, micro: Batch[jax.Array]):
+def _reference(params, ref_params, frozen, config: StepConfig):
+    """The reference's trainable part: its own copy, or with LoRA zero adapters (the base alone); None = no KL."""
+    if ref_params is not None:
+        return ref_params
+    if frozen is not None and config.loss.kl_coef > 0:
+        return jax.tree.map(jnp.zeros_like, params)  # B = 0: exactly the base, no second copy of its weights
+    return None
+
+
+def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, frozen,
+                micro: Batch[jax.Array], lora_key: jax.Array):
     """This micro-batch's share of the window's loss, and its metric shares."""
     logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.response_mask, temperature=config.temperature,
-                                          chunk=config.logprob_chunk, compute_dtype=config.compute_dtype)
+                                          chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
+                                          frozen=frozen, lora_key=lora_key)
     ref_logprobs = None
-    if ref_params is not None:
+    reference = _reference(params, ref_params, frozen, config)
+    if reference is not None:
         ref_logprobs = jax.lax.stop_gradient(response_logprobs(
-            graphdef, ref_params, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
-            temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype)[0])
+            graphdef, reference, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
+            temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
+            frozen=frozen)[0])
     old_logprobs = jax.lax.stop_gradient(logprobs) if config.on_policy else micro.old_logprobs
     token = micro.response_mask & micro.row_valid[:, None]
     advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)
@@ -312,11 +354,13 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     """One optimizer window: accumulate micro-batch gradients, then one update (pure)."""
     window = window_stats(batch.response_mask, batch.row_valid)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+    step_key = jax.random.fold_in(state.rng, state.step)  # adapter dropout (LoRA); unused otherwise
 
-    def accumulate(carry, micro):
+    def accumulate(carry, micro_and_index):
         grads, loss, metrics = carry
+        micro, index = micro_and_index
         (micro_loss, micro_metrics), micro_grads = grad_fn(state.params, graphdef, config, window, state.ref_params,
-                                                           micro)
+                                                           state.frozen, micro, jax.random.fold_in(step_key, index))
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
         metrics = jax.tree.map(jnp.add, metrics, micro_metrics)
         return (grads, loss + micro_loss, metrics), None
@@ -325,7 +369,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "behaviour_kl", "tis_weight",
                     "is_truncated", "is_dropped")
     carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names})
-    (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, _split(batch, config.micro_batches))
+    micro_batches = (_split(batch, config.micro_batches), jnp.arange(config.micro_batches))
+    (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, micro_batches)
 
     # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -361,8 +406,12 @@ def batch_shardings(mesh: Mesh) -> Batch:
     return Batch(**{f.name: rows for f in dataclasses.fields(Batch)})
 
 
-def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh) -> TrainState:
-    """Shardings of a state: optimizer moments shaped like the params follow them, the rest is replicated."""
+def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh,
+                    frozen_shardings: nnx.State | None = None) -> TrainState:
+    """Shardings of a state: optimizer moments shaped like the params follow them, the rest is replicated.
+
+    `frozen_shardings`: the LoRA base's (`param_shardings(state.frozen, mesh)`), needed when it has one.
+    """
     replicated: Any = NamedSharding(mesh, P())  # shardings where the arrays would be
     params_structure = jax.tree.structure(state.params)
 
@@ -376,6 +425,7 @@ def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh) 
         step=replicated,
         rng=replicated,
         ref_params=None if state.ref_params is None else params_shardings,
+        frozen=None if state.frozen is None else frozen_shardings,
     )
 
 
@@ -388,12 +438,19 @@ def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings:
                    donate_argnums=0)
 
 
-def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.State, mesh: Mesh
-                        ) -> Callable[[nnx.State, Batch], jax.Array]:
-    """policy_logprobs jitted with the params' and the batch's shardings."""
+def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.State, mesh: Mesh,
+                        frozen_shardings: nnx.State | None = None) -> Callable[..., jax.Array]:
+    """policy_logprobs jitted with the params' and the batch's shardings: fn(params, batch, frozen=None).
+
+    With `frozen_shardings` (LoRA) the function takes the frozen base as its third argument.
+    """
     rows = NamedSharding(mesh, P(BATCH_AXES))
+    if frozen_shardings is None:
+        jitted = jax.jit(functools.partial(policy_logprobs, graphdef, config),
+                         in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=rows)
+        return lambda params, batch, frozen=None: jitted(params, batch)
     return jax.jit(functools.partial(policy_logprobs, graphdef, config),
-                   in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=rows)
+                   in_shardings=(params_shardings, batch_shardings(mesh), frozen_shardings), out_shardings=rows)
 
 
 def place(tree: Any, shardings: Any) -> Any:

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from drgrpo_jax.errors import FieldError
+
 Family = Literal["llama", "qwen2", "qwen3", "gemma3"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
 # HF model_type -> our family; gemma3 (multimodal wrapper) is read through its text_config.
@@ -29,6 +31,8 @@ ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 # Self-attention of a full forward (models/attention.py): "auto" picks by backend and length.
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "reference", "blockwise", "cudnn", "splash")
+# Projections a LoRA adapter may target, by their Hugging Face module names (PEFT's `target_modules`).
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,35 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """Low-rank adapters on the listed projections: y = x W + (alpha / rank) * dropout(x) A B (PEFT's LoRA)."""
+
+    rank: int = 16  # r: inner dimension of A [X, r] and B [r, Y]
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input while training (PEFT's lora_dropout)
+    targets: tuple[str, ...] = LORA_TARGETS  # which projections get an adapter
+
+    def __post_init__(self):
+        if isinstance(self.targets, list):
+            object.__setattr__(self, "targets", tuple(self.targets))
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
+            raise FieldError("LoraSpec", "rank", f"must be an int >= 1, got {self.rank!r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise FieldError("LoraSpec", "alpha", f"must be finite and > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise FieldError("LoraSpec", "dropout", f"must be in [0, 1), got {self.dropout!r}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if not self.targets or unknown or len(set(self.targets)) != len(self.targets):
+            raise FieldError("LoraSpec", "targets", f"{list(self.targets)} must be one or more distinct names of "
+                                                    f"{list(LORA_TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the factor on the low-rank update."""
+        return float(self.alpha) / int(self.rank)
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Gemma 3 text)."""
 
@@ -110,6 +143,7 @@ class DecoderConfig:
     pad_token_id: int | None = None  # padding token, if the checkpoint names one
     remat: bool = False  # runtime option: rematerialise each block in the backward pass
     attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
+    lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
 
     def __post_init__(self):
         if self.family not in FAMILIES:

@@ -89,6 +89,21 @@ class SafetensorsIndex:
         return raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file under its own name (copied out of the file; bfloat16 included)."""
+    header, data_start = _read_header(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    out = {}
+    for name, entry in header.items():
+        if entry["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"weights: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        raw = np.frombuffer(data, np.uint8, end - begin, data_start + begin)
+        out[name] = raw.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"]).copy()
+    return out
+
+
 def _normalise(name: str) -> str:
     """Strip multimodal wrapper prefixes so text-decoder tensors read as model.*."""
     for prefix in _PREFIXES:

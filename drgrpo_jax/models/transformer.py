@@ -4,7 +4,7 @@ Shape letters (the README's "Shape letters" glossary):
   B batch rows, T query positions, S key positions (cache slots), L layers, D model dim,
   I MLP hidden, Q query heads, C key/value heads, R query heads per kv head (Q = C * R),
   H head dim (h = H / 2, the rotary pairs; n = Q or C where queries and keys share code), V vocab,
-  M flattened tokens (B * T), X and Y the input and output features of a projection.
+  M flattened tokens (B * T), X and Y the input and output features of a projection, Z a LoRA adapter's rank.
 
 Layers are stored stacked ([L, ...]); a full forward (training, log-probs) runs them with
 `lax.scan`, so a 30-layer model compiles one block. Cached decoding runs them unrolled over
@@ -25,7 +25,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
-from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _F32 = jnp.float32
@@ -226,6 +226,38 @@ def _project_f32(x_BTX: jax.Array, w_XY: jax.Array) -> jax.Array:
     return jnp.einsum("btx,xy->bty", x_BTX, w_XY, preferred_element_type=_F32)
 
 
+def _lora_term(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array,
+               key: jax.Array | None) -> jax.Array | None:
+    """float32 (alpha / r) * dropout(x) A B [B, T, *out] when projection `name` has an adapter (models/lora.py)."""
+    if config.lora is None or f"{name}_lora_a" not in p:
+        return None
+    a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]  # [*X, Z], [Z, *Y]
+    B, T = x_BTX.shape[:2]
+    x_MX = x_BTX.reshape(B * T, -1).astype(_F32)
+    if key is not None and config.lora.dropout > 0:
+        keep = 1.0 - config.lora.dropout
+        kept_MX = jax.random.bernoulli(jax.random.fold_in(key, LORA_TARGETS.index(name)), keep, x_MX.shape)
+        x_MX = jnp.where(kept_MX, x_MX / keep, 0.0)
+    low_MZ = jnp.dot(x_MX, a.reshape(-1, a.shape[-1]), preferred_element_type=_F32)
+    y_MY = jnp.dot(low_MZ, b.reshape(b.shape[0], -1), preferred_element_type=_F32) * config.lora.scale
+    return y_MY.reshape(B, T, *b.shape[1:])
+
+
+def _project(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array, in_dims: int = 1,
+             key: jax.Array | None = None) -> jax.Array:
+    """`project` by weight `name` of layer `p`, plus its low-rank adapter's term when it has one."""
+    y_BTY = project(x_BTX, p[name], in_dims)
+    delta = _lora_term(config, p, name, x_BTX, key)
+    return y_BTY if delta is None else (y_BTY.astype(_F32) + delta).astype(y_BTY.dtype)
+
+
+def _project_f32_lora(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array) -> jax.Array:
+    """`_project_f32` by weight `name`, plus its adapter's term (inference: no dropout)."""
+    y_BTY = _project_f32(x_BTX, p[name])
+    delta = _lora_term(config, p, name, x_BTX, None)
+    return y_BTY if delta is None else y_BTY + delta
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax.Array:
     """RMSNorm in float32; Gemma applies (1 + w) in float32, Llama applies w after casting back."""
     x32 = x.astype(_F32)
@@ -267,13 +299,14 @@ def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
     return global_tables, rope_tables(positions_BT, config.local_rope.inv_freq(config.head_dim))
 
 
-def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array):
-    """A layer's normed, roped queries [B, T, Q, H] and new keys/values [B, T, C, H]."""
+def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array,
+         key: jax.Array | None = None):
+    """A layer's normed, roped queries [B, T, Q, H] and new keys/values [B, T, C, H] (`key`: adapter dropout)."""
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
     h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
-    q_BTQH = project(h_BTD, p["q_proj"])
-    k_BTCH = project(h_BTD, p["k_proj"])
-    v_BTCH = project(h_BTD, p["v_proj"])
+    q_BTQH = _project(config, p, "q_proj", h_BTD, key=key)
+    k_BTCH = _project(config, p, "k_proj", h_BTD, key=key)
+    v_BTCH = _project(config, p, "v_proj", h_BTD, key=key)
     if config.qkv_bias:
         q_BTQH, k_BTCH, v_BTCH = (
             q_BTQH + p["q_bias"][None, None], k_BTCH + p["k_bias"][None, None], v_BTCH + p["v_bias"][None, None])
@@ -284,14 +317,14 @@ def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_B
 
 
 def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTQH: jax.Array,
-                     f32_gate: bool = False) -> jax.Array:
+                     f32_gate: bool = False, key: jax.Array | None = None) -> jax.Array:
     """Output projection and residual, then the MLP block and its residual.
 
     `f32_gate` (inference) applies the gate nonlinearity to the GEMMs' float32 outputs and rounds once:
     in bf16, XLA on CPU emulates the activation op by op, rounding after each (3x slower at decode).
     """
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
-    a_BTD = project(o_BTQH, p["o_proj"], in_dims=2)
+    a_BTD = _project(config, p, "o_proj", o_BTQH, in_dims=2, key=key)
     if config.o_bias:
         a_BTD = a_BTD + p["o_bias"][None, None]
     if config.post_norms:
@@ -300,11 +333,12 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
         if f32_gate:
-            gate_BTI = _activation(config.activation, _project_f32(h_BTD, p["gate_proj"]))
-            hidden_BTI = (gate_BTI * _project_f32(h_BTD, p["up_proj"])).astype(h_BTD.dtype)
+            gate_BTI = _activation(config.activation, _project_f32_lora(config, p, "gate_proj", h_BTD))
+            hidden_BTI = (gate_BTI * _project_f32_lora(config, p, "up_proj", h_BTD)).astype(h_BTD.dtype)
         else:
-            hidden_BTI = _activation(config.activation, project(h_BTD, p["gate_proj"])) * project(h_BTD, p["up_proj"])
-        m_BTD = project(hidden_BTI, p["down_proj"])
+            gate_BTI = _activation(config.activation, _project(config, p, "gate_proj", h_BTD, key=key))
+            hidden_BTI = gate_BTI * _project(config, p, "up_proj", h_BTD, key=key)
+        m_BTD = _project(config, p, "down_proj", hidden_BTI, key=key)
         if config.post_norms:
             m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
         return x_BTD + m_BTD
@@ -326,8 +360,10 @@ def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH
 
 
 def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
-                segment_ids_BT: jax.Array) -> jax.Array:
+                segment_ids_BT: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
     """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers.
+
+    `lora_key` (training with adapter dropout): each layer draws its masks from its own fold of it.
 
     Attention by `config.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
     layers; the others derive visibility from positions and segment ids inside their kernels.
@@ -336,22 +372,24 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=x_BTD.dtype, head_dim=config.head_dim)
     masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
+    layer_L = jnp.arange(config.num_layers)
 
     def block(x_BTD, layer):
-        p, sliding = layer
+        p, sliding, index = layer
+        key = None if lora_key is None else jax.random.fold_in(lora_key, index)
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
-            q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, cos, sin)
+            q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, cos, sin, key)
             if masks is None:
                 o_BTQH = _layer_attention(config, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, sliding)
             else:
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
                 o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale)
-        return _after_attention(config, p, x_BTD, o_BTQH), None
+        return _after_attention(config, p, x_BTD, o_BTQH, key=key), None
 
     if config.remat:
         block = jax.checkpoint(block)
-    x_BTD, _ = jax.lax.scan(block, x_BTD, (params, sliding_L))
+    x_BTD, _ = jax.lax.scan(block, x_BTD, (params, sliding_L, layer_L))
     return x_BTD
 
 
@@ -468,14 +506,15 @@ class Transformer(nnx.Module):
         return x_BTD
 
     def hidden_states(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
-                      segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        """Final-normed hidden states [B, T, D] of a full (non-cached) forward."""
+                      segment_ids_BT: jax.Array | None = None, lora_key: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, D] of a full (non-cached) forward (`lora_key`: adapter dropout)."""
         B, T = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, segment_ids_BT)
+        x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, segment_ids_BT,
+                            lora_key)
         return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
 
     def unembed_DV(self) -> jax.Array:

@@ -49,7 +49,8 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
     parser = argparse.ArgumentParser(prog="python -m drgrpo_jax.serve",
                                      description=drgrpo_jax.serve.__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML: a trainer config (model.path, model.dtype) and/or a serve: section")
-    parser.add_argument("--model", help="HF folder or .gguf file to serve")
+    parser.add_argument("--model", help="HF folder or .gguf file to serve, or a PEFT LoRA adapter folder (served on "
+                                         "the base its adapter_config.json names)")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--port-file", dest="port_file")

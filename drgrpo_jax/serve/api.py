@@ -228,7 +228,8 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def model_info(request: Request) -> dict:
-    """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching and queue of this service."""
+    """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue and LoRA adapter
+    (null, or the merged adapter's path, rank, alpha and targets) of this service."""
     engine = _service(request).engine
     w = engine.weights
     return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
@@ -236,7 +237,7 @@ async def model_info(request: Request) -> dict:
             "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
             "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
-            "rows_dropped": engine.rows_dropped}
+            "rows_dropped": engine.rows_dropped, "adapter": w.adapter}
 
 
 async def weight_version(request: Request) -> dict:
@@ -253,6 +254,7 @@ def _update_answer(status: int, message: str, version: str) -> JSONResponse:
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
     """POST /update_weights_from_disk: confine, load, check, swap; on failure 403/400 and the old weights serve on.
 
+    The path is an HF model folder or a PEFT LoRA adapter folder (merged into the current base weights).
     The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards
     unless the body says allow_rollback (a trainer resuming from a checkpoint); a
     load failure says only that the folder is not a valid model (the service's log has the detail).

@@ -21,6 +21,7 @@ from flax import nnx
 
 from drgrpo_jax import sampling
 from drgrpo_jax.models import from_pretrained
+from drgrpo_jax.models.lora import is_adapter_folder, load_adapter, merge_adapters, read_adapter_config
 from drgrpo_jax.paths import local_folder
 from drgrpo_jax.sampling import RowRequest
 from drgrpo_jax.serve.security import is_loopback, normalize_roots
@@ -33,7 +34,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # ServeConfig.dtype
 class ServeConfig:
     """How the service loads its model and batches requests."""
 
-    model: str = ""  # HF folder (config.json + safetensors) or .gguf file
+    model: str = ""  # HF folder (config.json + safetensors), .gguf file, or PEFT adapter folder (on its base)
     host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
     port: int = 30000  # TCP port (SGLang's default); 0 = any free port (see port_file)
     port_file: str = ""  # write the bound port here once serving (for parents that asked for port 0)
@@ -117,6 +118,7 @@ class Weights:
     config: Any  # drgrpo_jax.models.DecoderConfig
     version: str
     path: str
+    adapter: dict[str, Any] | None = None  # the LoRA adapter merged into the base: path, rank, alpha, targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,36 @@ def load_weights(path: str, dtype: str, version: str) -> Weights:
     model = from_pretrained(path, dtype=DTYPES[dtype])
     graphdef, state = nnx.split(model)
     return Weights(graphdef, state, model.config, str(version), path)
+
+
+def load_served(path: str, dtype: str, version: str) -> tuple[Weights, Weights]:
+    """(base, served) from --model: a model serves itself; a PEFT adapter folder serves the base its
+    adapter_config.json names (base_model_name_or_path) with the adapter merged in."""
+    if not is_adapter_folder(path):
+        weights = load_weights(path, dtype, version)
+        return weights, weights
+    _, base_path = read_adapter_config(path)
+    if not base_path:
+        raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path; start the service with "
+                         "--model BASE and push the adapter to /update_weights_from_disk")
+    base = load_weights(base_path, dtype, version)
+    return base, with_adapter(base, path, version)
+
+
+def with_adapter(base: Weights, folder: str, version: str, shown_path: str | None = None) -> Weights:
+    """`base` with the PEFT LoRA adapter in `folder` merged into its weights (W + alpha / r * A B).
+
+    Merging keeps decoding as fast as the base's and its compiled programs (same tree, same graphdef); the
+    base stays beside it so the next adapter merges into the original weights. ValueError naming what does
+    not fit the served model.
+    """
+    spec, adapters = load_adapter(folder, base.config)
+    merged = merge_adapters(nnx.merge(base.graphdef, base.state), spec, adapters)
+    new = Weights(base.graphdef, nnx.state(merged), base.config, str(version), shown_path or folder,
+                  adapter={"path": shown_path or folder, "rank": spec.rank, "alpha": spec.alpha,
+                           "targets": list(spec.targets)})
+    check_compatible(base, new)
+    return new
 
 
 def check_compatible(old: Weights, new: Weights) -> None:
@@ -203,7 +235,8 @@ class Engine:
 
     def __init__(self, config: ServeConfig):
         self.config = config
-        self.weights = load_weights(config.model, config.dtype, config.weight_version)
+        # `base`: the last full model loaded; `weights`: what is served (the base, or it with an adapter merged).
+        self.base, self.weights = load_served(config.model, config.dtype, config.weight_version)
         self.max_context = config.max_context or self.weights.config.max_position_embeddings
         self._update_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -249,6 +282,7 @@ class Engine:
                        allow_rollback: bool = False) -> Weights:
         """Loads, checks and swaps in new weights; on any error the served weights stay as they were.
 
+        `path`: a model folder (the new base), or a PEFT LoRA adapter folder, merged into the current base.
         Raises InvalidWeights with a message fit for the client: what failed to load is logged here only.
         `shown_path`: the path as the client gave it (reported by /get_model_info). `allow_rollback`: an
         older integer version is accepted (a trainer resuming from a checkpoint).
@@ -256,21 +290,46 @@ class Engine:
         with self._update_lock:
             if not allow_rollback:
                 check_newer(self.weights.version, version)
+            old, shown = self.weights, shown_path or path
             try:
                 with local_folder(path) as folder:  # a gs:// folder is copied to local disk first
-                    new = load_weights(folder, self.config.dtype, version)
-            except Exception as error:  # noqa: BLE001 - missing, unreadable, corrupt: one answer for all of them
+                    if is_adapter_folder(folder):
+                        new, base = self._adapter_weights(folder, version, shown), self.base
+                    else:
+                        new = base = self._model_weights(folder, version)
+            except InvalidWeights:
+                raise
+            except Exception as error:  # noqa: BLE001 - a folder that cannot be fetched or read
                 log.warning("weight update from %s refused: %s: %s", path, type(error).__name__, error)
                 raise InvalidWeights("model_path: not a valid model folder") from None
-            old = self.weights
-            try:
-                check_compatible(old, new)
-            except ValueError as error:  # names what differs from the served model, nothing about the disk
-                raise InvalidWeights(f"model_path: {error}") from None
             # Keep the old graphdef: it is the static key of the compiled programs (no recompiles).
-            self.weights = Weights(old.graphdef, new.state, old.config, new.version, shown_path or path)
-            log.info("weights %s -> %s from %s", old.version, new.version, path)
+            self.base = dataclasses.replace(base, graphdef=old.graphdef, config=old.config)
+            self.weights = dataclasses.replace(new, graphdef=old.graphdef, config=old.config, path=shown)
+            log.info("weights %s -> %s from %s%s", old.version, new.version, path, " (adapter)" if new.adapter else "")
             return self.weights
+
+    def _model_weights(self, folder: str, version: str) -> Weights:
+        """A full model folder, checked against the served model; InvalidWeights otherwise."""
+        try:
+            new = load_weights(folder, self.config.dtype, version)
+        except Exception as error:  # noqa: BLE001 - missing, unreadable, corrupt: one answer for all of them
+            log.warning("weight update from %s refused: %s: %s", folder, type(error).__name__, error)
+            raise InvalidWeights("model_path: not a valid model folder") from None
+        try:
+            check_compatible(self.weights, new)
+        except ValueError as error:  # names what differs from the served model, nothing about the disk
+            raise InvalidWeights(f"model_path: {error}") from None
+        return new
+
+    def _adapter_weights(self, folder: str, version: str, shown_path: str) -> Weights:
+        """The base with the adapter in `folder` merged; InvalidWeights naming what does not fit."""
+        try:
+            return with_adapter(self.base, folder, version, shown_path)
+        except (ValueError, KeyError) as error:  # tensor names and shapes, nothing about the disk
+            raise InvalidWeights(f"model_path: {error}") from None
+        except Exception as error:  # noqa: BLE001 - unreadable or corrupt files
+            log.warning("adapter update from %s refused: %s: %s", folder, type(error).__name__, error)
+            raise InvalidWeights("model_path: not a valid adapter folder") from None
 
     def _gather(self, job: _Job) -> None:
         self._pending.extend((job, i) for i in range(len(job.rows)))
