@@ -1,6 +1,6 @@
 """README command 1's training job, timed whole: wall time, per-step phases, learning curve, peak memory.
 
-    python benchmarks/quickstart.py [--config configs/quickstart.yaml] [KEY=VALUE ...]
+    python benchmarks/quickstart.py [--config configs/quickstart.yaml] [--keep DIR] [KEY=VALUE ...]
 
 Runs `python -m drgrpo_jax.train --config CONFIG run.output_dir=<temp> KEY=VALUE...` in its own
 process and prints one JSON line: the job's wall time (model load, compiles and evals included), the
@@ -47,18 +47,20 @@ def summarise(rows: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/quickstart.yaml")
+    parser.add_argument("--keep", metavar="DIR", help="run in DIR and keep it (final model, metrics)")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE trainer overrides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        run_dir = pathlib.Path(args.keep) if args.keep else pathlib.Path(tmp, "run")
         command = [sys.executable, "-m", "drgrpo_jax.train", "--config", args.config,
-                   f"run.output_dir={tmp}/run", *args.overrides]
+                   f"run.output_dir={run_dir}", *args.overrides]
         start = time.perf_counter()
         finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wall = time.perf_counter() - start
         if finished.returncode != 0:
             print(finished.stderr[-4000:], file=sys.stderr)
             return finished.returncode
-        rows = [json.loads(line) for line in pathlib.Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux
     print(json.dumps({"benchmark": "quickstart", "config": args.config, "overrides": args.overrides,
                       "wall_s": round(wall, 1), **summarise(rows), "peak_rss_gb": round(peak_gb, 2)}))
