@@ -19,6 +19,7 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- benchmark-table:begin -->", "<!-- benchmark-table:end -->"
+README_CONFIG = "configs/quickstart.yaml"  # README command 1's job: its row comes first
 
 
 def _train_step(r: dict) -> tuple[str, str]:
@@ -40,7 +41,8 @@ def _sampler(r: dict) -> tuple[str, str]:
 
 
 def _quickstart(r: dict) -> tuple[str, str]:
-    what = f"README command 1 (`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}), whole job"
+    command = f"`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
+    what = f"README command 1 ({command}), whole job" if r["config"] == README_CONFIG else f"{command}, whole job"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
     return what, (f"{r['wall_s'] / 60:.1f} min for {r['steps']} steps; a step after the first "
@@ -69,13 +71,29 @@ def _long_context(r: dict) -> tuple[str, str]:
     return what, "; ".join(parts) or "-"
 
 
-FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"quickstart": _quickstart, "train_step": _train_step,
-                                                         "sampler": _sampler, "long_context": _long_context}
+def _rl_step(r: dict) -> tuple[str, str]:
+    what = (f"Dr.GRPO RL step, {r['prompts']} prompts x {r['group']} samples x {r['budget']} tokens (all generated), "
+            "vs TRL `GRPOTrainer` (dr_grpo), each side in its own process")
+    parts = []
+    for dtype in ("float32", "bfloat16"):
+        ours, theirs, ratio = r.get(f"ours_{dtype}"), r.get(f"trl_{dtype}"), r.get(f"speedup_{dtype}")
+        if ours and theirs and ratio:
+            parts.append(f"{dtype}: **{ratio['step']:.2f}x** TRL ({ours['seconds']['step']:.1f} vs "
+                         f"{theirs['seconds']['step']:.1f} s/step; generate {ratio['generate']:.2f}x, update "
+                         f"{ratio['update']:.2f}x; peak RSS {ours['peak_rss_gb']:.1f} vs "
+                         f"{theirs['peak_rss_gb']:.1f} GB)")
+    return what, "; ".join(parts) or "-"
+
+
+FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"quickstart": _quickstart, "rl_step": _rl_step,
+                                                         "train_step": _train_step, "sampler": _sampler,
+                                                         "long_context": _long_context}
 
 
 # The headline ratio of each script, (what it is, its key): the spread over reproductions is shown on it.
-RATIOS: dict[str, tuple[str, str]] = {"train_step": ("ratio", "jax_over_torch"),
-                                      "sampler": ("float32 ratio", "ratio_float32")}
+RATIOS: dict[str, tuple[str, str, str]] = {"train_step": ("ratio", "jax_over_torch", "x"),
+                                           "sampler": ("float32 ratio", "ratio_float32", "x"),
+                                           "quickstart": ("step seconds", "step_s_median_after_first", " s")}
 
 
 def _code_commit(commit: str) -> str:
@@ -86,39 +104,44 @@ def _code_commit(commit: str) -> str:
     return found or commit
 
 
-def newest_records() -> dict[str, list[dict]]:
-    """script name -> its records of the code of its newest record, newest first (the others reproduce it)."""
-    by_script: dict[str, list[dict]] = {}
+def _row_key(record: dict) -> tuple[str, str]:
+    """(script, variant): the quickstart script gets one row per config it ran."""
+    return record["script"], str(record["results"][-1].get("config", ""))
+
+
+def newest_records() -> dict[tuple[str, str], list[dict]]:
+    """(script, variant) -> its records of the code of its newest record, newest first (the others reproduce it)."""
+    by_row: dict[tuple[str, str], list[dict]] = {}
     for path in sorted(RESULTS.glob("*.json")):
         record = json.loads(path.read_text())
         record["file"] = path.relative_to(ROOT).as_posix()
-        by_script.setdefault(record["script"], []).append(record)
+        by_row.setdefault(_row_key(record), []).append(record)
     newest = {}
-    for script, records in by_script.items():
+    for key, records in by_row.items():
         records.sort(key=lambda r: r["date"], reverse=True)
         code = _code_commit(records[0]["commit"])
-        newest[script] = [r for r in records if _code_commit(r["commit"]) == code]
+        newest[key] = [r for r in records if _code_commit(r["commit"]) == code]
     return newest
 
 
 def _spread(script: str, records: list[dict]) -> str:
     if script not in RATIOS:
         return ""
-    label, key = RATIOS[script]
-    ratios = sorted(r["results"][-1][key] for r in records if key in r["results"][-1])
-    if len(ratios) < 2:
+    label, key, unit = RATIOS[script]
+    values = sorted(r["results"][-1][key] for r in records if key in r["results"][-1])
+    if len(values) < 2:
         return ""
-    return f"; {label} over {len(ratios)} runs of this code: {ratios[0]:.2f}x-{ratios[-1]:.2f}x"
+    return f"; {label} over {len(values)} runs of this code: {values[0]:.2f}{unit}-{values[-1]:.2f}{unit}"
 
 
-def table(records: dict[str, dict]) -> str:
+def table(records: dict[tuple[str, str], list[dict]]) -> str:
     rows = ["| benchmark | same-run ratio, then absolute figures | record |", "|---|---|---|"]
-    for script, format_row in FORMATS.items():
-        if script not in records:
-            continue
-        record = records[script][0]
-        what, figures = format_row(record["results"][-1])
-        figures += _spread(script, records[script])
+    keys = sorted((key for key in records if key[0] in FORMATS),
+                  key=lambda key: (list(FORMATS).index(key[0]), key[1] != README_CONFIG, key[1]))
+    for script, variant in keys:
+        record = records[script, variant][0]
+        what, figures = FORMATS[script](record["results"][-1])
+        figures += _spread(script, records[script, variant])
         m = record["machine"]
         source = (f"[{record['date'][:10]}]({record['file']}), {record['commit'][:7]}"
                   f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores, load "

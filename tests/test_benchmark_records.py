@@ -76,3 +76,26 @@ def test_long_context_series_row_and_failed_worker():
                    "sampler 16x1024 float32: **2.50x** (250 vs 100 tok/s)")
     failed = long_context.run_worker("no_such_worker", {}, timeout_s=120)
     assert failed["error"].startswith("exit 1: KeyError")
+
+
+def test_one_quickstart_row_per_config_and_the_rl_step_row(tmp_path, monkeypatch):
+    table = _load("scripts/benchmark_table.py")
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    monkeypatch.setattr(table, "ROOT", tmp_path)
+    quickstart = {"overrides": [], "wall_s": 450.0, "steps": 10, "step_s_median_after_first": 31.3,
+                  "phases_s_median_after_first": {"rollout": 7.5, "train": 22.2}, "reward_mean_by_step": [0.2, 0.3],
+                  "eval_accuracy_by_step": {"0": 0.47, "10": 0.59}, "peak_rss_gb": 9.5}
+    for day, config in [("01", "configs/lora_quickstart.yaml"), ("02", "configs/quickstart.yaml")]:
+        record = {"script": "quickstart", "date": f"2026-12-{day}T00:00:00+00:00", "commit": "a" * 40, "dirty": False,
+                  "load_before": 0.2, "load_after": 1.1, "machine": {"nproc": 2},
+                  "results": [dict(quickstart, config=config)]}
+        (tmp_path / f"quickstart-{day}.json").write_text(json.dumps(record))
+    text = table.table(table.newest_records())
+    readme_row, lora_row = text.splitlines()[2:4]  # neither hides the other; README command 1's comes first
+    assert readme_row.startswith("| README command 1 (`configs/quickstart.yaml`)")
+    assert lora_row.startswith("| `configs/lora_quickstart.yaml`, whole job")
+    side = {"seconds": {"step": 20.0, "generate": 5.0, "update": 15.0}, "peak_rss_gb": 3.0}
+    _, row = table.FORMATS["rl_step"]({"prompts": 8, "group": 4, "budget": 64, "ours_float32": side,
+                                       "trl_float32": dict(side, seconds={"step": 30.0}),
+                                       "speedup_float32": {"step": 1.5, "generate": 2.0, "update": 1.2}})
+    assert row.startswith("float32: **1.50x** TRL (20.0 vs 30.0 s/step; generate 2.00x, update 1.20x")
