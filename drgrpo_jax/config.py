@@ -51,6 +51,7 @@ __all__ = [
     "describe_config",
     "dump_config",
     "load_config",
+    "lora_base_dtype",
     "lora_spec",
     "one_window_per_rollout",
     "resolve_model_path",
@@ -102,6 +103,10 @@ class LoraConfig:
     push: Literal["adapter", "merged"] = _f(
         "adapter", "what each weight push sends the services: the PEFT adapter folder (a few MB; drgrpo_jax.serve "
                    "merges it into its base) or the merged HF model (for servers that cannot load an adapter)")
+    base_dtype: Literal["model", "float32", "bfloat16", "int8"] = _f(
+        "model", "how the trainer stores the frozen base's decoder projections: model (in model.dtype), float32, "
+                 "bfloat16, or int8 (per-output-channel scales, dequantised in each GEMM: QLoRA-style memory); "
+                 "embeddings and norms keep model.dtype; the services load the base from model.path as before")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,6 +512,27 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
 }
 
 
+def lora_base_dtype(config: Config) -> str:
+    """The dtype the trainer stores the frozen LoRA base's projections in (model.lora.base_dtype made concrete)."""
+    return config.model.dtype if config.model.lora.base_dtype == "model" else config.model.lora.base_dtype
+
+
+def _check_base_dtype(config: Config) -> None:
+    """model.lora.base_dtype: only with adapters, never wider than model.dtype, bfloat16 computes in bfloat16."""
+    lora, model = config.model.lora, config.model
+    if lora.base_dtype == "model":
+        return
+    if lora.rank == 0:
+        raise ConfigError("model.lora.base_dtype", f"{lora.base_dtype} needs model.lora.rank > 0 (full fine-tuning "
+                                                   "trains every weight in model.dtype)")
+    if lora.base_dtype == "float32" and model.dtype == "bfloat16":
+        raise ConfigError("model.lora.base_dtype", "float32 would widen the bfloat16 weights model.dtype loads; "
+                                                   "use model, or model.dtype=float32")
+    if lora.base_dtype == "bfloat16" and model.compute_dtype == "float32":
+        raise ConfigError("model.lora.base_dtype", "bfloat16 projections compute in bfloat16, but "
+                                                   "model.compute_dtype=float32; set it to auto or bfloat16")
+
+
 def lora_spec(config: Config) -> LoraSpec | None:
     """The adapters' spec from model.lora (None when rank is 0: full fine-tuning); ConfigError naming the key."""
     lora = config.model.lora
@@ -698,6 +724,7 @@ def validate(config: Config) -> None:
     _check_ranges(config)
     _at_least("model.lora.rank", config.model.lora.rank, 0)
     lora_spec(config)
+    _check_base_dtype(config)
     step_configs(config)
     _check_batches(config)
     _check_rest(config)

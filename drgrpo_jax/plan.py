@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Any
 
-from drgrpo_jax.config import Config, load_config, lora_spec
+from drgrpo_jax.config import Config, load_config, lora_base_dtype, lora_spec
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 
@@ -303,13 +303,28 @@ def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state:
     grads = trainable_device * 4 // trainable_itemsize + trainable_device
     if frozen is None:
         params_device, params_total, adapters = trainable_device, trainable_total, 0
-    else:
-        (params_device, params_total), adapters = state_bytes(frozen, sizes), trainable_device
+    else:  # the trainer stores the base as model.lora.base_dtype says; the services load model.path's (total)
+        params_device, adapters = stored_base_bytes(config, model, sizes), trainable_device
+        params_total = state_bytes(frozen, sizes)[1]
     return {"params": params_device, "adapters": adapters, "optimizer": opt_device, "gradients": grads,
             "reference": params_device if config.algorithm.kl_coef > 0 and frozen is None else 0,
             "activations": activation_bytes(config, model, config.model.remat),
             "logprob_chunks": logprob_chunk_bytes(config, model), "batch": batch_bytes(config),
             "_params_total": params_total}
+
+
+def stored_base_bytes(config: Config, model: DecoderConfig, sizes: dict[str, int]) -> int:
+    """Per-device bytes of the frozen LoRA base as the trainer stores it (model.lora.base_dtype: `lora.store_base`)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drgrpo_jax.models import Transformer
+    from drgrpo_jax.models.lora import store_base
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.model.dtype]
+    stored = nnx.eval_shape(lambda: store_base(Transformer(model, rngs=nnx.Rngs(0), dtype=dtype),
+                                               lora_base_dtype(config)))
+    return state_bytes(nnx.state(stored, nnx.Param), sizes)[0]
 
 
 def adapted_bytes(frozen: Any, targets: tuple[str, ...]) -> int:

@@ -11,7 +11,15 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from drgrpo_jax.config import Config, check_paths, dump_config, lora_spec, resolve_model_path, step_configs
+from drgrpo_jax.config import (
+    Config,
+    check_paths,
+    dump_config,
+    lora_base_dtype,
+    lora_spec,
+    resolve_model_path,
+    step_configs,
+)
 from drgrpo_jax.data import PromptDataset, PromptStream
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
@@ -195,7 +203,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     check_trackers(c)
     check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
-    compute_dtype = resolve_compute_dtype(c.model.compute_dtype, c.model.dtype, jax.devices()[0])
+    stored_dtype = lora_base_dtype(c) if c.model.lora.rank else c.model.dtype  # bfloat16 base: bfloat16 GEMMs
+    compute_dtype = resolve_compute_dtype(c.model.compute_dtype, stored_dtype, jax.devices()[0])
     train_config, logprob_config = step_configs(c, compute_dtype)
     dataset = load_dataset(c.data, c.run.seed)
     client = None
@@ -217,9 +226,10 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat,
                             attention_impl=c.model.attention_impl)
     if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
-        from drgrpo_jax.models.lora import add_adapters
+        from drgrpo_jax.models.lora import add_adapters, store_base
 
         model = add_adapters(model, spec, jax.random.fold_in(jax.random.key(c.run.seed), _LORA_INIT_PURPOSE))
+        model = store_base(model, stored_dtype)  # deterministic: a resumed run rebuilds the same stored base
     optimizer, schedule = optimizer_of(c)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
     model_config = model.config

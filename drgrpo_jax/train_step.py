@@ -239,10 +239,13 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
 
     `compute_dtype="bfloat16"`: the GEMMs run on bfloat16 weights (`matmul_weights_in`) and inputs with
     float32 accumulation; the log-softmax, log-probs and entropies stay float32. With LoRA (`frozen`: the
-    base weights; `lora_key`: the adapters' dropout, training only) the step runs in float32 for now.
+    base weights; `lora_key`: the adapters' dropout, training only) the cast covers adapters and base alike.
     """
-    low = None if compute_dtype == "float32" or frozen is not None else COMPUTE_DTYPES[compute_dtype]
-    model = merge_model(graphdef, params if low is None else matmul_weights_in(params, low), frozen)
+    low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
+    if low is not None:
+        params = matmul_weights_in(params, low)
+        frozen = None if frozen is None else matmul_weights_in(frozen, low)
+    model = merge_model(graphdef, params, frozen)
     tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key)
     prompt_len = prompt_ids.shape[1]

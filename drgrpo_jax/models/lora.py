@@ -16,6 +16,9 @@ neither sees them, and this file is the explicit low-rank term instead.
 PEFT's layout (what `peft.PeftModel.from_pretrained` loads onto the transformers model): per layer i and
 module m, `base_model.model.model.layers.{i}.{m}.lora_A.weight` [r, in] and `...lora_B.weight` [out, r],
 in and out flattened in HF order, which is ours flattened (q_proj's outputs are (Q, H) head-major in both).
+
+The frozen base may be stored narrower than model.dtype (`store_base`, model.lora.base_dtype): its projections
+in bfloat16, or int8 with per-output-channel scales (models/quant.py, dequantised inside each layer's GEMM).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from flax import nnx
 
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig, LoraSpec
 from drgrpo_jax.models.hf_io import read_safetensors, write_safetensors
+from drgrpo_jax.models.quant import SCALE_SUFFIX, dequantize, quantize
 from drgrpo_jax.models.transformer import Transformer, param_specs
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "add_adapters", "adapter_arrays", "adapter_specs", "is_adapter_folder",
-           "load_adapter", "merge_adapters", "merged_model", "read_adapter_config", "save_adapter"]
+           "load_adapter", "merge_adapters", "merged_model", "read_adapter_config", "save_adapter", "store_base"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -79,6 +83,30 @@ def add_adapters(model: Transformer, spec: LoraSpec, key: jax.Array) -> Transfor
     return model
 
 
+def store_base(model: Transformer, base_dtype: str) -> Transformer:
+    """`model` (in place, like `add_adapters`) with its decoder projections stored as `base_dtype`.
+
+    "bfloat16" casts them; "int8" quantises them per output channel and adds each one's float32 scales
+    ("q_proj_scale" [L, *Y], sharded like the weight's output axes) beside it as a Param, frozen with the base.
+    Embeddings, norms and biases keep model.dtype, and with them the residual stream. "float32" casts to it.
+    """
+    specs = param_specs(model.config)
+    for name in LORA_TARGETS:
+        variable = getattr(model.blocks, name)
+        if base_dtype != "int8":
+            variable.set_value(variable[...].astype(base_dtype))
+            continue
+        in_dims = _IN_DIMS.get(name, 1)
+        q, scale = _quantize(variable[...], in_dims)
+        layers, *axes = specs[f"blocks/{name}"][1]
+        variable.set_value(q)
+        setattr(model.blocks, name + SCALE_SUFFIX, nnx.Param(scale, logical_axes=(layers, *axes[in_dims:])))
+    return model
+
+
+_quantize = jax.jit(quantize, static_argnums=1)
+
+
 def adapter_arrays(adapters: nnx.State) -> dict[str, jax.Array]:
     """The adapter state (`nnx.split(model, nnx.LoRAParam, ...)`'s) as {"q_proj_lora_a": [L, *X, Z], ...}."""
     out = {}
@@ -102,14 +130,20 @@ def merge_adapters(model: Transformer, spec: LoraSpec, adapters: Mapping[str, Ar
     """A plain Transformer (no adapters) equal to `model` with the adapters merged into their weights.
 
     `model` may carry adapters itself (they are dropped); arrays of untargeted weights are shared, not copied.
+    A base stored narrower (`store_base`) comes out in model.dtype (the embedding's), int8 dequantised.
     """
     config = dataclasses.replace(model.config, lora=None)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    source = {"/".join(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    source = {"/".join(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     for path, variable in nnx.to_flat_state(state):
         name = "/".join(str(p) for p in path)
-        value = source[name][...]
+        value = source[name]
         target = name.removeprefix("blocks/")
+        if name.startswith("blocks/") and target in LORA_TARGETS:
+            if (scale := source.get(name + SCALE_SUFFIX)) is not None:
+                value = jax.vmap(dequantize)(value, scale)
+            if value.dtype != source["embed"].dtype:
+                value = value.astype(source["embed"].dtype)
         if name.startswith("blocks/") and target in spec.targets:
             value = merged_weight(value, adapters[f"{target}_lora_a"], adapters[f"{target}_lora_b"], spec.scale)
         variable.set_value(value)

@@ -6,6 +6,10 @@ accumulates in float32 (`transformer._dense`, `logprobs.token_logprobs`), and th
 norms, softmax, log-probs, loss, gradients and optimizer state stay float32. On CPU XLA's bfloat16 GEMM
 is only fast with a float32 accumulator, which is what these paths ask for.
 
+With LoRA the same cast covers the float32 adapters (their A and B GEMMs run in bfloat16 with float32
+accumulation; gradients and Adam stay on the float32 masters) and the frozen base, which
+model.lora.base_dtype may already store in bfloat16 or as int8 (dequantised per layer in bfloat16).
+
 `"auto"` picks bfloat16 on accelerators that compute it natively (TPU, NVIDIA from Ampere on) and float32 on
 CPUs: on the 2-core Zen 4 with AVX512-BF16 this project measures on, the SmolLM2 train step ran no faster in
 bfloat16 (`benchmarks/train_step.py --compute-dtype`, 8 x 128 tokens, 2026-12-01: 4.95 s f32, 4.69 s bf16),
@@ -22,22 +26,32 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from drgrpo_jax.models.quant import SCALE_SUFFIX
+
 ComputeDtype = Literal["float32", "bfloat16"]
 COMPUTE_DTYPES: dict[str, jnp.dtype] = {"float32": jnp.dtype(jnp.float32), "bfloat16": jnp.dtype(jnp.bfloat16)}
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 bfloat16 dot-product instructions
 
 
-def matmul_weights_in(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
-    """The decoder layers' projection weights (`*_proj`) cast to `dtype`; norms, biases and embedding as they are.
+# Names of the decoder's GEMM operands: projection weights, int8 weights' scales (bfloat16-exact, models/quant.py:
+# the dequantised weight comes out in their dtype) and LoRA adapters (models/lora.py).
+_MATMUL_SUFFIXES = ("_proj", "_proj" + SCALE_SUFFIX, "_lora_a", "_lora_b")
 
-    Called inside the differentiated function, so the gradient flows through the cast back to the
-    float32 masters; `_dense` then runs each GEMM in `dtype` with float32 accumulation.
+
+def matmul_weights_in(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
+    """The decoder layers' GEMM operands (`_MATMUL_SUFFIXES`) cast to `dtype`; int8 values, norms, biases and
+    the embedding as they are.
+
+    Called inside the differentiated function, so the gradient flows through the cast back to the float32
+    masters (the weights, or with LoRA the adapters); `_dense` then runs each GEMM in `dtype` with float32
+    accumulation. A frozen LoRA base goes through it too: already stored in `dtype` (model.lora.base_dtype),
+    the cast is nothing.
     """
 
     def one(path, x):
         names = (getattr(key, "key", getattr(key, "name", None)) for key in path)
-        is_projection = any(isinstance(name, str) and name.endswith("_proj") for name in names)
-        return x.astype(dtype) if is_projection and jnp.issubdtype(x.dtype, jnp.floating) else x
+        is_operand = any(isinstance(name, str) and name.endswith(_MATMUL_SUFFIXES) for name in names)
+        return x.astype(dtype) if is_operand and jnp.issubdtype(x.dtype, jnp.floating) else x
 
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
 from drgrpo_jax.sharding import ShardingRules, named_sharding
@@ -228,7 +229,11 @@ def _project_f32(x_BTX: jax.Array, w_XY: jax.Array) -> jax.Array:
 
 def _lora_term(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array,
                key: jax.Array | None) -> jax.Array | None:
-    """float32 (alpha / r) * dropout(x) A B [B, T, *out] when projection `name` has an adapter (models/lora.py)."""
+    """float32 (alpha / r) * dropout(x) A B [B, T, *out] when projection `name` has an adapter (models/lora.py).
+
+    Both GEMMs are `_dense`s in the adapters' dtype (bfloat16 under mixed precision: `matmul_weights_in`)
+    accumulating in float32; dropout and the low-rank activations between them stay float32.
+    """
     if config.lora is None or f"{name}_lora_a" not in p:
         return None
     a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]  # [*X, Z], [Z, *Y]
@@ -238,22 +243,22 @@ def _lora_term(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX:
         keep = 1.0 - config.lora.dropout
         kept_MX = jax.random.bernoulli(jax.random.fold_in(key, LORA_TARGETS.index(name)), keep, x_MX.shape)
         x_MX = jnp.where(kept_MX, x_MX / keep, 0.0)
-    low_MZ = jnp.dot(x_MX, a.reshape(-1, a.shape[-1]), preferred_element_type=_F32)
-    y_MY = jnp.dot(low_MZ, b.reshape(b.shape[0], -1), preferred_element_type=_F32) * config.lora.scale
+    low_MZ = _dense(x_MX, a.reshape(-1, a.shape[-1]))
+    y_MY = _dense(low_MZ, b.reshape(b.shape[0], -1)) * config.lora.scale
     return y_MY.reshape(B, T, *b.shape[1:])
 
 
 def _project(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array, in_dims: int = 1,
              key: jax.Array | None = None) -> jax.Array:
-    """`project` by weight `name` of layer `p`, plus its low-rank adapter's term when it has one."""
-    y_BTY = project(x_BTX, p[name], in_dims)
+    """`project` by weight `name` of layer `p` (int8 dequantised: models/quant.py), plus its adapter's term."""
+    y_BTY = project(x_BTX, quant.weight(p, name), in_dims)
     delta = _lora_term(config, p, name, x_BTX, key)
     return y_BTY if delta is None else (y_BTY.astype(_F32) + delta).astype(y_BTY.dtype)
 
 
 def _project_f32_lora(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array) -> jax.Array:
     """`_project_f32` by weight `name`, plus its adapter's term (inference: no dropout)."""
-    y_BTY = _project_f32(x_BTX, p[name])
+    y_BTY = _project_f32(x_BTX, quant.weight(p, name))
     delta = _lora_term(config, p, name, x_BTX, None)
     return y_BTY if delta is None else y_BTY + delta
 
