@@ -90,9 +90,15 @@ def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float3
     return median_time(one, repeats), compile_seconds
 
 
-def packed_step(model, batch, args) -> dict:
-    """Our step on the same batch, packed: its time, rows and the share of the padded layout that is padding."""
+def packed_step(batch, args) -> dict:
+    """Our step on the same batch, packed: its time, rows and the share of the padded layout that is padding.
+
+    A fresh model: the padded step donated the first one's arrays.
+    """
     from drgrpo_jax.packing import rows_needed, sequence_lengths
+
+    model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
+    model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)
 
     lengths = sequence_lengths(batch.prompt_mask, batch.response_mask, batch.row_valid)
     pack_length = args.prompt + args.response - 1
@@ -135,7 +141,7 @@ def main():
         save_pretrained(model, folder)
         jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats,
                                                         args.compute_dtype)
-        packed = packed_step(model, batch, args) if args.pack else None
+        packed = packed_step(batch, args) if args.pack else None
         torch_seconds = None if args.skip_torch else torch_step_seconds(
             folder, np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), args.repeats,
             args.compute_dtype)

@@ -243,3 +243,15 @@ def test_activation_formula_matches_xla_memory_analysis(impl):
     # at 4 layers can outweigh save_attention_out's kept outputs, so it is only compared with dots_saveable.
     assert measured["save_attention_out"] < measured["dots_saveable"] < measured["none"], measured
     assert measured["full"] < measured["dots_saveable"], measured
+
+
+def test_the_trainer_resolves_auto_on_its_own_device():
+    """run.py's path: auto_remat reads the device's memory (the host's RAM on CPU) and returns the plan's pick."""
+    tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8)
+    config = load_config(None, ["model.path=tiny"])
+    assert config.model.remat == "auto"
+    assert plan.device_memory_bytes(jax.devices()[0]) > 2**30
+    assert plan.auto_remat(config, tiny, jax.devices()[0]) == "none"  # a tiny model fits anywhere
+    fixed = load_config(None, ["model.path=tiny", "model.remat=true"])
+    assert plan.resolve_remat(fixed, {}, budget=0) == "full"  # a set policy is kept whatever the budget
