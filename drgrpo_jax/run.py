@@ -223,8 +223,13 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     mesh = build_mesh(c)
     dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
     check_attention_backend(c.model.attention_impl, jax.default_backend())
-    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=c.model.remat,
+    fixed_remat = "none" if c.model.remat == "auto" else c.model.remat
+    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
                             attention_impl=c.model.attention_impl)
+    if c.model.remat == "auto":  # the plan's pick for this device's memory (python -m drgrpo_jax.plan shows it)
+        from drgrpo_jax.plan import auto_remat
+
+        model.config = dataclasses.replace(model.config, remat=auto_remat(c, model.config, jax.devices()[0]))
     if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
         from drgrpo_jax.models.lora import add_adapters, store_base
 

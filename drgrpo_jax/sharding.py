@@ -140,3 +140,26 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules: ShardingRules = ShardingRul
     """Sharding of a [B, ...] batch: batch over the rules' batch axes, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(rules.batch, *([None] * (ndim - 1))))
 
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Puts a tree on global shardings, in one process or many (where device_put cannot).
+
+    Arrays already spanning several processes (e.g. loaded straight onto the mesh) must carry
+    the asked sharding and are kept; other jax arrays move with device_put in one process; host
+    values identical on every process become global arrays shard by shard.
+    """
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if not x.sharding.is_equivalent_to(sharding, x.ndim):
+                raise ValueError(f"place: a multi-process array has sharding {x.sharding}, expected {sharding}")
+            return x
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    # `shardings` may be a prefix of `tree` (one sharding per nnx Variable).
+    return jax.tree.map(lambda sharding, sub: jax.tree.map(lambda x: one(x, sharding), sub), shardings, tree)

@@ -12,7 +12,9 @@ optax update. The micro-batch shares sum to the window's loss, so the update dep
 on the number of micro-batches nor on the mesh. An empty window (T_w = 0) leaves parameters
 and optimizer state untouched, counts the step and sets `skipped`. With LoRA adapters
 (`TrainState.frozen` holds the base) the gradients, the optimizer state and the update cover the
-adapters alone, and the reference is the base with the adapters off.
+adapters alone, and the reference is the base with the adapters off. With `StepConfig.pack_rows` the model
+runs on packed rows (drgrpo_jax/packing.py) and the log-probs come back to [N, T], so nothing else changes.
+`StepConfig` and the importance weights live in step_config.py, the optimizer in optimizer.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, Generic, Literal, TypeVar, get_args
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +32,18 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.errors import FieldError, FieldTypeError
-from drgrpo_jax.losses import LossConfig, WindowStats, kl_divergence, loss_fn, window_stats
+from drgrpo_jax.errors import PackingError
+from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype, matmul_weights_in
+from drgrpo_jax.optimizer import in_float32, make_optimizer
+from drgrpo_jax.packing import PackSpec, packed_hidden_states, window_rows_needed
+from drgrpo_jax.sharding import place
+from drgrpo_jax.step_config import StepConfig, importance_weights
 
-__all__ = ["Batch", "StepConfig", "TrainState", "importance_weights", "in_float32", "init_state", "jit_policy_logprobs",
-           "jit_train_step", "make_optimizer", "place", "policy_logprobs", "shard_batch", "train_step"]
+__all__ = ["Batch", "StepConfig", "TrainState", "data_shards", "importance_weights", "in_float32", "init_state",
+           "jit_policy_logprobs", "jit_train_step", "make_optimizer", "pack_demand", "pack_spec", "place",
+           "policy_logprobs", "shard_batch", "train_step"]
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
 
@@ -79,124 +86,6 @@ class Batch(Generic[ArrayT]):
     row_valid: ArrayT  # bool [N]: False = a padding row added for static shapes
 
 
-ImportanceLevel = Literal["token", "sequence"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """What the step computes; static under jit; validated at construction (FieldError naming the field)."""
-
-    loss: LossConfig  # aggregation, clipping, KL and entropy terms
-    micro_batches: int = 1  # gradient-accumulation slices of one window
-    temperature: float = 1.0  # the sampler's temperature; log-probs use the same scaling
-    tis_cap: float | None = None  # truncated importance sampling: cap C >= 1 on exp(old - behaviour); None = off
-    tis_level: ImportanceLevel = "token"  # tis_cap's and mis_high's ratio: per token or per response
-    mis_high: float | None = None  # masked importance sampling: weight 0 above this ratio (>= 1), else the ratio
-    mis_low: float = 0.0  # masked importance sampling: weight 0 below this ratio too, in [0, 1]
-    logprob_chunk: int = 256  # tokens per chunk of the vocabulary projection
-    # The rollout gets exactly one optimizer window (one epoch, one minibatch): the old policy IS the current
-    # one, so its log-probs are this forward's with the gradient stopped and the batch's old_logprobs are unused.
-    on_policy: bool = False
-    # Mixed precision: "bfloat16" runs the model's GEMMs on a bfloat16 copy of the projection and unembedding
-    # weights (float32 accumulation) while params, gradients, optimizer state, log-probs and the loss stay float32.
-    compute_dtype: ComputeDtype = "float32"
-
-    def __post_init__(self):
-        for name, kinds in [("micro_batches", int), ("logprob_chunk", int), ("temperature", (int, float)),
-                            ("tis_cap", (int, float, type(None)))]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                wanted = "an int" if kinds is int else "a number"
-                raise FieldTypeError("StepConfig", name, f"must be {wanted}, got {type(value).__name__} {value!r}")
-        if not isinstance(self.on_policy, bool):
-            raise FieldTypeError("StepConfig", "on_policy", f"must be a bool, got {self.on_policy!r}")
-        for name in ("micro_batches", "logprob_chunk"):
-            if getattr(self, name) < 1:
-                raise FieldError("StepConfig", name, f"must be an int >= 1, got {getattr(self, name)}")
-        if not 0 < self.temperature < float("inf"):
-            raise FieldError("StepConfig", "temperature",
-                             f"must be finite and > 0 for training log-probs, got {self.temperature}")
-        # C < 1 would weight even on-policy tokens (ratio 1) by C: a smaller learning rate, not a truncation.
-        if self.tis_cap is not None and not 1 <= self.tis_cap < float("inf"):
-            raise FieldError("StepConfig", "tis_cap", "must be finite and >= 1 (a cap on an importance ratio), "
-                                                      f"got {self.tis_cap}")
-        self._check_masked_is()
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise FieldError("StepConfig", "compute_dtype", f"unknown {self.compute_dtype!r}; choose one of "
-                                                            f"{sorted(COMPUTE_DTYPES)}")
-
-    def _check_masked_is(self):
-        if self.tis_level not in get_args(ImportanceLevel):
-            raise FieldError("StepConfig", "tis_level", f"unknown {self.tis_level!r}; choose one of "
-                                                        f"{get_args(ImportanceLevel)}")
-        for name, kinds in [("mis_high", (int, float, type(None))), ("mis_low", (int, float))]:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                raise FieldTypeError("StepConfig", name, f"must be a number, got {type(value).__name__} {value!r}")
-        if self.mis_high is not None and not 1 <= self.mis_high < float("inf"):
-            raise FieldError("StepConfig", "mis_high", f"must be finite and >= 1 (on-policy tokens have ratio 1), "
-                                                       f"got {self.mis_high}")
-        if not 0 <= self.mis_low <= 1:
-            raise FieldError("StepConfig", "mis_low", f"must be in [0, 1] (on-policy tokens have ratio 1), "
-                                                      f"got {self.mis_low}")
-        if self.mis_low > 0 and self.mis_high is None:
-            raise FieldError("StepConfig", "mis_low", "needs mis_high (masked importance sampling is off)")
-        if self.mis_high is not None and self.tis_cap is not None:
-            raise FieldError("StepConfig", "mis_high", "and tis_cap correct the same mismatch two ways; set one")
-
-
-def make_optimizer(
-    learning_rate: float,
-    *,
-    total_steps: int,
-    warmup_steps: int = 0,
-    decay: str = "constant",
-    weight_decay: float = 0.0,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    max_grad_norm: float | None = 1.0,
-) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then constant/cosine/linear decay, after global-norm clipping."""
-    decay_steps = max(total_steps - warmup_steps, 1)
-    after_warmup = {
-        "constant": lambda: optax.constant_schedule(learning_rate),
-        "cosine": lambda: optax.cosine_decay_schedule(learning_rate, decay_steps),
-        "linear": lambda: optax.linear_schedule(learning_rate, 0.0, decay_steps),
-    }
-    if decay not in after_warmup:
-        raise ValueError(f"optimizer.decay: unknown {decay!r}; choose one of {sorted(after_warmup)}")
-    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else None
-    schedule = (
-        optax.join_schedules([warmup, after_warmup[decay]()], [warmup_steps]) if warmup else after_warmup[decay]()
-    )
-    clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
-    adamw = optax.chain(*clip, optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-    return in_float32(adamw), schedule
-
-
-def _to_float32(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
-def in_float32(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`inner` with float32 state and arithmetic whatever the param dtype; updates come back in the param dtype.
-
-    Adam's second moment of a bfloat16 run underflows and rounds (8 mantissa bits), so the moments,
-    the clipping norm and the weight decay are float32; only the update is cast to each parameter's dtype.
-    """
-
-    def init(params):
-        return inner.init(_to_float32(params))
-
-    def update(grads, state, params=None):
-        updates, state = inner.update(_to_float32(grads), state, None if params is None else _to_float32(params))
-        like = grads if params is None else params
-        return jax.tree.map(lambda u, p: u.astype(p.dtype), updates, like), state
-
-    return optax.GradientTransformation(init, update)
-
-
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, rng: jax.Array,
                *, with_reference: bool = False) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, state) from a model; the reference is a copy of the initial policy.
@@ -233,37 +122,67 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
                       response_mask, *, temperature: float, chunk: int, compute_dtype: ComputeDtype = "float32",
-                      frozen: nnx.State | None = None,
-                      lora_key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                      frozen: nnx.State | None = None, lora_key: jax.Array | None = None,
+                      packing: PackSpec | None = None, row_valid=None) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
 
     `compute_dtype="bfloat16"`: the GEMMs run on bfloat16 weights (`matmul_weights_in`) and inputs with
     float32 accumulation; the log-softmax, log-probs and entropies stay float32. With LoRA (`frozen`: the
     base weights; `lora_key`: the adapters' dropout, training only) the cast covers adapters and base alike.
+    `packing`: the model runs on packed rows (drgrpo_jax/packing.py; padding rows, `row_valid` False, are left
+    out), with the same values at every response token.
     """
     low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
     if low is not None:
         params = matmul_weights_in(params, low)
         frozen = None if frozen is None else matmul_weights_in(frozen, low)
     model = merge_model(graphdef, params, frozen)
-    tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key)
-    prompt_len = prompt_ids.shape[1]
-    hidden_NTD = hidden_NSD[:, prompt_len - 1:]  # the state before each response token predicts it
+    hidden_NTD = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing,
+                                  row_valid)
     return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
                           final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low)
 
 
+def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid):
+    """[N, T, D]: the final hidden state before each response token (it predicts that token)."""
+    if packing is not None:
+        valid = jnp.ones(prompt_ids.shape[0], bool) if row_valid is None else row_valid
+        return packed_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, valid, packing,
+                                    lora_key)
+    tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key)
+    return hidden_NSD[:, prompt_ids.shape[1] - 1:]
+
+
 def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch,
-                    frozen: nnx.State | None = None) -> jax.Array:
-    """The policy's log-probs [N, T] of a batch's responses (the trainer's old log-probs)."""
+                    frozen: nnx.State | None = None, *, shards: int = 1) -> jax.Array:
+    """The policy's log-probs [N, T] of a batch's responses (the trainer's old log-probs).
+
+    `shards`: the batch's data-parallel shards (the mesh's data x fsdp), each packing its own responses.
+    """
+    packing = pack_spec(config, shards)
 
     def one(micro):
         return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                  micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk,
-                                 compute_dtype=config.compute_dtype, frozen=frozen)[0]
+                                 compute_dtype=config.compute_dtype, frozen=frozen, packing=packing,
+                                 row_valid=micro.row_valid)[0]
 
     return _unsplit(jax.lax.map(one, _split(batch, config.micro_batches)))
+
+
+def pack_spec(config: StepConfig, shards: int) -> PackSpec | None:
+    """The packed layout of a step config on `shards` data-parallel shards; None when packing is off."""
+    return PackSpec(config.pack_rows, config.pack_length, shards) if config.pack_rows else None
+
+
+def pack_demand(config: StepConfig, batch: Batch, shards: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(most packed rows any shard of any micro-batch needs, longest sequence) of a window (packing on)."""
+    spec = pack_spec(config, shards)
+    assert spec is not None, "pack_demand needs StepConfig.pack_rows > 0"
+    prompt_mask, response_mask, row_valid = _split((batch.prompt_mask, batch.response_mask, batch.row_valid),
+                                                   config.micro_batches)
+    return window_rows_needed(prompt_mask, response_mask, row_valid, spec)
 
 
 # ------------------------------------------------------------------ micro-batching
@@ -286,27 +205,6 @@ def _unsplit(x):
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def importance_weights(mismatch_NT: jax.Array, config: StepConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(weight, truncated, dropped) [N, T] of the sampler/trainer mismatch log(pi_old / pi_sampler) per token.
-
-    The ratio is per token, or at tis_level="sequence" the product over each response (a fact of one
-    row, so exact under any split by rows). TIS: min(ratio, tis_cap). MIS: the ratio inside
-    [mis_low, mis_high], else 0 (the response or token leaves the policy gradient; it still counts in the
-    window's N_w and T_w, which are facts of the rollout). Neither: 1.
-    """
-    log_ratio = mismatch_NT
-    if config.tis_level == "sequence":
-        log_ratio = jnp.broadcast_to(mismatch_NT.sum(axis=1, keepdims=True), mismatch_NT.shape)
-    none = jnp.zeros(mismatch_NT.shape, bool)
-    ratio = jnp.exp(log_ratio)  # may overflow to inf at the sequence level: capped or masked below, never used
-    if config.tis_cap is not None:
-        return jnp.minimum(ratio, config.tis_cap), ratio > config.tis_cap, none
-    if config.mis_high is not None:
-        inside = (ratio <= config.mis_high) & (ratio >= config.mis_low)
-        return jnp.where(inside, ratio, 0.0), none, ~inside
-    return jnp.ones(mismatch_NT.shape, jnp.float32), none, none
-
-
 def _reference(params, ref_params, frozen, config: StepConfig):
     """The reference's trainable part: its own copy, or with LoRA zero adapters (the base alone); None = no KL."""
     if ref_params is not None:
@@ -317,19 +215,19 @@ def _reference(params, ref_params, frozen, config: StepConfig):
 
 
 def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, frozen,
-                micro: Batch[jax.Array], lora_key: jax.Array):
+                micro: Batch[jax.Array], lora_key: jax.Array, packing: PackSpec | None = None):
     """This micro-batch's share of the window's loss, and its metric shares."""
     logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.response_mask, temperature=config.temperature,
                                           chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
-                                          frozen=frozen, lora_key=lora_key)
+                                          frozen=frozen, lora_key=lora_key, packing=packing, row_valid=micro.row_valid)
     ref_logprobs = None
     reference = _reference(params, ref_params, frozen, config)
     if reference is not None:
         ref_logprobs = jax.lax.stop_gradient(response_logprobs(
             graphdef, reference, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
             temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
-            frozen=frozen)[0])
+            frozen=frozen, packing=packing, row_valid=micro.row_valid)[0])
     old_logprobs = jax.lax.stop_gradient(logprobs) if config.on_policy else micro.old_logprobs
     token = micro.response_mask & micro.row_valid[:, None]
     advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)
@@ -352,10 +250,15 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-               config: StepConfig, state: TrainState, batch: Batch[jax.Array]
+               config: StepConfig, state: TrainState, batch: Batch[jax.Array], *, shards: int = 1
                ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer window: accumulate micro-batch gradients, then one update (pure)."""
+    """One optimizer window: accumulate micro-batch gradients, then one update (pure).
+
+    `shards`: the batch's data-parallel shards (packing: each packs its own responses). A window that overflows the
+    packed rows is skipped and counted (`pack_overflow`); `jit_train_step` refuses it before running instead.
+    """
     window = window_stats(batch.response_mask, batch.row_valid)
+    packing = pack_spec(config, shards)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     step_key = jax.random.fold_in(state.rng, state.step)  # adapter dropout (LoRA); unused otherwise
 
@@ -363,7 +266,8 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         grads, loss, metrics = carry
         micro, index = micro_and_index
         (micro_loss, micro_metrics), micro_grads = grad_fn(state.params, graphdef, config, window, state.ref_params,
-                                                           state.frozen, micro, jax.random.fold_in(step_key, index))
+                                                           state.frozen, micro, jax.random.fold_in(step_key, index),
+                                                           packing)
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
         metrics = jax.tree.map(jnp.add, metrics, micro_metrics)
         return (grads, loss + micro_loss, metrics), None
@@ -379,6 +283,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     skipped = window.num_tokens == 0
+    if packing is not None:
+        rows, longest = pack_demand(config, batch, shards)
+        metrics["pack_overflow"] = ((rows > packing.rows) | (longest > packing.length)).astype(jnp.float32)
+        skipped = skipped | (metrics["pack_overflow"] > 0)
 
     def keep_if_skipped(new, old):
         return jnp.where(skipped, old, new)
@@ -432,13 +340,41 @@ def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh,
     )
 
 
+def data_shards(mesh: Mesh) -> int:
+    """The data-parallel shards of a batch's response dimension on `mesh`."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _refusing_overflow(fn: Callable, config: StepConfig, mesh: Mesh, batch_index: int) -> Callable:
+    """`fn` that first raises PackingError when its batch (argument `batch_index`) does not fit the packed rows."""
+    if not config.pack_rows:
+        return fn
+    replicated = NamedSharding(mesh, P())
+    demand = jax.jit(functools.partial(pack_demand, config, shards=data_shards(mesh)),
+                     in_shardings=(batch_shardings(mesh),), out_shardings=(replicated, replicated))
+
+    def checked(*args):
+        rows, longest = (int(x) for x in demand(args[batch_index]))  # replicated: readable on every process
+        if longest > config.pack_length:
+            raise PackingError("train.pack_length", f"a response with its prompt needs {longest} tokens, more than "
+                                                    f"one packed row of {config.pack_length}")
+        if rows > config.pack_rows:
+            raise PackingError("train.pack_rows", f"a data shard's responses of one micro-batch need {rows} packed "
+                                                  f"rows of {config.pack_length} tokens (first-fit), more than "
+                                                  f"{config.pack_rows}; raise it (or train.pack_length)")
+        return fn(*args)
+
+    return checked
+
+
 def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings: TrainState, mesh: Mesh
                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-    """train_step jitted with explicit in/out shardings, donating the state."""
+    """train_step jitted with explicit in/out shardings, donating the state (packing: refusing overflows first)."""
     replicated = NamedSharding(mesh, P())
-    step = functools.partial(train_step, graphdef, optimizer, schedule, config)
-    return jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)), out_shardings=(shardings, replicated),
-                   donate_argnums=0)
+    step = functools.partial(train_step, graphdef, optimizer, schedule, config, shards=data_shards(mesh))
+    jitted = jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)), out_shardings=(shardings, replicated),
+                     donate_argnums=0)
+    return _refusing_overflow(jitted, config, mesh, batch_index=1)
 
 
 def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.State, mesh: Mesh,
@@ -448,36 +384,12 @@ def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.Stat
     With `frozen_shardings` (LoRA) the function takes the frozen base as its third argument.
     """
     rows = NamedSharding(mesh, P(BATCH_AXES))
+    logprobs = functools.partial(policy_logprobs, graphdef, config, shards=data_shards(mesh))
     if frozen_shardings is None:
-        jitted = jax.jit(functools.partial(policy_logprobs, graphdef, config),
-                         in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=rows)
-        return lambda params, batch, frozen=None: jitted(params, batch)
-    return jax.jit(functools.partial(policy_logprobs, graphdef, config),
-                   in_shardings=(params_shardings, batch_shardings(mesh), frozen_shardings), out_shardings=rows)
-
-
-def place(tree: Any, shardings: Any) -> Any:
-    """Puts a tree on global shardings, in one process or many (where device_put cannot).
-
-    Arrays already spanning several processes (e.g. loaded straight onto the mesh) must carry
-    the asked sharding and are kept; other jax arrays move with device_put in one process; host
-    values identical on every process become global arrays shard by shard.
-    """
-
-    def one(x, sharding):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            if not x.sharding.is_equivalent_to(sharding, x.ndim):
-                raise ValueError(f"place: a multi-process array has sharding {x.sharding}, expected {sharding}")
-            return x
-        if jax.process_count() == 1:
-            return jax.device_put(x, sharding)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=jax.random.key_impl(x))
-        host = np.asarray(jax.device_get(x))
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    # `shardings` may be a prefix of `tree` (one sharding per nnx Variable).
-    return jax.tree.map(lambda sharding, sub: jax.tree.map(lambda x: one(x, sharding), sub), shardings, tree)
+        jitted = jax.jit(logprobs, in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=rows)
+        return _refusing_overflow(lambda params, batch, frozen=None: jitted(params, batch), config, mesh, 1)
+    return _refusing_overflow(jax.jit(logprobs, in_shardings=(params_shardings, batch_shardings(mesh),
+                                                              frozen_shardings), out_shardings=rows), config, mesh, 1)
 
 
 def shard_batch(local: dict[str, Any] | Batch, mesh: Mesh) -> Batch:

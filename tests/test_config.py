@@ -387,3 +387,23 @@ def test_long_quickstart_sets_the_long_context_options():
     config = load_config(path)
     assert config.rollout.max_new_tokens == 1024 and config.data.task == "gsm_symbolic"
     assert config.model.remat and config.model.attention_impl == "blockwise"
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    (["train.pack_rows=-1"], "train.pack_rows", "must be >= 0"),
+    (["train.pack_length=300"], "train.pack_length", "needs train.pack_rows > 0"),
+    (["train.pack_rows=65"], "train.pack_rows", "65 rows for the 64 response(s) a device holds"),
+    (["train.pack_rows=8", "train.pack_length=500"], "train.pack_length", "rollout.max_new_tokens - 1 = 511"),
+    (["model.remat=sometimes"], "model.remat", "'sometimes' is not a policy"),
+])
+def test_packing_and_remat_errors_name_the_key(overrides, key, fragment):
+    _assert_one_line(_error(overrides), key, fragment)
+
+
+def test_packing_and_remat_reach_the_step_and_the_model():
+    train, logprob = step_configs(load_config(None, [*BASE, "train.pack_rows=8"]))
+    assert (train.pack_rows, train.pack_length) == (logprob.pack_rows, logprob.pack_length) == (8, 256 + 256 - 1)
+    assert step_configs(load_config(None, BASE))[0].pack_rows == 0  # packing is opt-in
+    assert load_config(None, BASE).model.remat == "auto"
+    for given, policy in [("true", "full"), ("false", "none"), ("True", "full"), ("dots_saveable", "dots_saveable")]:
+        assert load_config(None, [*BASE, f"model.remat={given}"]).model.remat == policy

@@ -236,14 +236,33 @@ def test_bfloat16_params_close_to_float32(hf_pair):
     assert np.abs(np.asarray(got) - ref).max() < 0.1 * np.abs(ref).max()
 
 
-def test_remat_gives_same_gradients():
-    config = from_hf_config(_hf_config("qwen3").to_dict())
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_every_remat_policy_gives_the_same_loss_and_gradients(impl, monkeypatch):
+    """Each policy of models/remat.py only changes what the backward recomputes, never the values."""
+    from drgrpo_jax.models import attention
+    from drgrpo_jax.models.remat import REMAT_POLICIES
+
+    monkeypatch.setattr(attention, "DEFAULT_BLOCK_SIZE", 4)  # blockwise: 2 blocks per row, the cross-block paths run
+    config = dataclasses.replace(from_hf_config(_hf_config("qwen3").to_dict()), attention_impl=impl)
     ids = jnp.asarray(_ids(7, (2, 8)))
-    grads = []
-    for remat in (False, True):
-        graphdef, state = nnx.split(Transformer(dataclasses.replace(config, remat=remat), rngs=nnx.Rngs(0)))
-        grads.append(jax.jit(jax.grad(lambda s, graphdef=graphdef: nnx.merge(graphdef, s)(ids).mean()))(state))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads[0], grads[1])
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1] * 8])  # two packed sequences and a padding slot
+    positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 0], list(range(8))])
+    results = {}
+    for policy in REMAT_POLICIES:
+        graphdef, state = nnx.split(Transformer(dataclasses.replace(config, remat=policy), rngs=nnx.Rngs(0)))
+
+        def loss(s, graphdef=graphdef):
+            return (nnx.merge(graphdef, s)(ids, positions, segments) * (segments > 0)[..., None]).mean()
+
+        results[policy] = jax.jit(jax.value_and_grad(loss))(state)
+    for policy, (value, grads) in results.items():
+        np.testing.assert_allclose(value, results["none"][0], rtol=1e-6, err_msg=policy)
+        jax.tree.map(lambda a, b, p=policy: np.testing.assert_allclose(a, b, atol=1e-6, err_msg=p), grads,
+                     results["none"][1])
+    assert dataclasses.replace(config, remat=True).remat == "full"  # the former bool flag, as an alias
+    assert dataclasses.replace(config, remat=False).remat == "none"
+    with pytest.raises(ValueError, match="remat: 'some' is not a policy"):
+        dataclasses.replace(config, remat="some")
 
 
 def test_config_errors_name_the_field():

@@ -13,85 +13,22 @@ from flax import nnx
 from drgrpo_jax import LossConfig
 from drgrpo_jax.errors import FieldError
 from drgrpo_jax.models import Transformer
-from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
 from drgrpo_jax.train_step import (
     StepConfig,
-    batch_shardings,
     importance_weights,
     init_state,
-    jit_policy_logprobs,
-    jit_train_step,
     make_optimizer,
     policy_logprobs,
-    state_shardings,
     train_step,
 )
 
-from helpers import STEP_RESPONSE, STEP_ROWS, make_step_batch, tiny_decoder_config
+from helpers import STEP_RESPONSE, STEP_ROWS, assert_same, make_step_batch, run_step, tiny_decoder_config
 from two_processes import run_two_processes
 
 pytestmark = pytest.mark.heavy  # the sharded training step compiled on several meshes
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 TINY = tiny_decoder_config()
-
-
-COMPILES = []  # one entry per program XLA compiled or took from the persistent cache (conftest) in this process
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, *_, **__: COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
-jax.monitoring.register_event_listener(
-    lambda name, **_: COMPILES.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
-
-
-@functools.cache
-def initial_old_logprobs(lengths: tuple[int, ...] | None) -> np.ndarray:
-    """The initial policy's log-probs of a batch, computed once on one device and shared by every run."""
-    graphdef, params = nnx.split(Transformer(TINY, rngs=nnx.Rngs(0)), nnx.Param)
-    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), logprob_chunk=5)
-    batch = make_step_batch(lengths=None if lengths is None else np.array(lengths))
-    return np.asarray(jax.jit(functools.partial(policy_logprobs, graphdef, config))(params, batch))
-
-
-def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None, steps=1, kl_coef=0.0,
-             optimizer=None, tis_cap=None, behaviour_shift=0.0, on_policy=False, loss_options=(), **step_options):
-    """Params and metrics after `steps` steps of the tiny model on a (data, fsdp, tensor) mesh.
-
-    The first step's old log-probs come from one shared single-device computation (so only
-    the train step compiles per mesh); later steps recompute them on the mesh.
-    """
-    data, fsdp, tensor = mesh_shape
-    devices = jax.devices()[: data * fsdp * tensor]
-    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), devices)
-    model = shard_model(Transformer(TINY, rngs=nnx.Rngs(0)), mesh)
-    optimizer = optimizer or optax.sgd(0.5)
-    schedule = optax.constant_schedule(0.5)
-    loss = LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef, **dict(loss_options))
-    config = StepConfig(loss=loss,
-                        micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5, on_policy=on_policy,
-                        **step_options)
-    graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
-    params_shardings = param_shardings(state.params, mesh)
-    shardings = state_shardings(state, params_shardings, mesh)
-    state = jax.device_put(state, shardings)
-    step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
-    old_logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
-    key = None if lengths is None else tuple(int(n) for n in lengths)
-    batch = jax.device_put(make_step_batch(lengths=lengths), batch_shardings(mesh))
-    history = []
-    for i in range(steps):
-        old = jax.device_put(initial_old_logprobs(key), batch.old_logprobs.sharding) if i == 0 else \
-            old_logprobs(state.params, batch)
-        batch = dataclasses.replace(batch, old_logprobs=jnp.full_like(old, jnp.nan) if on_policy else old,
-                                    behaviour_logprobs=old + behaviour_shift)  # on-policy: old_logprobs unused
-        state, metrics = step(state, batch)
-        history.append(dict(jax.device_get(metrics), compiles_so_far=len(COMPILES)))
-    return jax.device_get(state), history, step
-
-
-def assert_same(actual, desired, what):
-    for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired)):
-        d = np.asarray(d)
-        np.testing.assert_allclose(a, d, rtol=1e-5, atol=1e-5 * max(np.abs(d).max(), 1e-6), err_msg=what)
 
 
 @pytest.fixture(scope="module")

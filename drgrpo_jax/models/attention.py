@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from drgrpo_jax.models.config import ATTENTION_IMPLS
+from drgrpo_jax.models.remat import name_attention
 
 _F32 = jnp.float32
 # Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
@@ -171,6 +172,8 @@ def _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window):
 def _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window):
     """Output and residuals (inputs, output, float32 log-sum-exp)."""
     out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window)
+    # Named, so a rematerialised layer that saves the attention (models/remat.py) keeps them and skips this forward.
+    out_JBCRWH, lse_JBCRW = name_attention(out_JBCRWH), name_attention(lse_JBCRW)
     return out_JBCRWH, (q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW)
 
 

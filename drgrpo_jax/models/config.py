@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from drgrpo_jax.errors import FieldError
+from drgrpo_jax.models.remat import normalise_remat
 
 Family = Literal["llama", "qwen2", "qwen3", "gemma3"]
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
@@ -141,7 +142,7 @@ class DecoderConfig:
     bos_token_id: int | None = None  # beginning-of-sequence token
     eos_token_ids: tuple[int, ...] = ()  # every token that ends a generation
     pad_token_id: int | None = None  # padding token, if the checkpoint names one
-    remat: bool = False  # runtime option: rematerialise each block in the backward pass
+    remat: bool | str = "none"  # runtime option: a policy of models/remat.py (true/false: full/none)
     attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
     lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
 
@@ -158,6 +159,7 @@ class DecoderConfig:
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads={self.num_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        object.__setattr__(self, "remat", normalise_remat(self.remat))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"attention_impl: {self.attention_impl!r} is not supported (supported: {ATTENTION_IMPLS})")

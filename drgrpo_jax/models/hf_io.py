@@ -245,7 +245,8 @@ def load_hf_config(folder: str) -> DecoderConfig:
 
 
 def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-            rules: ShardingRules = ShardingRules(), remat: bool = False, attention_impl: str = "auto") -> Transformer:
+            rules: ShardingRules = ShardingRules(), remat: bool | str = False,
+            attention_impl: str = "auto") -> Transformer:
     """A Transformer from an HF folder (config.json + safetensors)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path: {folder!r} is neither a folder with config.json nor a .gguf file")

@@ -13,11 +13,12 @@ from drgrpo_jax.sharding import ShardingRules
 
 
 def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    rules: ShardingRules = ShardingRules(), remat: bool = False,
+                    rules: ShardingRules = ShardingRules(), remat: bool | str = False,
                     attention_impl: str = "auto") -> Transformer:
     """Load an HF folder (config.json + safetensors) or a .gguf file as a Transformer.
 
-    `remat` and `attention_impl` are runtime options of its DecoderConfig (the training forward's memory).
+    `remat` (a policy of models/remat.py, or true/false) and `attention_impl` are runtime options of its
+    DecoderConfig (the training forward's memory).
     """
     path = os.fspath(path)
     if path.endswith(".gguf"):

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
+from drgrpo_jax.models.remat import name_attention, name_projection, remat_block
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _F32 = jnp.float32
@@ -253,7 +254,7 @@ def _project(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: j
     """`project` by weight `name` of layer `p` (int8 dequantised: models/quant.py), plus its adapter's term."""
     y_BTY = project(x_BTX, quant.weight(p, name), in_dims)
     delta = _lora_term(config, p, name, x_BTX, key)
-    return y_BTY if delta is None else (y_BTY.astype(_F32) + delta).astype(y_BTY.dtype)
+    return name_projection(y_BTY if delta is None else (y_BTY.astype(_F32) + delta).astype(y_BTY.dtype))
 
 
 def _project_f32_lora(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array) -> jax.Array:
@@ -390,10 +391,10 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
             else:
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
                 o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale)
+            o_BTQH = name_attention(o_BTQH)
         return _after_attention(config, p, x_BTD, o_BTQH, key=key), None
 
-    if config.remat:
-        block = jax.checkpoint(block)
+    block = remat_block(block, config.remat)
     x_BTD, _ = jax.lax.scan(block, x_BTD, (params, sliding_L, layer_L))
     return x_BTD
 

@@ -1,0 +1,112 @@
+"""The trainer's activation memory per device, per rematerialisation policy: estimates the plan adds to exact state.
+
+Letters: capitals as in the README's shape-letter glossary (D, I, Q, C, H, L, V from the model), S tokens per row
+of one model call (prompt + budget - 1, or train.pack_length when packing), b rows per device per micro-batch
+(responses, or train.pack_rows when packing), a activation bytes (the parameter dtype), t tensor ways, W the
+blockwise attention's block (128) and log-prob chunk tokens. Per layer and row, kept for the backward pass:
+
+  none                 2S * (4D + (2Q + 2C)H/t + 3I/t) * a + A    (norm inputs, q/k/v/o, MLP gate/up/product)
+  dots_saveable        S * (3D + (Q + 2C)H/t + 2I/t) * a + O      (layer input, every projection's output)
+  save_attention_out   S * D * a + O                              (layer input, attention output)
+  full                 S * D * a                                  (layer input)
+
+where A is the attention's own state: the reference keeps float32 scores and probabilities 2 * (Q/t) * S^2 * 4, the
+memory-linear kernels (blockwise, cuDNN, splash) the float32 log-sum-exp (Q/t) * S * 4; O is the attention output
+S * QH/t * a, plus, for a memory-linear kernel, its own copy and log-sum-exp S * QH/t * a + (Q/t) * S * 4.
+Kept: L such layers; while one layer's backward runs, it also holds what it recomputed (the none figure less its
+own). Live at once besides: the reference's float32 scores b * (Q/t) * S^2 * 4 and its two bool masks 2 * b * S^2, or a
+blockwise kernel's block temporaries 3 * b * (Q/t) * W^2 * 4. Log-prob chunks: 3 * W * V/t * 4.
+Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
+cast: measured with memory_analysis() on CPU, 2.1-2.3x), hence the 2S. tests/test_plan.py checks every policy's
+figure against XLA's own memory_analysis() of a small model's backward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.remat import REMAT_POLICIES
+
+if TYPE_CHECKING:
+    from drgrpo_jax.config import Config
+
+__all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "logprob_chunk_bytes",
+           "model_call", "rows_per_device", "stores_probabilities"]
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+_BLOCK = 128  # models.attention.DEFAULT_BLOCK_SIZE
+_BLOCKWISE_MIN_LENGTH = 256  # models.attention.BLOCKWISE_MIN_LENGTH: "auto" on CPU keeps the reference below it
+
+
+def rows_per_device(config: Config) -> int:
+    """Responses one device holds in one micro-batch."""
+    r, a, m = config.rollout, config.algorithm, config.mesh
+    per_update = r.prompts_per_step * r.group_size // a.minibatches_per_rollout
+    return max(per_update // config.train.micro_batches // (m.data * m.fsdp), 1)
+
+
+def model_call(config: Config) -> tuple[int, int]:
+    """(rows b, tokens S) of one device's model call per micro-batch: padded responses, or the packed rows."""
+    from drgrpo_jax.config import pack_length
+
+    if config.train.pack_rows:
+        return config.train.pack_rows, pack_length(config)
+    return rows_per_device(config), config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1
+
+
+def stores_probabilities(attention_impl: str, seq_len: int, backend: str) -> bool:
+    """Whether the training forward's attention keeps [S, S] probabilities (the reference: models.attention)."""
+    if attention_impl == "auto":
+        return backend == "cpu" and seq_len < _BLOCKWISE_MIN_LENGTH
+    return attention_impl == "reference"
+
+
+def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool) -> dict[str, int]:
+    """Bytes one row keeps per layer under each policy (the module's table)."""
+    a, t = ITEMSIZE[config.model.dtype], config.mesh.tensor
+    D, I, Q, C, H = model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads, model.head_dim
+    heads = Q // t
+    attention_state = 2 * heads * S * S * 4 if probabilities else heads * S * 4
+    output = S * heads * H * a + (0 if probabilities else S * heads * H * a + heads * S * 4)
+    projections = S * (3 * D + (Q + 2 * C) * H // t + 2 * I // t) * a
+    return {"none": 2 * S * (4 * D + (2 * Q + 2 * C) * H // t + 3 * I // t) * a + attention_state,
+            "dots_saveable": projections + output, "save_attention_out": S * D * a + output, "full": S * D * a}
+
+
+def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend: str = "cpu") -> int:
+    """Activations one device holds in the backward pass of one micro-batch under `policy` (the module's formula)."""
+    b, S = model_call(config)
+    probabilities = stores_probabilities(config.model.attention_impl, S, backend)
+    layer = _per_layer(config, model, S, probabilities)
+    heads = model.num_heads // config.mesh.tensor
+    if probabilities:
+        live = b * heads * S * S * 4 + 2 * b * S * S
+    else:
+        live = 3 * b * heads * min(S, _BLOCK) ** 2 * 4
+    recomputed = b * (layer["none"] - layer[policy])  # what one layer's backward rebuilds beside what it kept
+    return model.num_layers * b * layer[policy] + recomputed + live
+
+
+def activations_by_policy(config: Config, model: DecoderConfig, backend: str = "cpu") -> dict[str, int]:
+    """activation_bytes of every policy, most memory first."""
+    return {policy: activation_bytes(config, model, policy, backend) for policy in REMAT_POLICIES}
+
+
+def choose_remat(by_policy: dict[str, int], budget: int) -> str:
+    """The first policy (least recomputation) whose activations fit `budget` bytes; full when none does."""
+    return next((policy for policy in REMAT_POLICIES if by_policy[policy] <= budget), "full")
+
+
+def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = 256) -> int:
+    """One chunk's float32 logits, probabilities and their gradient on one device."""
+    tokens = min(chunk, rows_per_device(config) * config.rollout.max_new_tokens)
+    return 3 * tokens * (model.vocab_size // config.mesh.tensor) * 4
+
+
+def batch_bytes(config: Config) -> int:
+    """One optimizer window's Batch arrays on one device (ids, masks, advantages, two log-prob rows)."""
+    r, a, m = config.rollout, config.algorithm, config.mesh
+    rows = r.prompts_per_step * r.group_size // a.minibatches_per_rollout // (m.data * m.fsdp)
+    per_row = r.max_prompt_tokens * 5 + r.max_new_tokens * (4 + 1 + 4 + 4) + 4 + 1
+    return rows * per_row

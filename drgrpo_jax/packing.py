@@ -1,0 +1,145 @@
+"""Packed training rows: a micro-batch's responses, each with its prompt, in fixed [B, S] token rows.
+
+Shape letters (the README's glossary): N responses, U prompt positions (left-padded), T response positions
+(right-padded), B packed rows and S tokens per packed row (the rows and length of the model call), D model dim,
+O data-parallel shards (each packs its own responses, so the gathers back stay on its device).
+
+The padded layout runs the model on [N, U + T - 1]: prompt padding, response padding and the rows of empty or
+padding responses are all computed. Packed, a response needs only its prompt and its response but the last
+token (`sequence_lengths`); a greedy first-fit puts each into the first row with room, with its own segment id
+and positions 0, 1, ... (the model's attention never crosses segments), and the hidden state before each response
+token is gathered back to the [N, T] layout, so log-probs, the loss and its gradient are those of the padded
+layout. Shapes are static (`PackSpec`); a shard whose responses need more rows than `rows` overflows: the step
+reports it (`rows_needed`) and the jitted step refuses the window before running (`errors.PackingError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["PackSpec", "first_fit", "pack_cell", "packed_hidden_states", "rows_needed", "sequence_lengths",
+           "window_rows_needed"]
+
+_I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+    """The packed layout's static shape: each of `shards` data shards packs its responses into rows x length."""
+
+    rows: int  # packed rows per data shard per micro-batch
+    length: int  # tokens per packed row
+    shards: int = 1  # data-parallel shards the micro-batch's responses are split over (contiguous, equal shares)
+
+
+def sequence_lengths(prompt_mask_NU: jax.Array, response_mask_NT: jax.Array, row_valid_N: jax.Array) -> jax.Array:
+    """int32 [N]: model inputs each response needs (prompt, response but its last token); 0 for an empty response
+    or a padding row, whose log-probs nothing reads."""
+    prompt_N = prompt_mask_NU.sum(axis=1, dtype=_I32)
+    response_N = response_mask_NT.sum(axis=1, dtype=_I32)
+    return jnp.where(row_valid_N & (response_N > 0), prompt_N + response_N - 1, 0)
+
+
+def first_fit(lengths_N: jax.Array, rows: int, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(row [N], start [N], fill [B]): each sequence, in order, goes to the first row with room for it.
+
+    A sequence no row has room for gets row = `rows` (overflow) and is not placed. A scan over responses, not tokens.
+    """
+
+    def place(fill_B, n):
+        fits_B = fill_B + n <= length
+        row = jnp.where(fits_B.any(), jnp.argmax(fits_B), rows).astype(_I32)
+        start = jnp.where(row < rows, fill_B[jnp.minimum(row, rows - 1)], 0)
+        return jnp.where(jnp.arange(rows) == row, fill_B + n, fill_B), (row, start)
+
+    fill_B, (row_N, start_N) = jax.lax.scan(place, jnp.zeros(rows, _I32), lengths_N.astype(_I32))
+    return row_N, start_N, fill_B
+
+
+def rows_needed(lengths_N: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+    """(rows first-fit fills, longest sequence) of one shard's responses: a cap of R rows overflows iff the first
+    exceeds R (first-fit places the first R rows the same with or without the cap) or the second exceeds `length`."""
+    _, _, fill = first_fit(lengths_N, lengths_N.shape[0], length)
+    return (fill > 0).sum(dtype=_I32), lengths_N.max(initial=0)
+
+
+def pack_cell(ids_NS: jax.Array, prompt_len_N: jax.Array, lengths_N: jax.Array, prompt_width: int,
+              rows: int, length: int) -> tuple[jax.Array, ...]:
+    """One shard's packed (tokens, positions, segment ids) [B, S] and each response's (row, start) [N].
+
+    `ids_NS` is the padded layout's input (prompt left-padded to `prompt_width`, then the response): response n's
+    inputs are the `lengths_N[n]` columns from prompt_width - prompt_len_N[n] on. Segment n + 1 marks response n;
+    0 is padding (seen by nobody).
+    """
+    N, S_padded = ids_NS.shape
+    row_N, start_N, _ = first_fit(lengths_N, rows, length)
+    offset_NS = jnp.arange(S_padded, dtype=_I32)[None, :] - (prompt_width - prompt_len_N)[:, None]
+    keep_NS = (offset_NS >= 0) & (offset_NS < lengths_N[:, None]) & (row_N < rows)[:, None]
+    target_NS = jnp.where(keep_NS, row_N[:, None] * length + start_N[:, None] + offset_NS, rows * length)
+
+    def scatter(values_NS):
+        flat = jnp.zeros(rows * length, _I32).at[target_NS.reshape(-1)].set(values_NS.reshape(-1), mode="drop")
+        return flat.reshape(rows, length)
+
+    segment_NS = jnp.broadcast_to(jnp.arange(1, N + 1, dtype=_I32)[:, None], (N, S_padded))
+    return scatter(ids_NS.astype(_I32)), scatter(offset_NS), scatter(segment_NS), row_N, start_N
+
+
+def _unpack_cell(hidden_BSD: jax.Array, row_N: jax.Array, start_N: jax.Array, prompt_len_N: jax.Array,
+                 response_width: int) -> jax.Array:
+    """[N, T, D]: the hidden state before each response token (masked slots read some in-range state)."""
+    rows, length = hidden_BSD.shape[:2]
+    column_NT = start_N[:, None] + prompt_len_N[:, None] - 1 + jnp.arange(response_width, dtype=_I32)[None, :]
+    row_N = jnp.clip(row_N, 0, rows - 1)
+    return hidden_BSD[row_N[:, None], jnp.clip(column_NT, 0, length - 1)]
+
+
+def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: jax.Array, response_ids_NT: jax.Array,
+                         response_mask_NT: jax.Array, row_valid_N: jax.Array, spec: PackSpec,
+                         lora_key: jax.Array | None = None) -> jax.Array:
+    """[N, T, D] final hidden states before each response token, from one model call on the packed rows.
+
+    The N responses are cut into `spec.shards` contiguous equal shares (a micro-batch's split over the data-parallel
+    devices); each packs into its own spec.rows x spec.length rows, so packing and gathering stay per device.
+    """
+    N, U = prompt_ids_NU.shape
+    T = response_ids_NT.shape[1]
+    O = spec.shards
+    if N % O:
+        raise ValueError(f"packing: {N} responses per micro-batch do not split over {O} data-parallel shards")
+    ids_NS = jnp.concatenate([prompt_ids_NU, response_ids_NT], axis=1)[:, :-1]
+    prompt_len_N = prompt_mask_NU.sum(axis=1, dtype=_I32)
+    lengths_N = sequence_lengths(prompt_mask_NU, response_mask_NT, row_valid_N)
+
+    def per_shard(x):
+        return x.reshape(O, N // O, *x.shape[1:])
+
+    pack = functools.partial(pack_cell, prompt_width=U, rows=spec.rows, length=spec.length)
+    tokens, positions, segments, row_ON, start_ON = jax.vmap(pack)(per_shard(ids_NS), per_shard(prompt_len_N),
+                                                                   per_shard(lengths_N))
+
+    def rows_of_call(x_OBS):
+        return x_OBS.reshape(O * spec.rows, spec.length)
+
+    hidden_BSD = model.hidden_states(rows_of_call(tokens), rows_of_call(positions), rows_of_call(segments), lora_key)
+    hidden_OBSD = hidden_BSD.reshape(O, spec.rows, spec.length, hidden_BSD.shape[-1])
+    unpack = functools.partial(_unpack_cell, response_width=T)
+    hidden_ONTD = jax.vmap(unpack)(hidden_OBSD, row_ON, start_ON, per_shard(prompt_len_N))
+    return hidden_ONTD.reshape(N, T, hidden_ONTD.shape[-1])
+
+
+def window_rows_needed(prompt_mask_MNU: jax.Array, response_mask_MNT: jax.Array, row_valid_MN: jax.Array,
+                       spec: PackSpec) -> tuple[jax.Array, jax.Array]:
+    """(most rows any shard of any micro-batch fills, longest sequence) of a window split [micro-batches, N, ...]."""
+    lengths_MN = jax.vmap(sequence_lengths)(prompt_mask_MNU, response_mask_MNT, row_valid_MN)
+    micro, N = lengths_MN.shape
+    if N % spec.shards:
+        raise ValueError(f"packing: {N} responses per micro-batch do not split over {spec.shards} data-parallel shards")
+    lengths_ON = lengths_MN.reshape(micro * spec.shards, N // spec.shards)
+    rows_O, longest_O = jax.vmap(functools.partial(rows_needed, length=spec.length))(lengths_ON)
+    return rows_O.max(), longest_O.max()
