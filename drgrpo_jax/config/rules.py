@@ -1,0 +1,383 @@
+"""Cross-field rules OmegaConf's typing cannot express; `validate` runs them all.
+
+The rules of the library's own configs live in them alone: `validate` builds the algorithm's options,
+`LossConfig` and `StepConfig` from the config (`step_configs`) and names the config key of any field they
+refuse (`_LIBRARY_KEYS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+
+import numpy as np
+
+from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
+from drgrpo_jax.config.schema import (
+    AlgorithmConfig,
+    Config,
+    RewardConfig,
+    RunConfig,
+)
+from drgrpo_jax.errors import ConfigError, FieldError, MissingValueError
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.config import LoraSpec
+from drgrpo_jax.models.remat import REMAT_POLICIES
+from drgrpo_jax.train_step import StepConfig
+
+__all__ = [
+    "TRACKERS", "component_names", "function_name", "lora_base_dtype", "lora_spec", "one_window_per_rollout",
+    "pack_length", "step_configs", "validate"
+]
+
+# ---------------------------------------------------------------------------------------------
+# Validation: cross-field rules OmegaConf's typing cannot express
+# ---------------------------------------------------------------------------------------------
+
+_BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+
+def _at_least(key: str, value: float, low: float) -> None:
+    if not value >= low:  # also catches NaN
+        raise ConfigError(key, f"must be >= {low}, got {value}")
+
+
+def _finite(key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(key, f"must be a finite number, got {value}")
+
+
+def _check_ranges(config: Config) -> None:
+    """Per-field bounds of the run's own fields (the library configs check theirs: step_configs)."""
+    c = config
+    for key, value, low in [
+        ("run.log_every", c.run.log_every, 1),
+        ("run.sample_every", c.run.sample_every, 0),
+        ("data.size", c.data.size, 0),
+        ("data.eval_size", c.data.eval_size, 0),
+        ("rollout.group_size", c.rollout.group_size, 1),
+        ("rollout.prompts_per_step", c.rollout.prompts_per_step, 1),
+        ("rollout.max_prompt_tokens", c.rollout.max_prompt_tokens, 1),
+        ("rollout.top_k", c.rollout.top_k, 0),
+        ("rollout.max_staleness", c.rollout.max_staleness, 0),
+        ("rollout.max_resample_rounds", c.rollout.max_resample_rounds, 0),
+        ("rollout.service_batch_size", 1 if c.rollout.service_batch_size is None else c.rollout.service_batch_size, 1),
+        ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
+        ("algorithm.minibatches_per_rollout", c.algorithm.minibatches_per_rollout, 1),
+        ("reward.num_workers", c.reward.num_workers, 1),
+        ("optimizer.learning_rate", c.optimizer.learning_rate, 0.0),
+        ("optimizer.warmup_steps", c.optimizer.warmup_steps, 0),
+        ("optimizer.weight_decay", c.optimizer.weight_decay, 0.0),
+        ("optimizer.max_grad_norm", c.optimizer.max_grad_norm, 0.0),
+        ("train.steps", c.train.steps, 1),
+        ("train.eval_every", c.train.eval_every, 0),
+        ("train.eval_samples", c.train.eval_samples, 0),
+        ("train.save_every", c.train.save_every, 1),
+        ("train.keep_checkpoints", c.train.keep_checkpoints, 1),
+        ("train.pack_rows", c.train.pack_rows, 0),
+        ("train.pack_length", c.train.pack_length, 0),
+        ("mesh.data", c.mesh.data, 1),
+        ("mesh.fsdp", c.mesh.fsdp, 1),
+        ("mesh.tensor", c.mesh.tensor, 1),
+        ("mesh.num_processes", c.mesh.num_processes, 1),
+        ("mesh.process_id", c.mesh.process_id, 0),
+    ]:
+        _at_least(key, value, low)
+    for key, value in [
+        ("rollout.timeout_s", c.rollout.timeout_s),
+        ("reward.timeout_s", c.reward.timeout_s),
+        ("optimizer.eps", c.optimizer.eps),
+    ]:
+        _finite(key, value)
+        if value <= 0:
+            raise ConfigError(key, f"must be > 0, got {value}")
+    _finite("train.eval_temperature", c.train.eval_temperature)
+    if c.train.eval_samples and c.train.eval_temperature <= 0:
+        raise ConfigError("train.eval_temperature", f"must be > 0 to sample train.eval_samples = "
+                          f"{c.train.eval_samples} completions, got {c.train.eval_temperature}")
+    if not 0.0 < c.rollout.top_p <= 1.0:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+    for key, value in [("optimizer.b1", c.optimizer.b1), ("optimizer.b2", c.optimizer.b2)]:
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(key, f"must be in [0, 1), got {value}")
+
+
+# Where each field of the library's configs comes from in the run config: FieldError(owner, field) -> key.
+_LIBRARY_KEYS: dict[tuple[str, str], str] = {
+    ("algorithm", "name"): "algorithm.name",
+    ("algorithm", "scale_rewards"): "algorithm.scale_rewards",
+    ("algorithm", "whiten_advantages"): "algorithm.whiten_advantages",
+    ("algorithm", "kl_in_reward"): "algorithm.kl_in_reward",
+    ("algorithm", "group_size"): "rollout.group_size",
+    ("LossConfig", "aggregation"): "algorithm.name",
+    ("LossConfig", "budget"): "rollout.max_new_tokens",
+    ("LossConfig", "clip_low"): "algorithm.clip_low",
+    ("LossConfig", "clip_high"): "algorithm.clip_high",
+    ("LossConfig", "dual_clip"): "algorithm.dual_clip",
+    ("LossConfig", "kl_coef"): "algorithm.kl_coef",
+    ("LossConfig", "kl_estimator"): "algorithm.kl_estimator",
+    ("LossConfig", "entropy_coef"): "algorithm.entropy_coef",
+    ("LossConfig", "policy_loss"): "algorithm.name",
+    ("StepConfig", "micro_batches"): "train.micro_batches",
+    ("StepConfig", "temperature"): "rollout.temperature",
+    ("StepConfig", "tis_cap"): "algorithm.tis_cap",
+    ("StepConfig", "tis_level"): "algorithm.tis_level",
+    ("StepConfig", "mis_high"): "algorithm.mis_high",
+    ("StepConfig", "mis_low"): "algorithm.mis_low",
+    ("StepConfig", "compute_dtype"): "model.compute_dtype",
+    ("StepConfig", "pack_rows"): "train.pack_rows",
+    ("StepConfig", "pack_length"): "train.pack_length",
+    ("LoraSpec", "rank"): "model.lora.rank",
+    ("LoraSpec", "alpha"): "model.lora.alpha",
+    ("LoraSpec", "dropout"): "model.lora.dropout",
+    ("LoraSpec", "targets"): "model.lora.targets",
+}
+
+
+def lora_base_dtype(config: Config) -> str:
+    """The dtype the trainer stores the frozen LoRA base's projections in (model.lora.base_dtype made concrete)."""
+    return config.model.dtype if config.model.lora.base_dtype == "model" else config.model.lora.base_dtype
+
+
+def _check_base_dtype(config: Config) -> None:
+    """model.lora.base_dtype: only with adapters, never wider than model.dtype, bfloat16 computes in bfloat16."""
+    lora, model = config.model.lora, config.model
+    if lora.base_dtype == "model":
+        return
+    if lora.rank == 0:
+        raise ConfigError("model.lora.base_dtype", f"{lora.base_dtype} needs model.lora.rank > 0 (full fine-tuning "
+                                                   "trains every weight in model.dtype)")
+    if lora.base_dtype == "float32" and model.dtype == "bfloat16":
+        raise ConfigError("model.lora.base_dtype", "float32 would widen the bfloat16 weights model.dtype loads; "
+                                                   "use model, or model.dtype=float32")
+    if lora.base_dtype == "bfloat16" and model.compute_dtype == "float32":
+        raise ConfigError("model.lora.base_dtype", "bfloat16 projections compute in bfloat16, but "
+                                                   "model.compute_dtype=float32; set it to auto or bfloat16")
+
+
+def lora_spec(config: Config) -> LoraSpec | None:
+    """The adapters' spec from model.lora (None when rank is 0: full fine-tuning); ConfigError naming the key."""
+    lora = config.model.lora
+    if lora.rank == 0:
+        return None
+    try:
+        return LoraSpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.targets))
+    except FieldError as error:
+        raise ConfigError(_LIBRARY_KEYS[(error.owner, error.field)], error.reason) from None
+
+
+def one_window_per_rollout(algorithm: AlgorithmConfig) -> bool:
+    """A rollout gets exactly one optimizer window: its old log-probs are the updating policy's own."""
+    return algorithm.ppo_epochs == 1 and algorithm.minibatches_per_rollout == 1
+
+
+def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[StepConfig, StepConfig]:
+    """(train StepConfig, StepConfig for the old log-probs of a whole rollout); ConfigError naming the key.
+
+    `compute_dtype`: model.compute_dtype made concrete for the device (`models.precision.resolve_compute_dtype`);
+    None = the configured one, "auto" counting as float32 (validation knows no device).
+    """
+    a = config.algorithm
+    if compute_dtype is None:
+        compute_dtype = "float32" if config.model.compute_dtype == "auto" else config.model.compute_dtype
+    try:
+        check_algorithm_options(a.name, scale_rewards=a.scale_rewards, whiten_advantages=a.whiten_advantages,
+                                kl_in_reward=a.kl_in_reward, group_size=config.rollout.group_size)
+        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
+                          clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
+                          kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+                          policy_loss=ALGORITHMS[a.name].policy_loss)
+        train = StepConfig(loss=loss, micro_batches=config.train.micro_batches,
+                           temperature=config.rollout.temperature, tis_cap=a.tis_cap, tis_level=a.tis_level,
+                           mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a),
+                           compute_dtype=compute_dtype,  # type: ignore[arg-type]  # StepConfig checks it
+                           pack_rows=config.train.pack_rows, pack_length=pack_length(config))
+    except FieldError as error:
+        key = _LIBRARY_KEYS.get((error.owner, error.field))
+        if key is None:  # a field the run config does not set: a bug here, not a bad config
+            raise
+        raise ConfigError(key, error.reason) from None
+    # The old log-probs run over the whole rollout: as many slices as all its updates' micro-batches.
+    logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout,
+                                  on_policy=False)
+    return train, logprob
+
+
+def pack_length(config: Config) -> int:
+    """Tokens per packed row: train.pack_length, or 0 (packing off), or the longest prompt and response."""
+    t, r = config.train, config.rollout
+    if not t.pack_rows:
+        return t.pack_length
+    return t.pack_length or r.max_prompt_tokens + r.max_new_tokens - 1
+
+
+def _check_packing(config: Config, per_device: int) -> None:
+    """Packed rows: no more than the responses a device holds, and one row holds the longest sequence."""
+    t, r = config.train, config.rollout
+    longest = r.max_prompt_tokens + r.max_new_tokens - 1
+    if t.pack_length and not t.pack_rows:
+        raise ConfigError("train.pack_length", "needs train.pack_rows > 0 (packing is off)")
+    if t.pack_rows > per_device:
+        raise ConfigError("train.pack_rows", f"{t.pack_rows} rows for the {per_device} response(s) a device holds "
+                                             "per micro-batch: more rows than responses packs nothing")
+    if t.pack_rows and pack_length(config) < longest:
+        raise ConfigError("train.pack_length", f"{t.pack_length} tokens cannot hold a response with its prompt: "
+                                               f"rollout.max_prompt_tokens + rollout.max_new_tokens - 1 = {longest}")
+
+
+def _check_batches(config: Config) -> None:
+    """Each optimizer step splits evenly into micro-batches and each micro-batch over the data-parallel ways."""
+    r, a, t, m = config.rollout, config.algorithm, config.train, config.mesh
+    responses = r.prompts_per_step * r.group_size
+    if responses % a.minibatches_per_rollout:
+        raise ConfigError(
+            "algorithm.minibatches_per_rollout",
+            f"rollout.prompts_per_step * rollout.group_size = {responses} responses do not split into "
+            f"{a.minibatches_per_rollout} equal minibatches",
+        )
+    per_update = responses // a.minibatches_per_rollout
+    if per_update % t.micro_batches:
+        raise ConfigError(
+            "train.micro_batches", f"{per_update} responses per optimizer step do not split into {t.micro_batches}"
+        )
+    if r.prompts_per_step % m.num_processes:
+        raise ConfigError(
+            "rollout.prompts_per_step",
+            f"{r.prompts_per_step} prompts do not split evenly over mesh.num_processes = {m.num_processes} hosts "
+            "(each host samples and scores an equal share)",
+        )
+    per_micro = per_update // t.micro_batches
+    data_parallel = m.data * m.fsdp
+    if per_micro % data_parallel:
+        raise ConfigError(
+            "mesh.data",
+            f"a micro-batch of {per_micro} responses does not split over mesh.data * mesh.fsdp = {data_parallel} "
+            "data-parallel ways",
+        )
+    _check_packing(config, per_micro // data_parallel)
+
+
+def _check_rest(config: Config) -> None:
+    """Model, data, reward and multi-host rules."""
+    c = config
+    if not c.model.path:
+        raise MissingValueError("model.path", "must be set (a local Hugging Face model folder, a .gguf file or "
+                                              "pkg:PACKAGE)")
+    if c.data.source != "reasoning_gym" and not c.data.path:
+        raise MissingValueError("data.path", f"must be set when data.source={c.data.source}")
+    if "{question}" not in c.data.template:
+        raise ConfigError("data.template", "must contain the {question} placeholder")
+    if c.data.source == "reasoning_gym" and c.data.size < 1:
+        raise ConfigError("data.size", f"reasoning-gym needs at least 1 example, got {c.data.size}")
+    if c.model.remat not in ("auto", *REMAT_POLICIES):
+        raise ConfigError("model.remat", f"{c.model.remat!r} is not a policy: auto, {', '.join(REMAT_POLICIES)} (or "
+                                         "true/false for full/none)")
+    if c.model.compute_dtype == "float32" and c.model.dtype == "bfloat16":
+        raise ConfigError("model.compute_dtype", "float32 needs model.dtype=float32 (bfloat16 parameters compute in "
+                                                 "bfloat16; set model.compute_dtype=auto or bfloat16)")
+    if not c.reward.functions:
+        raise ConfigError("reward.functions", "needs at least one reward function")
+    for i, name in enumerate(c.reward.functions):
+        if name not in _BUILTIN_REWARDS and not _IMPORT_PATH.match(name):
+            close = difflib.get_close_matches(name, _BUILTIN_REWARDS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"reward.functions[{i}]",
+                f"{name!r} is neither a built-in ({', '.join(_BUILTIN_REWARDS)}) nor 'package.module:function'{hint}",
+            )
+        if name == "task" and c.data.source != "reasoning_gym":
+            raise ConfigError(
+                f"reward.functions[{i}]", "'task' scores with reasoning-gym; needs data.source=reasoning_gym"
+            )
+    if "overlong" in c.reward.functions and not 1 <= c.reward.overlong_buffer <= c.rollout.max_new_tokens:
+        raise ConfigError("reward.overlong_buffer", f"must be in [1, rollout.max_new_tokens = "
+                                                    f"{c.rollout.max_new_tokens}] for the overlong reward, got "
+                                                    f"{c.reward.overlong_buffer}")
+    if len(set(c.reward.functions)) != len(c.reward.functions):
+        raise ConfigError("reward.functions", f"lists a function twice: {list(c.reward.functions)}")
+    if len(set(c.reward.components)) != len(c.reward.components):
+        raise ConfigError("reward.components", f"lists a component twice: {list(c.reward.components)}")
+    names = component_names(c.reward)
+    if c.reward.weights and len(c.reward.weights) != len(names):
+        what = "reward.components" if c.reward.components else "reward.functions"
+        raise ConfigError("reward.weights", f"has {len(c.reward.weights)} entries for {len(names)} {what}")
+    for i, weight in enumerate(c.reward.weights):
+        _finite(f"reward.weights[{i}]", weight)
+    _check_float32_weights(c)
+    _check_run_outputs(c.run)
+    if c.mesh.process_id >= c.mesh.num_processes:
+        raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
+    if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
+        raise MissingValueError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
+    if c.mesh.num_processes > 1 and not c.rollout.urls:
+        raise ConfigError("rollout.urls", f"must list the generation services when mesh.num_processes = "
+                                          f"{c.mesh.num_processes}: the trainer's mesh takes every device of every "
+                                          "host, so start the services apart (scripts/launch_*.sh --serve-*)")
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+_HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+def _check_run_outputs(run: RunConfig) -> None:
+    """Trackers known and listed once; a Hub repo id shaped user/name."""
+    for i, name in enumerate(run.report_to):
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(name, TRACKERS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"run.report_to[{i}]", f"{name!r} is not a tracker ({', '.join(TRACKERS)}){hint}")
+    if len(set(run.report_to)) != len(run.report_to):
+        raise ConfigError("run.report_to", f"lists a tracker twice: {list(run.report_to)}")
+    if run.push_to_hub is not None and not _HUB_REPO.match(run.push_to_hub):
+        raise ConfigError("run.push_to_hub", f"{run.push_to_hub!r} is not a Hub repo id (user/name)")
+
+
+def function_name(target: str) -> str:
+    """A reward function's component name: the built-in's name or the import path's function name."""
+    return target.rpartition(":")[2]
+
+
+def component_names(reward: RewardConfig) -> tuple[str, ...]:
+    """The K reward components, in order: reward.components, else one per function."""
+    return tuple(reward.components) or tuple(function_name(t) for t in reward.functions)
+
+
+def _check_float32_weights(config: Config) -> None:
+    """The trainer multiplies in float32: a weight must survive the cast, and GDPO's must stay apart."""
+    weights = config.reward.weights
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the weight
+        cast = np.asarray(weights, np.float64).astype(np.float32) if weights else np.zeros(0, np.float32)
+    for i, (weight, value) in enumerate(zip(weights, cast)):
+        if not np.isfinite(value):
+            limit = np.finfo(np.float32).max
+            raise ConfigError(f"reward.weights[{i}]", f"{weight} overflows float32 (|w| must be < {limit:.4g})")
+        if weight != 0 and value == 0:
+            raise ConfigError(f"reward.weights[{i}]", f"{weight} underflows to 0 in float32")
+    if config.algorithm.name != "gdpo":
+        return
+    for j in range(len(weights)):
+        for i in range(j):
+            if weights[i] != weights[j] and cast[i] == cast[j]:
+                raise ConfigError(
+                    f"reward.weights[{j}]",
+                    f"{weights[j]} and reward.weights[{i}] = {weights[i]} collapse to one float32 value "
+                    f"{float(cast[i])!r}; "
+                    "gdpo would weight the two components the same",
+                )
+    if weights and not np.any(cast):
+        raise ConfigError("reward.weights", "gdpo needs at least one nonzero weight (all are 0: no learning signal)")
+
+
+def validate(config: Config) -> None:
+    """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
+    _check_ranges(config)
+    _at_least("model.lora.rank", config.model.lora.rank, 0)
+    lora_spec(config)
+    _check_base_dtype(config)
+    step_configs(config)
+    _check_batches(config)
+    _check_rest(config)

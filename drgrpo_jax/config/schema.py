@@ -1,0 +1,265 @@
+"""The run config's sections: frozen typed dataclasses, each field with its default and its help text.
+
+The one place that says what a config key means (`python -m drgrpo_jax.train --help` prints it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from drgrpo_jax.models.config import LORA_TARGETS
+from drgrpo_jax.models.remat import REMAT_ALIASES
+
+__all__ = [
+    "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OptimizerConfig",
+    "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig"
+]
+
+
+def _f(default: Any, help: str) -> Any:
+    """A dataclass field with a default and its one-line description (shown by describe_config)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where the run writes and how it seeds."""
+
+    output_dir: str = _f("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints, samples")
+    seed: int = _f(0, "root PRNG seed; data order, sampling and init all derive from it")
+    log_every: int = _f(1, "print a progress line every N steps (metrics.jsonl gets every step)")
+    sample_every: int = _f(10, "write sample completions every N steps (0 = never)")
+    weights_dir: str | None = _f(
+        None, "where each weight version is copied for the services to load: a folder they all read or "
+              "gs://bucket/path (needs gcsfs); null = run.output_dir/weights"
+    )
+    report_to: tuple[str, ...] = _f(
+        ("tensorboard",), "experiment trackers, any of tensorboard, wandb, mlflow (wandb and mlflow need their "
+                          "extras: pip install -e '.[wandb]'); metrics.jsonl is always written"
+    )
+    project: str = _f("drgrpo_jax", "W&B project and MLflow experiment name")
+    name: str = _f("", "run name in W&B and MLflow; empty = the name of run.output_dir")
+    mlflow_tracking_uri: str = _f("", "MLflow tracking URI (e.g. file:/path/mlruns); empty = MLflow's default "
+                                      "(MLFLOW_TRACKING_URI or ./mlruns)")
+    push_to_hub: str | None = _f(None, "Hugging Face Hub repo id (user/name) the final policy is uploaded to at "
+                                       "the end of the run (token: HF_TOKEN or huggingface-cli login); null = off")
+    hub_private: bool = _f(True, "create the run.push_to_hub repo as private when it does not exist")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA: train low-rank adapters on frozen base weights (rank 0 = full fine-tuning)."""
+
+    rank: int = _f(0, "adapter rank r; 0 = off (every weight trains)")
+    alpha: float = _f(32.0, "the adapters' update is scaled by alpha / rank (PEFT's lora_alpha)")
+    dropout: float = _f(0.0, "dropout on the adapters' input while training, in [0, 1)")
+    targets: tuple[str, ...] = _f(LORA_TARGETS, "projections that get adapters: q_proj k_proj v_proj o_proj "
+                                                 "(attention), gate_proj up_proj down_proj (MLP)")
+    export_merged: bool = _f(False, "final/ also gets merged/: an HF folder of the base with the adapters merged")
+    push: Literal["adapter", "merged"] = _f(
+        "adapter", "what each weight push sends the services: the PEFT adapter folder (a few MB; drgrpo_jax.serve "
+                   "merges it into its base) or the merged HF model (for servers that cannot load an adapter)")
+    base_dtype: Literal["model", "float32", "bfloat16", "int8"] = _f(
+        "model", "how the trainer stores the frozen base's decoder projections: model (in model.dtype), float32, "
+                 "bfloat16, or int8 (per-output-channel scales, dequantised in each GEMM: QLoRA-style memory); "
+                 "embeddings and norms keep model.dtype; the services load the base from model.path as before")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The policy checkpoint."""
+
+    path: str = _f(
+        "", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)"
+    )
+    dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = _f(
+        "auto", "dtype of the GEMMs in the train step and the trainer's own generation service (float32 "
+                   "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
+                   "TPUs and Ampere+ GPUs, float32 on CPUs (measured no faster there)")
+    tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
+    remat: str = _f(
+        "auto", "what each decoder layer keeps for the backward pass: none, dots_saveable, save_attention_out or full "
+                "(most memory and least recomputation first; models/remat.py); true/false = full/none; auto = the "
+                "first that fits the device (python -m drgrpo_jax.plan shows each policy's activations)")
+    attention_impl: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = _f(
+        "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
+                "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
+    )
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig, metadata={
+        "help": "LoRA: train low-rank adapters on the frozen base (rank 0 = off)"})
+
+    def __post_init__(self):
+        # YAML true/false (the former bool flag) arrive as strings: stored as the policies they stand for.
+        alias = REMAT_ALIASES.get(str(self.remat).lower())
+        if alias is not None:
+            object.__setattr__(self, "remat", alias)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Prompts and reference answers."""
+
+    source: Literal["reasoning_gym", "jsonl", "parquet", "hf_datasets"] = _f(
+        "reasoning_gym", "where prompts come from: a reasoning-gym task, a local file, or a local HF dataset"
+    )
+    task: str = _f("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
+    task_options: dict[str, Any] = dataclasses.field(
+        default_factory=dict, metadata={"help": "extra keyword arguments of the reasoning-gym task config"}
+    )
+    path: str = _f("", "file or folder of the dataset (source=jsonl|parquet|hf_datasets)")
+    eval_path: str = _f("", "separate held-out file/folder; empty = hold out data.eval_size rows of data.path")
+    split: str = _f("train", "split to read from a Hugging Face dataset")
+    prompt_field: str = _f("question", "field holding the question in file/HF rows")
+    answer_field: str = _f("answer", "field holding the reference answer in file/HF rows")
+    answer_after: str = _f("####", "keep only the text after the last occurrence of this marker (GSM8K); empty = off")
+    size: int = _f(1000, "training examples (reasoning-gym: generated; files: at most this many, 0 = all)")
+    eval_size: int = _f(64, "held-out examples for periodic evaluation (0 = no evaluation set)")
+    template: str = _f(
+        "{question}\nPut your final answer within \\boxed{}.", "user prompt; {question} is replaced by the question"
+    )
+    use_chat_template: bool = _f(True, "wrap the prompt in the tokenizer's chat template when it has one")
+    system_prompt: str = _f("", "system message (chat template) or prefix line (plain prompts); empty = none")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling G completions per prompt from the generation service."""
+
+    urls: tuple[str, ...] = _f((), "generation service URLs; empty = start a local child service")
+    group_size: int = _f(8, "completions per prompt (G)")
+    prompts_per_step: int = _f(8, "prompts drawn per rollout (P); P * G responses per rollout")
+    max_new_tokens: int = _f(256, "generation budget B; Dr.GRPO's loss divides by it")
+    ignore_eos: bool = _f(
+        False, "training rollouts do not stop at EOS (nor any stop token): every completion runs to the budget "
+               "(benchmarks with equal work); evaluation still stops")
+    max_prompt_tokens: int = _f(256, "prompts are left-padded to this length; longer prompts are an error")
+    temperature: float = _f(1.0, "sampling temperature (> 0 for training rollouts)")
+    top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
+    top_k: int = _f(0, "sample among the k most likely tokens; 0 = off")
+    max_staleness: int = _f(0, "rollouts may come from a policy this many versions old; 0 = strictly on-policy")
+    timeout_s: float = _f(600.0, "seconds to wait for one generation request before failing")
+    dynamic_sampling: bool = _f(
+        False, "drop groups with no learning signal and draw more prompts until the batch is full (DAPO's filter)"
+    )
+    max_resample_rounds: int = _f(4, "dynamic sampling: extra rollouts per step at most; a batch still short is padded")
+    service_batch_size: int | None = _f(
+        None, "--max-batch-size of the trainer's local child service (null = a whole rollout or the eval set, "
+              "whichever is larger)"
+    )
+    api_key_env: str = _f(
+        "", "environment variable holding the services' API key (sent as Authorization: Bearer; the trainer's "
+            "own child service is started with it); empty = no key"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """The advantage estimator and the loss."""
+
+    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo", "gspo", "gspo_token", "cispo"] = _f(
+        "dr_grpo", "algorithm (see drgrpo_jax.algorithms); gspo's paper clips at clip_low=3e-4, clip_high=4e-4")
+    scale_rewards: bool = _f(False, "divide advantages by the group std (GRPO's; Dr.GRPO forbids it)")
+    whiten_advantages: bool = _f(False, "whiten advantages over the batch (Dr.GRPO forbids it)")
+    kl_in_reward: bool = _f(False, "put the KL penalty in the reward instead of the loss (Dr.GRPO forbids it)")
+    clip_low: float = _f(0.2, "PPO ratio clip below: 1 - clip_low")
+    clip_high: float | None = _f(None, "PPO ratio clip above: 1 + clip_high (null = clip_low; DAPO uses 0.28)")
+    kl_coef: float = _f(0.0, "weight of the KL(policy || reference) term in the loss; 0 = no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "Schulman's KL estimator")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (subtracted from the loss)")
+    dual_clip: float | None = _f(None, "dual-clip bound c > 1 for negative advantages (null = off)")
+    tis_cap: float | None = _f(None, "truncated importance weight cap C >= 1 for sampler/trainer mismatch (null = off)")
+    tis_level: Literal["token", "sequence"] = _f(
+        "token", "the mismatch ratio tis_cap and mis_high act on: per token, or the product over each response")
+    mis_high: float | None = _f(
+        None, "masked importance sampling: a response (sequence) or token whose mismatch ratio is above this "
+              "(>= 1) gets weight 0, the rest their ratio (null = off; exclusive with tis_cap)")
+    mis_low: float = _f(0.0, "masked importance sampling: also weight 0 below this ratio, in [0, 1]")
+    ppo_epochs: int = _f(1, "passes over each rollout")
+    minibatches_per_rollout: int = _f(1, "optimizer steps per pass; each takes P * G / this many responses")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Reward components: each function is one named component, or returns a dict of named ones."""
+
+    functions: tuple[str, ...] = _f(
+        ("math_verify",), "built-ins (math_verify, format, task, overlong) or 'package.module:function' import paths"
+    )
+    components: tuple[str, ...] = _f(
+        (), "component names: a function's name (it returns a number) or a key of the dict a function "
+            "returns (empty = one component per function, named after it)"
+    )
+    weights: tuple[float, ...] = _f((), "one weight per component for the scalar reward (empty = all 1.0)")
+    answer_format: Literal["boxed", "answer_tags"] = _f(
+        "boxed", "where the final answer sits: \\boxed{...} or <answer>...</answer>"
+    )
+    timeout_s: float = _f(10.0, "seconds per reward call; a call over it is killed, scores 0 and is counted")
+    num_workers: int = _f(2, "reward worker processes")
+    overlong_buffer: int = _f(
+        0, "the overlong reward (DAPO): 0 up to rollout.max_new_tokens - this many tokens, then linear to -1 at "
+           "the budget; must be in [1, max_new_tokens] when reward.functions lists overlong")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup and decay."""
+
+    learning_rate: float = _f(1e-6, "peak learning rate")
+    warmup_steps: int = _f(0, "linear warmup steps from 0 to the peak")
+    decay: Literal["constant", "cosine", "linear"] = _f("constant", "schedule after warmup, to 0 at train.steps")
+    weight_decay: float = _f(0.0, "decoupled weight decay")
+    b1: float = _f(0.9, "Adam beta1")
+    b2: float = _f(0.999, "Adam beta2")
+    eps: float = _f(1e-8, "Adam epsilon")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Steps, accumulation, evaluation and checkpoints."""
+
+    steps: int = _f(100, "rollouts to train on (one rollout = ppo_epochs * minibatches_per_rollout updates)")
+    micro_batches: int = _f(1, "gradient-accumulation slices of each optimizer step")
+    pack_rows: int = _f(
+        0, "packed training rows per device per micro-batch: each device packs its responses, each with its prompt, "
+           "into this many rows of train.pack_length tokens (first-fit), so padding is not computed; a window that "
+           "does not fit stops the run naming this key; 0 = off (every response padded to the longest prompt and "
+           "the budget)")
+    pack_length: int = _f(0, "tokens per packed row (with train.pack_rows); 0 = rollout.max_prompt_tokens + "
+                             "rollout.max_new_tokens - 1, the longest prompt and response, so any one always fits")
+    eval_every: int = _f(0, "evaluate on the held-out prompts every N steps and at the end (0 = never)")
+    eval_samples: int = _f(4, "evaluation: k sampled completions per held-out prompt for avg@k and pass@k, besides "
+                              "the greedy one (0 = greedy only)")
+    eval_temperature: float = _f(0.6, "evaluation: temperature of the k sampled completions (> 0)")
+    save_every: int = _f(50, "checkpoint every N steps (always at the end)")
+    keep_checkpoints: int = _f(2, "keep the newest N checkpoints")
+    resume: bool | None = _f(None, "continue from the latest checkpoint; null = when run.output_dir has one")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh and multi-host runtime."""
+
+    data: int = _f(1, "data-parallel ways (batch split, parameters replicated)")
+    fsdp: int = _f(1, "fully-sharded data-parallel ways (batch and parameters split)")
+    tensor: int = _f(1, "tensor-parallel ways (heads and MLP split)")
+    coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed (null = single host)")
+    num_processes: int = _f(1, "JAX processes (hosts) in the run")
+    process_id: int = _f(0, "this process's index in [0, num_processes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
