@@ -181,6 +181,15 @@ class RolloutConfig:
         "", "environment variable holding the services' API key (sent as Authorization: Bearer; the trainer's "
             "own child service is started with it); empty = no key"
     )
+    # Throughput levers (issue 15): where the weight push goes, and rollouts one step ahead of the update.
+    weight_sync: Literal["auto", "shm", "disk"] = _f(
+        "auto", "how weight pushes reach the services: shm = the trainer's own child maps a shared-memory segment "
+                "(no disk write); disk = a versioned folder and /update_weights_from_disk; auto = shm for the child "
+                "service unless model.lora.push=adapter or run.weights_dir is set, disk for rollout.urls")
+    async_: bool = _f(
+        False, "(YAML/CLI key: rollout.async) one-step-off rollouts: the next step's rollout is sampled while this "
+               "step's update runs, from the policy one version old (needs max_staleness >= 1 and algorithm.tis_cap "
+               "or mis_high to correct the lag)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +304,24 @@ _BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
+# Keys that are Python keywords: (section, key as written in YAML and overrides) -> the dataclass field.
+_KEY_ALIASES = {("rollout", "async"): "async_"}
+
+
+def _to_fields(update: DictConfig) -> None:
+    """Renames aliased keys (rollout.async) to their fields, in place, before the typed merge."""
+    for (section, key), field in _KEY_ALIASES.items():
+        part = update.get(section) if isinstance(update, DictConfig) else None
+        if isinstance(part, DictConfig) and key in part:
+            part[field] = part[key]
+            del part[key]
+
+
+def _key_name(field: str) -> str:
+    """The key a field is written as (its alias, when it has one)."""
+    return {f: key for (_, key), f in _KEY_ALIASES.items()}.get(field, field)
+
+
 # Section name -> dataclass (annotations are strings under `from __future__ import annotations`).
 _FIELD_TYPES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
 _FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
@@ -303,7 +330,7 @@ _FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
 def _section_fields(path: str) -> list[str]:
     """Field names of the section at `path` ('' = the sections themselves); [] when it is no section."""
     cls = Config if not path else _FIELD_TYPES.get(path)
-    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    return [_key_name(f.name) for f in dataclasses.fields(cls)] if cls is not None else []
 
 
 def _unknown_key_error(full_key: str, where: str) -> ConfigError:
@@ -330,6 +357,7 @@ def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
 
 def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
     """Typed merge of `update` into `base`; any failure becomes a ConfigError."""
+    _to_fields(update)
     raw = OmegaConf.to_container(update, resolve=False)  # interpolations stay unresolved
     assert isinstance(raw, dict)
     for section, value in raw.items():
@@ -381,8 +409,12 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
 
 
 def dump_config(config: Config) -> str:
-    """The resolved config as YAML (loads back to an equal Config)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The resolved config as YAML (loads back to an equal Config); aliased fields under their keys."""
+    tree = OmegaConf.to_container(OmegaConf.structured(config))
+    assert isinstance(tree, dict)
+    for section in {section for section, _ in _KEY_ALIASES}:
+        tree[section] = {_key_name(k): v for k, v in tree[section].items()}
+    return OmegaConf.to_yaml(OmegaConf.create(tree))
 
 
 def describe_config() -> str:
@@ -405,7 +437,7 @@ def _describe_fields(prefix: str, cls: type) -> list[str]:
             lines += _describe_fields(f"{prefix}.{field.name}", type(default))
             continue
         shown = "null" if default is None else repr(default) if isinstance(default, str) else default
-        lines.append(f"  {prefix}.{field.name} = {shown}  # {field.metadata.get('help', '')}")
+        lines.append(f"  {prefix}.{_key_name(field.name)} = {shown}  # {field.metadata.get('help', '')}")
     return lines
 
 
@@ -693,9 +725,30 @@ def _check_float32_weights(config: Config) -> None:
         raise ConfigError("reward.weights", "gdpo needs at least one nonzero weight (all are 0: no learning signal)")
 
 
+def _check_rollout_modes(config: Config) -> None:
+    """rollout.weight_sync=shm needs a whole model for the trainer's own child; rollout.async a staleness
+    allowance and an importance correction for the one-step lag."""
+    r, lora = config.rollout, config.model.lora
+    if r.weight_sync == "shm":
+        reason = ("remote services (rollout.urls) load from disk" if r.urls else
+                  "model.lora.push=adapter sends a PEFT folder (set model.lora.push=merged)"
+                  if lora.rank and lora.push == "adapter" else
+                  "run.weights_dir mirrors each version on disk" if config.run.weights_dir else "")
+        if reason:
+            raise ConfigError("rollout.weight_sync", f"shm pushes whole models to the trainer's own child service; "
+                                                     f"{reason}; use auto or disk")
+    if r.async_ and r.max_staleness < 1:
+        raise ConfigError("rollout.max_staleness", "must be >= 1 with rollout.async=true (each rollout is sampled "
+                                                   "by the policy one version before the one it trains)")
+    if r.async_ and config.algorithm.tis_cap is None and config.algorithm.mis_high is None:
+        raise ConfigError("algorithm.tis_cap", "must be set (e.g. 2.0), or algorithm.mis_high, with "
+                                               "rollout.async=true: the importance weight corrects the one-step lag")
+
+
 def validate(config: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
     _check_ranges(config)
+    _check_rollout_modes(config)
     _at_least("model.lora.rank", config.model.lora.rank, 0)
     lora_spec(config)
     step_configs(config)
