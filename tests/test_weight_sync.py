@@ -158,6 +158,7 @@ def _generate(http, version: str) -> dict:
             "logprobs": [[p[0] for p in item["meta_info"]["output_token_logprobs"]] for item in items]}
 
 
+@pytest.mark.heavy  # an in-process service: the sampler compiles
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_disk_push(tiny_model, tiny_state,
                                                                                        tmp_path, dtype):
@@ -195,6 +196,7 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
         engine.close()
 
 
+@pytest.mark.heavy  # an in-process service
 def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model, tiny_state):
     from fastapi.testclient import TestClient
 
