@@ -134,6 +134,30 @@ def test_host_tensors_are_the_params_under_their_paths(tiny_state):
         np.testing.assert_array_equal(tensors[key], flat[key])
 
 
+def test_a_merged_lora_push_sends_what_export_merged_writes(tiny_model, tmp_path):
+    import jax
+    from flax import nnx
+
+    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.models.config import LoraSpec
+    from drgrpo_jax.models.lora import add_adapters
+    from drgrpo_jax.outputs import WeightPublisher
+
+    model = add_adapters(from_pretrained(tiny_model), LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj")),
+                         jax.random.key(1))
+    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, nnx.Param)
+    adapters = _perturbed(adapters, 3)  # B starts at zero: make the merge matter
+    tensors = host_tensors(graphdef, adapters, frozen)
+    publisher = WeightPublisher(str(tmp_path), graphdef, lora=model.config, push_merged=True)
+    _, written = nnx.split(from_pretrained(publisher.export_merged(adapters, frozen, str(tmp_path / "m"))), nnx.Param)
+    flat = {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(written)}
+    assert tensors.keys() == flat.keys()
+    for key in flat:
+        np.testing.assert_array_equal(tensors[key], flat[key], err_msg=key)
+    base = host_tensors(graphdef, frozen)  # the unmerged base differs where adapters sit
+    assert not np.array_equal(base["blocks/q_proj"], tensors["blocks/q_proj"])
+
+
 # ---------------------------------------------------------------------------------------------
 # The service: a shared-memory push serves exactly what a disk push serves
 # ---------------------------------------------------------------------------------------------
