@@ -194,7 +194,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.sharding import param_shardings
     from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, place, state_shardings
-    from drgrpo_jax.weight_sync import SegmentPusher, sync_mode
+    from drgrpo_jax.weight_sync import SegmentPusher, check_room, sync_mode
 
     c, main_process = config, jax.process_index() == 0
     if jax.process_count() > 1 and not c.rollout.urls:
@@ -237,6 +237,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     frozen_shardings = None if state.frozen is None else param_shardings(state.frozen, mesh)
     shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
     state = place(state, shardings)  # works across processes, where device_put cannot
+    weight_sync = check_room(c, weight_sync, state.params, state.frozen)  # /dev/shm may be too small for two versions
     start_step, position, behaviour = 0, 0, None
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).

@@ -20,7 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["SEGMENT_DIR", "TensorEntry", "available", "parse_index", "read_segment", "remove_orphans",
+__all__ = ["SEGMENT_DIR", "TensorEntry", "available", "free_bytes", "parse_index", "read_segment", "remove_orphans",
            "remove_segment", "segment_name", "write_segment"]
 
 SEGMENT_DIR = "/dev/shm"
@@ -53,6 +53,12 @@ def available() -> bool:
     return os.path.isdir(SEGMENT_DIR) and os.access(SEGMENT_DIR, os.W_OK)
 
 
+def free_bytes() -> int:
+    """Bytes the shared-memory folder can still take (a container's /dev/shm is often only 64 MB)."""
+    stats = os.statvfs(SEGMENT_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
 def segment_name(version: str | int, pid: int | None = None) -> str:
     """The segment name of weight version `version` written by process `pid` (this one by default)."""
     name = f"{_PREFIX}{os.getpid() if pid is None else pid}_{version}"
@@ -79,7 +85,9 @@ def write_segment(name: str, tensors: Mapping[str, np.ndarray]) -> list[TensorEn
         offset += array.nbytes
     path = _path(name)
     try:
-        buffer = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(offset, 1),))
+        with open(path, "wb") as f:  # reserved up front: a full tmpfs fails here (OSError), not later by SIGBUS
+            os.posix_fallocate(f.fileno(), 0, max(offset, 1))
+        buffer = np.memmap(path, dtype=np.uint8, mode="r+", shape=(max(offset, 1),))
         for entry, array in zip(entries, tensors.values()):
             buffer[entry.offset:entry.offset + entry.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         del buffer  # unmapped; the file (in memory) stays for the reader

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import sys
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from drgrpo_jax.config import Config
     from drgrpo_jax.rollout import RolloutClient
 
-__all__ = ["SegmentPusher", "host_tensors", "sync_mode"]
+__all__ = ["SegmentPusher", "check_room", "host_tensors", "sync_mode"]
 
 
 def sync_mode(config: Config, *, local_child: bool) -> Literal["shm", "disk"]:
@@ -44,6 +45,25 @@ def sync_mode(config: Config, *, local_child: bool) -> Literal["shm", "disk"]:
                                                      "(Linux); use auto or disk")
         return "disk"
     return "shm"
+
+
+def check_room(config: Config, mode: Literal["shm", "disk"], params: nnx.State, frozen: nnx.State | None = None
+               ) -> Literal["shm", "disk"]:
+    """`mode`, or disk when shared memory cannot hold two versions of the pushed model (the loaded one and the
+    next) under auto; a ConfigError under rollout.weight_sync=shm."""
+    import jax
+
+    if mode == "disk":
+        return mode
+    pushed = frozen if frozen is not None else params  # a merged LoRA push is the size of the base
+    needed, free = 2 * sum(leaf.nbytes for leaf in jax.tree.leaves(pushed)), tensor_segment.free_bytes()
+    if needed <= free:
+        return mode
+    why = f"{tensor_segment.SEGMENT_DIR} has {free / 2**20:.0f} MiB free, two versions need {needed / 2**20:.0f} MiB"
+    if config.rollout.weight_sync == "shm":
+        raise ConfigError("rollout.weight_sync", f"shm: {why} (enlarge it, e.g. docker --shm-size, or use disk)")
+    print(f"rollout.weight_sync=auto: pushing through disk, {why}", file=sys.stderr, flush=True)
+    return "disk"
 
 
 def host_tensors(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None

@@ -304,3 +304,19 @@ def test_a_child_restarted_after_a_shared_memory_push_reloads_the_segment(tiny_m
         np.testing.assert_array_equal(again.output_ids, first.output_ids)
         np.testing.assert_array_equal(again.logprobs, first.logprobs)
     assert _ours() == []
+
+
+def test_auto_falls_back_to_disk_and_shm_fails_by_name_when_shared_memory_is_too_small(monkeypatch, tiny_state):
+    import jax
+
+    from drgrpo_jax.weight_sync import check_room
+
+    _, params = tiny_state
+    size = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    auto, forced = load_config(None, BASE), load_config(None, BASE + ["rollout.weight_sync=shm"])
+    monkeypatch.setattr(tensor_segment, "free_bytes", lambda: 2 * size)
+    assert check_room(auto, "shm", params) == "shm" and check_room(forced, "shm", params) == "shm"
+    monkeypatch.setattr(tensor_segment, "free_bytes", lambda: 2 * size - 1)  # the loaded version and the next
+    assert check_room(auto, "shm", params) == "disk" and check_room(auto, "disk", params) == "disk"
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync: shm: /dev/shm has .* MiB free"):
+        check_room(forced, "shm", params)
