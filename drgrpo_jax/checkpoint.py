@@ -82,9 +82,13 @@ class Checkpointer:
             )
         return bool(resume)
 
+    def due(self, step: int, *, force: bool = False) -> bool:
+        """Whether `save(step, ..., force=force)` would save: on the cadence (or forced) and not saved yet."""
+        return (force or step % self.save_every == 0) and step not in self._manager.all_steps()
+
     def save(self, step: int, state: Any, host: dict[str, Any], *, force: bool = False) -> bool:
         """Saves when `step` is a multiple of save_every or `force` (the last step); True when it saved."""
-        if (not force and step % self.save_every) or step in self._manager.all_steps():
+        if not self.due(step, force=force):
             return False  # off the cadence, or the end of a run that just saved this step
         return self._manager.save(
             step,

@@ -13,20 +13,18 @@ child process on a free loopback port and stops it when the trainer exits, norma
 given that `local_server` restarts it when it dies (killed, OOM), loads the weights last pushed and
 redoes the request (`service_restarts` counts it). A 429 or 503 with `Retry-After` is retried no
 sooner than the service asked. With `api_key` every request carries `Authorization: Bearer <key>`.
+`LocalServer` lives in local_server.py. Weight pushes go by folder (`update_weights`, SGLang's
+/update_weights_from_disk) or, to the trainer's own child, by shared-memory segment (`update_weights_from_segment`).
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import os
 import random
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, Self
@@ -35,9 +33,11 @@ import httpx
 import numpy as np
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
+from drgrpo_jax.local_server import LocalServer
 from drgrpo_jax.paths import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
+__all__ = ["LocalServer", "Rollout", "RolloutClient", "check_versions", "prompt_seeds", "retryable"]
 
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
@@ -112,6 +112,7 @@ class RolloutClient:
         self.local_server, self.max_restarts = local_server, max_restarts
         self.service_restarts = 0  # times local_server was found dead and restarted
         self._pushed: tuple[str, str] | None = None  # (path, version) of the last weights every service took
+        self._pushed_segment: dict[str, Any] | None = None  # or the /update_weights_from_tensor body of the last push
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport,
                                   headers=headers)
@@ -168,14 +169,18 @@ class RolloutClient:
         self.service_restarts += 1
         old_url = server.url
         path, version = self._pushed or (server.model, server.weight_version)
+        if self._pushed_segment is not None:  # the child starts on its first weights, then reloads the segment
+            path, version = server.model, str(self._pushed_segment["weight_version"])
         log.warning("generation service %s died (exit code %s); restarting it on weight version %s (restart %d)",
                     old_url, server.returncode, version, self.service_restarts)
         server.stop()
-        server.model, server.weight_version = (path, str(version)) if not is_remote(path) else (
-            server.model, server.weight_version)
+        if self._pushed_segment is None and not is_remote(path):
+            server.model, server.weight_version = path, str(version)
         new_url = server.start()
         self.urls = tuple(new_url if u == old_url else u for u in self.urls)
-        if server.weight_version != str(version):  # a bucket path: the child starts on local weights, then loads it
+        if self._pushed_segment is not None:  # the last push came by shared memory: the segment is still there
+            self._request("POST", new_url, "/update_weights_from_tensor", self._pushed_segment)
+        elif server.weight_version != str(version):  # a bucket path: the child starts on local weights, then loads it
             self._request("POST", new_url, "/update_weights_from_disk",
                           {"model_path": path, "weight_version": str(version)})
         return True
@@ -270,13 +275,38 @@ class RolloutClient:
 
         failures = [error for error in self._pool.map(push, self.urls) if error]
         if failures and self._local_server_died(self.urls[0]):
-            self._pushed = (model_path, str(weight_version))  # the restarted child starts on these very weights
+            # The restarted child starts on these very weights.
+            self._pushed, self._pushed_segment = (model_path, str(weight_version)), None
             if self._restart_local_server():
                 failures = []
         if failures:
             raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "
                                "service(s): " + " | ".join(failures))
-        self._pushed = (model_path, str(weight_version))
+        self._pushed, self._pushed_segment = (model_path, str(weight_version)), None
+
+    def update_weights_from_segment(self, segment: str, tensors: list[dict[str, Any]], weight_version: str | int, *,
+                                    rollback: bool = False) -> None:
+        """Tells the trainer's own child service to load shared-memory segment `segment` (its index: `tensors`)
+        as `weight_version`; RolloutError when it refuses. The segment must outlive the next push: a child
+        that dies is restarted and reloads it (`drgrpo_jax.weight_sync` keeps it until then).
+        """
+        if self.local_server is None or self.urls != (self.local_server.url,):
+            raise RolloutError("update_weights_from_segment: only the trainer's own child service maps its memory")
+        body: dict[str, Any] = {"segment": segment, "tensors": tensors, "weight_version": str(weight_version),
+                                "allow_rollback": rollback}
+        url = self.urls[0]
+        try:
+            answer = self._request("POST", url, "/update_weights_from_tensor", body)
+        except RolloutError:
+            if not self._local_server_died(url):
+                raise
+            self._pushed_segment = body  # the restarted child reloads it
+            if not self._restart_local_server():
+                raise
+            answer = {"success": True}
+        if not answer.get("success", False):
+            raise RolloutError(f"weight version {weight_version} not loaded by {url}: {answer.get('message')}")
+        self._pushed_segment = body
 
     def model_info(self, index: int = 0) -> dict:
         """The service's /get_model_info."""
@@ -339,101 +369,3 @@ def _to_rollout(items: list[dict], group_size: int, budget: int) -> Rollout:
         versions.append(None if version is None else str(version))
     mask = np.arange(budget)[None, :] < lengths[:, None]
     return Rollout(output_ids, logprobs, mask, lengths, truncated, tuple(versions), group_size)
-
-
-class LocalServer:
-    """`python -m drgrpo_jax.serve` as a child process on a free loopback port (a context manager).
-
-    Stopped on `stop()`, on leaving the `with` block (errors included) and at interpreter exit; the
-    child also watches its parent and shuts down if the trainer dies without cleaning up (SIGKILL).
-    """
-
-    def __init__(self, model: str, *, dtype: str = "float32", weight_version: str | int = 0,
-                 extra_args: Sequence[str] = (), startup_timeout_s: float = 600.0, log_path: str | None = None,
-                 env: dict[str, str] | None = None, api_key_env: str = "", weights_roots: Sequence[str] = ()):
-        self.model, self.dtype, self.weight_version = os.fspath(model), dtype, str(weight_version)
-        self.extra_args, self.startup_timeout_s = tuple(extra_args), startup_timeout_s
-        self.log_path, self.env = log_path, env
-        # The key travels in the child's environment under this name; only the name is on its command line.
-        self.api_key_env, self.weights_roots = api_key_env, tuple(os.fspath(r) for r in weights_roots)
-        self.url: str | None = None
-        self.returncode: int | None = None  # the exit code of the last child, once it has exited
-        self._process: subprocess.Popen | None = None
-        self._tmp: tempfile.TemporaryDirectory | None = None
-
-    def start(self) -> str:
-        """Starts the child and waits until /health answers; returns its URL."""
-        self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="drgrpo_serve_")  # kept across restarts
-        port_file = os.path.join(self._tmp.name, "port")
-        if os.path.exists(port_file):  # the port of a previous child
-            os.remove(port_file)
-        self.log_path = self.log_path or os.path.join(self._tmp.name, "serve.log")
-        command = [sys.executable, "-m", "drgrpo_jax.serve", "--model", self.model, "--dtype", self.dtype,
-                   "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
-                   "--weight-version", self.weight_version, "--parent-pid", str(os.getpid()),
-                   *(["--api-key-env", self.api_key_env] if self.api_key_env else []),
-                   *[arg for root in self.weights_roots for arg in ("--weights-root", root)], *self.extra_args]
-        env = {**os.environ, **(self.env or {})}
-        with open(self.log_path, "ab") as log_file:
-            self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                             stdin=subprocess.DEVNULL)
-        atexit.register(self.stop)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self._process.poll() is not None:
-                raise RolloutError(f"generation service exited with code {self._process.returncode} while "
-                                   f"starting; log {self.log_path}:\n{self.log_tail()}")
-            if os.path.exists(port_file):
-                with open(port_file) as f:
-                    self.url = f"http://127.0.0.1:{int(f.read())}"
-                try:
-                    if httpx.get(self.url + "/health", timeout=5.0).status_code == 200:
-                        return self.url
-                except httpx.TransportError:
-                    pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RolloutError(f"generation service not ready after {self.startup_timeout_s:.0f} s; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
-            time.sleep(0.2)
-
-    def log_tail(self, num_chars: int = 3000) -> str:
-        """The end of the child's log."""
-        if self.log_path is None:
-            return ""
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-num_chars:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM (graceful), then SIGKILL after timeout_s; returns the exit code. Idempotent."""
-        process, self._process = self._process, None
-        code = None
-        if process is not None:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            code = process.returncode
-        atexit.unregister(self.stop)
-        return code
-
-    @property
-    def running(self) -> bool:
-        """Whether the child process is alive."""
-        if self._process is None:
-            return False
-        self.returncode = self._process.poll()
-        return self.returncode is None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

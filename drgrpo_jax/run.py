@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from drgrpo_jax.rewards import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.train_step import Batch, TrainState
+    from drgrpo_jax.weight_sync import SegmentPusher
 
 __all__ = ["Run", "publish_weights", "setup"]
 
@@ -59,6 +60,8 @@ class Run:
     client: RolloutClient  # every process: its rollouts and (process 0) the weight pushes
     scorer: RewardScorer  # every process scores its own share
     server: LocalServer | None = None  # the local child service (one process, no rollout.urls)
+    pusher: SegmentPusher | None = None  # weight pushes to that child through shared memory (rollout.weight_sync)
+    behaviour_params: nnx.State | None = None  # rollout.async resumed: the params that sample the pending round
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
@@ -140,8 +143,10 @@ def service_batch_size(config: Config) -> int:
 
 
 def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, params: nnx.State, version: int,
-                    *, rollback: bool = False, frozen: nnx.State | None = None) -> str:
-    """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0).
+                    *, rollback: bool = False, frozen: nnx.State | None = None,
+                    pusher: SegmentPusher | None = None) -> str:
+    """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0);
+    given a `pusher` (the trainer's own child service, rollout.weight_sync), through shared memory instead.
 
     With LoRA, `params` are the adapters and `frozen` the base (needed when model.lora.push is merged).
 
@@ -153,6 +158,8 @@ def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, pa
     import jax
 
     with fail_together(f"publishing weight version {version}"):
+        if pusher is not None and client is not None:  # one process: no disk round trip
+            return pusher.push(client, params, version, rollback=rollback, frozen=frozen)
         path = publisher.publish(params, version, frozen)  # every process joins its gather
         if client is not None and jax.process_index() == 0:
             client.update_weights(path, version, rollback=rollback)
@@ -195,12 +202,14 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.sharding import param_shardings
     from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, place, state_shardings
+    from drgrpo_jax.weight_sync import SegmentPusher, check_room, sync_mode
 
     c, main_process = config, jax.process_index() == 0
     if jax.process_count() > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
     check_paths(c)
     check_trackers(c)
+    weight_sync = sync_mode(c, local_child=not c.rollout.urls)  # shm: the pushes to the child skip the disk
     check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
     stored_dtype = lora_base_dtype(c) if c.model.lora.rank else c.model.dtype  # bfloat16 base: bfloat16 GEMMs
@@ -243,13 +252,17 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     frozen_shardings = None if state.frozen is None else param_shardings(state.frozen, mesh)
     shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
     state = place(state, shardings)  # works across processes, where device_put cannot
-    start_step, position = 0, 0
+    weight_sync = check_room(c, weight_sync, state.params, state.frozen)  # /dev/shm may be too small for two versions
+    start_step, position, behaviour = 0, 0, None
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
-        restored = checkpointer.restore_latest(state.checkpointed())
+        # rollout.async also saves the params that sample the pending round (drgrpo_jax.async_rollout).
+        target = (state.checkpointed(), state.params) if c.rollout.async_ else state.checkpointed()
+        restored = checkpointer.restore_latest(target)
         if restored is None:  # should_resume saw a checkpoint; none is left
             raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
-        state = dataclasses.replace(restored.state, frozen=state.frozen)
+        restored_state, behaviour = restored.state if c.rollout.async_ else (restored.state, None)
+        state = dataclasses.replace(restored_state, frozen=state.frozen)
         start_step, position = int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
         with open(os.path.join(out, "config.yaml"), "w") as f:
@@ -272,10 +285,14 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s,
                                                    api_key=api_key(c), local_server=server))
+    pusher = None
+    if weight_sync == "shm":
+        pusher = stack.enter_context(SegmentPusher(graphdef, merged_lora=spec is not None))
     run = Run(config=c, compute_dtype=compute_dtype, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
               train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
               logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh, frozen_shardings),
               checkpointer=checkpointer, publisher=publisher, log=log,
               stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
-              start_step=start_step, client=client, scorer=scorer, server=server)
+              start_step=start_step, client=client, scorer=scorer, server=server, pusher=pusher,
+              behaviour_params=behaviour)
     return run, state

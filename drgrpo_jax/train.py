@@ -8,10 +8,12 @@ train state is returned by each step, never changed in place.
 One step: draw P prompts; every process samples G completions of its contiguous share of them
 from the generation service(s) (a local child process unless rollout.urls is set; several hosts
 need rollout.urls) and scores them, then the hosts all-gather the rows so each holds the whole
-batch in prompt order; compute the algorithm's advantages;
+batch in prompt order (`drgrpo_jax.collect`); compute the algorithm's advantages;
 recompute the policy's log-probs ("old"); run ppo_epochs x minibatches_per_rollout jitted
-updates; export the new weights to run_dir/weights/v{step} (copied to run.weights_dir when set)
-and point every service at them; log.
+updates; push the new weights to every service (`drgrpo_jax.weight_sync`: the trainer's own child
+maps them from shared memory; services at rollout.urls load run_dir/weights/v{step}, copied to
+run.weights_dir when set); log. With rollout.async the next step's rollout is sampled while the
+update runs, one version stale (`drgrpo_jax.async_rollout`).
 Every random choice derives from (run.seed, step), and the data position and weight version
 are checkpointed with the train state, so a resumed run reproduces an uninterrupted one.
 
@@ -34,27 +36,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.config import Config, component_names, config_from_argv, one_window_per_rollout
-from drgrpo_jax.data import Example, tokenize_prompt
+from drgrpo_jax.async_rollout import PendingRound, Prefetcher, check_fresh, snapshot
+from drgrpo_jax.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
+from drgrpo_jax.config import Config, config_from_argv, one_window_per_rollout
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.evaluation import EvalSettings, eval_metrics, eval_summary
-from drgrpo_jax.hosts import fail_together, gather_hosts
+from drgrpo_jax.hosts import fail_together
 from drgrpo_jax.hub import push_folder
 from drgrpo_jax.outputs import host_array
-from drgrpo_jax.rollout_batch import (
-    HostCounters,
-    ScoredRollout,
-    advantages_N,
-    correct_mask,
-    group_signal_P,
-    host_share,
-    merge_host_rows,
-    response_stats,
-    reward_weights,
-    step_seed,
-    window_advantages,
-)
+from drgrpo_jax.rollout_batch import advantages_N, step_seed, window_advantages
 from drgrpo_jax.run import Run, publish_weights, setup
+from drgrpo_jax.step_rows import UpdateResult, sample_rows, step_metrics
 
 if TYPE_CHECKING:
     from drgrpo_jax.train_step import Batch, TrainState
@@ -62,122 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["main", "train"]
 
 PROG = "python -m drgrpo_jax.train"
-_RESAMPLE_PURPOSE = 1000  # step_seed purposes 1000 + r: dynamic sampling's extra rollouts (1 + epoch: minibatch order)
 _EVAL_PURPOSE = 999  # step_seed purpose of the evaluation's sampled completions
-
-
-# ---------------------------------------------------------------------------------------------
-# Rollout and rewards
-# ---------------------------------------------------------------------------------------------
-
-
-def _prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
-    """Chat-templated prompt ids; a prompt over rollout.max_prompt_tokens is an error naming it."""
-    limit = run.config.rollout.max_prompt_tokens
-    prompts = [tokenize_prompt(example, run.config.data, run.tokenizer) for example in examples]
-    for example, ids in zip(examples, prompts):
-        if len(ids) > limit:
-            raise ConfigError("rollout.max_prompt_tokens", f"prompt {example.prompt_id} has {len(ids)} tokens, "
-                                                           f"over the limit {limit}")
-    return prompts
-
-
-def _stop_ids(run: Run) -> list[int]:
-    eos = getattr(run.tokenizer, "eos_token_id", None)
-    return [int(eos)] if eos is not None else []
-
-
-def _version_number(version: str | None) -> int:
-    """A completion's weight version as a number (generate has checked it against the expected step)."""
-    if version is None:
-        raise ValueError("weight_version: the generation service reported none for a completion")
-    return int(version)
-
-
-def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
-                  offset: int) -> tuple[ScoredRollout, HostCounters]:
-    """This process's share of the prompts: sampled from the service(s) and scored here."""
-    import jax
-
-    r = run.config.rollout
-    start = time.perf_counter()
-    sampled = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                  top_p=r.top_p, top_k=r.top_k, stop_token_ids=[] if r.ignore_eos else _stop_ids(run),
-                                  ignore_eos=r.ignore_eos, seed=seed,
-                                  expected_version=step, max_staleness=r.max_staleness, prompt_offset=offset,
-                                  first_url=jax.process_index())
-    rollout_seconds = time.perf_counter() - start
-    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.output_ids, sampled.lengths)],
-                                       skip_special_tokens=True)
-    start = time.perf_counter()
-    scored = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)], sampled.lengths)
-    counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
-                            scored.errors_F, scored.error_messages)
-    rows = {"response_ids": sampled.output_ids, "behaviour_logprobs": sampled.logprobs,
-            "response_mask": sampled.mask, "lengths": sampled.lengths, "truncated": sampled.truncated,
-            "versions": np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
-            "components": scored.components_NK}
-    return ScoredRollout.from_rows(examples, prompts, rows), counters
-
-
-def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]],
-           seed: int) -> tuple[ScoredRollout, HostCounters]:
-    """Each process samples and scores its share; every process gets the whole rollout, in prompt order.
-
-    A failure on any process (a reward that stops the run, a service that does not answer) is raised
-    on every process together: the hosts all-gather a failure flag before the rows, so no host
-    waits in a collective forever. Counters are the slowest host's times and the hosts' summed counts.
-    """
-    import jax
-
-    host, hosts = jax.process_index(), jax.process_count()
-    start, stop = host_share(len(prompts), hosts, host)
-    with fail_together(f"sampling or scoring step {step + 1}"):
-        share, counters = _sample_share(run, step, examples[start:stop], prompts[start:stop], seed, start)
-    stacked_rows, stacked_counters = gather_hosts((share.rows(), counters.arrays()))
-    if hosts > 1 and (step + 1) % run.config.run.log_every == 0:
-        print(f"[process {host}/{hosts}] step {step + 1}: sampled and scored prompts {start}-{stop - 1} "
-              f"({len(share.lengths)} responses)", file=sys.stderr, flush=True)
-    rollout = ScoredRollout.from_rows(examples, prompts, merge_host_rows(stacked_rows))
-    return rollout, counters.across_hosts(stacked_counters)
-
-
-def collect_rollout(run: Run, step: int) -> tuple[ScoredRollout, np.ndarray, HostCounters, dict[str, Any]]:
-    """The step's P scored groups, bool [P] which carry a learning signal, every round's counters, sampling metrics.
-
-    With rollout.dynamic_sampling, groups without a learning signal (the algorithm's own test,
-    `algorithms.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
-    of P prompts are drawn until P groups have one; a batch still short is filled with dropped
-    groups marked as padding (group_valid False: no loss, no whitening statistics), so the step
-    keeps its static shapes. Every process takes the same decisions from the shared rewards.
-    """
-    c, r = run.config, run.config.rollout
-    rounds: list[ScoredRollout] = []
-    counters: list[HostCounters] = []
-    signals: list[np.ndarray] = []
-    while True:
-        examples = next(run.stream)
-        seed = step_seed(c.run.seed, step, _RESAMPLE_PURPOSE + len(rounds) if rounds else 0)
-        rollout, counted = sample(run, step, examples, _prompt_ids(run, examples), seed)
-        rounds.append(rollout)
-        counters.append(counted)
-        signals.append(group_signal_P(c, rollout))
-        with_signal = int(sum(s.sum() for s in signals))
-        if not r.dynamic_sampling or with_signal >= r.prompts_per_step or len(rounds) > r.max_resample_rounds:
-            break
-    signal = np.concatenate(signals)
-    total = sum(counters[1:], counters[0])
-    metrics: dict[str, Any] = {"zero_signal_fraction": float(1.0 - signal.mean())}
-    if not r.dynamic_sampling:
-        return rollout, signal, total, metrics
-    keep = np.flatnonzero(signal)[:r.prompts_per_step].tolist()
-    fill = np.flatnonzero(~signal)[:r.prompts_per_step - len(keep)].tolist()
-    metrics.update({"sampling_rounds": len(rounds), "groups_drawn": len(signal),
-                    "groups_dropped": int((~signal).sum()), "groups_padded": len(fill),
-                    "groups_surplus": int(signal.sum()) - len(keep)})
-    chosen = ScoredRollout.concat(rounds).take(keep + fill)
-    chosen = dataclasses.replace(chosen, group_valid=np.asarray([True] * len(keep) + [False] * len(fill)))
-    return chosen, chosen.group_valid, total, metrics  # the kept groups have a signal, the padding ones none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,15 +72,6 @@ def _global_batch(batch: Batch, mesh: Any) -> Batch:
 
     rows = NamedSharding(mesh, P(BATCH_AXES))
     return jax.tree.map(lambda v: jax.make_array_from_callback(v.shape, rows, lambda index: v[index]), batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateResult:
-    """What the step's optimizer updates report."""
-
-    metrics: list[dict[str, float]]  # one row per update (optimizer window)
-    whitening: list[tuple[float, float]]  # gdpo: each window's (mean, std) of the combined advantages
-    old_logprob_seconds: float = 0.0  # the old-logprob forward over the rollout (0: skipped, on-policy)
 
 
 def update(run: Run, state: TrainState, step: int, batch: Batch,
@@ -241,79 +109,50 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
 
 
 # ---------------------------------------------------------------------------------------------
-# Metrics and samples
-# ---------------------------------------------------------------------------------------------
-
-
-def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch, counters: HostCounters,
-                 updates: UpdateResult, seconds: dict[str, float]) -> dict[str, Any]:
-    """metrics.jsonl's row for step `step` (1-based): losses, rewards, lengths, staleness, throughput."""
-    names, valid = component_names(config.reward), rollout.row_valid
-    components = rollout.components[valid]  # the trained responses (padding groups left out)
-    total = components @ np.asarray(reward_weights(config), np.float32)
-    generated = int(rollout.lengths.sum())
-    trained = int(batch.prompt_mask[valid].sum() + batch.response_mask[valid].sum()) * config.algorithm.ppo_epochs
-    history = updates.metrics
-    row: dict[str, Any] = {
-        "step": step, **{key: float(np.mean([h[key] for h in history])) for key in history[0]},
-        "grad_norm_max": max(h["grad_norm"] for h in history),
-        "reward_mean": float(total.mean()), "reward_std": float(total.std()),
-        **response_stats(rollout.lengths[valid], rollout.truncated[valid], correct_mask(names, components)),
-        "advantage_abs_mean": float(np.abs(batch.advantages[valid]).mean()),
-        "weight_version": int(rollout.versions.min()), "staleness": int(step - 1 - rollout.versions.min()),
-        "tokens_per_second": generated / seconds["step"],
-        "rollout_tokens_per_second": generated / max(counters.rollout_seconds, 1e-9),
-        "train_tokens_per_second": trained / seconds["train"],
-        "rollout_seconds": counters.rollout_seconds, "reward_seconds": counters.reward_seconds,
-        "train_seconds": seconds["train"], "old_logprob_seconds": updates.old_logprob_seconds,
-        "push_seconds": seconds["push"], "step_seconds": seconds["step"]}
-    if updates.whitening:  # gdpo: the batch whitening statistics, averaged over the step's windows
-        row["whiten_mean"] = float(np.mean([m for m, _ in updates.whitening]))
-        row["whiten_std"] = float(np.mean([sd for _, sd in updates.whitening]))
-    row.update({f"reward/{name}": float(components[:, k].mean()) for k, name in enumerate(names)})
-    return row | counters.metrics()
-
-
-def _sample_rows(run: Run, step: int, rollout: ScoredRollout) -> list[dict[str, Any]]:
-    """samples.jsonl rows: every completion of the step's first two prompts (decoded here: any host sampled them)."""
-    rows, group = [], rollout.group_size
-    names = component_names(run.config.reward)
-    total = rollout.components @ np.asarray(reward_weights(run.config), np.float32)
-    for p, example in enumerate(rollout.examples[:2]):
-        picked = range(p * group, (p + 1) * group)
-        texts = run.tokenizer.batch_decode([rollout.response_ids[i][:rollout.lengths[i]] for i in picked],
-                                           skip_special_tokens=True)
-        for i, text in zip(picked, texts):
-            rows.append({"step": step, "prompt_id": example.prompt_id, "question": example.question,
-                         "answer": example.answer, "completion": text, "reward": float(total[i]),
-                         **{f"reward/{n}": float(rollout.components[i, k]) for k, n in enumerate(names)},
-                         "length": int(rollout.lengths[i]), "truncated": bool(rollout.truncated[i])})
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
 # One step
 # ---------------------------------------------------------------------------------------------
 
 
-def train_one_step(run: Run, state: TrainState, step: int) -> tuple[TrainState, dict[str, Any]]:
-    """Step `step` (0-based): rollout -> rewards -> advantages -> update -> weight push; (new state, metrics row)."""
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """rollout.async: the next step's round sampled during this step, and what a checkpoint after it needs."""
+
+    pending: PendingRound | None  # None after the last step
+    data_position: int  # the prompt stream's position before the pending round's prompts
+    behaviour_params: Any = None  # the params that sample the pending round (copied on checkpoint steps only)
+
+
+def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetcher | None = None,
+                   pending: PendingRound | None = None) -> tuple[TrainState, dict[str, Any], Ahead | None]:
+    """Step `step` (0-based): rollout -> rewards -> advantages -> update -> weight push; (new state, metrics row,
+    with a `prefetcher` (rollout.async) the next step's round, sampled while the update ran)."""
     c = run.config
     started = time.perf_counter()
-    rollout, signal_P, counters, sampling = collect_rollout(run, step)
+    rollout, signal_P, counters, sampling = collect_rollout(run, step, pending)
+    check_fresh(rollout.versions, step, c.rollout.max_staleness)  # never trains on a rollout older than allowed
     batch = rollout.to_batch(advantages_N(c, rollout), c.rollout.max_prompt_tokens)
     signal_N = np.repeat(signal_P, rollout.group_size)
+    ahead = None
+    if prefetcher is not None:
+        position = run.stream.state()
+        upcoming = prefetch(run, prefetcher, step + 1) if step + 1 < c.train.steps else None
+        saving = run.checkpointer.due(step + 1, force=step + 1 == c.train.steps)
+        ahead = Ahead(upcoming, position, snapshot(state.params) if saving else None)
     train_start = time.perf_counter()
     state, updates = update(run, state, step, batch, signal_N)
+    wait_start = time.perf_counter()
+    if ahead is not None:  # all of the next round comes from this version: the push waits for it
+        Prefetcher.wait(ahead.pending)
     push_start = time.perf_counter()
-    publish_weights(run.publisher, run.client, state.params, step + 1, frozen=state.frozen)
+    publish_weights(run.publisher, run.client, state.params, step + 1, frozen=state.frozen, pusher=run.pusher)
     now = time.perf_counter()
-    seconds = {"train": push_start - train_start, "push": now - push_start, "step": now - started}
+    seconds = {"train": wait_start - train_start, "wait": push_start - wait_start, "push": now - push_start,
+               "step": now - started}
     row = step_metrics(c, step + 1, rollout, batch, counters, updates, seconds)
     row.update(sampling, data_position=run.stream.state(), service_restarts=run.client.service_restarts)
     if run.log.enabled and c.run.sample_every and (step + 1) % c.run.sample_every == 0:
-        run.log.samples(_sample_rows(run, step + 1, rollout))
-    return state, row
+        run.log.samples(sample_rows(run, step + 1, rollout))
+    return state, row, ahead
 
 
 def evaluate(run: Run, step: int) -> dict[str, Any] | None:
@@ -338,8 +177,8 @@ def _evaluate(run: Run, step: int) -> dict[str, Any]:
     settings = EvalSettings(max_new_tokens=c.rollout.max_new_tokens, samples=c.train.eval_samples,
                             temperature=c.train.eval_temperature, seed=step_seed(c.run.seed, step, _EVAL_PURPOSE),
                             chunk_prompts=max(len(run.dataset.eval), 1))
-    row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, _prompt_ids(run, run.dataset.eval),
-                       settings, stop_token_ids=_stop_ids(run), expected_version=step)
+    row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, prompt_ids(run, run.dataset.eval),
+                       settings, stop_token_ids=stop_ids(run), expected_version=step)
     return {"step": step, **row, "eval_seconds": time.perf_counter() - start}
 
 
@@ -369,8 +208,10 @@ def train(config: Config) -> str:
         if c.train.eval_every and run.start_step == 0:
             if (row := evaluate(run, 0)) is not None:
                 run.log.metrics(row)
+        prefetcher = stack.enter_context(Prefetcher()) if c.rollout.async_ else None
+        pending = prime(run, state, prefetcher) if prefetcher is not None and run.start_step < c.train.steps else None
         for step in range(run.start_step, c.train.steps):
-            state, row = train_one_step(run, state, step)
+            state, row, ahead = train_one_step(run, state, step, prefetcher, pending)
             run.log.metrics(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
@@ -383,8 +224,11 @@ def train(config: Config) -> str:
                 if (eval_row := evaluate(run, step + 1)) is not None:
                     run.log.metrics(eval_row)
                     bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
-            host = {"step": step + 1, "data_position": run.stream.state(), "weight_version": step + 1}
-            run.checkpointer.save(step + 1, state.checkpointed(), host, force=step + 1 == c.train.steps)
+            host = {"step": step + 1, "data_position": run.stream.state() if ahead is None else ahead.data_position,
+                    "weight_version": step + 1}
+            saved = state.checkpointed() if ahead is None else (state.checkpointed(), ahead.behaviour_params)
+            run.checkpointer.save(step + 1, saved, host, force=step + 1 == c.train.steps)
+            pending = None if ahead is None else ahead.pending
         final = os.path.join(c.run.output_dir, "final")
         run.publisher.export(state.params, final, tokenizer=run.tokenizer)  # with LoRA: the PEFT adapter
         if state.frozen is not None and c.model.lora.export_merged:

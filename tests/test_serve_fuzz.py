@@ -57,6 +57,8 @@ VALID = {  # one body per route that the service answers with 200; the fuzz muta
     "/v1/completions": {"prompt": "hi there", "max_tokens": 4},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},  # no template: 400
     "/update_weights_from_disk": {"model_path": "/nowhere", "weight_version": "1"},
+    "/update_weights_from_tensor": {"segment": "drgrpo_weights_1_1.0", "weight_version": "1",  # no such segment: 400
+                                    "tensors": [{"name": "embed", "dtype": "float32", "shape": [1], "offset": 0}]},
 }
 
 
@@ -103,7 +105,7 @@ def _fuzz(client: httpx.Client, url: str, bodies: st.SearchStrategy, headers: di
     check()
 
 
-@pytest.mark.slow  # 4 routes x 60 examples through a real service child process (~1 min on 2 busy cores)
+@pytest.mark.slow  # 5 routes x 60 examples through a real service child process (~1 min on 2 busy cores)
 def test_fuzzed_requests_never_get_5xx_and_the_service_stays_healthy(service):
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     spec = httpx.get(service.url + "/openapi.json", headers=headers, timeout=30).json()

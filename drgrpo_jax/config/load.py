@@ -33,6 +33,24 @@ __all__ = [
 
 
 
+# Keys that are Python keywords: (section, key as written in YAML and overrides) -> the dataclass field.
+_KEY_ALIASES = {("rollout", "async"): "async_"}
+
+
+def _to_fields(update: DictConfig) -> None:
+    """Renames aliased keys (rollout.async) to their fields, in place, before the typed merge."""
+    for (section, key), field in _KEY_ALIASES.items():
+        part = update.get(section) if isinstance(update, DictConfig) else None
+        if isinstance(part, DictConfig) and key in part:
+            part[field] = part[key]
+            del part[key]
+
+
+def _key_name(field: str) -> str:
+    """The key a field is written as (its alias, when it has one)."""
+    return {f: key for (_, key), f in _KEY_ALIASES.items()}.get(field, field)
+
+
 # Section name -> dataclass (annotations are strings under `from __future__ import annotations`).
 _FIELD_TYPES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
 _FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
@@ -41,7 +59,7 @@ _FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
 def _section_fields(path: str) -> list[str]:
     """Field names of the section at `path` ('' = the sections themselves); [] when it is no section."""
     cls = Config if not path else _FIELD_TYPES.get(path)
-    return [f.name for f in dataclasses.fields(cls)] if cls is not None else []
+    return [_key_name(f.name) for f in dataclasses.fields(cls)] if cls is not None else []
 
 
 def _unknown_key_error(full_key: str, where: str) -> ConfigError:
@@ -68,6 +86,7 @@ def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
 
 def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
     """Typed merge of `update` into `base`; any failure becomes a ConfigError."""
+    _to_fields(update)
     raw = OmegaConf.to_container(update, resolve=False)  # interpolations stay unresolved
     assert isinstance(raw, dict)
     for section, value in raw.items():
@@ -119,8 +138,12 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
 
 
 def dump_config(config: Config) -> str:
-    """The resolved config as YAML (loads back to an equal Config)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The resolved config as YAML (loads back to an equal Config); aliased fields under their keys."""
+    tree = OmegaConf.to_container(OmegaConf.structured(config))
+    assert isinstance(tree, dict)
+    for section in {section for section, _ in _KEY_ALIASES}:
+        tree[section] = {_key_name(k): v for k, v in tree[section].items()}
+    return OmegaConf.to_yaml(OmegaConf.create(tree))
 
 
 def describe_config() -> str:
@@ -143,7 +166,7 @@ def _describe_fields(prefix: str, cls: type) -> list[str]:
             lines += _describe_fields(f"{prefix}.{field.name}", type(default))
             continue
         shown = "null" if default is None else repr(default) if isinstance(default, str) else default
-        lines.append(f"  {prefix}.{field.name} = {shown}  # {field.metadata.get('help', '')}")
+        lines.append(f"  {prefix}.{_key_name(field.name)} = {shown}  # {field.metadata.get('help', '')}")
     return lines
 
 

@@ -372,9 +372,30 @@ def _check_float32_weights(config: Config) -> None:
         raise ConfigError("reward.weights", "gdpo needs at least one nonzero weight (all are 0: no learning signal)")
 
 
+def _check_rollout_modes(config: Config) -> None:
+    """rollout.weight_sync=shm needs a whole model for the trainer's own child; rollout.async a staleness
+    allowance and an importance correction for the one-step lag."""
+    r, lora = config.rollout, config.model.lora
+    if r.weight_sync == "shm":
+        reason = ("remote services (rollout.urls) load from disk" if r.urls else
+                  "model.lora.push=adapter sends a PEFT folder (set model.lora.push=merged)"
+                  if lora.rank and lora.push == "adapter" else
+                  "run.weights_dir mirrors each version on disk" if config.run.weights_dir else "")
+        if reason:
+            raise ConfigError("rollout.weight_sync", f"shm pushes whole models to the trainer's own child service; "
+                                                     f"{reason}; use auto or disk")
+    if r.async_ and r.max_staleness < 1:
+        raise ConfigError("rollout.max_staleness", "must be >= 1 with rollout.async=true (each rollout is sampled "
+                                                   "by the policy one version before the one it trains)")
+    if r.async_ and config.algorithm.tis_cap is None and config.algorithm.mis_high is None:
+        raise ConfigError("algorithm.tis_cap", "must be set (e.g. 2.0), or algorithm.mis_high, with "
+                                               "rollout.async=true: the importance weight corrects the one-step lag")
+
+
 def validate(config: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
     _check_ranges(config)
+    _check_rollout_modes(config)
     _at_least("model.lora.rank", config.model.lora.rank, 0)
     lora_spec(config)
     _check_base_dtype(config)

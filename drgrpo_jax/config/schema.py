@@ -152,6 +152,15 @@ class RolloutConfig:
         "", "environment variable holding the services' API key (sent as Authorization: Bearer; the trainer's "
             "own child service is started with it); empty = no key"
     )
+    # Throughput levers: where the weight push goes, and rollouts one step ahead of the update.
+    weight_sync: Literal["auto", "shm", "disk"] = _f(
+        "auto", "how weight pushes reach the services: shm = the trainer's own child maps a shared-memory segment "
+                "(no disk write); disk = a versioned folder and /update_weights_from_disk; auto = shm for the child "
+                "service unless model.lora.push=adapter or run.weights_dir is set, disk for rollout.urls")
+    async_: bool = _f(
+        False, "(YAML/CLI key: rollout.async) one-step-off rollouts: the next step's rollout is sampled while this "
+               "step's update runs, from the policy one version old (needs max_staleness >= 1 and algorithm.tis_cap "
+               "or mis_high to correct the lag)")
 
 
 @dataclasses.dataclass(frozen=True)

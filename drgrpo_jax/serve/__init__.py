@@ -5,14 +5,18 @@
 
 Requests from concurrent clients are queued and cut into batches (rows = prompts x n); one worker
 thread runs the jitted sampler on each batch with the weights current when the batch starts, so a
-weight update (`/update_weights_from_disk`) swaps atomically between batches: batches in flight
-finish on the old weights, and every completion reports the `weight_version` it was sampled with.
+weight update (`/update_weights_from_disk`, or `/update_weights_from_tensor` from the trainer's shared
+memory) swaps atomically between batches: batches in flight finish on the old weights, and every
+completion reports the `weight_version` it was sampled with.
 
-Layout (imports point one way, security <- engine <- api <- openai_routes <- app <- __main__; schemas <- api):
+Layout (imports point one way, security, weights <- engine <- api <- tensor_updates, openai_routes <- app <-
+__main__; schemas <- api):
     security.py       keys (Bearer, constant time), the Host and body-size guard, weight-path roots
-    engine.py         ServeConfig and its YAML loading, Weights, the compatibility check, the batching Engine
+    weights.py        Weights: loading (folder, adapter, shared-memory tensors), the compatibility check
+    engine.py         ServeConfig and its YAML loading, the weights' hot swap, the batching Engine
     schemas.py        the request bodies, every field bounded to what the engine can hold
     api.py            the SGLang-native route handlers and the checks every route shares; build_app's core
+    tensor_updates.py /update_weights_from_tensor: the trainer's push through a shared-memory segment
     scoring.py        log-probs of given sequences (OpenAI's echo, logprobs and top_logprobs)
     openai_routes.py  /v1/models, /v1/completions (stop strings, logprobs, echo), /v1/chat/completions
     app.py            build_app: every route behind the guard

@@ -1,4 +1,5 @@
-"""The engine: served weights, their hot swap, and the one worker thread that batches requests into the sampler."""
+"""The engine: the served weights' hot swap (from a folder or a shared-memory segment) and the one worker thread
+that batches requests into the sampler. What a generation of weights is and how it loads: weights.py."""
 
 from __future__ import annotations
 
@@ -15,19 +16,29 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import yaml
-from flax import nnx
 
 from drgrpo_jax import sampling
-from drgrpo_jax.models import from_pretrained
-from drgrpo_jax.models.lora import is_adapter_folder, load_adapter, merge_adapters, read_adapter_config
+from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.paths import local_folder
 from drgrpo_jax.sampling import RowRequest
 from drgrpo_jax.serve.security import is_loopback, normalize_roots
+from drgrpo_jax.serve.weights import (
+    DTYPES,
+    InvalidWeights,
+    Weights,
+    check_compatible,
+    check_newer,
+    load_served,
+    load_weights,
+    weights_from_tensors,
+    with_adapter,
+)
+from drgrpo_jax.tensor_segment import parse_index, read_segment
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # ServeConfig.dtype -> parameter and KV-cache dtype
+__all__ = ["DTYPES", "Engine", "InvalidWeights", "QueueFull", "RowResult", "ServeConfig", "Weights",
+           "check_compatible", "check_newer", "load_config", "load_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +121,6 @@ def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Weights:
-    """One immutable generation of served weights; swapped as a whole."""
-
-    graphdef: nnx.GraphDef
-    state: nnx.State
-    config: Any  # drgrpo_jax.models.DecoderConfig
-    version: str
-    path: str
-    adapter: dict[str, Any] | None = None  # the LoRA adapter merged into the base: path, rank, alpha, targets
-
-
-@dataclasses.dataclass(frozen=True)
 class RowResult:
     """One completion."""
 
@@ -129,61 +128,6 @@ class RowResult:
     logprobs: list[float]
     stopped: bool  # ended on a stop/EOS token (the last of output_ids), else hit max_new_tokens
     weight_version: str
-
-
-def load_weights(path: str, dtype: str, version: str) -> Weights:
-    """Reads a checkpoint from disk (no device state is touched before it has loaded)."""
-    model = from_pretrained(path, dtype=DTYPES[dtype])
-    graphdef, state = nnx.split(model)
-    return Weights(graphdef, state, model.config, str(version), path)
-
-
-def load_served(path: str, dtype: str, version: str) -> tuple[Weights, Weights]:
-    """(base, served) from --model: a model serves itself; a PEFT adapter folder serves the base its
-    adapter_config.json names (base_model_name_or_path) with the adapter merged in."""
-    if not is_adapter_folder(path):
-        weights = load_weights(path, dtype, version)
-        return weights, weights
-    _, base_path = read_adapter_config(path)
-    if not base_path:
-        raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path; start the service with "
-                         "--model BASE and push the adapter to /update_weights_from_disk")
-    base = load_weights(base_path, dtype, version)
-    return base, with_adapter(base, path, version)
-
-
-def with_adapter(base: Weights, folder: str, version: str, shown_path: str | None = None) -> Weights:
-    """`base` with the PEFT LoRA adapter in `folder` merged into its weights (W + alpha / r * A B).
-
-    Merging keeps decoding as fast as the base's and its compiled programs (same tree, same graphdef); the
-    base stays beside it so the next adapter merges into the original weights. ValueError naming what does
-    not fit the served model.
-    """
-    spec, adapters = load_adapter(folder, base.config)
-    merged = merge_adapters(nnx.merge(base.graphdef, base.state), spec, adapters)
-    new = Weights(base.graphdef, nnx.state(merged), base.config, str(version), shown_path or folder,
-                  adapter={"path": shown_path or folder, "rank": spec.rank, "alpha": spec.alpha,
-                           "targets": list(spec.targets)})
-    check_compatible(base, new)
-    return new
-
-
-def check_compatible(old: Weights, new: Weights) -> None:
-    """Raises ValueError naming the first difference that would make `new` a different model."""
-    if new.config != old.config:
-        diffs = [f.name for f in dataclasses.fields(old.config)
-                 if getattr(old.config, f.name) != getattr(new.config, f.name)]
-        raise ValueError(f"model config differs from the served model in {diffs}")
-    old_leaves = jax.tree_util.tree_leaves_with_path(old.state)
-    new_leaves = jax.tree_util.tree_leaves_with_path(new.state)
-    if [p for p, _ in old_leaves] != [p for p, _ in new_leaves]:
-        raise ValueError("parameter tree differs from the served model")
-    for (keypath, a), (_, b) in zip(old_leaves, new_leaves):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(f"{jax.tree_util.keystr(keypath)}: shape/dtype {b.shape} {b.dtype} "
-                             f"does not match the served {a.shape} {a.dtype}")
-        if not bool(jnp.all(jnp.isfinite(b))):
-            raise ValueError(f"{jax.tree_util.keystr(keypath)}: contains NaN or inf")
 
 
 class QueueFull(Exception):
@@ -194,19 +138,9 @@ class QueueFull(Exception):
         super().__init__(f"the service is busy: retry in {retry_after_s} s")
 
 
-class InvalidWeights(ValueError):
-    """A weight update refused; the message is safe to show a client (no file-system detail)."""
-
-
 def row_cost(row: RowRequest) -> int:
     """A row's share of the token budgets: its prompt plus the tokens it may generate."""
     return len(row.prompt_ids) + row.params.max_new_tokens
-
-
-def check_newer(current: str, new: str) -> None:
-    """Integer versions may not go backwards (an equal one re-pushes the same version); InvalidWeights if they do."""
-    if current.isdigit() and new.isdigit() and int(new) < int(current):
-        raise InvalidWeights(f"weight_version: {new} is older than the served version {current}")
 
 
 def _resolve(future: concurrent.futures.Future, result: Any = None, error: Exception | None = None) -> None:
@@ -307,6 +241,35 @@ class Engine:
             self.weights = dataclasses.replace(new, graphdef=old.graphdef, config=old.config, path=shown)
             log.info("weights %s -> %s from %s%s", old.version, new.version, path, " (adapter)" if new.adapter else "")
             return self.weights
+
+    def update_weights_from_segment(self, segment: str, index: list[dict[str, Any]], version: str, *,
+                                    allow_rollback: bool = False) -> Weights:
+        """Swaps in a whole model read from shared-memory segment `segment` (`tensor_segment`, written by the
+        trainer that started this service); like `update_weights`, the served weights stay on any error.
+
+        The writer may delete the segment once this returns: the new arrays are copies or (XLA on CPU may skip
+        the copy) hold the pages mapped, and a segment is never written again. Raises InvalidWeights naming the
+        tensor or field at fault.
+        """
+        with self._update_lock:
+            if not allow_rollback:
+                check_newer(self.weights.version, version)
+            old = self.weights
+            try:
+                tensors = read_segment(segment, parse_index(index))
+                new = weights_from_tensors(old, tensors, self.config.dtype, version, f"shm:{segment}")
+                del tensors  # the views unmap with it
+                check_compatible(old, new)
+            except FileNotFoundError:
+                raise InvalidWeights("segment: no such shared-memory segment") from None
+            except ValueError as error:  # names, shapes, dtypes: nothing about the machine
+                raise InvalidWeights(str(error)) from None
+            except OSError as error:
+                log.warning("weight update from segment %s refused: %s", segment, error)
+                raise InvalidWeights("segment: cannot be read") from None
+            self.base = self.weights = new
+            log.info("weights %s -> %s from shared memory", old.version, new.version)
+            return new
 
     def _model_weights(self, folder: str, version: str) -> Weights:
         """A full model folder, checked against the served model; InvalidWeights otherwise."""

@@ -87,6 +87,24 @@ class UpdateWeightsRequest(_Request):
     allow_rollback: StrictBool = False
 
 
+class TensorEntryIn(_Request):
+    """One tensor of a shared-memory segment (drgrpo_jax.tensor_segment): where it lies and what it holds."""
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
+    dtype: Literal["float32", "bfloat16", "float16"]
+    shape: Annotated[list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]], Field(max_length=8)]
+    offset: Annotated[StrictInt, Field(ge=0, lt=2**63)]
+
+
+class UpdateWeightsFromTensorRequest(_Request):
+    """`/update_weights_from_tensor` (this service's own body, not SGLang's: a segment name and its index)."""
+
+    segment: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
+    tensors: Annotated[list[TensorEntryIn], Field(min_length=1, max_length=2**16)]
+    weight_version: Version | Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None  # None = previous + 1
+    allow_rollback: StrictBool = False  # a trainer resuming from a checkpoint re-pushes an older version
+
+
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; lm-evaluation-harness sends a task's `until` list, which can be longer
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 OPEN_PATHS = frozenset({"/health"})  # GET /health answers without a key: launchers and load balancers probe it
-ADMIN_PATHS = frozenset({"/update_weights_from_disk"})  # the admin key, when one is set, is required here
+# The admin key, when one is set, is required here.
+ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 REMOTE_SCHEMES = ("gs://", "file://")  # URI schemes a weight root may name: a bucket prefix (file:// in tests)
 

@@ -1,0 +1,175 @@
+"""A training step's rollout: prompts drawn and templated, completions sampled from the generation service(s)
+(each process its contiguous share), scored, gathered onto every host in prompt order; dynamic sampling's
+extra rounds; and rollout.async's first round launched a step ahead (`prefetch`, `prime`; the timeline is in
+drgrpo_jax.async_rollout). Every random choice derives from (run.seed, step, purpose)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from drgrpo_jax.async_rollout import PendingRound, Prefetcher
+from drgrpo_jax.data import Example, tokenize_prompt
+from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.hosts import fail_together, gather_hosts
+from drgrpo_jax.rollout_batch import (
+    HostCounters,
+    ScoredRollout,
+    group_signal_P,
+    host_share,
+    merge_host_rows,
+    step_seed,
+)
+from drgrpo_jax.run import publish_weights
+
+if TYPE_CHECKING:
+    from drgrpo_jax.run import Run
+    from drgrpo_jax.train_step import TrainState
+
+__all__ = ["collect_rollout", "prefetch", "prime", "prompt_ids", "sample", "stop_ids"]
+
+_RESAMPLE_PURPOSE = 1000  # step_seed purposes 1000 + r: dynamic sampling's extra rollouts (1 + epoch: minibatch order)
+
+
+def prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
+    """Chat-templated prompt ids; a prompt over rollout.max_prompt_tokens is an error naming it."""
+    limit = run.config.rollout.max_prompt_tokens
+    prompts = [tokenize_prompt(example, run.config.data, run.tokenizer) for example in examples]
+    for example, ids in zip(examples, prompts):
+        if len(ids) > limit:
+            raise ConfigError("rollout.max_prompt_tokens", f"prompt {example.prompt_id} has {len(ids)} tokens, "
+                                                           f"over the limit {limit}")
+    return prompts
+
+
+def stop_ids(run: Run) -> list[int]:
+    eos = getattr(run.tokenizer, "eos_token_id", None)
+    return [int(eos)] if eos is not None else []
+
+
+def _version_number(version: str | None) -> int:
+    """A completion's weight version as a number (generate has checked it against the expected step)."""
+    if version is None:
+        raise ValueError("weight_version: the generation service reported none for a completion")
+    return int(version)
+
+
+def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
+                  offset: int) -> tuple[ScoredRollout, HostCounters]:
+    """This process's share of the prompts: sampled from the service(s) and scored here."""
+    import jax
+
+    r = run.config.rollout
+    start = time.perf_counter()
+    sampled = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                  top_p=r.top_p, top_k=r.top_k, stop_token_ids=[] if r.ignore_eos else stop_ids(run),
+                                  ignore_eos=r.ignore_eos, seed=seed,
+                                  expected_version=step, max_staleness=r.max_staleness, prompt_offset=offset,
+                                  first_url=jax.process_index())
+    rollout_seconds = time.perf_counter() - start
+    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.output_ids, sampled.lengths)],
+                                       skip_special_tokens=True)
+    start = time.perf_counter()
+    scored = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)], sampled.lengths)
+    counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
+                            scored.errors_F, scored.error_messages)
+    rows = {"response_ids": sampled.output_ids, "behaviour_logprobs": sampled.logprobs,
+            "response_mask": sampled.mask, "lengths": sampled.lengths, "truncated": sampled.truncated,
+            "versions": np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
+            "components": scored.components_NK}
+    return ScoredRollout.from_rows(examples, prompts, rows), counters
+
+
+def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
+           pending: PendingRound | None = None) -> tuple[ScoredRollout, HostCounters]:
+    """Each process samples and scores its share (or takes `pending`'s, sampled ahead); every process gets the
+    whole rollout, in prompt order.
+
+    A failure on any process (a reward that stops the run, a service that does not answer) is raised
+    on every process together: the hosts all-gather a failure flag before the rows, so no host
+    waits in a collective forever. Counters are the slowest host's times and the hosts' summed counts.
+    """
+    import jax
+
+    host, hosts = jax.process_index(), jax.process_count()
+    start, stop = host_share(len(prompts), hosts, host)
+    with fail_together(f"sampling or scoring step {step + 1}"):
+        share, counters = pending.future.result() if pending is not None else _sample_share(
+            run, step, examples[start:stop], prompts[start:stop], seed, start)
+    stacked_rows, stacked_counters = gather_hosts((share.rows(), counters.arrays()))
+    if hosts > 1 and (step + 1) % run.config.run.log_every == 0:
+        print(f"[process {host}/{hosts}] step {step + 1}: sampled and scored prompts {start}-{stop - 1} "
+              f"({len(share.lengths)} responses)", file=sys.stderr, flush=True)
+    rollout = ScoredRollout.from_rows(examples, prompts, merge_host_rows(stacked_rows))
+    return rollout, counters.across_hosts(stacked_counters)
+
+
+def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
+                    ) -> tuple[ScoredRollout, np.ndarray, HostCounters, dict[str, Any]]:
+    """The step's P scored groups, bool [P] which carry a learning signal, every round's counters, sampling metrics.
+
+    With rollout.dynamic_sampling, groups without a learning signal (the algorithm's own test,
+    `algorithms.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
+    of P prompts are drawn until P groups have one; a batch still short is filled with dropped
+    groups marked as padding (group_valid False: no loss, no whitening statistics), so the step
+    keeps its static shapes. Every process takes the same decisions from the shared rewards. `pending`: the
+    first round, sampled ahead (rollout.async).
+    """
+    c, r = run.config, run.config.rollout
+    rounds: list[ScoredRollout] = []
+    counters: list[HostCounters] = []
+    signals: list[np.ndarray] = []
+    while True:
+        first = pending if not rounds else None
+        examples = first.examples if first is not None else next(run.stream)
+        prompts = first.prompts if first is not None else prompt_ids(run, examples)
+        seed = step_seed(c.run.seed, step, _RESAMPLE_PURPOSE + len(rounds) if rounds else 0)
+        rollout, counted = sample(run, step, examples, prompts, seed, first)
+        rounds.append(rollout)
+        counters.append(counted)
+        signals.append(group_signal_P(c, rollout))
+        with_signal = int(sum(s.sum() for s in signals))
+        if not r.dynamic_sampling or with_signal >= r.prompts_per_step or len(rounds) > r.max_resample_rounds:
+            break
+    signal = np.concatenate(signals)
+    total = sum(counters[1:], counters[0])
+    metrics: dict[str, Any] = {"zero_signal_fraction": float(1.0 - signal.mean())}
+    if not r.dynamic_sampling:
+        return rollout, signal, total, metrics
+    keep = np.flatnonzero(signal)[:r.prompts_per_step].tolist()
+    fill = np.flatnonzero(~signal)[:r.prompts_per_step - len(keep)].tolist()
+    metrics.update({"sampling_rounds": len(rounds), "groups_drawn": len(signal),
+                    "groups_dropped": int((~signal).sum()), "groups_padded": len(fill),
+                    "groups_surplus": int(signal.sum()) - len(keep)})
+    chosen = ScoredRollout.concat(rounds).take(keep + fill)
+    chosen = dataclasses.replace(chosen, group_valid=np.asarray([True] * len(keep) + [False] * len(fill)))
+    return chosen, chosen.group_valid, total, metrics  # the kept groups have a signal, the padding ones none
+
+
+def prefetch(run: Run, prefetcher: Prefetcher, step: int) -> PendingRound:
+    """Step `step`'s first sampling round, launched in the background now (rollout.async; drgrpo_jax.async_rollout)."""
+    import jax
+
+    position, examples = run.stream.state(), next(run.stream)
+    prompts = prompt_ids(run, examples)
+    start, stop = host_share(len(prompts), jax.process_count(), jax.process_index())
+    return prefetcher.launch(step, examples, prompts, position, _sample_share, run, step, examples[start:stop],
+                             prompts[start:stop], step_seed(run.config.run.seed, step, 0), start)
+
+
+def prime(run: Run, state: TrainState, prefetcher: Prefetcher) -> PendingRound:
+    """The first step's pending round, sampled now by the version before it: on resume, the checkpoint's
+    behaviour params are pushed back for it (then the current ones), so it equals the uninterrupted run's."""
+    step, behaviour = run.start_step, run.behaviour_params
+    if behaviour is not None:
+        publish_weights(run.publisher, run.client, behaviour, step - 1, rollback=True, frozen=state.frozen,
+                        pusher=run.pusher)
+    pending = prefetch(run, prefetcher, step)
+    prefetcher.wait(pending)
+    if behaviour is not None:
+        publish_weights(run.publisher, run.client, state.params, step, frozen=state.frozen, pusher=run.pusher)
+    return pending

@@ -1,0 +1,75 @@
+"""metrics.jsonl's row of a training step and samples.jsonl's rows: what the host loop logs (train.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from drgrpo_jax.config import Config, component_names
+from drgrpo_jax.rollout_batch import HostCounters, ScoredRollout, correct_mask, response_stats, reward_weights
+
+if TYPE_CHECKING:
+    from drgrpo_jax.run import Run
+    from drgrpo_jax.train_step import Batch
+
+__all__ = ["UpdateResult", "sample_rows", "step_metrics"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateResult:
+    """What the step's optimizer updates report."""
+
+    metrics: list[dict[str, float]]  # one row per update (optimizer window)
+    whitening: list[tuple[float, float]]  # gdpo: each window's (mean, std) of the combined advantages
+    old_logprob_seconds: float = 0.0  # the old-logprob forward over the rollout (0: skipped, on-policy)
+
+
+def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch, counters: HostCounters,
+                 updates: UpdateResult, seconds: dict[str, float]) -> dict[str, Any]:
+    """metrics.jsonl's row for step `step` (1-based): losses, rewards, lengths, staleness, throughput, seconds."""
+    names, valid = component_names(config.reward), rollout.row_valid
+    components = rollout.components[valid]  # the trained responses (padding groups left out)
+    total = components @ np.asarray(reward_weights(config), np.float32)
+    generated = int(rollout.lengths.sum())
+    trained = int(batch.prompt_mask[valid].sum() + batch.response_mask[valid].sum()) * config.algorithm.ppo_epochs
+    history = updates.metrics
+    row: dict[str, Any] = {
+        "step": step, **{key: float(np.mean([h[key] for h in history])) for key in history[0]},
+        "grad_norm_max": max(h["grad_norm"] for h in history),
+        "reward_mean": float(total.mean()), "reward_std": float(total.std()),
+        **response_stats(rollout.lengths[valid], rollout.truncated[valid], correct_mask(names, components)),
+        "advantage_abs_mean": float(np.abs(batch.advantages[valid]).mean()),
+        "weight_version": int(rollout.versions.min()), "staleness": int(step - 1 - rollout.versions.min()),
+        "tokens_per_second": generated / seconds["step"],
+        "rollout_tokens_per_second": generated / max(counters.rollout_seconds, 1e-9),
+        "train_tokens_per_second": trained / seconds["train"],
+        "rollout_seconds": counters.rollout_seconds, "reward_seconds": counters.reward_seconds,
+        "train_seconds": seconds["train"], "old_logprob_seconds": updates.old_logprob_seconds,
+        "push_seconds": seconds["push"], "step_seconds": seconds["step"],
+        "rollout_wait_seconds": seconds["wait"]}  # rollout.async: the wait for the next round after the update
+    if updates.whitening:  # gdpo: the batch whitening statistics, averaged over the step's windows
+        row["whiten_mean"] = float(np.mean([m for m, _ in updates.whitening]))
+        row["whiten_std"] = float(np.mean([sd for _, sd in updates.whitening]))
+    row.update({f"reward/{name}": float(components[:, k].mean()) for k, name in enumerate(names)})
+    return row | counters.metrics()
+
+
+def sample_rows(run: Run, step: int, rollout: ScoredRollout) -> list[dict[str, Any]]:
+    """samples.jsonl rows: every completion of the step's first two prompts (decoded here: any host sampled them)."""
+    rows, group = [], rollout.group_size
+    names = component_names(run.config.reward)
+    total = rollout.components @ np.asarray(reward_weights(run.config), np.float32)
+    for p, example in enumerate(rollout.examples[:2]):
+        picked = range(p * group, (p + 1) * group)
+        texts = run.tokenizer.batch_decode([rollout.response_ids[i][:rollout.lengths[i]] for i in picked],
+                                           skip_special_tokens=True)
+        for i, text in zip(picked, texts):
+            rows.append({"step": step, "prompt_id": example.prompt_id, "question": example.question,
+                         "answer": example.answer, "completion": text, "reward": float(total[i]),
+                         **{f"reward/{n}": float(rollout.components[i, k]) for k, n in enumerate(names)},
+                         "length": int(rollout.lengths[i]), "truncated": bool(rollout.truncated[i])})
+    return rows
+
+
