@@ -339,7 +339,8 @@ def test_trainer_runs_lora_on_an_int8_base_in_bfloat16_and_pushes_merged_models(
     output_dir = tmp_path / "run"
     process = start_trainer(trainer_overrides(tiny_model, prompts_file, output_dir, steps=2) + [
         "model.lora.rank=4", "model.lora.alpha=8", "algorithm.kl_coef=0.05", "model.lora.base_dtype=int8",
-        "model.compute_dtype=bfloat16", "model.lora.push=merged"])
+        "model.compute_dtype=bfloat16", "model.lora.push=merged",
+        "rollout.weight_sync=disk"])  # versioned folders to inspect (auto would push merged models over shm)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     with open(output_dir / "metrics.jsonl") as f:
