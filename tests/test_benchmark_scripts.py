@@ -1,0 +1,48 @@
+"""Every script in benchmarks/ runs at a toy size and prints its one JSON line (`-m slow`: minutes, real weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
+# script -> arguments small enough for a smoke run; every script in benchmarks/ but the helpers is here.
+SMOKE_ARGS = {
+    "attention": ["--rows", "1", "--lengths", "64", "--heads", "2,1,16", "--repeats", "1"],
+    "logprobs": ["--batch", "2", "--length", "32", "--dim", "64", "--vocab", "512"],
+    "loss_fn": ["--rows", "8", "--tokens", "64", "--repeats", "2"],
+    "model_step": ["--layers", "1", "--rows", "2", "--seq", "16", "--decode-batch", "2", "--cache", "16",
+                   "--decode-filled", "8", "--repeats", "1", "--decode-repeats", "1", "--skip-torch"],
+    "sampler": ["--batch", "2", "--new-tokens", "4", "--dtypes", "float32", "--repeats", "1"],
+    "train_step": ["--rows", "2", "--prompt", "8", "--response", "8", "--repeats", "1"],
+    "long_context": ["--lengths", "1x64", "--sampler-prompts", "2", "--sampler-new-tokens", "8", "--timeout", "600"],
+    "rl_step": ["--steps", "2", "--prompts", "2", "--group", "2", "--budget", "4", "--micro-batches", "1",
+                "--dtypes", "float32"],
+    "quickstart": ["train.steps=1", "train.eval_every=0", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"],
+}
+HELPERS = {"_common", "record"}  # shared code and the recorder (tests/test_benchmark_records.py)
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    scripts = {path.stem for path in (ROOT / "benchmarks").glob("*.py")} - HELPERS
+    assert scripts == set(SMOKE_ARGS)
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE_ARGS))
+def test_benchmark_prints_one_json_line(script):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)  # the benchmarks run on the real CPU device, not the tests' 8 fake ones
+    finished = subprocess.run([sys.executable, f"benchmarks/{script}.py", *SMOKE_ARGS[script]], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=1200)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    lines = [line for line in finished.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, finished.stdout[-2000:]
+    record = json.loads(lines[0])
+    assert script in record.get("benchmark", "")
