@@ -137,12 +137,21 @@ def device_backend(device: DeviceSpec | None) -> str:
     return "tpu" if device.name.startswith("tpu") else "gpu"
 
 
-def resolve_remat(config: Config, by_policy: dict[str, int], budget: int | None) -> str:
-    """model.remat made concrete: a policy as set, or for auto the first whose activations fit `budget` bytes
-    (None: no device to fit, so none)."""
+# On a CPU the backward that recomputes each layer is no slower than one that keeps its activations (the saved
+# tensors' memory traffic costs what the recompute does), at half the memory: benchmarks/results/
+# train_step-20261201T104758Z.json and -104918Z.json, the quickstart's micro-batch, remat none vs full: 238 vs
+# 244 tok/s, 7.6 vs 3.5 GB. So auto takes full on a CPU whatever fits.
+CPU_AUTO_REMAT = "full"
+
+
+def resolve_remat(config: Config, by_policy: dict[str, int], budget: int | None, backend: str = "cpu") -> str:
+    """model.remat made concrete: a policy as set; for auto on a known device (`budget` bytes; None: no device, so
+    none) CPU_AUTO_REMAT on a CPU, elsewhere the first policy whose activations fit `budget`."""
     if config.model.remat != "auto":
         return config.model.remat
-    return "none" if budget is None else choose_remat(by_policy, budget)
+    if budget is None:
+        return "none"
+    return CPU_AUTO_REMAT if backend == "cpu" else choose_remat(by_policy, budget)
 
 
 def device_memory_bytes(device: Any) -> int:
@@ -252,7 +261,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
     usable = None if device is None else int(device.memory_bytes * HEADROOM)
     by_policy = activations_by_policy(config, model, backend)
     shared = total(service) if shares_one_device(config) else 0  # the trainer's child service on its device
-    policy = resolve_remat(config, by_policy, None if usable is None else usable - total(trainer) - shared)
+    policy = resolve_remat(config, by_policy, None if usable is None else usable - total(trainer) - shared, backend)
     trainer["activations"] = by_policy[policy]
     calls, length = model_call(config)
     plan: dict[str, Any] = {

@@ -23,10 +23,16 @@ README_CONFIG = "configs/quickstart.yaml"  # README command 1's job: its row com
 
 
 def _train_step(r: dict) -> tuple[str, str]:
-    what = f"SmolLM2-135M train step (fwd+bwd+AdamW), {r['batch']} tokens, float32, vs torch"
-    ratio = f"**{r['jax_over_torch']:.2f}x** torch" if "jax_over_torch" in r else "-"
-    return what, (f"{ratio}: {r['jax_tokens_per_s']:.0f} vs {r.get('torch_tokens_per_s', 0):.0f} tok/s; "
-                  f"{r['jax_utilisation']:.0%} of the measured f32 matmul peak ({r['matmul_peak_gflops']:.0f} GFLOP/s)")
+    policy = {False: "none", True: "full"}.get(r.get("remat"), r.get("remat") or "none")  # older records: a bool
+    remat = f", remat {policy}" if policy != "none" or "jax_over_torch" not in r else ""
+    what = (f"SmolLM2-135M train step (fwd+bwd+AdamW), {r['batch']} tokens, {r.get('compute_dtype', 'float32')}"
+            f"{remat}{', vs torch' if 'jax_over_torch' in r else ''}")
+    peak = (f"{r['jax_utilisation']:.0%} of the measured f32 matmul peak ({r['matmul_peak_gflops']:.0f} GFLOP/s)"
+            + (f"; peak RSS {r['peak_rss_gb']:.1f} GB" if "peak_rss_gb" in r else ""))
+    if "jax_over_torch" not in r:
+        return what, f"{r['jax_tokens_per_s']:.0f} tok/s (no peer in this run); {peak}"
+    return what, (f"**{r['jax_over_torch']:.2f}x** torch: {r['jax_tokens_per_s']:.0f} vs {r['torch_tokens_per_s']:.0f} "
+                  f"tok/s; {peak}")
 
 
 def _sampler(r: dict) -> tuple[str, str]:
@@ -104,9 +110,14 @@ def _code_commit(commit: str) -> str:
     return found or commit
 
 
+# The result fields that tell rows of one script apart (a config, a shape, a lever).
+VARIANT_FIELDS = {"quickstart": ("config",), "train_step": ("batch", "remat", "compute_dtype")}
+
+
 def _row_key(record: dict) -> tuple[str, str]:
-    """(script, variant): the quickstart script gets one row per config it ran."""
-    return record["script"], str(record["results"][-1].get("config", ""))
+    """(script, variant): one row per config the quickstart ran, per shape and lever of the train step."""
+    result = record["results"][-1]
+    return record["script"], " ".join(str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ()))
 
 
 def newest_records() -> dict[tuple[str, str], list[dict]]:

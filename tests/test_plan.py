@@ -252,6 +252,7 @@ def test_the_trainer_resolves_auto_on_its_own_device():
     config = load_config(None, ["model.path=tiny"])
     assert config.model.remat == "auto"
     assert plan.device_memory_bytes(jax.devices()[0]) > 2**30
-    assert plan.auto_remat(config, tiny, jax.devices()[0]) == "none"  # a tiny model fits anywhere
+    assert plan.auto_remat(config, tiny, jax.devices()[0]) == plan.CPU_AUTO_REMAT == "full"  # on a CPU, whatever fits
+    assert plan.resolve_remat(config, {"none": 1, "full": 1}, budget=2**40, backend="gpu") == "none"  # all fits
     fixed = load_config(None, ["model.path=tiny", "model.remat=true"])
     assert plan.resolve_remat(fixed, {}, budget=0) == "full"  # a set policy is kept whatever the budget
