@@ -88,6 +88,10 @@ def _rl_step(r: dict) -> tuple[str, str]:
                          f"{theirs['seconds']['step']:.1f} s/step; generate {ratio['generate']:.2f}x, update "
                          f"{ratio['update']:.2f}x; peak RSS {ours['peak_rss_gb']:.1f} vs "
                          f"{theirs['peak_rss_gb']:.1f} GB)")
+    levers = [f"{key.split('_', 2)[2]} {value['step']:.2f}x" for key, value in r.items()
+              if key.startswith("lever_") and "step" in value]
+    if levers:  # each lever's step time over the default run's, ours only
+        parts.append("our step time with one lever changed, over the default: " + ", ".join(levers))
     return what, "; ".join(parts) or "-"
 
 
