@@ -223,6 +223,44 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     return jax.device_get(state), history, step
 
 
+def lora_step_fn(model, mesh_shape, micro_batches):
+    """(placed state, one(state) -> (state, metrics), frozen shardings): on-policy LoRA steps (KL on, Adam) of a
+    model carrying adapters on a (data, fsdp, tensor) mesh; each step recomputes its old log-probs on the mesh."""
+    import dataclasses
+
+    import jax
+    import optax
+
+    from drgrpo_jax import LossConfig
+    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
+    from drgrpo_jax.train_step import (
+        StepConfig,
+        batch_shardings,
+        init_state,
+        jit_policy_logprobs,
+        jit_train_step,
+        state_shardings,
+    )
+
+    data, fsdp, tensor = mesh_shape
+    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:data * fsdp * tensor])
+    optimizer = optax.adam(0.01, eps=1e-3)  # eps keeps Adam's first step from amplifying rounding in tiny gradients
+    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE, kl_coef=0.1), micro_batches=micro_batches,
+                        logprob_chunk=5)
+    graphdef, state = init_state(model, optimizer, jax.random.key(0))
+    params_shardings, frozen_shardings = param_shardings(state.params, mesh), param_shardings(state.frozen, mesh)
+    shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
+    step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.01), config, shardings, mesh)
+    logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh, frozen_shardings)
+    batch = jax.device_put(make_step_batch(), batch_shardings(mesh))
+
+    def one(state):
+        old = logprobs(state.params, batch, state.frozen)
+        return step(state, dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old))
+
+    return jax.device_put(state, shardings), one, frozen_shardings
+
+
 def assert_same(actual, desired, what):
     """Trees equal to float32 tolerance (relative to each leaf's largest entry)."""
     import jax

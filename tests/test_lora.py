@@ -14,11 +14,9 @@ import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
-from drgrpo_jax import LossConfig
 from drgrpo_jax.config import load_config, lora_spec
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models import Transformer, from_pretrained, init_cache
@@ -32,7 +30,7 @@ from drgrpo_jax.models.lora import (
     save_adapter,
 )
 
-from helpers import REPO, STEP_RESPONSE, make_step_batch, start_trainer, tiny_decoder_config, trainer_overrides
+from helpers import REPO, lora_step_fn, start_trainer, tiny_decoder_config, trainer_overrides
 
 TINY = tiny_decoder_config()
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -114,34 +112,11 @@ def test_adapters_add_x_a_b_in_every_path_and_merge_to_the_same_model():
 
 def run_lora_step(mesh_shape, micro_batches, steps=1):
     """(initial state, state after each step, metrics of each) of LoRA steps (KL on) of the tiny model on a mesh."""
-    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-    from drgrpo_jax.train_step import (
-        StepConfig,
-        batch_shardings,
-        init_state,
-        jit_policy_logprobs,
-        jit_train_step,
-        state_shardings,
-    )
-
-    data, fsdp, tensor = mesh_shape
-    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:data * fsdp * tensor])
     model = add_adapters(Transformer(TINY, rngs=nnx.Rngs(0)), SPEC, jax.random.key(1))
-    optimizer = optax.adam(0.01, eps=1e-3)  # eps keeps Adam's first step from amplifying rounding in tiny gradients
-    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE, kl_coef=0.1), micro_batches=micro_batches,
-                        logprob_chunk=5)
-    graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=True)
-    params_shardings, frozen_shardings = param_shardings(state.params, mesh), param_shardings(state.frozen, mesh)
-    shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
-    state = jax.device_put(state, shardings)
-    initial = jax.device_get(state)
-    step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.01), config, shardings, mesh)
-    logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh, frozen_shardings)
-    batch = jax.device_put(make_step_batch(), batch_shardings(mesh))
-    states, history = [], []
+    state, one, _ = lora_step_fn(model, mesh_shape, micro_batches)
+    initial, states, history = jax.device_get(state), [], []
     for _ in range(steps):
-        old = logprobs(state.params, batch, state.frozen)
-        state, metrics = step(state, dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old))
+        state, metrics = one(state)
         states.append(jax.device_get(state))
         history.append(jax.device_get(metrics))
     return initial, states, history

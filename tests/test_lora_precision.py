@@ -23,7 +23,7 @@ from drgrpo_jax.models.lora import add_adapters, merged_model, store_base
 from drgrpo_jax.models.quant import dequantize, quantize, weight
 from drgrpo_jax.models.transformer import project
 
-from helpers import STEP_RESPONSE, make_step_batch, tiny_decoder_config
+from helpers import STEP_RESPONSE, lora_step_fn, make_step_batch, tiny_decoder_config
 
 TINY = tiny_decoder_config()
 RANK = 3  # no other axis of the tiny model or the step batch is 3: the HLO check below finds the adapters' GEMMs by it
@@ -198,34 +198,10 @@ def _stored_base_steps(base_dtype: str, mesh_shape=(1, 1, 1), steps: int = 2, ch
     """(initial state, state after each step, metrics of each) of LoRA steps (KL on) on a base stored as
     `base_dtype`; with `checkpoint_dir` the state after step 1 is saved there."""
     from drgrpo_jax.checkpoint import Checkpointer, abstract_state_like
-    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-    from drgrpo_jax.train_step import (
-        StepConfig,
-        batch_shardings,
-        init_state,
-        jit_policy_logprobs,
-        jit_train_step,
-        state_shardings,
-    )
 
-    data, fsdp, tensor = mesh_shape
-    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:data * fsdp * tensor])
-    optimizer = optax.adam(0.01, eps=1e-3)
-    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE, kl_coef=0.1), micro_batches=2, logprob_chunk=5)
-    graphdef, state = init_state(lora_model(base_dtype, b_scale=0.0), optimizer, jax.random.key(0))
-    params_shardings, frozen_shardings = param_shardings(state.params, mesh), param_shardings(state.frozen, mesh)
-    shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
-    state = jax.device_put(state, shardings)
-    step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.01), config, shardings, mesh)
-    logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh, frozen_shardings)
-    batch = jax.device_put(make_step_batch(), batch_shardings(mesh))
-
-    def one(state):
-        old = logprobs(state.params, batch, state.frozen)
-        return step(state, dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old))
-
+    state, one, frozen_shardings = lora_step_fn(lora_model(base_dtype, b_scale=0.0), mesh_shape, micro_batches=2)
     # What a resumed process does: load and store the base again (deterministic), place it.
-    rebuilt = jax.device_put(init_state(lora_model(base_dtype, b_scale=0.0), optimizer, jax.random.key(0))[1].frozen,
+    rebuilt = jax.device_put(nnx.split(lora_model(base_dtype, b_scale=0.0), nnx.LoRAParam, nnx.Param)[2],
                              frozen_shardings)
     initial, states, history = jax.device_get(state), [], []
     for index in range(steps):
