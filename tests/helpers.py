@@ -98,6 +98,27 @@ def start_trainer(overrides: list[str], **env: str) -> subprocess.Popen:
 STEP_ROWS, STEP_PROMPT, STEP_RESPONSE = 16, 6, 12
 
 
+
+def kill_and_resume(overrides: list[str], output_dir, checkpoint: int, timeout: float) -> tuple[int, int]:
+    """Runs the trainer, SIGKILLs it once checkpoint `checkpoint` exists in `output_dir`, then runs it again to the
+    end (it resumes from that checkpoint); fails when the first run ends before the kill or the second fails.
+    Returns the two processes' pids."""
+    import pathlib
+    import signal
+    import time
+
+    process = start_trainer(overrides)
+    while not (pathlib.Path(output_dir) / "checkpoints" / str(checkpoint)).exists() and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    resumed = start_trainer(overrides)
+    _, stderr = resumed.communicate(timeout=timeout)
+    assert resumed.returncode == 0, stderr[-3000:]
+    return process.pid, resumed.pid
+
+
 def tiny_decoder_config():
     """The step tests' 2-layer Llama-shaped DecoderConfig (vocab 64)."""
     from drgrpo_jax.models import DecoderConfig

@@ -6,8 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from drgrpo_jax.async_rollout import Prefetcher, check_fresh
 from drgrpo_jax.config import dump_config, load_config
 from drgrpo_jax.errors import ConfigError, StaleWeightsError
 
-from helpers import start_trainer, trainer_overrides
+from helpers import kill_and_resume, start_trainer, trainer_overrides
 
 BASE = ["model.path=m", "data.source=jsonl", "data.path=p.jsonl"]
 ASYNC = ["rollout.async=true", "rollout.max_staleness=1", "algorithm.tis_cap=2.0"]
@@ -141,15 +139,7 @@ def test_each_step_trains_on_the_previous_version_and_the_child_takes_pushes_fro
 def test_a_killed_async_run_resumes_exactly(async_run):
     output_dir = async_run["root"] / "killed"
     overrides = trainer_overrides(async_run["model"], async_run["prompts"], output_dir, steps=4) + ASYNC
-    process = start_trainer(overrides)
-    while not (output_dir / "checkpoints" / "2").exists() and process.poll() is None:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
-    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    resumed = start_trainer(overrides)
-    _, stderr = resumed.communicate(timeout=900)
-    assert resumed.returncode == 0, stderr[-3000:]
+    killed, resumed = kill_and_resume(overrides, output_dir, checkpoint=2, timeout=900)
     for got, want in zip(_rows(output_dir), _rows(async_run["dir"])):
         assert [_reproducible(r) for r in got] == [_reproducible(r) for r in want]
     got, want = _final_weights(output_dir / "final"), _final_weights(async_run["dir"] / "final")
@@ -157,4 +147,4 @@ def test_a_killed_async_run_resumes_exactly(async_run):
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     if os.path.isdir("/dev/shm"):  # the killed run's last segment was removed by the resumed one
-        assert _segments_of(process.pid) == [] and _segments_of(resumed.pid) == []
+        assert _segments_of(killed) == [] and _segments_of(resumed) == []

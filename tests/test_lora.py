@@ -7,8 +7,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import time
 
 import httpx
 import jax
@@ -30,7 +28,7 @@ from drgrpo_jax.models.lora import (
     save_adapter,
 )
 
-from helpers import REPO, lora_step_fn, start_trainer, tiny_decoder_config, trainer_overrides
+from helpers import REPO, kill_and_resume, lora_step_fn, start_trainer, tiny_decoder_config, trainer_overrides
 
 TINY = tiny_decoder_config()
 SPEC = LoraSpec(rank=4, alpha=8.0)
@@ -286,15 +284,7 @@ def test_lora_run_pushes_adapters_and_exports_peft_and_merged_folders(lora_run):
 def test_lora_run_resumes_exactly_after_sigkill(lora_run):
     output_dir = lora_run["root"] / "killed"
     overrides = trainer_overrides(lora_run["model"], lora_run["prompts"], output_dir, steps=4) + LORA_OVERRIDES
-    process = start_trainer(overrides)
-    while not (output_dir / "checkpoints" / "2").exists() and process.poll() is None:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
-    assert process.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    resumed = start_trainer(overrides)
-    _, stderr = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, stderr[-3000:]
+    kill_and_resume(overrides, output_dir, checkpoint=2, timeout=600)
     timing = ("seconds", "per_second")
     for got, want in zip(_train_rows(output_dir), _train_rows(lora_run["dir"]), strict=True):
         assert {k: v for k, v in got.items() if not any(t in k for t in timing)} == {
