@@ -126,17 +126,20 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
                       packing: PackSpec | None = None, row_valid=None) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
 
-    `compute_dtype="bfloat16"`: the GEMMs run on bfloat16 weights (`matmul_weights_in`) and inputs with
-    float32 accumulation; the log-softmax, log-probs and entropies stay float32. With LoRA (`frozen`: the
-    base weights; `lora_key`: the adapters' dropout, training only) the cast covers adapters and base alike.
+    `compute_dtype="bfloat16"`: every GEMM (the layers', attention's, the vocabulary's, forward and backward)
+    rounds its operands to bfloat16 and accumulates in float32 (models/gemm.py), the weights cast inside each
+    layer so their gradients come straight from float32 accumulators; the log-softmax, log-probs and entropies
+    stay float32. With LoRA (`frozen`: the base weights; `lora_key`: the adapters' dropout, training only) the
+    frozen base is cast once up front (`matmul_weights_in`), the adapters like full weights.
     `packing`: the model runs on packed rows (drgrpo_jax/packing.py; padding rows, `row_valid` False, are left
     out), with the same values at every response token.
     """
     low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
-    if low is not None:
-        params = matmul_weights_in(params, low)
-        frozen = None if frozen is None else matmul_weights_in(frozen, low)
+    if low is not None and frozen is not None:
+        frozen = matmul_weights_in(frozen, low)  # no gradient: one cast for every layer and micro-batch
     model = merge_model(graphdef, params, frozen)
+    if low is not None:
+        model.config = dataclasses.replace(model.config, compute_dtype=compute_dtype)
     hidden_NTD = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing,
                                   row_valid)
     return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,

@@ -145,6 +145,7 @@ class DecoderConfig:
     remat: bool | str = "none"  # runtime option: a policy of models/remat.py (true/false: full/none)
     attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
     lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
+    compute_dtype: str | None = None  # runtime option: the full forward's GEMM operands (None: the weights' dtype)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -163,6 +164,8 @@ class DecoderConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"attention_impl: {self.attention_impl!r} is not supported (supported: {ATTENTION_IMPLS})")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"compute_dtype: {self.compute_dtype!r} is not supported (None, float32 or bfloat16)")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: {self.activation!r} is not supported (supported: {ACTIVATIONS})")
         if self.layer_types:

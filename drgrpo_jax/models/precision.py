@@ -1,14 +1,15 @@
 """Mixed precision: which dtype the model's GEMMs run in, apart from the dtype its parameters are kept in.
 
-`compute_dtype="bfloat16"` with float32 parameters is the usual mixed-precision recipe: the step casts
-the projection weights to bfloat16 inside the differentiated function (`matmul_weights_in`), every GEMM
-accumulates in float32 (`transformer._dense`, `logprobs.token_logprobs`), and the residual stream,
-norms, softmax, log-probs, loss, gradients and optimizer state stay float32. On CPU XLA's bfloat16 GEMM
-is only fast with a float32 accumulator, which is what these paths ask for.
+`compute_dtype="bfloat16"` with float32 parameters is the usual mixed-precision recipe: the step sets the
+model's `DecoderConfig.compute_dtype`, every GEMM rounds its operands to bfloat16 and accumulates in float32
+(models/gemm.py: each layer casts its float32 weights inside the layer scan, so their gradients come straight
+from float32 accumulators), and the residual stream, norms, softmax, log-probs, loss, gradients and optimizer
+state stay float32. On CPU XLA's bfloat16 GEMM is only fast with a float32 accumulator, which is what these
+paths ask for.
 
-With LoRA the same cast covers the float32 adapters (their A and B GEMMs run in bfloat16 with float32
-accumulation; gradients and Adam stay on the float32 masters) and the frozen base, which
-model.lora.base_dtype may already store in bfloat16 or as int8 (dequantised per layer in bfloat16).
+With LoRA the float32 adapters compute the same way (gradients and Adam stay on the float32 masters); the
+frozen base is cast once up front (`matmul_weights_in`: it has no gradient), unless model.lora.base_dtype
+already stores it in bfloat16 or as int8 (dequantised per layer in bfloat16).
 
 `"auto"` picks bfloat16 on accelerators that compute it natively (TPU, NVIDIA from Ampere on) and float32 on
 CPUs: on the 2-core Zen 4 with AVX512-BF16 this project measures on, the SmolLM2 train step ran no faster in
@@ -42,10 +43,9 @@ def matmul_weights_in(params: nnx.State, dtype: jnp.dtype) -> nnx.State:
     """The decoder layers' GEMM operands (`_MATMUL_SUFFIXES`) cast to `dtype`; int8 values, norms, biases and
     the embedding as they are.
 
-    Called inside the differentiated function, so the gradient flows through the cast back to the float32
-    masters (the weights, or with LoRA the adapters); `_dense` then runs each GEMM in `dtype` with float32
-    accumulation. A frozen LoRA base goes through it too: already stored in `dtype` (model.lora.base_dtype),
-    the cast is nothing.
+    The train step casts a frozen LoRA base with it, once for every layer and micro-batch (already stored in
+    `dtype`, model.lora.base_dtype, the cast is nothing). Trainable weights are not cast up front: a stacked
+    bfloat16 copy would round their gradients to bfloat16 too; each layer's GEMMs cast them instead.
     """
 
     def one(path, x):

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
+from drgrpo_jax.models.gemm import dense, is_half
 from drgrpo_jax.models.remat import name_attention, name_projection, remat_block
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
@@ -71,11 +72,6 @@ def init_cache(config: DecoderConfig, batch_size: int, max_len: int, dtype=jnp.f
     )
 
 
-def _is_half(dtype) -> bool:
-    """16-bit float (bfloat16, float16)."""
-    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
-
-
 def _bits(x: jax.Array) -> jax.Array:
     """A 16-bit float array viewed as uint16 (others unchanged), to move bf16 data around on CPU.
 
@@ -83,12 +79,12 @@ def _bits(x: jax.Array) -> jax.Array:
     float32: a cache write converted the whole cache twice, and a gather from the embedding the whole
     table. On the uint16 view they stay as they are (inference only: a bitcast has no gradient).
     """
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if is_half(x.dtype) else x
 
 
 def _unbits(x: jax.Array, dtype) -> jax.Array:
     """The inverse of `_bits`."""
-    return jax.lax.bitcast_convert_type(x, dtype) if _is_half(dtype) else x
+    return jax.lax.bitcast_convert_type(x, dtype) if is_half(dtype) else x
 
 
 def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
@@ -165,61 +161,13 @@ class Blocks(nnx.Module):
 # ---------------------------------------------------------------- pure building blocks
 
 
-def _transposed(x_MX: jax.Array) -> jax.Array:
-    """x.T materialised: the barrier stops XLA folding the transpose into the next dot and choosing its own.
-
-    A 16-bit x goes through a flat reshape, which forces a row-major copy: XLA's CPU bf16 dot runs ~150
-    GFLOP/s on a column-major (transposed-layout) operand and ~1000 on a row-major one (XNNPACK), so the
-    backward's bf16 GEMMs were slower than float32's without it.
-    """
-    if not _is_half(x_MX.dtype):
-        return jax.lax.optimization_barrier(x_MX.T)
-    return jax.lax.optimization_barrier(x_MX.T.reshape(-1)).reshape(x_MX.shape[::-1])
-
-
-@jax.custom_vjp
-def _dense(x_MX: jax.Array, w_XY: jax.Array) -> jax.Array:
-    """[M, X] @ [X, Y] as one plain GEMM in the weight's dtype accumulating in float32, cast back to x's dtype.
-
-    A bfloat16 weight under float32 activations (mixed precision, `StepConfig.compute_dtype`) rounds x to
-    bfloat16 for the GEMM only: the residual stream and everything elementwise stay float32.
-    """
-    # float32 accumulation also makes bf16 fast on CPU: XLA's CPU dot with a bf16 output is slower than with f32.
-    return jnp.dot(x_MX.astype(w_XY.dtype), w_XY, preferred_element_type=_F32).astype(x_MX.dtype)
-
-
-def _dense_fwd(x_MX: jax.Array, w_XY: jax.Array):
-    """Output and the residuals the backward needs (the GEMM's inputs, x in the weight's dtype)."""
-    return _dense(x_MX, w_XY), (x_MX.astype(w_XY.dtype), w_XY)
-
-
-def _dense_bwd(residuals, dy_MY: jax.Array):
-    """(dx, dw), the weight gradient transposing the narrower of x and dy: one copy of [M, min(X, Y)]."""
-    # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, I] MLP activations)
-    # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
-    # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
-    x_MX, w_XY = residuals  # x in w's dtype; dy in x's original dtype, which dx takes
-    w_YX = _transposed(w_XY) if _is_half(w_XY.dtype) else w_XY.T
-    dx_MX = jnp.dot(dy_MY.astype(w_XY.dtype), w_YX, preferred_element_type=_F32).astype(dy_MY.dtype)
-    dy_MY = dy_MY.astype(w_XY.dtype)
-    # 16-bit: always x.T @ dy; (dy.T @ x).T asks XLA's CPU for a bf16 dot with a transposed f32 output, which
-    # it refuses ("Unsupported element type for DotThunk").
-    if _is_half(x_MX.dtype) or x_MX.shape[1] <= dy_MY.shape[1]:
-        dw_XY = jnp.dot(_transposed(x_MX), dy_MY, preferred_element_type=_F32)
-    else:
-        dw_XY = jnp.dot(_transposed(dy_MY), x_MX, preferred_element_type=_F32).T
-    return dx_MX, dw_XY.astype(w_XY.dtype)
-
-
-_dense.defvjp(_dense_fwd, _dense_bwd)
-
-
-def project(x_BTX: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
-    """x [B, T, *in] times w [*in, *out] over the `in_dims` trailing axes of x: [B, T, *out], as a 2-D GEMM."""
+def project(x_BTX: jax.Array, w: jax.Array, in_dims: int = 1, dtype=None) -> jax.Array:
+    """x [B, T, *in] times w [*in, *out] over the `in_dims` trailing axes of x: [B, T, *out], as a 2-D GEMM in
+    `dtype` (None: w's; `gemm.dense`)."""
     B, T = x_BTX.shape[:2]
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     size_in, size_out = math.prod(in_shape), math.prod(out_shape)
-    y_MY = _dense(x_BTX.reshape(B * T, size_in), w.reshape(size_in, size_out))
+    y_MY = dense(x_BTX.reshape(B * T, size_in), w.reshape(size_in, size_out), dtype)
     return y_MY.reshape(B, T, *out_shape)
 
 
@@ -232,8 +180,8 @@ def _lora_term(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX:
                key: jax.Array | None) -> jax.Array | None:
     """float32 (alpha / r) * dropout(x) A B [B, T, *out] when projection `name` has an adapter (models/lora.py).
 
-    Both GEMMs are `_dense`s in the adapters' dtype (bfloat16 under mixed precision: `matmul_weights_in`)
-    accumulating in float32; dropout and the low-rank activations between them stay float32.
+    Both GEMMs are `dense`s in the config's compute dtype (bfloat16 under mixed precision) accumulating in
+    float32, the adapters' gradients float32; dropout and the low-rank activations between them stay float32.
     """
     if config.lora is None or f"{name}_lora_a" not in p:
         return None
@@ -244,15 +192,15 @@ def _lora_term(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX:
         keep = 1.0 - config.lora.dropout
         kept_MX = jax.random.bernoulli(jax.random.fold_in(key, LORA_TARGETS.index(name)), keep, x_MX.shape)
         x_MX = jnp.where(kept_MX, x_MX / keep, 0.0)
-    low_MZ = _dense(x_MX, a.reshape(-1, a.shape[-1]))
-    y_MY = _dense(low_MZ, b.reshape(b.shape[0], -1)) * config.lora.scale
+    low_MZ = dense(x_MX, a.reshape(-1, a.shape[-1]), config.compute_dtype)
+    y_MY = dense(low_MZ, b.reshape(b.shape[0], -1), config.compute_dtype) * config.lora.scale
     return y_MY.reshape(B, T, *b.shape[1:])
 
 
 def _project(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array, in_dims: int = 1,
              key: jax.Array | None = None) -> jax.Array:
     """`project` by weight `name` of layer `p` (int8 dequantised: models/quant.py), plus its adapter's term."""
-    y_BTY = project(x_BTX, quant.weight(p, name), in_dims)
+    y_BTY = project(x_BTX, quant.weight(p, name), in_dims, config.compute_dtype)
     delta = _lora_term(config, p, name, x_BTX, key)
     return name_projection(y_BTY if delta is None else (y_BTY.astype(_F32) + delta).astype(y_BTY.dtype))
 

@@ -1,0 +1,92 @@
+"""GEMMs in a compute dtype accumulating in float32, whose backward GEMMs run in that dtype too.
+
+Shape letters (the README's glossary): M rows (flattened tokens, or query positions), X the contracted axis and
+Y the output columns of the forward GEMM; a batched GEMM's leading axes ("...", attention's [B, C]) are
+shared by both operands.
+
+Mixed precision (`StepConfig.compute_dtype="bfloat16"`) hands these float32 operands and a bfloat16 `dtype`:
+each GEMM rounds its operands to bfloat16 and accumulates in float32, and its backward does the same with the
+float32 cotangent rounded to bfloat16 (as torch.autocast does). JAX's own transpose of such a dot
+(`preferred_element_type=float32`) would multiply the float32 cotangent by the operand converted back to
+float32: float32 GEMMs, ~5x slower than bfloat16's on a CPU with AMX. Gradients come back in the operands'
+own dtypes straight from the float32 accumulator (a float32 master weight's gradient is never rounded).
+
+The backward's operands are laid out for XLA's CPU: it hands a bfloat16 dot to XNNPACK/YNNPACK only when the
+left operand is row-major with the contracted axis minor (`transposed` makes that copy); otherwise its own
+bfloat16 dot runs ~150 GFLOP/s against ~1000.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["dense", "is_half", "transposed"]
+
+_F32 = jnp.float32
+
+
+def is_half(dtype) -> bool:
+    """16-bit float (bfloat16, float16)."""
+    return jnp.dtype(dtype).itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def transposed(x_MX: jax.Array) -> jax.Array:
+    """x with its last two axes swapped, materialised: the barrier stops XLA folding the transpose into the next
+    dot and choosing its own layout.
+
+    A 16-bit x goes through a flat reshape, which forces a row-major copy: XLA's CPU bf16 dot runs ~150
+    GFLOP/s on a column-major (transposed-layout) operand and ~1000 on a row-major one (XNNPACK), so the
+    backward's bf16 GEMMs were slower than float32's without it.
+    """
+    x_XM = jnp.swapaxes(x_MX, -1, -2)
+    if not is_half(x_MX.dtype):
+        return jax.lax.optimization_barrier(x_XM)
+    return jax.lax.optimization_barrier(x_XM.reshape(-1)).reshape(x_XM.shape)
+
+
+# ---------------------------------------------------------------- a projection: [M, X] @ [X, Y]
+
+
+def dense(x_MX: jax.Array, w_XY: jax.Array, dtype=None) -> jax.Array:
+    """[M, X] @ [X, Y] as one GEMM in `dtype` (None: the weight's) accumulating in float32, cast back to x's dtype.
+
+    A bfloat16 `dtype` under float32 activations and weights (mixed precision) rounds both to bfloat16 for the
+    GEMM only: the residual stream and everything elementwise stay float32, and the weight's gradient float32.
+    """
+    return _dense(x_MX, w_XY, w_XY.dtype if dtype is None else jnp.dtype(dtype), w_XY.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x_MX: jax.Array, w_XY: jax.Array, low, w_dtype) -> jax.Array:
+    """`dense` in compute dtype `low`; `w_dtype` (w's own) is what the weight's gradient comes back in."""
+    # float32 accumulation also makes bf16 fast on CPU: XLA's CPU dot with a bf16 output is slower than with f32.
+    return jnp.dot(x_MX.astype(low), w_XY.astype(low), preferred_element_type=_F32).astype(x_MX.dtype)
+
+
+def _dense_fwd(x_MX: jax.Array, w_XY: jax.Array, low, w_dtype):
+    """Output and the residuals the backward needs (the GEMM's inputs in the compute dtype)."""
+    return _dense(x_MX, w_XY, low, w_dtype), (x_MX.astype(low), w_XY.astype(low))
+
+
+def _dense_bwd(low, w_dtype, residuals, dy_MY: jax.Array):
+    """(dx, dw), the weight gradient transposing the narrower of x and dy: one copy of [M, min(X, Y)]."""
+    # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, I] MLP activations)
+    # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
+    # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
+    x_MX, w_XY = residuals  # in the compute dtype; dy in x's original dtype, which dx takes
+    w_YX = transposed(w_XY) if is_half(low) else w_XY.T
+    dx_MX = jnp.dot(dy_MY.astype(low), w_YX, preferred_element_type=_F32).astype(dy_MY.dtype)
+    dy_MY = dy_MY.astype(low)
+    # 16-bit: always x.T @ dy; (dy.T @ x).T asks XLA's CPU for a bf16 dot with a transposed f32 output, which
+    # it refuses ("Unsupported element type for DotThunk").
+    if is_half(low) or x_MX.shape[1] <= dy_MY.shape[1]:
+        dw_XY = jnp.dot(transposed(x_MX), dy_MY, preferred_element_type=_F32)
+    else:
+        dw_XY = jnp.dot(transposed(dy_MY), x_MX, preferred_element_type=_F32).T
+    return dx_MX, dw_XY.astype(w_dtype)
+
+
+_dense.defvjp(_dense_fwd, _dense_bwd)
