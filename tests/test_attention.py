@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,51 @@ def test_blockwise_matches_reference_bfloat16(case):
     q, k, v, projection = _inputs(B, T, C, R, H, jnp.bfloat16, seed=3)
     results, seen = _both(q, k, v, positions, segments, projection, window, block)
     _assert_close(results, seen, BF16_TOL)
+
+
+def _compiled_dots(fn, *args) -> list[tuple[str, str, str]]:
+    """(result, lhs, rhs) element types of every dot in fn's optimised (compiled) program, fused ones included."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
+    return [(out, types.get(lhs, "?"), types.get(rhs, "?"))
+            for out, lhs, rhs in re.findall(r"= (\w+)\[[\d,]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", text)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_mixed_precision_runs_every_gemm_in_bfloat16_with_float32_results(impl):
+    """dtype=bfloat16 on float32 inputs (the mixed-precision step): outputs and gradients stay float32 and
+    within bf16 rounding of the float32 oracle, and every GEMM of the compiled forward and backward takes
+    bf16 operands into a float32 result (XLA's CPU upcasts a bf16 dot whose operand layout it cannot hand to
+    YNNPACK into a float32 one, ~5x slower: gemm.row_major)."""
+    kind, B, T, C, R, H, window, block = CASES["packed_window"]
+    positions, segments = _layout(kind, B, T, np.random.RandomState(4))
+    q, k, v, projection = _inputs(B, T, C, R, H, jnp.float32, seed=5)
+    idx = jnp.arange(T)
+    mask = attn.self_attention_mask(segments, segments, idx, idx, positions, positions, window)
+    seen = mask.any(-1)[:, :, None, None]
+
+    def run(dtype):
+        if impl == "reference" or dtype is None:
+            return lambda q, k, v: attn.reference_attention(q, k, v, mask, 0.3, dtype)
+        return lambda q, k, v: attn.blockwise_attention(q, k, v, positions, segments, scale=0.3, window=window,
+                                                        block_size=block, dtype=dtype)
+
+    def vjp(fn):
+        def out_and_grads(q, k, v):
+            out, pull = jax.vjp(fn, q, k, v)
+            return out, *pull(jnp.where(seen, projection, 0.0))
+        return out_and_grads
+
+    want, got = jax.jit(vjp(run(None)))(q, k, v), jax.jit(vjp(run(jnp.bfloat16)))(q, k, v)
+    for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
+        assert g.dtype == jnp.float32, name
+        w, g = np.asarray(w), np.asarray(g)
+        if name == "out":  # padding queries: the reference's mean of the values, the blockwise kernel's 0
+            keep = np.broadcast_to(np.asarray(seen), w.shape)
+            w, g = w[keep], g[keep]
+        np.testing.assert_allclose(g, w, atol=BF16_TOL * max(1.0, np.abs(w).max()), rtol=BF16_TOL, err_msg=name)
+    dots = _compiled_dots(vjp(run(jnp.bfloat16)), q, k, v)
+    assert len(dots) >= 6 and set(dots) == {("f32", "bf16", "bf16")}, dots  # QK^T, PV and their 4 gradients
 
 
 def test_a_query_that_sees_nothing_passes_no_gradient():

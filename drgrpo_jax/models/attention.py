@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from drgrpo_jax.models.config import ATTENTION_IMPLS
+from drgrpo_jax.models.gemm import is_half, matmul, matmul_nt, mm_tn
 from drgrpo_jax.models.remat import name_attention
 
 _F32 = jnp.float32
@@ -49,8 +50,13 @@ def self_attention_mask(q_seg_BT: jax.Array, k_seg_BS: jax.Array, q_idx_T: jax.A
 
 
 def reference_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array,
-                        scale: float) -> jax.Array:
-    """Grouped-query softmax attention with a boolean visibility mask; scores in float32 (the oracle)."""
+                        scale: float, dtype=None) -> jax.Array:
+    """Grouped-query softmax attention with a boolean visibility mask; scores in float32 (the oracle).
+
+    A 16-bit `dtype` (mixed precision) runs its GEMMs in it with float32 accumulation (`_reference_low`).
+    """
+    if dtype is not None and is_half(dtype):
+        return _reference_low(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype)
     B, T, Q, H = q_BTQH.shape
     C = k_BSCH.shape[2]
     q_BTCRH = q_BTQH.reshape(B, T, C, Q // C, H)
@@ -59,6 +65,25 @@ def reference_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
     probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BSCH.dtype)
     out_BTCRH = jnp.einsum("bcrts,bsch->btcrh", probs_BCRTS, v_BSCH, preferred_element_type=_F32)
     return out_BTCRH.reshape(B, T, Q, H).astype(q_BTQH.dtype)
+
+
+def _reference_low(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array, scale: float,
+                   dtype) -> jax.Array:
+    """`reference_attention` with Q K^T and P V (and their backward GEMMs: models/gemm.py) in `dtype`.
+
+    Each kv head's R query heads are one GEMM's R * T rows, every operand row-major [B, C, rows, cols]: the
+    layout XLA's CPU hands to its fast bf16 GEMM. Mask, softmax and the probabilities' gradient stay float32.
+    """
+    B, T, Q, H = q_BTQH.shape
+    S, C = k_BSCH.shape[1:3]
+    R = Q // C
+    q_BCMH = q_BTQH.reshape(B, T, C, R, H).transpose(0, 2, 3, 1, 4).reshape(B, C, R * T, H)
+    k_BCSH, v_BCSH = k_BSCH.transpose(0, 2, 1, 3), v_BSCH.transpose(0, 2, 1, 3)
+    scores_BCRTS = matmul_nt(q_BCMH, k_BCSH, dtype).reshape(B, C, R, T, S) * scale
+    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, _MASKED)
+    probs_BCMS = jax.nn.softmax(scores_BCRTS, axis=-1).reshape(B, C, R * T, S)
+    out_BCRTH = matmul(probs_BCMS, v_BCSH, dtype).reshape(B, C, R, T, H)
+    return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
 
 
 # ---------------------------------------------------------------- blockwise (flash-style) attention
@@ -84,8 +109,8 @@ def _scores(q_BCRWH, k_BCWH, mask_BWW, scale: float) -> jax.Array:
     return jnp.where(mask_BWW[:, None, None], s_BCRWW, -jnp.inf)
 
 
-def _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale: float, window: int | None):
-    """Output [J, B, C, R, W, H] (input dtype) and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen)."""
+def _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale: float, window: int | None, out_dtype):
+    """Output [J, B, C, R, W, H] in `out_dtype` and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen)."""
     J, B, C, R, W, H = q_JBCRWH.shape
 
     def query_block(i):
@@ -114,18 +139,22 @@ def _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale: float, w
         seen = l_BCRW > 0
         out_BCRWH = jnp.where(seen[..., None], acc_BCRWH / jnp.where(seen, l_BCRW, 1.0)[..., None], 0.0)
         lse_BCRW = jnp.where(seen, m_BCRW + jnp.log(jnp.where(seen, l_BCRW, 1.0)), 0.0)
-        return out_BCRWH.astype(q_JBCRWH.dtype), lse_BCRW
+        return out_BCRWH.astype(out_dtype), lse_BCRW
 
     return jax.lax.map(query_block, jnp.arange(J))
 
 
 def _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
                     scale: float, window: int | None):
-    """(dq, dk, dv) in float32, each block's probabilities recomputed from the log-sum-exp (FlashAttention-2)."""
+    """(dq, dk, dv) in float32, each block's probabilities recomputed from the log-sum-exp (FlashAttention-2).
+
+    The GEMMs run in q's dtype (the compute dtype), accumulating in float32.
+    """
     J = q_JBCRWH.shape[0]
     W = q_JBCRWH.shape[4]
     dtype = q_JBCRWH.dtype
     delta_JBCRW = jnp.sum(do_JBCRWH.astype(_F32) * out_JBCRWH.astype(_F32), axis=-1)
+    do_JBCRWH = do_JBCRWH.astype(dtype)
 
     def key_block(dq_JBCRWH, j):
         k_BCWH, v_BCWH = k_JBCWH[j], v_JBCWH[j]
@@ -139,12 +168,11 @@ def _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, ls
                 q_BCRWH, do_BCRWH = q_JBCRWH[i], do_JBCRWH[i]
                 s_BCRWW = _scores(q_BCRWH, k_BCWH, mask_BWW, scale)
                 p_BCRWW = jnp.exp(s_BCRWW - lse_JBCRW[i][..., None])  # hidden keys: exp(-inf) = 0
-                dv_BCWH = dv_BCWH + jnp.einsum("bcrws,bcrwh->bcsh", p_BCRWW.astype(dtype), do_BCRWH,
-                                               preferred_element_type=_F32)
+                dv_BCWH = dv_BCWH + _key_grad(p_BCRWW.astype(dtype), do_BCRWH)
                 dp_BCRWW = jnp.einsum("bcrwh,bcsh->bcrws", do_BCRWH, v_BCWH, preferred_element_type=_F32)
                 ds_BCRWW = (p_BCRWW * (dp_BCRWW - delta_JBCRW[i][..., None]) * scale).astype(dtype)
                 dq_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", ds_BCRWW, k_BCWH, preferred_element_type=_F32)
-                dk_BCWH = dk_BCWH + jnp.einsum("bcrws,bcrwh->bcsh", ds_BCRWW, q_BCRWH, preferred_element_type=_F32)
+                dk_BCWH = dk_BCWH + _key_grad(ds_BCRWW, q_BCRWH)
                 return dk_BCWH, dv_BCWH, dq_BCRWH
 
             def skip(dkv):
@@ -163,26 +191,37 @@ def _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, ls
     return dq_JBCRWH, dk_JBCWH, dv_JBCWH
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window):
-    """Blocked attention output; the custom backward keeps only the inputs, output and log-sum-exp."""
-    return _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window)[0]
+def _key_grad(x_BCRWS, y_BCRWH) -> jax.Array:
+    """float32 [B, C, S, H]: sum over (R, W) of x[.., s] y[.., h], the gradient of keys or values."""
+    if not is_half(x_BCRWS.dtype):
+        return jnp.einsum("bcrws,bcrwh->bcsh", x_BCRWS, y_BCRWH, preferred_element_type=_F32)
+    B, C, R, W, S = x_BCRWS.shape
+    return mm_tn(x_BCRWS.reshape(B, C, R * W, S), y_BCRWH.reshape(B, C, R * W, -1))  # row-major operands
 
 
-def _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window):
-    """Output and residuals (inputs, output, float32 log-sum-exp)."""
-    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, dtype):
+    """Blocked attention output in q's dtype, its GEMMs in `dtype`; the custom backward keeps only the inputs
+    (in `dtype`), output and log-sum-exp."""
+    return _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, dtype)[0]
+
+
+def _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, dtype):
+    """Output and residuals (inputs in `dtype`, output, float32 log-sum-exp)."""
+    out_dtype = q_JBCRWH.dtype
+    q_JBCRWH, k_JBCWH, v_JBCWH = q_JBCRWH.astype(dtype), k_JBCWH.astype(dtype), v_JBCWH.astype(dtype)
+    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, out_dtype)
     # Named, so a rematerialised layer that saves the attention (models/remat.py) keeps them and skips this forward.
     out_JBCRWH, lse_JBCRW = name_attention(out_JBCRWH), name_attention(lse_JBCRW)
     return out_JBCRWH, (q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW)
 
 
-def _flash_bwd(scale, window, residuals, do_JBCRWH):
-    """Cotangents of q, k, v in their dtypes; none for the integer segment ids and positions."""
+def _flash_bwd(scale, window, dtype, residuals, do_JBCRWH):
+    """Cotangents of q, k, v in the output's dtype (theirs); none for the integer segment ids and positions."""
     q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW = residuals
     dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
                                  scale, window)
-    return dq.astype(q_JBCRWH.dtype), dk.astype(k_JBCWH.dtype), dv.astype(v_JBCWH.dtype), None, None
+    return dq.astype(do_JBCRWH.dtype), dk.astype(do_JBCRWH.dtype), dv.astype(do_JBCRWH.dtype), None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -190,11 +229,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array, *, scale: float, window: int | None = None,
-                        block_size: int | None = None) -> jax.Array:
+                        block_size: int | None = None, dtype=None) -> jax.Array:
     """Self-attention [B, T, Q, H] in blocks of W = min(T, block_size): memory linear in T, same rule as the reference.
 
     `block_size` None reads DEFAULT_BLOCK_SIZE when called (tests shrink it to cut a tiny model into blocks).
 
+    `dtype` (None: q's): the GEMMs' operand dtype, accumulating in float32 (bfloat16 under mixed precision).
     Float32 softmax statistics whatever the input dtype; kv heads are never repeated (queries are grouped
     [B, C, R, W, H]); queries that see nothing (padding) get 0 and pass no gradient.
     """
@@ -210,7 +250,8 @@ def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
     v_JBCWH = _to_blocks(v_BSCH, W, J).transpose(0, 1, 3, 2, 4)
     seg_JBW = _to_blocks(segment_ids_BT.astype(jnp.int32), W, J)  # padded positions: segment 0, never seen
     pos_JBW = _to_blocks(positions_BT.astype(jnp.int32), W, J)
-    out_JBCRWH = _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, float(scale), window)
+    low = q_BTQH.dtype if dtype is None else jnp.dtype(dtype)
+    out_JBCRWH = _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, float(scale), window, low)
     out_BJWQH = out_JBCRWH.transpose(1, 0, 4, 2, 3, 5).reshape(B, J * W, Q, H)
     return out_BJWQH[:, :T]
 
@@ -318,16 +359,21 @@ def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str |
 
 
 def attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
-              segment_ids_BT: jax.Array, *, scale: float, window: int | None = None, impl: str = "auto") -> jax.Array:
-    """Self-attention [B, T, Q, H] of a full forward by `choose_impl(impl, ...)`; `window` is static (or None)."""
+              segment_ids_BT: jax.Array, *, scale: float, window: int | None = None, impl: str = "auto",
+              dtype=None) -> jax.Array:
+    """Self-attention [B, T, Q, H] of a full forward by `choose_impl(impl, ...)`; `window` is static (or None).
+
+    `dtype` (None: q's): the GEMM operands of the reference and blockwise kernels (mixed precision's bfloat16).
+    """
     B, T, Q, H = q_BTQH.shape
     chosen = choose_impl(impl, seq_len=T, dtype=q_BTQH.dtype, head_dim=H)
     if chosen == "blockwise":
-        return blockwise_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
+        return blockwise_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window,
+                                   dtype=dtype)
     if chosen == "cudnn":
         return cudnn_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
     if chosen == "splash":
         return splash_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
     idx_T = jnp.arange(T)
     mask_BTS = self_attention_mask(segment_ids_BT, segment_ids_BT, idx_T, idx_T, positions_BT, positions_BT, window)
-    return reference_attention(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale)
+    return reference_attention(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype)

@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dense", "is_half", "transposed"]
+__all__ = ["dense", "is_half", "matmul", "matmul_nt", "mm", "mm_nt", "mm_tn", "row_major", "transposed"]
 
 _F32 = jnp.float32
 
@@ -90,3 +90,95 @@ def _dense_bwd(low, w_dtype, residuals, dy_MY: jax.Array):
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+# ---------------------------------------------------------------- batched: attention's [..., M, X] @ [..., X, Y]
+
+
+def row_major(x: jax.Array) -> jax.Array:
+    """A 16-bit x materialised row-major as it stands (others unchanged).
+
+    Without the barrier XLA folds the transposes that made an operand (attention's head-major q, k, v) into
+    the dot's dimension numbers; its CPU backend then no longer hands the bf16 dot to YNNPACK but upcasts it
+    to a float32 dot (measured ~60 GFLOP/s on attention's shapes, against ~300 in bf16).
+    """
+    if not is_half(x.dtype):
+        return x
+    return jax.lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
+
+
+def mm(x_MX: jax.Array, y_XY: jax.Array) -> jax.Array:
+    """[..., M, X] @ [..., X, Y] accumulating in float32 (no custom gradient: for backward passes)."""
+    return jnp.einsum("...mx,...xy->...my", row_major(x_MX), row_major(y_XY), preferred_element_type=_F32)
+
+
+def mm_nt(x_MX: jax.Array, y_YX: jax.Array) -> jax.Array:
+    """[..., M, X] @ [..., Y, X]^T accumulating in float32."""
+    return jnp.einsum("...mx,...yx->...my", row_major(x_MX), row_major(y_YX), preferred_element_type=_F32)
+
+
+def mm_tn(x_MX: jax.Array, g_MY: jax.Array) -> jax.Array:
+    """[..., M, X]^T @ [..., M, Y] accumulating in float32 (a weight gradient), the cheaper way round.
+
+    The left operand must be a row-major [.., K, M] copy: x^T (M * X elements) gives the result as it is; g^T
+    (M * Y) gives it transposed, one more copy of the [X, Y] float32 result (counted as two bf16 elements).
+    """
+    # The barriers keep the dot's float32 result row-major: XLA would fold a transpose after it (the swap
+    # here, or the caller's, e.g. a tied embedding's) into the dot, giving a bf16 dot with a transposed
+    # operand that its CPU backend refuses ("Unsupported element type for DotThunk").
+    M, X, Y = *x_MX.shape[-2:], g_MY.shape[-1]
+    if M * X <= M * Y + 2 * X * Y:
+        return jax.lax.optimization_barrier(mm(transposed(x_MX), g_MY))
+    return jnp.swapaxes(jax.lax.optimization_barrier(mm(transposed(g_MY), x_MX)), -1, -2)
+
+
+def matmul(x_MX: jax.Array, y_XY: jax.Array, dtype) -> jax.Array:
+    """float32 [..., M, X] @ [..., X, Y], both operands rounded to `dtype` (bfloat16: attention's P V)."""
+    return _matmul(x_MX, y_XY, jnp.dtype(dtype), x_MX.dtype, y_XY.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul(x_MX, y_XY, low, x_dtype, y_dtype):
+    """`matmul` in `low`; the gradients come back in `x_dtype` and `y_dtype` (the operands' own)."""
+    return mm(x_MX.astype(low), y_XY.astype(low))
+
+
+def _matmul_fwd(x_MX, y_XY, low, x_dtype, y_dtype):
+    """Output and the operands in `low`."""
+    return _matmul(x_MX, y_XY, low, x_dtype, y_dtype), (x_MX.astype(low), y_XY.astype(low))
+
+
+def _matmul_bwd(low, x_dtype, y_dtype, residuals, g_MY):
+    """(g y^T, x^T g) in `low` accumulating in float32."""
+    x_MX, y_XY = residuals
+    g_MY = g_MY.astype(low)
+    return mm_nt(g_MY, y_XY).astype(x_dtype), mm_tn(x_MX, g_MY).astype(y_dtype)
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul_nt(x_MX: jax.Array, y_YX: jax.Array, dtype) -> jax.Array:
+    """float32 [..., M, X] @ [..., Y, X]^T, both operands rounded to `dtype` (bfloat16: attention's Q K^T)."""
+    return _matmul_nt(x_MX, y_YX, jnp.dtype(dtype), x_MX.dtype, y_YX.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul_nt(x_MX, y_YX, low, x_dtype, y_dtype):
+    """`matmul_nt` in `low`; the gradients come back in `x_dtype` and `y_dtype`."""
+    return mm_nt(x_MX.astype(low), y_YX.astype(low))
+
+
+def _matmul_nt_fwd(x_MX, y_YX, low, x_dtype, y_dtype):
+    """Output and the operands in `low`."""
+    return _matmul_nt(x_MX, y_YX, low, x_dtype, y_dtype), (x_MX.astype(low), y_YX.astype(low))
+
+
+def _matmul_nt_bwd(low, x_dtype, y_dtype, residuals, g_MY):
+    """(g y, g^T x) in `low` accumulating in float32."""
+    x_MX, y_YX = residuals
+    g_MY = g_MY.astype(low)
+    return mm(g_MY, y_YX).astype(x_dtype), mm_tn(g_MY, x_MX).astype(y_dtype)
+
+
+_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)

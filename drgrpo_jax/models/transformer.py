@@ -303,7 +303,7 @@ def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH
     """One scanned layer's attention by a memory-linear `impl`; the window is static, so mixed layers take a cond."""
     def run(window):
         return attention(q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, scale=config.attn_scale,
-                         window=window, impl=impl)
+                         window=window, impl=impl, dtype=config.compute_dtype)
 
     kinds = set(config.sliding_layers)
     if config.sliding_window is None or kinds == {False}:
@@ -338,7 +338,7 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
                 o_BTQH = _layer_attention(config, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, sliding)
             else:
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
-                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale)
+                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, config.compute_dtype)
             o_BTQH = name_attention(o_BTQH)
         return _after_attention(config, p, x_BTD, o_BTQH, key=key), None
 
