@@ -11,9 +11,11 @@ float32 cotangent rounded to bfloat16 (as torch.autocast does). JAX's own transp
 float32: float32 GEMMs, ~5x slower than bfloat16's on a CPU with AMX. Gradients come back in the operands'
 own dtypes straight from the float32 accumulator (a float32 master weight's gradient is never rounded).
 
-The backward's operands are laid out for XLA's CPU: it hands a bfloat16 dot to XNNPACK/YNNPACK only when the
-left operand is row-major with the contracted axis minor (`transposed` makes that copy); otherwise its own
-bfloat16 dot runs ~150 GFLOP/s against ~1000.
+Operands are laid out for XLA's CPU backend: it hands a bfloat16 dot to YNNPACK only when the left operand is
+row-major with the contracted axis minor and the result is not transposed. A dot into which XLA folded a
+transpose (attention's head-major q, k, v; a weight gradient's transpose) it silently upcasts to float32
+(~5x slower), or, with a transposed result, refuses ("Unsupported element type for DotThunk"). So `row_major`
+and `transposed` materialise bf16 operands behind barriers, and barriers keep transposed results apart.
 """
 
 from __future__ import annotations
