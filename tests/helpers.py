@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -280,6 +281,26 @@ def lora_step_fn(model, mesh_shape, micro_batches):
         return step(state, dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old))
 
     return jax.device_put(state, shardings), one, frozen_shardings
+
+
+def compiled_dots(compiled_text: str, shapes: bool = False) -> list[tuple[str, str, str]]:
+    """(result, lhs, rhs) types of every dot, fused ones included, in an optimised (compiled) XLA program's text:
+    element types (`f32`), or with `shapes` element types and dimensions (`f32[4,8]`).
+
+    The compiled program's dot types are this CPU's: XLA upcasts a bf16 dot to float32 where the CPU has no
+    bf16 dot instructions, so a test asserting bf16 dots skips there (the caller's numerics still ran).
+    """
+    import jax
+    import pytest
+
+    from drgrpo_jax.models.precision import native_bfloat16
+
+    if not native_bfloat16(jax.devices()[0]):
+        pytest.skip("the compiled bf16 dots are checked on CPUs with bf16 dot instructions (avx512_bf16, amx_bf16)")
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", compiled_text))
+    dots = re.findall(r"= (\w+\[[\d,]*\])\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", compiled_text)
+    kind = (lambda t: t) if shapes else (lambda t: t.split("[")[0])
+    return [(kind(out), kind(types.get(lhs, "?")), kind(types.get(rhs, "?"))) for out, lhs, rhs in dots]
 
 
 def assert_same(actual, desired, what):

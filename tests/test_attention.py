@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,8 @@ from drgrpo_jax.models import DecoderConfig, Transformer
 from drgrpo_jax.models import attention as attn
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
 from drgrpo_jax.train_step import Batch, StepConfig, batch_shardings, init_state, jit_train_step, state_shardings
+
+from helpers import compiled_dots
 
 F32_TOL = 1e-5
 # bf16 inputs: both sides round probabilities to bf16 before the value product, at different points
@@ -122,14 +123,6 @@ def test_blockwise_matches_reference_bfloat16(case):
     _assert_close(results, seen, BF16_TOL)
 
 
-def _compiled_dots(fn, *args) -> list[tuple[str, str, str]]:
-    """(result, lhs, rhs) element types of every dot in fn's optimised (compiled) program, fused ones included."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
-    return [(out, types.get(lhs, "?"), types.get(rhs, "?"))
-            for out, lhs, rhs in re.findall(r"= (\w+)\[[\d,]*\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", text)]
-
-
 @pytest.mark.parametrize("impl", ["reference", "blockwise"])
 def test_mixed_precision_runs_every_gemm_in_bfloat16_with_float32_results(impl):
     """dtype=bfloat16 on float32 inputs (the mixed-precision step): outputs and gradients stay float32 and
@@ -163,7 +156,7 @@ def test_mixed_precision_runs_every_gemm_in_bfloat16_with_float32_results(impl):
             keep = np.broadcast_to(np.asarray(seen), w.shape)
             w, g = w[keep], g[keep]
         np.testing.assert_allclose(g, w, atol=BF16_TOL * max(1.0, np.abs(w).max()), rtol=BF16_TOL, err_msg=name)
-    dots = _compiled_dots(vjp(run(jnp.bfloat16)), q, k, v)
+    dots = compiled_dots(jax.jit(vjp(run(jnp.bfloat16))).lower(q, k, v).compile().as_text())
     assert len(dots) >= 6 and set(dots) == {("f32", "bf16", "bf16")}, dots  # QK^T, PV and their 4 gradients
 
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from drgrpo_jax.train_step import (
     train_step,
 )
 
-from helpers import STEP_RESPONSE, STEP_ROWS, assert_same, make_step_batch, run_step, tiny_decoder_config
+from helpers import STEP_RESPONSE, STEP_ROWS, assert_same, compiled_dots, make_step_batch, run_step, tiny_decoder_config
 from two_processes import run_two_processes
 
 pytestmark = pytest.mark.heavy  # the sharded training step compiled on several meshes
@@ -193,8 +192,8 @@ def test_bfloat16_compute_matches_float32_within_bfloat16_precision():
 
     Stated tolerances, about twice what this peaked model measures (bfloat16 keeps 8 bits, 2^-9 relative per
     rounding, on logits spanning ~9 nats): token log-probs within 0.15 nats (measured 0.08), the loss within
-    1e-3 absolute (its per-token terms are O(1); measured 1.2e-4 with float32 attention, 7.6e-4 since
-    attention's GEMMs run in bfloat16 too: the closest margin here), the gradient within 0.1 in relative L2
+    2e-3 absolute (its per-token terms are O(1), a bf16 ulp at 1 is 7.8e-3; measured 1.2e-4 with float32
+    attention, 7.6e-4 since attention's GEMMs run in bfloat16 too), the gradient within 0.1 in relative L2
     norm (measured 0.044) and every parameter's within 0.15 (measured at most 0.051).
     """
     logprobs32, loss32, grads32, _, hlo32 = _mixed_precision_step("float32")
@@ -204,7 +203,7 @@ def test_bfloat16_compute_matches_float32_within_bfloat16_precision():
     mask = make_step_batch().response_mask
     assert logprobs16.dtype == np.float32 and np.abs(logprobs16 - logprobs32)[mask].max() < 0.15
     assert np.ptp(logprobs32[mask]) > 5.0  # peaked distributions: the check is not about a uniform model
-    assert abs(loss16 - loss32) < 1e-3
+    assert abs(loss16 - loss32) < 2e-3
     flat32, flat16 = (np.concatenate([g.ravel() for g in jax.tree.leaves(t)]) for t in (grads32, grads16))
     relative = np.linalg.norm(flat16 - flat32) / np.linalg.norm(flat32)
     assert 1e-4 < relative < 0.1, relative  # bfloat16 did round (float32 against itself: ~1e-7), but little
@@ -226,10 +225,7 @@ def test_bfloat16_step_runs_every_gemm_in_bfloat16_into_float32(impl):
     config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), micro_batches=2, logprob_chunk=5,
                         compute_dtype="bfloat16")
     step = jax.jit(functools.partial(train_step, graphdef, optax.sgd(1.0), optax.constant_schedule(1.0), config))
-    text = step.lower(state, make_step_batch()).compile().as_text()
-    types = dict(re.findall(r"%([\w.\-]+) = (\w+\[[\d,]*\])", text))
-    dots = [(out, types.get(lhs, "?"), types.get(rhs, "?"))
-            for out, lhs, rhs in re.findall(r"= (\w+\[[\d,]*\])\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", text)]
+    dots = compiled_dots(step.lower(state, make_step_batch()).compile().as_text(), shapes=True)
     assert {(o.split("[")[0], x.split("[")[0], y.split("[")[0]) for o, x, y in dots} == {("f32", "bf16", "bf16")}, dots
     V, W = TINY.vocab_size, 5
     assert sum(o.count(",") == 3 for o, _, _ in dots) >= 6  # attention: QK^T, PV and their 4 gradients (4-D)
