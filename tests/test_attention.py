@@ -210,6 +210,24 @@ def test_auto_on_cpu_picks_reference_for_short_and_blockwise_for_long():
     assert choose("blockwise", seq_len=8, dtype=jnp.float32, head_dim=64) == "blockwise"
 
 
+def test_mixed_precision_hands_the_gpu_kernel_16_bit_operands(monkeypatch):
+    """float32 activations under bfloat16 compute (the GPU default): `auto` picks cuDNN by the compute dtype and
+    gives it bf16 q, k, v; the output comes back float32 (the kernel itself is replaced: this machine has no GPU)."""
+    seen = []
+
+    def fake_cudnn(q, k, v, positions, segments, *, scale, window):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return q
+
+    monkeypatch.setattr(attn.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attn, "cudnn_attention", fake_cudnn)
+    B, T, C, R, H = 1, 256, 2, 2, 16
+    q, k, v = (jnp.ones(shape, jnp.float32) for shape in ((B, T, C * R, H), (B, T, C, H), (B, T, C, H)))
+    positions, segments = jnp.arange(T)[None], jnp.ones((B, T), jnp.int32)
+    out = attn.attention(q, k, v, positions, segments, scale=0.25, dtype=jnp.bfloat16)
+    assert seen == [(jnp.bfloat16,) * 3] and out.dtype == jnp.float32
+
+
 def test_auto_per_backend_and_explicit_kernels_check_their_constraints():
     choose = attn.choose_impl
     assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="gpu") == "cudnn"

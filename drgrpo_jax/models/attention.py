@@ -363,17 +363,20 @@ def attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions
               dtype=None) -> jax.Array:
     """Self-attention [B, T, Q, H] of a full forward by `choose_impl(impl, ...)`; `window` is static (or None).
 
-    `dtype` (None: q's): the GEMM operands of the reference and blockwise kernels (mixed precision's bfloat16).
+    `dtype` (None: q's): the GEMM operands (mixed precision's bfloat16). It also picks the kernel, so float32
+    activations under bfloat16 compute still get cuDNN's 16-bit kernel on a GPU (its operands cast, its output
+    cast back); the reference and blockwise kernels cast inside their GEMMs.
     """
     B, T, Q, H = q_BTQH.shape
-    chosen = choose_impl(impl, seq_len=T, dtype=q_BTQH.dtype, head_dim=H)
+    compute = q_BTQH.dtype if dtype is None else jnp.dtype(dtype)
+    chosen = choose_impl(impl, seq_len=T, dtype=compute, head_dim=H)
     if chosen == "blockwise":
         return blockwise_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window,
                                    dtype=dtype)
-    if chosen == "cudnn":
-        return cudnn_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
-    if chosen == "splash":
-        return splash_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window)
+    if chosen in ("cudnn", "splash"):
+        kernel = cudnn_attention if chosen == "cudnn" else splash_attention
+        q, k, v = (x.astype(compute) for x in (q_BTQH, k_BSCH, v_BSCH))
+        return kernel(q, k, v, positions_BT, segment_ids_BT, scale=scale, window=window).astype(q_BTQH.dtype)
     idx_T = jnp.arange(T)
     mask_BTS = self_attention_mask(segment_ids_BT, segment_ids_BT, idx_T, idx_T, positions_BT, positions_BT, window)
     return reference_attention(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype)
