@@ -48,7 +48,8 @@ def _sampler(r: dict) -> tuple[str, str]:
 
 def _quickstart(r: dict) -> tuple[str, str]:
     command = f"`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
-    what = f"README command 1 ({command}), whole job" if r["config"] == README_CONFIG else f"{command}, whole job"
+    readme_job = r["config"] == README_CONFIG and not r["overrides"]
+    what = f"README command 1 ({command}), whole job" if readme_job else f"{command}, whole job"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
     return what, (f"{r['wall_s'] / 60:.1f} min for {r['steps']} steps; a step after the first "
@@ -115,11 +116,13 @@ def _code_commit(commit: str) -> str:
 
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
-VARIANT_FIELDS = {"quickstart": ("config",), "train_step": ("batch", "remat", "compute_dtype")}
+VARIANT_FIELDS = {"quickstart": ("config", "overrides"), "train_step": ("batch", "remat", "compute_dtype")}
+README_JOB = f"{README_CONFIG} []"  # the quickstart variant of README command 1: its config, no overrides
 
 
 def _row_key(record: dict) -> tuple[str, str]:
-    """(script, variant): one row per config the quickstart ran, per shape and lever of the train step."""
+    """(script, variant): one row per config (and overrides) the quickstart ran, per shape and lever of the
+    train step."""
     result = record["results"][-1]
     return record["script"], " ".join(str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ()))
 
@@ -152,7 +155,7 @@ def _spread(script: str, records: list[dict]) -> str:
 def table(records: dict[tuple[str, str], list[dict]]) -> str:
     rows = ["| benchmark | same-run ratio, then absolute figures | record |", "|---|---|---|"]
     keys = sorted((key for key in records if key[0] in FORMATS),
-                  key=lambda key: (list(FORMATS).index(key[0]), key[1] != README_CONFIG, key[1]))
+                  key=lambda key: (list(FORMATS).index(key[0]), key[1] != README_JOB, key[1]))
     for script, variant in keys:
         record = records[script, variant][0]
         what, figures = FORMATS[script](record["results"][-1])
