@@ -27,8 +27,12 @@ def _train_step(r: dict) -> tuple[str, str]:
     remat = f", remat {policy}" if policy != "none" or "jax_over_torch" not in r else ""
     what = (f"SmolLM2-135M train step (fwd+bwd+AdamW), {r['batch']} tokens, {r.get('compute_dtype', 'float32')}"
             f"{remat}{', vs torch' if 'jax_over_torch' in r else ''}")
-    peak = (f"{r['jax_utilisation']:.0%} of the measured f32 matmul peak ({r['matmul_peak_gflops']:.0f} GFLOP/s)"
-            + (f"; peak RSS {r['peak_rss_gb']:.1f} GB" if "peak_rss_gb" in r else ""))
+    if r.get("compute_dtype", "float32") == "float32":
+        peak = f"{r['jax_utilisation']:.0%} of the measured f32 matmul peak ({r['matmul_peak_gflops']:.0f} GFLOP/s)"
+    else:  # a bf16 step against the float32 peak would read as over 100%
+        peak = f"{r['jax_gflops']:.0f} GFLOP/s achieved"
+    if "peak_rss_gb" in r:  # one process ran both sides when there is a peer
+        peak += f"; peak RSS {r['peak_rss_gb']:.1f} GB{' (both sides)' if 'jax_over_torch' in r else ''}"
     if "jax_over_torch" not in r:
         return what, f"{r['jax_tokens_per_s']:.0f} tok/s (no peer in this run); {peak}"
     return what, (f"**{r['jax_over_torch']:.2f}x** torch: {r['jax_tokens_per_s']:.0f} vs {r['torch_tokens_per_s']:.0f} "
