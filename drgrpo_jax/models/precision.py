@@ -12,10 +12,11 @@ frozen base is cast once up front (`matmul_weights_in`: it has no gradient), unl
 already stores it in bfloat16 or as int8 (dequantised per layer in bfloat16).
 
 `"auto"` picks bfloat16 on accelerators that compute it natively (TPU, NVIDIA from Ampere on) and float32 on
-CPUs: on the 2-core Zen 4 with AVX512-BF16 this project measures on, the SmolLM2 train step ran no faster in
-bfloat16 (`benchmarks/train_step.py --compute-dtype`, 8 x 128 tokens, 2026-12-01: 4.95 s f32, 4.69 s bf16),
-so there float32's exactness costs almost nothing. `native_bfloat16` still says what the CPU has;
-`bfloat16` asks for it explicitly.
+CPUs. On a CPU with bf16 dot instructions bfloat16 is now the faster choice (a 2-core Xeon with AMX-BF16,
+2026-12-01 records: the SmolLM2 train step 2.1-2.2x float32's tokens/s, the RL step 2.0x), but an earlier
+Zen 4 (AVX512-BF16) measured it no faster before attention and the vocabulary backward ran in bf16, and the
+quickstart configs' recorded learning curves are float32 runs; so `bfloat16` stays one override away there.
+`native_bfloat16` says what the CPU has.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def resolve_compute_dtype(setting: str, param_dtype: str, device: jax.Device) ->
     """`setting` ("auto", "float32", "bfloat16") made concrete for `device` and parameters of `param_dtype`.
 
     bfloat16 parameters always compute in bfloat16 (there is nothing to cast); "auto" is bfloat16 on a TPU
-    or GPU with `native_bfloat16`, float32 on CPUs (measured no faster there: the module's docstring).
+    or GPU with `native_bfloat16`, float32 on CPUs (why: the module's docstring).
     """
     if param_dtype == "bfloat16":
         return "bfloat16"
