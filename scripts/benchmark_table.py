@@ -56,10 +56,11 @@ def _quickstart(r: dict) -> tuple[str, str]:
     what = f"README command 1 ({command}), whole job" if readme_job else f"{command}, whole job"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
+    greedy = (f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
+              if accuracy else "")  # a config without an eval set
     return what, (f"{r['wall_s'] / 60:.1f} min for {r['steps']} steps; a step after the first "
                   f"{r['step_s_median_after_first']:.1f} s ({phases}); reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; "
-                  f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
-                  f"peak RSS {r['peak_rss_gb']:.1f} GB")
+                  f"{greedy}peak RSS {r['peak_rss_gb']:.1f} GB")
 
 
 def _long_context(r: dict) -> tuple[str, str]:
