@@ -136,51 +136,32 @@ def mm_tn(x_MX: jax.Array, g_MY: jax.Array) -> jax.Array:
 
 def matmul(x_MX: jax.Array, y_XY: jax.Array, dtype) -> jax.Array:
     """float32 [..., M, X] @ [..., X, Y], both operands rounded to `dtype` (bfloat16: attention's P V)."""
-    return _matmul(x_MX, y_XY, jnp.dtype(dtype), x_MX.dtype, y_XY.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul(x_MX, y_XY, low, x_dtype, y_dtype):
-    """`matmul` in `low`; the gradients come back in `x_dtype` and `y_dtype` (the operands' own)."""
-    return mm(x_MX.astype(low), y_XY.astype(low))
-
-
-def _matmul_fwd(x_MX, y_XY, low, x_dtype, y_dtype):
-    """Output and the operands in `low`."""
-    return _matmul(x_MX, y_XY, low, x_dtype, y_dtype), (x_MX.astype(low), y_XY.astype(low))
-
-
-def _matmul_bwd(low, x_dtype, y_dtype, residuals, g_MY):
-    """(g y^T, x^T g) in `low` accumulating in float32."""
-    x_MX, y_XY = residuals
-    g_MY = g_MY.astype(low)
-    return mm_nt(g_MY, y_XY).astype(x_dtype), mm_tn(x_MX, g_MY).astype(y_dtype)
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+    return _low_matmul(x_MX, y_XY, jnp.dtype(dtype), x_MX.dtype, y_XY.dtype, False)
 
 
 def matmul_nt(x_MX: jax.Array, y_YX: jax.Array, dtype) -> jax.Array:
     """float32 [..., M, X] @ [..., Y, X]^T, both operands rounded to `dtype` (bfloat16: attention's Q K^T)."""
-    return _matmul_nt(x_MX, y_YX, jnp.dtype(dtype), x_MX.dtype, y_YX.dtype)
+    return _low_matmul(x_MX, y_YX, jnp.dtype(dtype), x_MX.dtype, y_YX.dtype, True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul_nt(x_MX, y_YX, low, x_dtype, y_dtype):
-    """`matmul_nt` in `low`; the gradients come back in `x_dtype` and `y_dtype`."""
-    return mm_nt(x_MX.astype(low), y_YX.astype(low))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _low_matmul(x_MX, y, low, x_dtype, y_dtype, y_transposed):
+    """x @ y (`y_transposed`: x @ y^T, y read in place) in `low`; gradients come back in `x_dtype` and `y_dtype`."""
+    return (mm_nt if y_transposed else mm)(x_MX.astype(low), y.astype(low))
 
 
-def _matmul_nt_fwd(x_MX, y_YX, low, x_dtype, y_dtype):
+def _low_matmul_fwd(x_MX, y, low, x_dtype, y_dtype, y_transposed):
     """Output and the operands in `low`."""
-    return _matmul_nt(x_MX, y_YX, low, x_dtype, y_dtype), (x_MX.astype(low), y_YX.astype(low))
+    return _low_matmul(x_MX, y, low, x_dtype, y_dtype, y_transposed), (x_MX.astype(low), y.astype(low))
 
 
-def _matmul_nt_bwd(low, x_dtype, y_dtype, residuals, g_MY):
-    """(g y, g^T x) in `low` accumulating in float32."""
-    x_MX, y_YX = residuals
+def _low_matmul_bwd(low, x_dtype, y_dtype, y_transposed, residuals, g_MY):
+    """(dx, dy) in `low` accumulating in float32: (g y, g^T x) for x y^T, (g y^T, x^T g) for x y."""
+    x_MX, y = residuals
     g_MY = g_MY.astype(low)
-    return mm(g_MY, y_YX).astype(x_dtype), mm_tn(g_MY, x_MX).astype(y_dtype)
+    if y_transposed:
+        return mm(g_MY, y).astype(x_dtype), mm_tn(g_MY, x_MX).astype(y_dtype)
+    return mm_nt(g_MY, y).astype(x_dtype), mm_tn(x_MX, g_MY).astype(y_dtype)
 
 
-_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+_low_matmul.defvjp(_low_matmul_fwd, _low_matmul_bwd)
