@@ -22,6 +22,11 @@ BEGIN, END = "<!-- benchmark-table:begin -->", "<!-- benchmark-table:end -->"
 README_CONFIG = "configs/quickstart.yaml"  # README command 1's job: its row comes first
 
 
+def _is_readme_job(result: dict) -> bool:
+    """A quickstart result of README command 1: its config, no overrides."""
+    return result.get("config") == README_CONFIG and not result.get("overrides")
+
+
 def _train_step(r: dict) -> tuple[str, str]:
     policy = {False: "none", True: "full"}.get(r.get("remat"), r.get("remat") or "none")  # older records: a bool
     remat = f", remat {policy}" if policy != "none" or "jax_over_torch" not in r else ""
@@ -52,8 +57,7 @@ def _sampler(r: dict) -> tuple[str, str]:
 
 def _quickstart(r: dict) -> tuple[str, str]:
     command = f"`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
-    readme_job = r["config"] == README_CONFIG and not r["overrides"]
-    what = f"README command 1 ({command}), whole job" if readme_job else f"{command}, whole job"
+    what = f"README command 1 ({command}), whole job" if _is_readme_job(r) else f"{command}, whole job"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
     greedy = (f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
@@ -122,7 +126,6 @@ def _code_commit(commit: str) -> str:
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
 VARIANT_FIELDS = {"quickstart": ("config", "overrides"), "train_step": ("batch", "remat", "compute_dtype")}
-README_JOB = f"{README_CONFIG} []"  # the quickstart variant of README command 1: its config, no overrides
 
 
 def _row_key(record: dict) -> tuple[str, str]:
@@ -160,7 +163,8 @@ def _spread(script: str, records: list[dict]) -> str:
 def table(records: dict[tuple[str, str], list[dict]]) -> str:
     rows = ["| benchmark | same-run ratio, then absolute figures | record |", "|---|---|---|"]
     keys = sorted((key for key in records if key[0] in FORMATS),
-                  key=lambda key: (list(FORMATS).index(key[0]), key[1] != README_JOB, key[1]))
+                  key=lambda key: (list(FORMATS).index(key[0]),
+                                   not _is_readme_job(records[key][0]["results"][-1]), key[1]))
     for script, variant in keys:
         record = records[script, variant][0]
         what, figures = FORMATS[script](record["results"][-1])
