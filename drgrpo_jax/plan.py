@@ -32,7 +32,7 @@ from drgrpo_jax.activations import (
     rows_per_device,
     stores_probabilities,
 )
-from drgrpo_jax.config import Config, load_config
+from drgrpo_jax.config import Config, load_config, resolve_model_path
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 from drgrpo_jax.plan_state import (
@@ -105,7 +105,7 @@ def _preset(name: str) -> str | None:
 
 
 def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
-    """(architecture, where it came from): --model-config, then model.path's config.json, then a preset name."""
+    """(architecture, where from): --model-config, then model.path's config.json or GGUF header, then a preset."""
     from drgrpo_jax.models.hf_io import load_hf_config
 
     for key, spec in [("--model-config", model_config), ("model.path", config.model.path)]:
@@ -113,6 +113,13 @@ def resolve_decoder_config(config: Config, model_config: str | None = None) -> t
             continue
         if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
             return load_hf_config(spec), f"{spec}/config.json"
+        if spec.startswith("pkg:") or spec.endswith(".gguf"):  # the architecture from the GGUF's header
+            import gguf
+
+            from drgrpo_jax.models.gguf_io import gguf_hf_config
+
+            path = resolve_model_path(spec, key)
+            return from_hf_config(gguf_hf_config(gguf.GGUFReader(path))), path
         if spec.endswith(".json") and os.path.isfile(spec):
             with open(spec) as f:
                 return from_hf_config(json.load(f)), spec

