@@ -27,6 +27,7 @@ time; train_tokens_per_second = (prompt + response) tokens x ppo_epochs / train 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import sys
@@ -196,6 +197,19 @@ def _progress(run: Run) -> Any:
                 disable=jax.process_index() != 0, file=sys.stderr)
 
 
+def return_freed_memory() -> None:
+    """Hands the C heap's freed pages back to the OS (glibc; a no-op elsewhere).
+
+    A checkpoint save or an evaluation frees hundreds of MB of small allocations that glibc keeps in its arenas,
+    so the next update's buffers came on top of them: the quickstart's second update peaked at 4.6 GB of RSS
+    after a save and 3.7 GB with this call after it.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
+
+
 def train(config: Config) -> str:
     """Runs (or resumes) the configured training; returns the run directory."""
     with contextlib.ExitStack() as stack:
@@ -208,6 +222,7 @@ def train(config: Config) -> str:
         if c.train.eval_every and run.start_step == 0:
             if (row := evaluate(run, 0)) is not None:
                 run.log.metrics(row)
+        return_freed_memory()  # what loading and dequantising the weights freed
         prefetcher = stack.enter_context(Prefetcher()) if c.rollout.async_ else None
         pending = prime(run, state, prefetcher) if prefetcher is not None and run.start_step < c.train.steps else None
         for step in range(run.start_step, c.train.steps):
@@ -229,6 +244,7 @@ def train(config: Config) -> str:
             saved = state.checkpointed() if ahead is None else (state.checkpointed(), ahead.behaviour_params)
             run.checkpointer.save(step + 1, saved, host, force=step + 1 == c.train.steps)
             pending = None if ahead is None else ahead.pending
+            return_freed_memory()
         final = os.path.join(c.run.output_dir, "final")
         run.publisher.export(state.params, final, tokenizer=run.tokenizer)  # with LoRA: the PEFT adapter
         if state.frozen is not None and c.model.lora.export_merged:
