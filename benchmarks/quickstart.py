@@ -5,9 +5,9 @@
 Runs `python -m drgrpo_jax.train --config CONFIG run.output_dir=<temp> KEY=VALUE...` in its own
 process and prints one JSON line: the job's wall time (model load, compiles and evals included), the
 median seconds of a step after the first and of its phases (rollout, reward, update, weight push),
-the training reward and greedy accuracy curves from the run's metrics.jsonl, and the peak RSS of the
-largest process (trainer or its generation service). No peer: the same shape through TRL is
-`benchmarks/rl_step.py`'s job.
+the training reward and greedy accuracy curves from the run's metrics.jsonl, the peak RSS of the
+largest process (trainer or its generation service) and the trainer's own (metrics' peak_rss_gb).
+No peer: the same shape through TRL is `benchmarks/rl_step.py`'s job.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def summarise(rows: list[dict]) -> dict:
         "phases_s_median_after_first": {phase: _median(later, f"{phase}_seconds")
                                         for phase in ("rollout", "reward", "train", "push")},
         "reward_mean_by_step": [round(row["reward_mean"], 3) for row in train],
+        "trainer_peak_rss_gb": train[-1].get("peak_rss_gb") if train else None,  # the trainer process alone
         "eval_accuracy_by_step": {row["step"]: round(row["eval/accuracy"], 3)
                                   for row in evals if "eval/accuracy" in row},
     }

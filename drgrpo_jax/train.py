@@ -30,6 +30,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import resource
 import sys
 import time
 import traceback
@@ -150,7 +151,8 @@ def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetche
     seconds = {"train": wait_start - train_start, "wait": push_start - wait_start, "push": now - push_start,
                "step": now - started}
     row = step_metrics(c, step + 1, rollout, batch, counters, updates, seconds)
-    row.update(sampling, data_position=run.stream.state(), service_restarts=run.client.service_restarts)
+    row.update(sampling, data_position=run.stream.state(), service_restarts=run.client.service_restarts,
+               peak_rss_gb=peak_rss_gb())
     if run.log.enabled and c.run.sample_every and (step + 1) % c.run.sample_every == 0:
         run.log.samples(sample_rows(run, step + 1, rollout))
     return state, row, ahead
@@ -195,6 +197,12 @@ def _progress(run: Run) -> Any:
 
     return tqdm(total=run.config.train.steps, initial=run.start_step, desc="train", unit="step", dynamic_ncols=True,
                 disable=jax.process_index() != 0, file=sys.stderr)
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GiB (the trainer's own, not its child service's)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def return_freed_memory() -> None:

@@ -62,9 +62,10 @@ def _quickstart(r: dict) -> tuple[str, str]:
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
     greedy = (f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
               if accuracy else "")  # a config without an eval set
+    trainer = f" (trainer process {r['trainer_peak_rss_gb']:.1f} GB)" if r.get("trainer_peak_rss_gb") else ""
     return what, (f"{r['wall_s'] / 60:.1f} min for {r['steps']} steps; a step after the first "
                   f"{r['step_s_median_after_first']:.1f} s ({phases}); reward {rewards[0]:.2f} -> {rewards[-1]:.2f}; "
-                  f"{greedy}peak RSS {r['peak_rss_gb']:.1f} GB")
+                  f"{greedy}peak RSS {r['peak_rss_gb']:.1f} GB{trainer}")
 
 
 def _long_context(r: dict) -> tuple[str, str]:

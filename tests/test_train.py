@@ -98,7 +98,7 @@ def test_multi_host_config_errors_name_the_key(overrides, key, reason):
 
 REQUIRED = ["step", "loss", "grad_norm", "reward_mean", "accuracy", "response_length_mean", "response_length_correct",
             "response_length_incorrect", "truncated_fraction", "kl", "entropy", "clip_fraction", "tokens_per_second",
-            "rollout_seconds", "train_seconds", "weight_version"]
+            "rollout_seconds", "train_seconds", "weight_version", "peak_rss_gb"]
 PROG_ERROR = "python -m drgrpo_jax.train: config error: "
 
 
@@ -168,6 +168,8 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted, monkeypa
         assert not bad, bad
         assert row["staleness"] == 0 and row["reward/has_letter_a"] == row["reward_mean"]
     assert [r["weight_version"] for r in train_rows] == [0, 1, 2, 3]
+    peaks = [r["peak_rss_gb"] for r in train_rows]  # the trainer's own high-water mark: JAX and a model at least
+    assert peaks == sorted(peaks) and 0.2 < peaks[0] < 64, peaks
     assert [r["step"] for r in eval_rows] == [0, 2, 4]
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in eval_rows)
     # Greedy and train.eval_samples (default 4) sampled completions per held-out prompt.
