@@ -226,25 +226,23 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     config_key = None if optimizer is not None else (
         tuple(mesh_shape), micro_batches, aggregation, kl_coef, tis_cap, on_policy,
         tuple(sorted(dict(loss_options).items())), tuple(sorted(step_options.items())))
-    data, fsdp, tensor = mesh_shape
-    if config_key in _STEP_FUNCTIONS:
-        mesh, optimizer, shardings, step, old_logprobs = _STEP_FUNCTIONS[config_key]
-        model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), mesh)
-        _, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
-    else:
-        devices = jax.devices()[: data * fsdp * tensor]
-        mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), devices)
-        model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), mesh)
+    cached = _STEP_FUNCTIONS.get(config_key) if config_key is not None else None
+    if cached is None:
+        data, fsdp, tensor = mesh_shape
+        mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[: data * fsdp * tensor])
         optimizer = optimizer or optax.sgd(0.5)
-        schedule = optax.constant_schedule(0.5)
+    else:
+        mesh, optimizer, shardings, step, old_logprobs = cached
+    model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), mesh)
+    graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
+    if cached is None:
         loss = LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef, **dict(loss_options))
         config = StepConfig(loss=loss,
                             micro_batches=micro_batches, tis_cap=tis_cap, logprob_chunk=5, on_policy=on_policy,
                             **step_options)
-        graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
         params_shardings = param_shardings(state.params, mesh)
         shardings = state_shardings(state, params_shardings, mesh)
-        step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
+        step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
         old_logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
         if config_key is not None:
             _STEP_FUNCTIONS[config_key] = mesh, optimizer, shardings, step, old_logprobs
