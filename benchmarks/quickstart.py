@@ -6,7 +6,8 @@ Runs `python -m drgrpo_jax.train --config CONFIG run.output_dir=<temp> KEY=VALUE
 process and prints one JSON line: the job's wall time (model load, compiles and evals included), the
 median seconds of a step after the first and of its phases (rollout, reward, update, weight push),
 the training reward and greedy accuracy curves from the run's metrics.jsonl, the peak RSS of the
-largest process (trainer or its generation service) and the trainer's own (metrics' peak_rss_gb).
+largest process (trainer or its generation service) and the trainer's own (metrics' peak_rss_gb), and
+the GEMM dtype the trainer resolved model.compute_dtype to.
 No peer: the same shape through TRL is `benchmarks/rl_step.py`'s job.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import resource
 import statistics
 import subprocess
@@ -62,9 +64,10 @@ def main() -> int:
             print(finished.stderr[-4000:], file=sys.stderr)
             return finished.returncode
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resolved = re.search(r"^model\.compute_dtype: (\w+)", finished.stderr, re.MULTILINE)
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux
     print(json.dumps({"benchmark": "quickstart", "config": args.config, "overrides": args.overrides,
-                      "wall_s": round(wall, 1), **summarise(rows), "peak_rss_gb": round(peak_gb, 2)}))
+                      "compute_dtype": resolved.group(1) if resolved else None, "wall_s": round(wall, 1), **summarise(rows), "peak_rss_gb": round(peak_gb, 2)}))
     return 0
 
 

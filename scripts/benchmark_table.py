@@ -23,8 +23,18 @@ README_CONFIG = "configs/quickstart.yaml"  # README command 1's job: its row com
 
 
 def _is_readme_job(result: dict) -> bool:
-    """A quickstart result of README command 1: its config, no overrides."""
-    return result.get("config") == README_CONFIG and not result.get("overrides")
+    """A quickstart result of README command 1: its config, no overrides, taken since records name the dtype
+    `auto` resolved to (before, `auto` was float32 on every CPU: those runs are float32 rows now)."""
+    return result.get("config") == README_CONFIG and not result.get("overrides") and "compute_dtype" in result
+
+
+_DTYPE_OVERRIDE = "model.compute_dtype="
+
+
+def _quickstart_dtype(result: dict) -> str:
+    """The GEMM dtype of a quickstart run: recorded, else its override, else float32 (`auto` on CPUs then)."""
+    asked = [o[len(_DTYPE_OVERRIDE):] for o in result.get("overrides", []) if o.startswith(_DTYPE_OVERRIDE)]
+    return result.get("compute_dtype") or (asked[-1] if asked else "float32")
 
 
 def _train_step(r: dict) -> tuple[str, str]:
@@ -57,7 +67,8 @@ def _sampler(r: dict) -> tuple[str, str]:
 
 def _quickstart(r: dict) -> tuple[str, str]:
     command = f"`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
-    what = f"README command 1 ({command}), whole job" if _is_readme_job(r) else f"{command}, whole job"
+    dtype = _quickstart_dtype(r) + (" (`auto` here)" if "compute_dtype" in r and not r["overrides"] else "")
+    what = f"README command 1 ({command}), {dtype}, whole job" if _is_readme_job(r) else f"{command}, {dtype}, whole job"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
     greedy = (f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
@@ -126,13 +137,16 @@ def _code_commit(commit: str) -> str:
 
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
-VARIANT_FIELDS = {"quickstart": ("config", "overrides"), "train_step": ("batch", "remat", "compute_dtype")}
+VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype")}
 
 
 def _row_key(record: dict) -> tuple[str, str]:
-    """(script, variant): one row per config (and overrides) the quickstart ran, per shape and lever of the
-    train step."""
+    """(script, variant): one row per config, other overrides and GEMM dtype the quickstart ran (a dtype asked
+    for and the same one resolved by `auto` share a row), per shape and lever of the train step."""
     result = record["results"][-1]
+    if record["script"] == "quickstart":
+        others = [o for o in result.get("overrides", []) if not o.startswith(_DTYPE_OVERRIDE)]
+        return "quickstart", f"{result['config']} {others} {_quickstart_dtype(result)}"
     return record["script"], " ".join(str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ()))
 
 

@@ -85,15 +85,25 @@ def test_one_quickstart_row_per_config_and_the_rl_step_row(tmp_path, monkeypatch
     quickstart = {"overrides": [], "wall_s": 450.0, "steps": 10, "step_s_median_after_first": 31.3,
                   "phases_s_median_after_first": {"rollout": 7.5, "train": 22.2}, "reward_mean_by_step": [0.2, 0.3],
                   "eval_accuracy_by_step": {"0": 0.47, "10": 0.59}, "peak_rss_gb": 9.5}
-    for day, config in [("01", "configs/lora_quickstart.yaml"), ("02", "configs/quickstart.yaml")]:
-        record = {"script": "quickstart", "date": f"2026-12-{day}T00:00:00+00:00", "commit": "a" * 40, "dirty": False,
-                  "load_before": 0.2, "load_after": 1.1, "machine": {"nproc": 2},
-                  "results": [dict(quickstart, config=config)]}
+    runs = [("01", "configs/lora_quickstart.yaml", [], {}),  # taken before records named the dtype: float32
+            ("02", "configs/quickstart.yaml", [], {}),
+            ("03", "configs/quickstart.yaml", ["model.compute_dtype=bfloat16"], {}),
+            ("04", "configs/quickstart.yaml", [], {"compute_dtype": "bfloat16"})]  # auto resolved it
+    for day, config, overrides, dtype in runs:
+        record = {"script": "quickstart", "date": f"2026-12-{day}T00:00:00+00:00", "commit": day * 20,
+                  "dirty": False, "load_before": 0.2, "load_after": 1.1, "machine": {"nproc": 2},
+                  "results": [dict(quickstart, config=config, overrides=overrides, **dtype)]}
         (tmp_path / f"quickstart-{day}.json").write_text(json.dumps(record))
     text = table.table(table.newest_records())
-    readme_row, lora_row = text.splitlines()[2:4]  # neither hides the other; README command 1's comes first
-    assert readme_row.startswith("| README command 1 (`configs/quickstart.yaml`)")
-    assert lora_row.startswith("| `configs/lora_quickstart.yaml`, whole job")
+    # README command 1's comes first; the bfloat16 asked for shares its row (the newer record shows); the older
+    # float32 run of its config and the LoRA config keep theirs
+    assert [row.split(",")[0] for row in text.splitlines()[2:]] == \
+        ["| README command 1 (`configs/quickstart.yaml`)", "| `configs/lora_quickstart.yaml`",
+         "| `configs/quickstart.yaml`"]
+    readme_row, lora_row, float32_row = text.splitlines()[2:]
+    assert "bfloat16 (`auto` here), whole job" in readme_row and "[2026-12-04]" in readme_row
+    assert lora_row.startswith("| `configs/lora_quickstart.yaml`, float32, whole job")
+    assert float32_row.startswith("| `configs/quickstart.yaml`, float32, whole job")
     side = {"seconds": {"step": 20.0, "generate": 5.0, "update": 15.0}, "peak_rss_gb": 3.0}
     _, row = table.FORMATS["rl_step"]({"prompts": 8, "group": 4, "budget": 64, "ours_float32": side,
                                        "trl_float32": dict(side, seconds={"step": 30.0}),

@@ -348,7 +348,7 @@ def test_an_unknown_compute_dtype_names_the_key_when_the_step_refuses_it():
         step_configs(load_config(None, BASE), "float16")
 
 
-def test_auto_compute_dtype_is_bfloat16_on_native_accelerators_only():
+def test_auto_compute_dtype_is_bfloat16_where_the_hardware_multiplies_it_fast():
     from types import SimpleNamespace
 
     from drgrpo_jax.models.precision import native_bfloat16, resolve_compute_dtype
@@ -356,12 +356,17 @@ def test_auto_compute_dtype_is_bfloat16_on_native_accelerators_only():
     tpu, a100, v100 = (SimpleNamespace(platform="tpu"), SimpleNamespace(platform="gpu", compute_capability="8.0"),
                        SimpleNamespace(platform="gpu", compute_capability="7.0"))
     cpu = SimpleNamespace(platform="cpu")
-    assert [resolve_compute_dtype("auto", "float32", d) for d in (tpu, a100, v100, cpu)] == \
-        ["bfloat16", "bfloat16", "float32", "float32"]
-    assert resolve_compute_dtype("bfloat16", "float32", cpu) == "bfloat16"  # asked for: given on any device
+    amx, zen4, avx2 = (frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}),
+                       frozenset({"avx512f", "avx512_bf16"}), frozenset({"avx2"}))
+    assert [resolve_compute_dtype("auto", "float32", d) for d in (tpu, a100, v100)] == \
+        ["bfloat16", "bfloat16", "float32"]
+    assert [resolve_compute_dtype("auto", "float32", cpu, flags) for flags in (amx, zen4, avx2)] == \
+        ["bfloat16", "float32", "float32"]
+    assert resolve_compute_dtype("bfloat16", "float32", cpu, avx2) == "bfloat16"  # asked for: given on any device
+    assert resolve_compute_dtype("float32", "float32", tpu) == "float32"  # float32 is one override away
     assert resolve_compute_dtype("auto", "bfloat16", v100) == "bfloat16"  # bfloat16 params: nothing to cast
-    assert native_bfloat16(cpu, frozenset({"avx512f", "avx512_bf16"}))
-    assert not native_bfloat16(cpu, frozenset({"avx512f", "avx2"}))
+    assert native_bfloat16(cpu, zen4) and native_bfloat16(cpu, amx)
+    assert not native_bfloat16(cpu, avx2)
 
 
 def test_attention_impl_lists_the_model_choices_and_kernels_need_their_backend():
