@@ -8,6 +8,7 @@ from flax import nnx
 
 from drgrpo_jax import sampling
 from drgrpo_jax.models import init_cache
+from drgrpo_jax.models.logprobs import sequence_logprobs
 from drgrpo_jax.sampling import RowRequest, SamplingParams
 
 from helpers import tiny_sampler_model
@@ -34,17 +35,36 @@ def _forward(model, ids_BT):
     return model(ids_BT)
 
 
+def _padded(ids) -> np.ndarray:
+    """One unpadded sequence right-padded to [1, 32] (the model is causal: padding after it changes nothing)."""
+    padded = np.zeros((1, 32), np.int32)
+    padded[0, :len(ids)] = ids
+    return padded
+
+
 def forward(model, ids):
-    """Logits [T, V] of one unpadded sequence, right-padded to 32 so every length shares a program."""
-    padded = jnp.zeros((1, 32), jnp.int32).at[0, :len(ids)].set(jnp.asarray(ids, jnp.int32))
-    return _forward(model, padded)[0, :len(ids)]
+    """Logits [T, V] of one unpadded sequence, right-padded to 32 so every length shares a program; padding and
+    slicing in numpy, so no length compiles an operation of its own."""
+    return np.asarray(_forward(model, _padded(ids)))[0, :len(ids)]
+
+
+@jax.jit
+def _forward_logprobs(model, ids_BT, temperature):
+    return jax.nn.log_softmax(model(ids_BT) / temperature, -1)
 
 
 def full_forward_logprobs(model, prompt, completion, temperature):
-    """log softmax(logits / temperature) of each completion token from one unpadded full forward."""
-    logits_TV = forward(model, list(prompt) + list(completion))[len(prompt) - 1:-1] / temperature
-    logprobs_TV = jax.nn.log_softmax(logits_TV, -1)
-    return np.asarray(jnp.take_along_axis(logprobs_TV, jnp.asarray(completion)[:, None], -1)[:, 0])
+    """log softmax(logits / temperature) of each completion token from one unpadded full forward (per position,
+    so computed over the padded window in one program and sliced after)."""
+    ids = list(prompt) + list(completion)
+    logprobs_TV = np.asarray(_forward_logprobs(model, _padded(ids), temperature))[0, len(prompt) - 1:len(ids) - 1]
+    return np.take_along_axis(logprobs_TV, np.asarray(completion)[:, None], -1)[:, 0]
+
+
+@jax.jit
+def _sequence_logprobs(model, input_ids_BT, targets_BT, temperature):
+    """The trainer's log-probs, one program per length (eagerly, each of its operations is one)."""
+    return sequence_logprobs(model, input_ids_BT, targets_BT, temperature=temperature)
 
 
 def test_greedy_equals_argmax_of_repeated_full_forwards(model):
@@ -53,7 +73,7 @@ def test_greedy_equals_argmax_of_repeated_full_forwards(model):
     for b, prompt in enumerate(PROMPTS):
         ids = list(prompt)
         for _ in range(12):
-            ids.append(int(jnp.argmax(forward(model, ids)[-1])))
+            ids.append(int(np.argmax(forward(model, ids)[-1])))
         np.testing.assert_array_equal(out.tokens_BT[b, :12], ids[len(prompt):])
         assert out.lengths_B[b] == 12 and not out.stopped_B[b]
     assert len(set(map(tuple, out.tokens_BT[:3, :12].tolist()))) == 3  # the rows really differ
@@ -81,13 +101,12 @@ def test_prefill_then_decode_logits_equal_full_forward(model):
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
 def test_sampled_logprobs_equal_trainer_logprobs(model, temperature, top_k, top_p):
-    from drgrpo_jax.models.logprobs import sequence_logprobs
     params = SamplingParams(max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, ignore_eos=True)
     out = run(model, [RowRequest(p, params, seed=3, sample=i) for i, p in enumerate(PROMPTS)])
     for b, prompt in enumerate(PROMPTS):
         completion = out.tokens_BT[b, :out.lengths_B[b]]
         ids = jnp.asarray([list(prompt) + completion.tolist()], jnp.int32)
-        trainer_BT, _ = sequence_logprobs(model, ids[:, :-1], ids[:, 1:], temperature=temperature)
+        trainer_BT, _ = _sequence_logprobs(model, ids[:, :-1], ids[:, 1:], temperature)
         np.testing.assert_allclose(out.logprobs_BT[b, :len(completion)], trainer_BT[0, len(prompt) - 1:], atol=1e-4)
         np.testing.assert_allclose(out.logprobs_BT[b, :len(completion)],
                                    full_forward_logprobs(model, prompt, completion, temperature), atol=1e-4)
