@@ -64,10 +64,11 @@ def main() -> int:
             print(finished.stderr[-4000:], file=sys.stderr)
             return finished.returncode
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resolved = re.search(r"model\.compute_dtype: (\w+)", finished.stderr)  # not at a line start: the progress bar
+    resolved = re.search(r"model\.compute_dtype: (\w+)", finished.stderr)  # the progress bar may share its line
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB on Linux
     print(json.dumps({"benchmark": "quickstart", "config": args.config, "overrides": args.overrides,
-                      "compute_dtype": resolved.group(1) if resolved else None, "wall_s": round(wall, 1), **summarise(rows), "peak_rss_gb": round(peak_gb, 2)}))
+                      "compute_dtype": resolved.group(1) if resolved else None, "wall_s": round(wall, 1),
+                      **summarise(rows), "peak_rss_gb": round(peak_gb, 2)}))
     return 0
 
 

@@ -68,7 +68,8 @@ def _sampler(r: dict) -> tuple[str, str]:
 def _quickstart(r: dict) -> tuple[str, str]:
     command = f"`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
     dtype = _quickstart_dtype(r) + (" (`auto` here)" if "compute_dtype" in r and not r["overrides"] else "")
-    what = f"README command 1 ({command}), {dtype}, whole job" if _is_readme_job(r) else f"{command}, {dtype}, whole job"
+    what = f"README command 1 ({command})" if _is_readme_job(r) else command
+    what += f", {dtype}, whole job"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phases_s_median_after_first"].items() if v is not None)
     rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
     greedy = (f"greedy accuracy at steps {'/'.join(accuracy)}: {'/'.join(f'{v:.2f}' for v in accuracy.values())}; "
