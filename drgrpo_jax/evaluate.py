@@ -156,7 +156,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from drgrpo_jax.eval_report import markdown_table, report_rows, write_report
     from drgrpo_jax.eval_suites import load_suite
     from drgrpo_jax.evaluation import evaluate_problems
-    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.reward_scorer import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
 
     source = resolve_model(args.model, args.step)

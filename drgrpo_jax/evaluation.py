@@ -19,7 +19,7 @@ from drgrpo_jax.rollout_batch import correct_mask, response_stats
 
 if TYPE_CHECKING:
     from drgrpo_jax.data import Example
-    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.reward_scorer import RewardScorer
     from drgrpo_jax.rollout import RolloutClient
 
 __all__ = ["EvalSamples", "EvalSettings", "eval_metrics", "eval_summary", "evaluate_problems", "sample_and_score",

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.reward_scorer import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.train_step import Batch, TrainState
     from drgrpo_jax.weight_sync import SegmentPusher
@@ -198,7 +198,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     from drgrpo_jax.data import load_dataset
     from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.models.precision import resolve_compute_dtype
-    from drgrpo_jax.rewards import RewardScorer
+    from drgrpo_jax.reward_scorer import RewardScorer
     from drgrpo_jax.rollout import LocalServer, RolloutClient
     from drgrpo_jax.sharding import param_shardings
     from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, place, state_shardings

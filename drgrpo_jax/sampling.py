@@ -39,7 +39,8 @@ from flax import nnx
 
 from drgrpo_jax.draws import filter_top_k_top_p, row_keys, sample_inverse_cdf, sample_step
 from drgrpo_jax.models import KVCache, init_cache
-from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache
+from drgrpo_jax.models.kv_cache import split_cache
+from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
            "batch_bucket", "bucket", "compiled_programs", "filter_top_k_top_p", "generate", "make_batch",

@@ -64,6 +64,14 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
+def pytest_configure(config):
+    """matplotlib (imported by reasoning-gym and the plots) runs `fc-list` the first time it is imported on a
+    machine, to build its font cache: pay that here, before the process guard, not inside whichever unmarked
+    test imports it first on a fresh machine."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401
+
+
 @contextlib.contextmanager
 def _no_processes_unless_marked(item):
     """While an unmarked test (or a fixture it sets up) runs, starting a process fails it: the service,

@@ -12,7 +12,8 @@ import transformers
 from flax import nnx
 
 from drgrpo_jax.models import DecoderConfig, Transformer, from_hf_config, from_pretrained, init_cache, save_pretrained
-from drgrpo_jax.models.transformer import layer_params, rope_for_layers, split_cache, stack_cache, write_slots
+from drgrpo_jax.models.kv_cache import split_cache, stack_cache, write_slots
+from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 
 pytestmark = pytest.mark.heavy  # every model family against transformers, compiled per shape
 

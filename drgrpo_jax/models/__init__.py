@@ -2,8 +2,10 @@
 
 from drgrpo_jax.models.config import DecoderConfig, RopeConfig, from_hf_config, to_hf_config
 from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.kv_cache import KVCache, cache_shardings, init_cache
+from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.pretrained import from_pretrained
-from drgrpo_jax.models.transformer import KVCache, Transformer, cache_shardings, init_cache, param_specs
+from drgrpo_jax.models.transformer import Transformer
 
 __all__ = [
     "KVCache",

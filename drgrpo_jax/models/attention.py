@@ -27,7 +27,7 @@ from drgrpo_jax.models.remat import name_attention
 
 _F32 = jnp.float32
 # Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
-_MASKED = -1e30
+MASKED = -1e30
 # 128: the block's [B, C, R, W, W] float32 temporaries stay in cache. Measured with benchmarks/attention.py,
 # SmolLM2 heads, B=2, S=2048, forward+backward, same run: W=64/128/256/512/1024 took 1.70/1.79/1.99/~2.3-2.6/5.2 s
 # (a busy 2-core machine: ratios only); at B=8, S=1024: W=64/128/256 took 2.4/2.5/4.2 s.
@@ -61,7 +61,7 @@ def reference_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
     C = k_BSCH.shape[2]
     q_BTCRH = q_BTQH.reshape(B, T, C, Q // C, H)
     scores_BCRTS = jnp.einsum("btcrh,bsch->bcrts", q_BTCRH, k_BSCH, preferred_element_type=_F32) * scale
-    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, _MASKED)
+    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, MASKED)
     probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BSCH.dtype)
     out_BTCRH = jnp.einsum("bcrts,bsch->btcrh", probs_BCRTS, v_BSCH, preferred_element_type=_F32)
     return out_BTCRH.reshape(B, T, Q, H).astype(q_BTQH.dtype)
@@ -80,7 +80,7 @@ def _reference_low(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask
     q_BCMH = q_BTQH.reshape(B, T, C, R, H).transpose(0, 2, 3, 1, 4).reshape(B, C, R * T, H)
     k_BCSH, v_BCSH = k_BSCH.transpose(0, 2, 1, 3), v_BSCH.transpose(0, 2, 1, 3)
     scores_BCRTS = matmul_nt(q_BCMH, k_BCSH, dtype).reshape(B, C, R, T, S) * scale
-    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, _MASKED)
+    scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, MASKED)
     probs_BCMS = jax.nn.softmax(scores_BCRTS, axis=-1).reshape(B, C, R * T, S)
     out_BCRTH = matmul(probs_BCMS, v_BCSH, dtype).reshape(B, C, R, T, H)
     return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)

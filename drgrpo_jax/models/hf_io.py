@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config, to_hf_config
-from drgrpo_jax.models.transformer import Transformer, param_specs
+from drgrpo_jax.models.params import param_specs
+from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _ST_DTYPES: dict[str, Any] = {

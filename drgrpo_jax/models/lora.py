@@ -36,8 +36,9 @@ from flax import nnx
 
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig, LoraSpec
 from drgrpo_jax.models.hf_io import read_safetensors, write_safetensors
+from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.quant import SCALE_SUFFIX, dequantize, quantize
-from drgrpo_jax.models.transformer import Transformer, param_specs
+from drgrpo_jax.models.transformer import Transformer
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "add_adapters", "adapter_arrays", "adapter_specs", "is_adapter_folder",
            "load_adapter", "merge_adapters", "merged_model", "read_adapter_config", "save_adapter", "store_base"]

@@ -8,154 +8,29 @@ Shape letters (the README's "Shape letters" glossary):
 
 Layers are stored stacked ([L, ...]); a full forward (training, log-probs) runs them with
 `lax.scan`, so a 30-layer model compiles one block. Cached decoding runs them unrolled over
-per-layer weights and a per-layer cache in attention order (`split_cache`), which a decode loop
-updates in place; `init_cache` makes the stacked [L, B, S, C, H] form that shards like the params.
+per-layer weights and a per-layer cache in attention order (`kv_cache.split_cache`), which a decode
+loop updates in place. The parameters' layout is in params.py, the cache's in kv_cache.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax import nnx
 
 from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
-from drgrpo_jax.models.gemm import dense, is_half
+from drgrpo_jax.models.gemm import dense
+from drgrpo_jax.models.kv_cache import KVCache, attend_slots, bits, split_cache, stack_cache, unbits, write_slots
+from drgrpo_jax.models.params import Blocks, init_value
 from drgrpo_jax.models.remat import name_attention, name_projection, remat_block
-from drgrpo_jax.sharding import ShardingRules, named_sharding
 
 _F32 = jnp.float32
-# Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
-_MASKED = -1e30
-
-
-@struct.dataclass
-class KVCache:
-    """Explicit decode state: keys/values per layer and the position stored in each slot."""
-
-    k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, C, H]; a decode loop carries L [B, C, S, H] (`split_cache`)
-    v: jax.Array | tuple[jax.Array, ...]  # as k
-    positions_BS: jax.Array  # int32, -1 = empty slot or padding token
-    length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
-
-
-# Logical axes of the cache's arrays: rows follow the activations (batch), heads follow kv_heads.
-_CACHE_AXES = {"k": ("layers", "batch", None, "kv_heads", "head_dim"),
-               "v": ("layers", "batch", None, "kv_heads", "head_dim"),
-               "positions_BS": ("batch", None)}
-
-
-def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
-    """NamedShardings for a cache (a KVCache of shardings, usable as in/out_shardings)."""
-    # Shardings where the arrays would be: Any, as KVCache's fields are typed for arrays.
-    shardings: dict[str, Any] = {name: named_sharding(f"cache.{name}", getattr(cache, name).shape, axes, mesh, rules)
-                                 for name, axes in _CACHE_AXES.items()}
-    shardings["length"] = NamedSharding(mesh, PartitionSpec())
-    return KVCache(**shardings)
-
-
-def init_cache(config: DecoderConfig, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache with room for max_len tokens per row."""
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
-        positions_BS=jnp.full((batch_size, max_len), -1, jnp.int32),
-        length=jnp.zeros((), jnp.int32),
-    )
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    """A 16-bit float array viewed as uint16 (others unchanged), to move bf16 data around on CPU.
-
-    XLA's CPU float normalisation upcasts bfloat16 dynamic_update_slice, dynamic-slice and gather to
-    float32: a cache write converted the whole cache twice, and a gather from the embedding the whole
-    table. On the uint16 view they stay as they are (inference only: a bitcast has no gradient).
-    """
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if is_half(x.dtype) else x
-
-
-def _unbits(x: jax.Array, dtype) -> jax.Array:
-    """The inverse of `_bits`."""
-    return jax.lax.bitcast_convert_type(x, dtype) if is_half(dtype) else x
-
-
-def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array:
-    """dynamic_update_slice of `update` (cast to the buffer's dtype) into a cache buffer, in place (`_bits`)."""
-    written = jax.lax.dynamic_update_slice(_bits(buffer), _bits(update.astype(buffer.dtype)), start)
-    return _unbits(written, buffer.dtype)
-
-
-def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
-    """Per stacked layer parameter: (shape, logical axes, init kind)."""
-    L, D, I = config.num_layers, config.hidden_size, config.intermediate_size
-    Q, C, H = config.num_heads, config.num_kv_heads, config.head_dim
-    norm = "zeros" if config.gemma_norms else "ones"
-    specs: dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]] = {
-        "attn_norm": ((L, D), ("layers", "embed"), norm),
-        "q_proj": ((L, D, Q, H), ("layers", "embed", "q_heads", "head_dim"), "normal"),
-        "k_proj": ((L, D, C, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        "v_proj": ((L, D, C, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-        "o_proj": ((L, Q, H, D), ("layers", "q_heads", "head_dim", "embed"), "normal"),
-        "mlp_norm": ((L, D), ("layers", "embed"), norm),
-        "gate_proj": ((L, D, I), ("layers", "embed", "mlp"), "normal"),
-        "up_proj": ((L, D, I), ("layers", "embed", "mlp"), "normal"),
-        "down_proj": ((L, I, D), ("layers", "mlp", "embed"), "normal"),
-    }
-    if config.qkv_bias:
-        specs["q_bias"] = ((L, Q, H), ("layers", "q_heads", "head_dim"), "zeros")
-        specs["k_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
-        specs["v_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
-    if config.o_bias:
-        specs["o_bias"] = ((L, D), ("layers", "embed"), "zeros")
-    if config.qk_norm:
-        specs["q_norm"] = ((L, H), ("layers", "head_dim"), norm)
-        specs["k_norm"] = ((L, H), ("layers", "head_dim"), norm)
-    if config.post_norms:
-        specs["post_attn_norm"] = ((L, D), ("layers", "embed"), norm)
-        specs["post_mlp_norm"] = ((L, D), ("layers", "embed"), norm)
-    return specs
-
-
-def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    """Every parameter's (shape, logical axes), keyed by its path ("embed", "blocks/q_proj", ...)."""
-    out: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {
-        "embed": ((config.vocab_size, config.hidden_size), ("vocab", "embed")),
-        "final_norm": ((config.hidden_size,), ("embed",)),
-    }
-    if not config.tie_word_embeddings:
-        out["lm_head"] = ((config.hidden_size, config.vocab_size), ("embed", "vocab"))
-    for name, (shape, axes, _) in _param_specs(config).items():
-        out[f"blocks/{name}"] = (shape, axes)
-    return out
-
-
-def _init(kind: str, key: jax.Array | None, shape: tuple[int, ...], dtype) -> jax.Array:
-    """Random or constant initial value."""
-    if kind == "normal":
-        if key is None:
-            raise ValueError("a 'normal' initial value needs a random key")
-        return (0.02 * jax.random.normal(key, shape, _F32)).astype(dtype)
-    return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
-
-
-class Blocks(nnx.Module):
-    """All decoder layers' parameters, stacked along a leading layer axis."""
-
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        for name, (shape, axes, kind) in _param_specs(config).items():
-            setattr(self, name, nnx.Param(_init(kind, rngs.params(), shape, dtype), logical_axes=axes))
-
-    def arrays(self) -> dict[str, jax.Array]:
-        """The stacked parameter arrays by name."""
-        return {name: value[...] for name, value in vars(self).items() if isinstance(value, nnx.Param)}
 
 
 # ---------------------------------------------------------------- pure building blocks
@@ -347,23 +222,6 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     return x_BTD
 
 
-def attend_slots(q_BTQH: jax.Array, k_BCSH: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
-                 scale: float) -> jax.Array:
-    """`reference_attention` over a per-layer cache in attention order [B, C, S, H]; scores and softmax in float32.
-
-    Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA
-    transpose every layer's slots every decode step); only the few queries are transposed.
-    """
-    B, T, Q, H = q_BTQH.shape
-    C = k_BCSH.shape[1]
-    q_BCRTH = q_BTQH.reshape(B, T, C, Q // C, H).transpose(0, 2, 3, 1, 4).astype(k_BCSH.dtype)
-    scores_BCRTS = jnp.einsum("bcrth,bcsh->bcrts", q_BCRTH, k_BCSH, preferred_element_type=_F32) * scale
-    scores_BCRTS = jnp.where(mask_BTS[:, None, None], scores_BCRTS, _MASKED)
-    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BCSH.dtype)
-    out_BCRTH = jnp.einsum("bcrts,bcsh->bcrth", probs_BCRTS, v_BCSH, preferred_element_type=_F32)
-    return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
-
-
 def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
                          positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
     """Every layer as straight-line code over per-layer weights and a per-layer (split) cache.
@@ -383,23 +241,6 @@ def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Arra
             o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale)
             x_BTD = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
     return x_BTD, tuple(keys), tuple(values)
-
-
-def split_cache(cache: KVCache) -> KVCache:
-    """The cache with keys/values as tuples of per-layer arrays in attention order [B, C, S, H].
-
-    What a decode loop carries: each layer's slots are their own buffer, which a step updates in place
-    and attention reads without a transpose (slicing a layer out of the stacked array is a copy, and its
-    [B, S, C, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
-    """
-    return dataclasses.replace(cache, k=tuple(jnp.swapaxes(k_BSCH, 1, 2) for k_BSCH in cache.k),
-                               v=tuple(jnp.swapaxes(v_BSCH, 1, 2) for v_BSCH in cache.v))
-
-
-def stack_cache(cache: KVCache) -> KVCache:
-    """The inverse of `split_cache`: stacked [L, B, S, C, H] keys/values."""
-    return dataclasses.replace(cache, k=jnp.stack([jnp.swapaxes(k, 1, 2) for k in cache.k]),
-                               v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))
 
 
 def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[str, jax.Array], ...]:
@@ -437,22 +278,23 @@ class Transformer(nnx.Module):
     def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         self.config = config
         D, V = config.hidden_size, config.vocab_size
-        self.embed = nnx.Param(_init("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))
+        self.embed = nnx.Param(init_value("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))
         self.blocks = Blocks(config, rngs=rngs, dtype=dtype)
-        self.final_norm = nnx.Param(_init("zeros" if config.gemma_norms else "ones", None, (D,), dtype),
+        self.final_norm = nnx.Param(init_value("zeros" if config.gemma_norms else "ones", None, (D,), dtype),
                                     logical_axes=("embed",))
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Param(_init("normal", rngs.params(), (D, V), dtype), logical_axes=("embed", "vocab"))
+            self.lm_head = nnx.Param(init_value("normal", rngs.params(), (D, V), dtype),
+                                     logical_axes=("embed", "vocab"))
 
     def _embed(self, input_ids_BT: jax.Array, inference: bool = False) -> jax.Array:
         """Token embeddings (scaled by sqrt(D) in the weight dtype for Gemma, as HF does).
 
-        `inference` gathers bf16 rows through `_bits` (no gradient): a plain bf16 gather converts the whole
+        `inference` gathers bf16 rows through `kv_cache.bits` (no gradient): a plain bf16 gather converts the whole
         table to f32 first on CPU.
         """
         table_VD = self.embed[...]
         if inference:
-            x_BTD = _unbits(jnp.take(_bits(table_VD), input_ids_BT, axis=0), table_VD.dtype)
+            x_BTD = unbits(jnp.take(bits(table_VD), input_ids_BT, axis=0), table_VD.dtype)
         else:
             x_BTD = jnp.take(table_VD, input_ids_BT, axis=0)
         if self.config.scale_embeddings:
