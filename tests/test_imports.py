@@ -1,4 +1,4 @@
-"""The package's import graph: no module imports one that imports it back; the layers of DESIGN.md point one way."""
+"""The package's layout: no import circles, the layers of DESIGN.md point one way, no module past ~400 lines."""
 
 import ast
 import pathlib
@@ -69,3 +69,12 @@ def test_layers_point_one_way():
             others = {d for d in deps if not d.startswith("drgrpo_jax.models")
                       and d not in ("drgrpo_jax.sharding", "drgrpo_jax.errors")}
             assert not others, f"{name} imports {sorted(others)}"
+
+
+MAX_MODULE_LINES = 420  # "~400" (README, Layout): past it, a module is split by concept
+
+
+def test_no_module_grows_past_about_400_lines():
+    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    large = {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not large, f"split by concept (README, Layout): {large}"
