@@ -35,6 +35,7 @@ from drgrpo_jax.activations import (
 from drgrpo_jax.config import Config, load_config, resolve_model_path
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.plan_hardware import DEVICES, GIB, PRESETS, DeviceSpec, device_spec, preset_name
 from drgrpo_jax.plan_state import (
     abstract_state,
     adapted_bytes,
@@ -45,63 +46,10 @@ from drgrpo_jax.plan_state import (
 )
 from drgrpo_jax.service_plan import service_advice, service_memory, service_rows, total
 
-__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "auto_remat", "make_plan", "format_text", "resolve_decoder_config",
-           "resolve_remat", "main"]
+__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "auto_remat", "device_spec", "make_plan", "format_text",
+           "resolve_decoder_config", "resolve_remat", "main"]
 
-GIB = 1024**3
 HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator: memory per chip/GPU (what JAX sees as one device)."""
-
-    name: str
-    memory_bytes: int
-    source: str  # where the figure comes from
-
-
-# TPU: HBM per chip from the Cloud TPU system-architecture pages; GPU: `nvidia-smi` total memory.
-DEVICES: dict[str, DeviceSpec] = {d.name: d for d in [
-    DeviceSpec("tpu-v4", 32 * GIB, "Cloud TPU v4: 32 GiB HBM2 per chip"),
-    DeviceSpec("tpu-v5e", 16 * GIB, "Cloud TPU v5e: 16 GiB HBM2 per chip"),
-    DeviceSpec("tpu-v5p", 95 * GIB, "Cloud TPU v5p: 95 GiB HBM2e per chip"),
-    DeviceSpec("tpu-v6e", 32 * GIB, "Cloud TPU v6e (Trillium): 32 GiB HBM per chip"),
-    DeviceSpec("a100-40gb", 40960 * 1024**2, "A100 SXM4 40GB: 40960 MiB"),
-    DeviceSpec("a100-80gb", 81920 * 1024**2, "A100 SXM4 80GB: 81920 MiB"),
-    DeviceSpec("h100", 81559 * 1024**2, "H100 SXM5 80GB: 81559 MiB"),
-    DeviceSpec("h200", 143771 * 1024**2, "H200 SXM 141GB: 143771 MiB"),
-]}
-_ALIASES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5litepod": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e",
-            "a100": "a100-80gb", "h100-80gb": "h100"}
-
-# Architectures from the public Hugging Face config.json files, so a plan needs no download.
-PRESETS: dict[str, dict[str, Any]] = {
-    "Qwen2.5-Math-1.5B": {
-        "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
-        "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu"},
-    "Qwen2.5-Math-7B": {
-        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu"},
-}
-
-
-def device_spec(name: str) -> DeviceSpec:
-    """The table entry for a device name or alias; ConfigError naming --device otherwise."""
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key not in DEVICES:
-        raise ConfigError("--device", f"unknown device {name!r}; known: {', '.join(DEVICES)}")
-    return DEVICES[key]
-
-
-def _preset(name: str) -> str | None:
-    """The preset key matching a name or path basename (case-insensitive, 'Qwen/' prefix allowed)."""
-    base = os.path.basename(os.path.normpath(name)).lower()
-    return next((key for key in PRESETS if key.lower() == base), None)
 
 
 def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
@@ -123,7 +71,7 @@ def resolve_decoder_config(config: Config, model_config: str | None = None) -> t
         if spec.endswith(".json") and os.path.isfile(spec):
             with open(spec) as f:
                 return from_hf_config(json.load(f)), spec
-        if (preset := _preset(spec)) is not None:
+        if (preset := preset_name(spec)) is not None:
             return from_hf_config(PRESETS[preset]), f"preset {preset} (public HF config.json)"
         if key == "--model-config":
             raise ConfigError(key, f"{spec!r} is neither a folder with config.json, a .json file, nor a preset "

@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING
 
 from drgrpo_jax.activations import ITEMSIZE
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.plan_hardware import GIB
 
 if TYPE_CHECKING:
     from drgrpo_jax.config import Config
 
 __all__ = ["bucket", "service_advice", "service_memory", "service_rows", "total"]
-
-GIB = 1024**3
 
 
 def total(figures: dict[str, int]) -> int:
