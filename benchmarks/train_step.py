@@ -3,7 +3,8 @@
 Prints one JSON line: tokens/s and achieved FLOP/s of our jitted train_step (float32 params,
 AdamW, 16 responses x 192 tokens) and of a PyTorch forward+backward+AdamW step on the same
 weights (loaded by transformers from our safetensors export), measured in the same run,
-with the ratio, the machine's measured float32 matmul peak and each side's utilisation.
+with the ratio, the machine's measured float32 matmul peak and each side's utilisation, and XLA's own account of
+our step's memory (`jax_xla_memory_gb`: the donated state and the temporaries of its compiled program).
 `--compute-dtype bfloat16`: mixed precision on both sides (ours: `StepConfig.compute_dtype`;
 PyTorch: `torch.autocast` to bfloat16), float32 master weights and optimizer state.
 `--pack`: responses get lengths drawn uniformly from 1 to --response (seeded) and our step runs twice in the same
@@ -78,16 +79,21 @@ def jax_step_seconds(model, batch, micro_batches, repeats, compute_dtype="float3
     state = place(state, shardings)
     step = jit_train_step(graphdef, optimizer, schedule, config, shardings, mesh)
     start = time.perf_counter()
-    state, metrics = step(state, batch)
+    compiled = step.lower(state, batch).compile() if hasattr(step, "lower") else step  # packing wraps the jit
+    state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
     compile_seconds = time.perf_counter() - start
     holder = [state]
 
     def one():
-        holder[0], m = step(holder[0], batch)
+        holder[0], m = compiled(holder[0], batch)
         jax.block_until_ready(m)
 
-    return median_time(one, repeats), compile_seconds
+    memory = compiled.memory_analysis() if compiled is not step else None
+    xla_gb = None if memory is None else {  # the state (donated: in = out) and batch, and the temporaries
+        "arguments": round(memory.argument_size_in_bytes / 2**30, 3),
+        "temp": round(memory.temp_size_in_bytes / 2**30, 3)}
+    return median_time(one, repeats), compile_seconds, xla_gb
 
 
 def packed_step(batch, args) -> dict:
@@ -105,7 +111,7 @@ def packed_step(batch, args) -> dict:
     rows = args.pack_rows or int(rows_needed(lengths, pack_length)[0])
     if args.micro_batches != 1:
         raise SystemExit("--pack: measured with --micro-batches 1 (rows are packed per micro-batch)")
-    seconds, compile_seconds = jax_step_seconds(model, batch, 1, args.repeats, args.compute_dtype, pack_rows=rows)
+    seconds, compile_seconds, _ = jax_step_seconds(model, batch, 1, args.repeats, args.compute_dtype, pack_rows=rows)
     return {"pack_rows": rows, "pack_length": pack_length, "jax_packed_step_s": round(seconds, 3),
             "jax_packed_compile_s": round(compile_seconds, 1),
             "padding_share": round(1 - float(np.asarray(lengths).sum()) / (args.rows * pack_length), 3)}
@@ -139,8 +145,8 @@ def main():
     peak = matmul_peak()
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(model, folder)
-        jax_seconds, compile_seconds = jax_step_seconds(model, batch, args.micro_batches, args.repeats,
-                                                        args.compute_dtype)
+        jax_seconds, compile_seconds, xla_gb = jax_step_seconds(model, batch, args.micro_batches, args.repeats,
+                                                                args.compute_dtype)
         packed = packed_step(batch, args) if args.pack else None
         torch_seconds = None if args.skip_torch else torch_step_seconds(
             folder, np.concatenate([batch.prompt_ids, batch.response_ids], axis=1), args.repeats,
@@ -157,6 +163,7 @@ def main():
         "jax_tokens_per_s": round(tokens / jax_seconds, 1),
         "jax_gflops": round(flops / jax_seconds / 1e9, 1),
         "jax_compile_s": round(compile_seconds, 1),
+        "jax_xla_memory_gb": xla_gb,
         "matmul_peak_gflops": round(peak / 1e9, 1),
         "jax_utilisation": round(flops / jax_seconds / peak, 3),
     }

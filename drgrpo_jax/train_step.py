@@ -252,6 +252,17 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
     return loss, metrics
 
 
+def _new_unless(skipped: jax.Array, new, old):
+    """`old` where `skipped`, else `new` (pytrees of one structure)."""
+    return jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, old)
+
+
+def _false_after(tree) -> jax.Array:
+    """A False that XLA cannot fold, read from every leaf of `tree`: what depends on it runs after the leaves."""
+    firsts = [leaf[(0,) * leaf.ndim].astype(jnp.float32) for leaf in jax.tree.leaves(tree) if leaf.size]  # no gather
+    return jnp.any(jnp.isnan(jnp.stack(firsts)) & jnp.isfinite(jnp.stack(firsts))) if firsts else jnp.bool_(False)
+
+
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                config: StepConfig, state: TrainState, batch: Batch[jax.Array], *, shards: int = 1
                ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -282,24 +293,19 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     micro_batches = (_split(batch, config.micro_batches), jnp.arange(config.micro_batches))
     (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, micro_batches)
 
-    # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     skipped = window.num_tokens == 0
     if packing is not None:
         rows, longest = pack_demand(config, batch, shards)
         metrics["pack_overflow"] = ((rows > packing.rows) | (longest > packing.length)).astype(jnp.float32)
         skipped = skipped | (metrics["pack_overflow"] > 0)
 
-    def keep_if_skipped(new, old):
-        return jnp.where(skipped, old, new)
-
-    new_state = dataclasses.replace(
-        state,
-        params=jax.tree.map(keep_if_skipped, params, state.params),
-        opt_state=jax.tree.map(keep_if_skipped, opt_state, state.opt_state),
-        step=state.step + 1,
-    )
+    # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = _new_unless(skipped, optax.apply_updates(state.params, updates), state.params)
+    # The donated state is overwritten in place and the params' update reads the old moments: a flag read from the
+    # new params orders the moments' overwrite after that read, else XLA first copies every moment (2x params).
+    opt_state = _new_unless(skipped | _false_after(params), opt_state, state.opt_state)
+    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
     metrics.update(
         loss=loss,
         grad_norm=optax.tree.norm(grads).astype(jnp.float32),
