@@ -40,14 +40,18 @@ def _quickstart_dtype(result: dict) -> str:
 def _train_step(r: dict) -> tuple[str, str]:
     policy = {False: "none", True: "full"}.get(r.get("remat"), r.get("remat") or "none")  # older records: a bool
     remat = f", remat {policy}" if policy != "none" or "jax_over_torch" not in r else ""
+    micro = f", {r['micro_batches']} micro-batches" if r.get("micro_batches", 1) > 1 else ""
     what = (f"SmolLM2-135M train step (fwd+bwd+AdamW), {r['batch']} tokens, {r.get('compute_dtype', 'float32')}"
-            f"{remat}{', vs torch' if 'jax_over_torch' in r else ''}")
+            f"{remat}{micro}{', vs torch' if 'jax_over_torch' in r else ''}")
     if r.get("compute_dtype", "float32") == "float32":
         peak = f"{r['jax_utilisation']:.0%} of the measured f32 matmul peak ({r['matmul_peak_gflops']:.0f} GFLOP/s)"
     else:  # a bf16 step against the float32 peak would read as over 100%
         peak = f"{r['jax_gflops']:.0f} GFLOP/s achieved"
     if "peak_rss_gb" in r:  # one process ran both sides when there is a peer
         peak += f"; peak RSS {r['peak_rss_gb']:.1f} GB{' (both sides)' if 'jax_over_torch' in r else ''}"
+    if r.get("jax_xla_memory_gb"):  # XLA's own account of our compiled step
+        peak += f"; our step's XLA buffers: state {r['jax_xla_memory_gb']['arguments']:.2f} GB, temporaries " \
+                f"{r['jax_xla_memory_gb']['temp']:.2f} GB"
     if "jax_over_torch" not in r:
         return what, f"{r['jax_tokens_per_s']:.0f} tok/s (no peer in this run); {peak}"
     return what, (f"**{r['jax_over_torch']:.2f}x** torch: {r['jax_tokens_per_s']:.0f} vs {r['torch_tokens_per_s']:.0f} "
@@ -138,7 +142,7 @@ def _code_commit(commit: str) -> str:
 
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
-VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype")}
+VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches")}
 
 
 def _row_key(record: dict) -> tuple[str, str]:
