@@ -133,10 +133,15 @@ RATIOS: dict[str, tuple[str, str, str]] = {"train_step": ("ratio", "jax_over_tor
                                            "quickstart": ("step seconds", "step_s_median_after_first", " s")}
 
 
+# What a figure depends on: a commit that changed none of these (records, the README, this table) is the same code.
+CODE_PATHS = ("drgrpo_jax", "benchmarks", ":!benchmarks/results", "configs", "pyproject.toml")
+
+
 def _code_commit(commit: str) -> str:
-    """The last commit at or before `commit` that changed more than benchmark records (itself if git cannot say):
-    a record committed before its reproduction was taken must not split the two."""
-    found = subprocess.run(["git", "log", "-1", "--format=%H", commit, "--", ".", ":!benchmarks/results"],
+    """The last commit at or before `commit` that changed the code its figures depend on (itself if git cannot
+    say): a record committed before its reproduction was taken, or a README edit between them, must not split the
+    two."""
+    found = subprocess.run(["git", "log", "-1", "--format=%H", commit, "--", *CODE_PATHS],
                            cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     return found or commit
 
