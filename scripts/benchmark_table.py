@@ -133,7 +133,7 @@ RATIOS: dict[str, tuple[str, str, str]] = {"train_step": ("ratio", "jax_over_tor
                                            "quickstart": ("step seconds", "step_s_median_after_first", " s")}
 
 
-# What a figure depends on: a commit that changed none of these (records, the README, this table) is the same code.
+# What a figure depends on: commits that changed only other files (records, the README, this table) keep its code.
 CODE_PATHS = ("drgrpo_jax", "benchmarks", ":!benchmarks/results", "configs", "pyproject.toml")
 
 

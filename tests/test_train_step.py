@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -112,8 +113,6 @@ def test_empty_window_changes_nothing():
 def test_the_update_overwrites_the_donated_state_without_copying_it(mesh_shape, micro_batches):
     """The params' update reads the old Adam moments; unless their overwrite is ordered after it, XLA copies every
     moment first (twice the params' bytes at the update: 56 GB for 7B)."""
-    import re
-
     state, _, step = run_step(mesh_shape, micro_batches, optimizer=make_optimizer(1e-2, total_steps=1)[0])
     text = step.lower(state, make_step_batch()).compile().as_text()
     parameters = re.findall(r"^\s*%(\S+) = .* parameter\(\d+\)(.*)$", text, re.MULTILINE)  # (name, sharding, path)
