@@ -252,15 +252,13 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
     return loss, metrics
 
 
-def _new_unless(skipped: jax.Array, new, old):
-    """`old` where `skipped`, else `new` (pytrees of one structure)."""
-    return jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, old)
-
-
 def _false_after(tree) -> jax.Array:
     """A False that XLA cannot fold, read from every leaf of `tree`: what depends on it runs after the leaves."""
     firsts = [leaf[(0,) * leaf.ndim].astype(jnp.float32) for leaf in jax.tree.leaves(tree) if leaf.size]  # no gather
-    return jnp.any(jnp.isnan(jnp.stack(firsts)) & jnp.isfinite(jnp.stack(firsts))) if firsts else jnp.bool_(False)
+    if not firsts:
+        return jnp.bool_(False)
+    firsts_L = jnp.stack(firsts)
+    return jnp.any(jnp.isnan(firsts_L) & jnp.isfinite(firsts_L))
 
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
@@ -301,10 +299,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = _new_unless(skipped, optax.apply_updates(state.params, updates), state.params)
+    params = optax.tree.where(skipped, state.params, optax.apply_updates(state.params, updates))
     # The donated state is overwritten in place and the params' update reads the old moments: a flag read from the
     # new params orders the moments' overwrite after that read, else XLA first copies every moment (2x params).
-    opt_state = _new_unless(skipped | _false_after(params), opt_state, state.opt_state)
+    opt_state = optax.tree.where(skipped | _false_after(params), state.opt_state, opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
     metrics.update(
         loss=loss,
