@@ -101,8 +101,11 @@ def _unpack_cell(hidden_BSD: jax.Array, row_N: jax.Array, start_N: jax.Array, pr
 
 def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: jax.Array, response_ids_NT: jax.Array,
                          response_mask_NT: jax.Array, row_valid_N: jax.Array, spec: PackSpec,
-                         lora_key: jax.Array | None = None) -> jax.Array:
+                         lora_key: jax.Array | None = None, grad_sums: dict[str, jax.Array] | None = None
+                         ) -> jax.Array:
     """[N, T, D] final hidden states before each response token, from one model call on the packed rows.
+
+    `lora_key` and `grad_sums` go to `model.hidden_states`.
 
     The N responses are cut into `spec.shards` contiguous equal shares (a micro-batch's split over the data-parallel
     devices); each packs into its own spec.rows x spec.length rows, so packing and gathering stay per device.
@@ -126,7 +129,8 @@ def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: j
     def rows_of_call(x_OBS):
         return x_OBS.reshape(O * spec.rows, spec.length)
 
-    hidden_BSD = model.hidden_states(rows_of_call(tokens), rows_of_call(positions), rows_of_call(segments), lora_key)
+    hidden_BSD = model.hidden_states(rows_of_call(tokens), rows_of_call(positions), rows_of_call(segments), lora_key,
+                                      grad_sums)
     hidden_OBSD = hidden_BSD.reshape(O, spec.rows, spec.length, hidden_BSD.shape[-1])
     unpack = functools.partial(_unpack_cell, response_width=T)
     hidden_ONTD = jax.vmap(unpack)(hidden_OBSD, row_ON, start_ON, per_shard(prompt_len_N))

@@ -39,6 +39,7 @@ from drgrpo_jax.plan_hardware import DEVICES, GIB, PRESETS, DeviceSpec, device_s
 from drgrpo_jax.plan_state import (
     abstract_state,
     adapted_bytes,
+    gradient_bytes,
     mesh_sizes,
     param_groups,
     trainer_memory,
@@ -218,6 +219,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
     shared = total(service) if shares_one_device(config) else 0  # the trainer's child service on its device
     policy = resolve_remat(config, by_policy, None if usable is None else usable - total(trainer) - shared, backend)
     trainer["activations"] = by_policy[policy]
+    trainer["gradients"] = gradient_bytes(config, model, params, frozen, policy)
     calls, length = model_call(config)
     plan: dict[str, Any] = {
         "mesh": {**sizes, "devices": math.prod(sizes.values()), "processes": config.mesh.num_processes},

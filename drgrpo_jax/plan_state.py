@@ -14,8 +14,8 @@ from drgrpo_jax.config import Config, lora_base_dtype, lora_spec
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.config import DecoderConfig
 
-__all__ = ["abstract_state", "adapted_bytes", "mesh_sizes", "param_groups", "state_bytes", "trainer_memory",
-           "variables"]
+__all__ = ["abstract_state", "adapted_bytes", "gradient_bytes", "mesh_sizes", "param_groups", "state_bytes",
+           "trainer_memory", "variables"]
 
 
 def mesh_sizes(config: Config) -> dict[str, int]:
@@ -122,9 +122,7 @@ def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state:
     sizes = mesh_sizes(config)
     trainable_device, trainable_total = state_bytes(params, sizes)
     opt_device, _ = state_bytes(opt_state, sizes)
-    # train_step accumulates float32 gradients and holds one micro-batch's gradient in the trainable dtype.
-    trainable_itemsize = 4 if frozen is not None else ITEMSIZE[config.model.dtype]
-    grads = trainable_device * 4 // trainable_itemsize + trainable_device
+    grads = gradient_bytes(config, model, params, frozen, config.model.remat)
     if frozen is None:
         params_device, params_total, adapters = trainable_device, trainable_total, 0
     else:  # the trainer stores the base as model.lora.base_dtype says; the services load model.path's (total)
@@ -134,6 +132,23 @@ def trainer_memory(config: Config, model: DecoderConfig, params: Any, opt_state:
             "reference": params_device if config.algorithm.kl_coef > 0 and frozen is None else 0,
             "logprob_chunks": logprob_chunk_bytes(config, model), "batch": batch_bytes(config),
             "_params_total": params_total}
+
+
+def gradient_bytes(config: Config, model: DecoderConfig, params: Any, frozen: Any, policy: str) -> int:
+    """Per-device bytes of train_step's gradients: the float32 running sum and one micro-batch's gradient.
+
+    The micro-batch's is in the trainable dtype. Under remat `full` without LoRA the layer scan adds each layer's
+    gradient into the sum where it is made (models/grad_sums.py): only the weights outside the layers and one layer's
+    are held beside the sum. `policy` "auto" (not yet resolved) counts the whole micro-batch gradient.
+    """
+    sizes = mesh_sizes(config)
+    trainable = state_bytes(params, sizes)[0]
+    held = trainable
+    if frozen is None and policy == "full":
+        layers = state_bytes(params["blocks"], sizes)[0]
+        held = trainable - layers + layers // model.num_layers
+    trainable_itemsize = 4 if frozen is not None else ITEMSIZE[config.model.dtype]
+    return trainable * 4 // trainable_itemsize + held
 
 
 def stored_base_bytes(config: Config, model: DecoderConfig, sizes: dict[str, int]) -> int:

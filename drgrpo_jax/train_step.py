@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
+from drgrpo_jax.models.grad_sums import into_sums
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype, matmul_weights_in
 from drgrpo_jax.optimizer import in_float32, make_optimizer
@@ -123,7 +124,8 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
                       response_mask, *, temperature: float, chunk: int, compute_dtype: ComputeDtype = "float32",
                       frozen: nnx.State | None = None, lora_key: jax.Array | None = None,
-                      packing: PackSpec | None = None, row_valid=None) -> tuple[jax.Array, jax.Array]:
+                      packing: PackSpec | None = None, row_valid=None, grad_sums: nnx.State | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
     """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
 
     `compute_dtype="bfloat16"`: every GEMM (the layers', attention's, the vocabulary's, forward and backward)
@@ -133,27 +135,32 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
     frozen base is cast once up front (`matmul_weights_in`), the adapters like full weights.
     `packing`: the model runs on packed rows (drgrpo_jax/packing.py; padding rows, `row_valid` False, are left
     out), with the same values at every response token.
+    `grad_sums` (float32 like params; remat `full`, no LoRA) take the gradient, sums + d/d(params) (grad_sums.py).
     """
     low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
     if low is not None and frozen is not None:
         frozen = matmul_weights_in(frozen, low)  # no gradient: one cast for every layer and micro-batch
+    layer_sums = None
+    if grad_sums is not None:
+        params, layer_sums = into_sums(params, grad_sums)
     model = merge_model(graphdef, params, frozen)
     if low is not None:
         model.config = dataclasses.replace(model.config, compute_dtype=compute_dtype)
     hidden_NTD = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing,
-                                  row_valid)
+                                  row_valid, layer_sums)
     return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
                           final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low)
 
 
-def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid):
+def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid,
+                     layer_sums=None):
     """[N, T, D]: the final hidden state before each response token (it predicts that token)."""
     if packing is not None:
         valid = jnp.ones(prompt_ids.shape[0], bool) if row_valid is None else row_valid
         return packed_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, valid, packing,
-                                    lora_key)
+                                    lora_key, layer_sums)
     tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key)
+    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key, layer_sums)
     return hidden_NSD[:, prompt_ids.shape[1] - 1:]
 
 
@@ -218,12 +225,13 @@ def _reference(params, ref_params, frozen, config: StepConfig):
 
 
 def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, frozen,
-                micro: Batch[jax.Array], lora_key: jax.Array, packing: PackSpec | None = None):
-    """This micro-batch's share of the window's loss, and its metric shares."""
+                micro: Batch[jax.Array], lora_key: jax.Array, packing: PackSpec | None = None, grad_sums=None):
+    """This micro-batch's share of the window's loss, and its metric shares (`grad_sums`: see response_logprobs)."""
     logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                           micro.response_mask, temperature=config.temperature,
                                           chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
-                                          frozen=frozen, lora_key=lora_key, packing=packing, row_valid=micro.row_valid)
+                                          frozen=frozen, lora_key=lora_key, packing=packing, row_valid=micro.row_valid,
+                                          grad_sums=grad_sums)
     ref_logprobs = None
     reference = _reference(params, ref_params, frozen, config)
     if reference is not None:
@@ -271,16 +279,22 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     """
     window = window_stats(batch.response_mask, batch.row_valid)
     packing = pack_spec(config, shards)
-    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
     step_key = jax.random.fold_in(state.rng, state.step)  # adapter dropout (LoRA); unused otherwise
+
+    def share_of_loss(params, grad_sums, micro, index):
+        return _micro_loss(params, graphdef, config, window, state.ref_params, state.frozen, micro,
+                           jax.random.fold_in(step_key, index), packing, grad_sums)
+
+    # Full remat reruns each layer in the backward, which then adds the layer's gradient into the running sum in
+    # place: the sum takes the gradient (models/grad_sums.py), no second whole gradient beside it. LoRA's adapters
+    # are small, and the other policies keep the forward's values: they add each micro-batch's gradient.
+    in_place = state.frozen is None and merge_model(graphdef, state.params).config.remat == "full"
+    grad_fn = jax.value_and_grad(share_of_loss, argnums=1 if in_place else 0, has_aux=True)
 
     def accumulate(carry, micro_and_index):
         grads, loss, metrics = carry
-        micro, index = micro_and_index
-        (micro_loss, micro_metrics), micro_grads = grad_fn(state.params, graphdef, config, window, state.ref_params,
-                                                           state.frozen, micro, jax.random.fold_in(step_key, index),
-                                                           packing)
-        grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
+        (micro_loss, micro_metrics), micro_grads = grad_fn(state.params, grads if in_place else None, *micro_and_index)
+        grads = micro_grads if in_place else jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
         metrics = jax.tree.map(jnp.add, metrics, micro_metrics)
         return (grads, loss + micro_loss, metrics), None
 

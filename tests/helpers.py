@@ -193,8 +193,9 @@ _STEP_FUNCTIONS: dict = {}  # run_step's (mesh, optimizer, shardings, step, old 
 
 
 def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None, steps=1, kl_coef=0.0,
-             optimizer=None, tis_cap=None, behaviour_shift=0.0, on_policy=False, loss_options=(), **step_options):
-    """Params and metrics after `steps` steps of the tiny model on a (data, fsdp, tensor) mesh.
+             optimizer=None, tis_cap=None, behaviour_shift=0.0, on_policy=False, loss_options=(), remat="none",
+             **step_options):
+    """Params and metrics after `steps` steps of the tiny model (under `remat`) on a (data, fsdp, tensor) mesh.
 
     The first step's old log-probs come from one shared single-device computation (so only
     the train step compiles per mesh); later steps recompute them on the mesh. With the default optimizer the
@@ -224,7 +225,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     # shift and the step count are data), so runs that repeat a configuration share them: jax traces and lowers a
     # new jitted callable every time, even for the same program (~0.5 s a step on 2 cores).
     config_key = None if optimizer is not None else (
-        tuple(mesh_shape), micro_batches, aggregation, kl_coef, tis_cap, on_policy,
+        tuple(mesh_shape), micro_batches, aggregation, kl_coef, tis_cap, on_policy, remat,
         tuple(sorted(dict(loss_options).items())), tuple(sorted(step_options.items())))
     cached = _STEP_FUNCTIONS.get(config_key) if config_key is not None else None
     if cached is None:
@@ -233,7 +234,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
         optimizer = optimizer or optax.sgd(0.5)
     else:
         mesh, optimizer, shardings, step, old_logprobs = cached
-    model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), mesh)
+    model = shard_model(Transformer(dataclasses.replace(tiny_decoder_config(), remat=remat), rngs=nnx.Rngs(0)), mesh)
     graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
     if cached is None:
         loss = LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef, **dict(loss_options))

@@ -51,6 +51,14 @@ def test_update_is_invariant_to_mesh_and_micro_batches(reference, aggregation, m
     assert ref_history[0]["grad_norm"] > 0
 
 
+@pytest.mark.parametrize("mesh_shape, micro_batches", [((2, 2, 2), 2), ((1, 8, 1), 4)])
+def test_full_remat_sums_the_gradients_in_place_to_the_same_update(reference, mesh_shape, micro_batches):
+    """Under full remat the layer scan's backward adds into the running gradient sum (models/grad_sums.py)."""
+    state, history, _ = run_step(mesh_shape, micro_batches, remat="full")
+    assert_same(state.params, reference["fixed_budget"][0].params, "params")
+    np.testing.assert_allclose(history[0]["grad_norm"], reference["fixed_budget"][1][0]["grad_norm"], rtol=1e-5)
+
+
 @pytest.mark.slow  # the full cross product: 12 more compiles of the step (~1 min)
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), *MESHES])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4])
@@ -109,11 +117,12 @@ def test_empty_window_changes_nothing():
                np.issubdtype(np.asarray(x).dtype, np.integer)), "the optimizer's step count must not move"
 
 
-@pytest.mark.parametrize("mesh_shape, micro_batches", [((1, 1, 1), 1), ((2, 2, 2), 2)])
-def test_the_update_overwrites_the_donated_state_without_copying_it(mesh_shape, micro_batches):
+@pytest.mark.parametrize("mesh_shape, micro_batches, remat", [((1, 1, 1), 1, "none"), ((2, 2, 2), 2, "full")])
+def test_the_update_overwrites_the_donated_state_without_copying_it(mesh_shape, micro_batches, remat):
     """The params' update reads the old Adam moments; unless their overwrite is ordered after it, XLA copies every
     moment first (twice the params' bytes at the update: 56 GB for 7B)."""
-    state, _, step = run_step(mesh_shape, micro_batches, optimizer=make_optimizer(1e-2, total_steps=1)[0])
+    state, _, step = run_step(mesh_shape, micro_batches, optimizer=make_optimizer(1e-2, total_steps=1)[0],
+                              remat=remat)
     text = step.lower(state, make_step_batch()).compile().as_text()
     parameters = re.findall(r"^\s*%(\S+) = .* parameter\(\d+\)(.*)$", text, re.MULTILINE)  # (name, sharding, path)
     moments = [name for name, rest in parameters

@@ -26,9 +26,10 @@ from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
 from drgrpo_jax.models.gemm import dense
+from drgrpo_jax.models.grad_sums import scan_layers
 from drgrpo_jax.models.kv_cache import KVCache, attend_slots, bits, split_cache, stack_cache, unbits, write_slots
 from drgrpo_jax.models.params import Blocks, init_value
-from drgrpo_jax.models.remat import name_attention, name_projection, remat_block
+from drgrpo_jax.models.remat import name_attention, name_projection
 
 _F32 = jnp.float32
 
@@ -189,10 +190,12 @@ def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH
 
 
 def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
-                segment_ids_BT: jax.Array, lora_key: jax.Array | None = None) -> jax.Array:
+                segment_ids_BT: jax.Array, lora_key: jax.Array | None = None,
+                grad_sums: dict[str, jax.Array] | None = None) -> jax.Array:
     """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers.
 
     `lora_key` (training with adapter dropout): each layer draws its masks from its own fold of it.
+    `grad_sums` (remat `full`): float32 sums shaped like params that take their gradient (models/grad_sums.py).
 
     Attention by `config.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
     layers; the others derive visibility from positions and segment ids inside their kernels.
@@ -204,7 +207,7 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     layer_L = jnp.arange(config.num_layers)
 
     def block(x_BTD, layer):
-        p, sliding, index = layer
+        p, (sliding, index) = layer
         key = None if lora_key is None else jax.random.fold_in(lora_key, index)
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
@@ -215,11 +218,9 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
                 o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, config.compute_dtype)
             o_BTQH = name_attention(o_BTQH)
-        return _after_attention(config, p, x_BTD, o_BTQH, key=key), None
+        return _after_attention(config, p, x_BTD, o_BTQH, key=key)
 
-    block = remat_block(block, config.remat)
-    x_BTD, _ = jax.lax.scan(block, x_BTD, (params, sliding_L, layer_L))
-    return x_BTD
+    return scan_layers(block, x_BTD, params, (sliding_L, layer_L), config.remat, grad_sums)
 
 
 def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
@@ -302,15 +303,20 @@ class Transformer(nnx.Module):
         return x_BTD
 
     def hidden_states(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
-                      segment_ids_BT: jax.Array | None = None, lora_key: jax.Array | None = None) -> jax.Array:
-        """Final-normed hidden states [B, T, D] of a full (non-cached) forward (`lora_key`: adapter dropout)."""
+                      segment_ids_BT: jax.Array | None = None, lora_key: jax.Array | None = None,
+                      grad_sums: dict[str, jax.Array] | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, D] of a full (non-cached) forward (`lora_key`: adapter dropout).
+
+        `grad_sums`: float32 sums shaped like `blocks.arrays()` that take the layers' gradient in place of them
+        (remat `full`; models/grad_sums.py).
+        """
         B, T = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, segment_ids_BT,
-                            lora_key)
+                            lora_key, grad_sums)
         return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
 
     def unembed_DV(self) -> jax.Array:

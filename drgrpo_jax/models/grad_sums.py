@@ -1,0 +1,112 @@
+"""Gradients added into a running float32 sum where they are made, for accumulation over micro-batches.
+
+`sums + grad(micro_loss)(params)` holds a whole second gradient beside the sum: XLA writes the layer scan's
+backward into a fresh stacked buffer and adds it afterwards. Here the sum itself takes the gradient: a micro-batch
+returns `d/d(sums) = sums + d/d(params)`, and params get none (their gradient is in the sum).
+- `scan_layers` with `sums`: under `full` rematerialisation the backward reruns each layer anyway, so its
+  backward loop carries the sum and adds each layer's weight gradient into that layer's slice, in place;
+- `summing_into`: the same for weights outside the layer stack (embeddings, final norm), added once.
+It is Megatron's gradient-accumulation fusion for a scanned JAX model: one stacked gradient buffer, not two.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from drgrpo_jax.models.remat import normalise_remat, remat_block
+
+__all__ = ["into_sums", "scan_layers", "summing_into"]
+
+def into_sums(params: Any, sums: Any) -> tuple[Any, dict[str, jax.Array]]:
+    """(params whose gradient goes to `sums`, the layer stack's sums for `Transformer.hidden_states`).
+
+    params and sums: a Transformer's nnx.State and a float32 one like it. The layers' sums are added to in place
+    by the layer scan's backward; the other weights' (embeddings, final norm) by `summing_into`.
+    """
+
+    def outside_layers(path, param, sum_):
+        return param if path[0].key == "blocks" else summing_into(param, sum_)
+
+    return (jax.tree_util.tree_map_with_path(outside_layers, params, sums),
+            {name: sum_[...] for name, sum_ in sums["blocks"].items()})
+
+
+Block = Callable[[jax.Array, Any], jax.Array]  # (x, (params of one layer, its extras)) -> x
+
+
+def scan_layers(block: Block, x: jax.Array, params: dict[str, jax.Array], extras: Any, policy: bool | str,
+                sums: dict[str, jax.Array] | None = None) -> jax.Array:
+    """x after `block` of every layer: params (stacked arrays) and extras have the layer axis leading.
+
+    `sums` (float32, shaped like params; `policy` "full" only) takes the gradient in place of params (see above).
+    """
+    if sums is None:
+        block = remat_block(block, policy)
+        return jax.lax.scan(lambda x, layer: (block(x, layer), None), x, (params, extras))[0]
+    if normalise_remat(policy) != "full":
+        raise ValueError(f"scan_layers: summing gradients in place reruns each layer: remat 'full', not {policy!r}")
+    return _scan_into_sums(block, x, params, extras, sums)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan_into_sums(block, x, params, extras, sums):
+    del sums  # only the backward reads it
+    return _forward(block, x, params, extras)[0]
+
+
+def _forward(block, x, params, extras):
+    """(output, every layer's input): what full rematerialisation keeps."""
+    return jax.lax.scan(lambda x, layer: (block(x, layer), x), x, (params, extras))
+
+
+def _forward_keeping_inputs(block, x, params, extras, sums):
+    y, inputs = _forward(block, x, params, extras)
+    return y, (inputs, params, extras, sums)
+
+
+def _backward_into_sums(block, residuals, ct_y):
+    inputs, params, extras, sums = residuals
+
+    def layer_back(carry, layer):
+        ct, sums = carry
+        index, x, p, extra = layer
+        _, pullback = jax.vjp(lambda x, p: block(x, (p, extra)), x, p)  # reruns the layer
+        ct, ct_p = pullback(ct)
+        sums = {name: _add_at(sums[name], index, g) for name, g in ct_p.items()}
+        return (ct, sums), None
+
+    layers = (jnp.arange(inputs.shape[0]), inputs, params, extras)
+    (ct_x, sums), _ = jax.lax.scan(layer_back, (ct_y, sums), layers, reverse=True)
+    return ct_x, None, None, sums
+
+
+_scan_into_sums.defvjp(_forward_keeping_inputs, _backward_into_sums)
+
+
+def _add_at(sum_L: jax.Array, index: jax.Array, g: jax.Array) -> jax.Array:
+    """sum_L with g added to its slice `index` (an in-place update of the loop's carry)."""
+    current = jax.lax.dynamic_index_in_dim(sum_L, index, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(sum_L, current + g.astype(sum_L.dtype), index, 0)
+
+
+@jax.custom_vjp
+def summing_into(param: jax.Array, sum_: jax.Array) -> jax.Array:
+    """`param`, whose gradient goes to `sum_` (float32) as sum_ + d/d(param); param gets none."""
+    del sum_
+    return param
+
+
+def _identity_keeping_sum(param, sum_):
+    return param, sum_
+
+
+def _add_into_sum(sum_, ct):
+    return None, sum_ + ct.astype(sum_.dtype)
+
+
+summing_into.defvjp(_identity_keeping_sum, _add_into_sum)
