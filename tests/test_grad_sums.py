@@ -32,9 +32,11 @@ def _loss(graphdef, params, tokens_BT, weights_BTD, sums=None):
     return (hidden_BTD.astype(jnp.float32) * weights_BTD).sum() + jax.nn.logsumexp(logits_BTV, axis=-1).mean()
 
 
-@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
-def test_the_sums_take_the_params_gradient_added_to_them(dtype, rtol):
-    graphdef, params = _model(dtype)
+@pytest.mark.parametrize("dtype, rtol, tied", [(jnp.float32, 1e-6, False), (jnp.float32, 1e-6, True),
+                                               (jnp.bfloat16, 1e-2, False)])
+def test_the_sums_take_the_params_gradient_added_to_them(dtype, rtol, tied):
+    """Every weight's, the tied embedding's two uses (gather and unembedding) included."""
+    graphdef, params = _model(dtype, tie_word_embeddings=tied)
     rng = np.random.default_rng(0)
     tokens_BT = jnp.asarray(rng.integers(0, 64, (2, 9)), jnp.int32)
     weights_BTD = jnp.asarray(rng.normal(size=(2, 9, 32)), jnp.float32)
