@@ -160,8 +160,18 @@ def _row_key(record: dict) -> tuple[str, str]:
     return record["script"], " ".join(str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ()))
 
 
+def _commit_time(commit: str) -> int:
+    """When `commit` was made (0 if git does not know it)."""
+    found = subprocess.run(["git", "show", "-s", "--format=%ct", commit], cwd=ROOT, capture_output=True, text=True,
+                           check=False).stdout.strip()
+    return int(found) if found.isdigit() else 0
+
+
 def newest_records() -> dict[tuple[str, str], list[dict]]:
-    """(script, variant) -> its records of the code of its newest record, newest first (the others reproduce it)."""
+    """(script, variant) -> its records of the newest code that has one, newest first (the others reproduce it).
+
+    By code, then date: a record of older code taken later (the code before a change, measured beside it) does
+    not replace the row of the code after it."""
     by_row: dict[tuple[str, str], list[dict]] = {}
     for path in sorted(RESULTS.glob("*.json")):
         record = json.loads(path.read_text())
@@ -169,7 +179,7 @@ def newest_records() -> dict[tuple[str, str], list[dict]]:
         by_row.setdefault(_row_key(record), []).append(record)
     newest = {}
     for key, records in by_row.items():
-        records.sort(key=lambda r: r["date"], reverse=True)
+        records.sort(key=lambda r: (_commit_time(_code_commit(r["commit"])), r["date"]), reverse=True)
         code = _code_commit(records[0]["commit"])
         newest[key] = [r for r in records if _code_commit(r["commit"]) == code]
     return newest

@@ -42,14 +42,16 @@ def test_the_table_leads_with_the_same_run_ratio_and_cites_the_record(tmp_path, 
     monkeypatch.setattr(table, "ROOT", tmp_path)
     result = {"batch": "16x192", "jax_over_torch": 0.9, "jax_tokens_per_s": 124.0, "torch_tokens_per_s": 141.0,
               "jax_utilisation": 0.55, "matmul_peak_gflops": 190.0}
+    monkeypatch.setattr(table, "_commit_time", lambda commit: {"a": 200, "b": 100}[commit[0]])  # b is older code
     runs = [("2026-12-01T00:00:00+00:00", "a", 0.9), ("2026-11-30T00:00:00+00:00", "a", 0.8),
-            ("2026-11-01T00:00:00+00:00", "b", 5.0)]
+            ("2026-11-01T00:00:00+00:00", "b", 5.0),
+            ("2026-12-02T00:00:00+00:00", "b", 7.0)]  # the older code measured later, beside the newer
     for date, commit, ratio in runs:
         record = {"script": "train_step", "date": date, "commit": commit * 40, "dirty": False, "load_before": 0.2,
                   "load_after": 1.1, "machine": {"nproc": 2}, "results": [dict(result, jax_over_torch=ratio)]}
         (tmp_path / f"train_step-{date[:10]}.json").write_text(json.dumps(record))
     text = table.table(table.newest_records())
-    assert "**0.90x** torch: 124 vs 141 tok/s" in text and "5.00x" not in text  # the newest record wins
+    assert "**0.90x** torch: 124 vs 141 tok/s" in text and "5.00x" not in text and "7.00x" not in text  # newest code
     assert "ratio over 2 runs of this code: 0.80x-0.90x" in text  # its reproduction, not older code
     assert "2026-12-01" in text and "load 0.2 -> 1.1" in text
     readme = tmp_path / "README.md"
