@@ -6,13 +6,13 @@ T response positions (right-padded, T = the generation budget), S = U + T - 1 po
 
 `train_step(state, batch)` first takes the window's statistics (N_w, T_w; global over the
 mesh because the arrays are global), then scans over micro-batches, each computing the
-policy's log-probs with the model (chunked, never full float32 logits), the reference's
-when KL is on, and `loss_fn` with the window's statistics, accumulating gradients; then one
-optax update. The micro-batch shares sum to the window's loss, so the update depends neither
-on the number of micro-batches nor on the mesh. An empty window (T_w = 0) leaves parameters
-and optimizer state untouched, counts the step and sets `skipped`. With LoRA adapters
-(`TrainState.frozen` holds the base) the gradients, the optimizer state and the update cover the
-adapters alone, and the reference is the base with the adapters off. With `StepConfig.pack_rows` the model
+policy's log-probs with the model (chunked, never full float32 logits), the reference's when KL is on,
+and `loss_fn` with the window's statistics, accumulating gradients (under full remat the layer scan's
+backward adds into the sum in place: models/grad_sums.py); then one optax update. The micro-batch shares
+sum to the window's loss, so the update depends neither on the number of micro-batches nor on the mesh.
+An empty window (T_w = 0) leaves parameters and optimizer state untouched, counts the step and sets `skipped`.
+With LoRA adapters (`TrainState.frozen` holds the base) the gradients, the optimizer state and the update cover
+the adapters alone, and the reference is the base with the adapters off. With `StepConfig.pack_rows` the model
 runs on packed rows (drgrpo_jax/packing.py) and the log-probs come back to [N, T], so nothing else changes.
 `StepConfig` and the importance weights live in step_config.py, the optimizer in optimizer.py.
 """

@@ -108,6 +108,13 @@ def test_packed_update_equals_the_padded_one(reference, aggregation, mesh_shape,
 
 
 @pytest.mark.heavy
+def test_packed_full_remat_step_sums_in_place_to_the_padded_update(reference):
+    """Packed rows through the layer scan whose backward adds into the gradient sum (models/grad_sums.py)."""
+    state, _, _ = run_step((2, 2, 2), 2, remat="full", **packed((2, 2, 2), 2))
+    assert_same(state.params, reference["fixed_budget"][0].params, "params")
+
+
+@pytest.mark.heavy
 def test_packed_old_logprobs_equal_the_padded_ones():
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2), jax.devices()[:8])
     model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), mesh)
