@@ -22,11 +22,13 @@ from drgrpo_jax.models.remat import normalise_remat, remat_block
 
 __all__ = ["into_sums", "scan_layers", "summing_into"]
 
+
 def into_sums(params: Any, sums: Any) -> tuple[Any, dict[str, jax.Array]]:
     """(params whose gradient goes to `sums`, the layer stack's sums for `Transformer.hidden_states`).
 
     params and sums: a Transformer's nnx.State and a float32 one like it. The layers' sums are added to in place
-    by the layer scan's backward; the other weights' (embeddings, final norm) by `summing_into`.
+    by the layer scan's backward; the other weights' (embeddings, final norm) by `summing_into`. Differentiate
+    with respect to `sums`: a use of the original params elsewhere in the loss adds nothing to them.
     """
 
     def outside_layers(path, param, sum_):
