@@ -10,6 +10,7 @@ the record came from (date, commit, load). Records are written by `benchmarks/re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import subprocess
@@ -137,6 +138,7 @@ RATIOS: dict[str, tuple[str, str, str]] = {"train_step": ("ratio", "jax_over_tor
 CODE_PATHS = ("drgrpo_jax", "benchmarks", ":!benchmarks/results", "configs", "pyproject.toml")
 
 
+@functools.cache  # asked of every record by the sort and again by the grouping: one git call per commit
 def _code_commit(commit: str) -> str:
     """The last commit at or before `commit` that changed the code its figures depend on (itself if git cannot
     say): a record committed before its reproduction was taken, or a README edit between them, must not split the
@@ -160,6 +162,7 @@ def _row_key(record: dict) -> tuple[str, str]:
     return record["script"], " ".join(str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ()))
 
 
+@functools.cache
 def _commit_time(commit: str) -> int:
     """When `commit` was made (0 if git does not know it)."""
     found = subprocess.run(["git", "show", "-s", "--format=%ct", commit], cwd=ROOT, capture_output=True, text=True,
