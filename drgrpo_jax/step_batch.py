@@ -72,16 +72,18 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
     low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
     if low is not None and frozen is not None:
         frozen = matmul_weights_in(frozen, low)  # no gradient: one cast for every layer and micro-batch
-    layer_sums = None
+    layer_sums = unembed = None
     if grad_sums is not None:
-        params, layer_sums = into_sums(params, grad_sums)
+        params, layer_sums, unembed = into_sums(params, grad_sums, unembed_by_caller=True)
+    unembed_sum, sum_layout = unembed or (None, "DV")
     model = merge_model(graphdef, params, frozen)
     if low is not None:
         model.config = dataclasses.replace(model.config, compute_dtype=compute_dtype)
     hidden_NTD = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing,
                                   row_valid, layer_sums)
     return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
-                          final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low)
+                          final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low,
+                          unembed_sum=unembed_sum, sum_layout=sum_layout)
 
 
 def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid,

@@ -11,6 +11,7 @@ from flax import nnx
 
 from drgrpo_jax.models import Transformer
 from drgrpo_jax.models.grad_sums import into_sums, scan_layers, summing_into
+from drgrpo_jax.models.logprobs import token_logprobs
 
 from helpers import tiny_decoder_config
 
@@ -22,29 +23,38 @@ def _model(dtype, **options):
     return nnx.split(Transformer(config, rngs=nnx.Rngs(0), dtype=dtype), nnx.Param)
 
 
-def _loss(graphdef, params, tokens_BT, weights_BTD, sums=None):
-    layer_sums = None
+def _loss(graphdef, params, tokens_BT, weights_BTD, sums=None, unembed_by_caller=False):
+    layer_sums = unembed = None
     if sums is not None:
-        params, layer_sums = into_sums(params, sums)
+        params, layer_sums, unembed = into_sums(params, sums, unembed_by_caller=unembed_by_caller)
     model = nnx.merge(graphdef, params)
     hidden_BTD = model.hidden_states(tokens_BT, grad_sums=layer_sums)
+    weighted = (hidden_BTD.astype(jnp.float32) * weights_BTD).sum()
+    if unembed_by_caller:  # the trainer's way: the chunked log-probs add the table's gradient into its sum
+        sum_, layout = unembed if unembed is not None else (None, "DV")
+        logprobs_BT, _ = token_logprobs(hidden_BTD, model.unembed_DV(), tokens_BT, chunk_size=4, unembed_sum=sum_,
+                                        sum_layout=layout)
+        return weighted + logprobs_BT.mean()
     logits_BTV = model.logits_from_hidden(hidden_BTD)  # reads the (tied) embedding a second time
-    return (hidden_BTD.astype(jnp.float32) * weights_BTD).sum() + jax.nn.logsumexp(logits_BTV, axis=-1).mean()
+    return weighted + jax.nn.logsumexp(logits_BTV, axis=-1).mean()
 
 
-@pytest.mark.parametrize("dtype, rtol, tied", [(jnp.float32, 1e-6, False), (jnp.float32, 1e-6, True),
-                                               (jnp.bfloat16, 1e-2, False)])
-def test_the_sums_take_the_params_gradient_added_to_them(dtype, rtol, tied):
-    """Every weight's, the tied embedding's two uses (gather and unembedding) included."""
+@pytest.mark.parametrize("dtype, rtol, tied, unembed_by_caller", [
+    (jnp.float32, 1e-6, False, False), (jnp.float32, 1e-6, True, False), (jnp.bfloat16, 1e-2, False, False),
+    (jnp.float32, 1e-6, True, True), (jnp.float32, 1e-6, False, True)])
+def test_the_sums_take_the_params_gradient_added_to_them(dtype, rtol, tied, unembed_by_caller):
+    """Every weight's, the tied embedding's two uses (gather and unembedding) included, also when the unembedding
+    adds into its sum itself (`token_logprobs(unembed_sum=...)`)."""
     graphdef, params = _model(dtype, tie_word_embeddings=tied)
     rng = np.random.default_rng(0)
     tokens_BT = jnp.asarray(rng.integers(0, 64, (2, 9)), jnp.int32)
     weights_BTD = jnp.asarray(rng.normal(size=(2, 9, 32)), jnp.float32)
     sums = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
 
-    expected = jax.jit(jax.grad(_loss, argnums=1), static_argnums=0)(graphdef, params, tokens_BT, weights_BTD)
-    to_params, to_sums = jax.jit(jax.grad(_loss, argnums=(1, 4)), static_argnums=0)(
-        graphdef, params, tokens_BT, weights_BTD, sums)
+    expected = jax.jit(jax.grad(_loss, argnums=1), static_argnums=(0, 5))(
+        graphdef, params, tokens_BT, weights_BTD, None, unembed_by_caller)
+    to_params, to_sums = jax.jit(jax.grad(_loss, argnums=(1, 4)), static_argnums=(0, 5))(
+        graphdef, params, tokens_BT, weights_BTD, sums, unembed_by_caller)
 
     paths_and_got = jax.tree_util.tree_flatten_with_path(to_sums)[0]
     for (path, got), s, g in zip(paths_and_got, jax.tree.leaves(sums), jax.tree.leaves(expected), strict=True):

@@ -56,6 +56,30 @@ def test_gradients_match_naive():
         np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout, compute_dtype, tol", [("DV", None, 1e-5), ("VD", None, 1e-5),
+                                                        ("VD", jnp.bfloat16, 2e-2)])
+def test_unembed_sum_takes_the_table_gradient_added_to_it(layout, compute_dtype, tol):
+    """d/d(sum) = sum + d/d(table) in the sum's layout (a tied embedding's [V, D] or lm_head's [D, V]); the
+    values and the hidden states' gradient as without the sum."""
+    hidden, unembed, targets = _inputs()
+    weights = jax.random.normal(jax.random.key(1), targets.shape)
+    sum_ = jax.random.normal(jax.random.key(2), unembed.shape if layout == "DV" else unembed.T.shape)
+
+    def objective(hidden, unembed, sum_=None):
+        logprobs, entropy = token_logprobs(hidden, unembed, targets, temperature=0.8, chunk_size=8,
+                                           compute_dtype=compute_dtype, unembed_sum=sum_, sum_layout=layout)
+        return jnp.sum(weights * logprobs) + 0.1 * jnp.sum(entropy)
+
+    want_value, (want_dhidden, want_dunembed) = jax.value_and_grad(objective, argnums=(0, 1))(hidden, unembed)
+    value, (dhidden, dunembed, dsum) = jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2)))(
+        hidden, unembed, sum_)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    np.testing.assert_allclose(dhidden, want_dhidden, atol=tol, rtol=tol)
+    np.testing.assert_array_equal(dunembed, 0)  # its gradient went to the sum
+    want_dsum = sum_ + (want_dunembed if layout == "DV" else want_dunembed.T)
+    np.testing.assert_allclose(dsum, want_dsum, atol=tol, rtol=tol)
+
+
 def test_chunked_backward_never_holds_full_logits():
     B, T, D, V = 4, 256, 32, 4096
     hidden, unembed, targets = _inputs(B, T, D, V)

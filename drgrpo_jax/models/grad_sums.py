@@ -5,7 +5,9 @@ backward into a fresh stacked buffer and adds it afterwards. Here the sum itself
 returns `d/d(sums) = sums + d/d(params)`, and params get none (their gradient is in the sum).
 - `scan_layers` with `sums`: under `full` rematerialisation the backward reruns each layer anyway, so its
   backward loop carries the sum and adds each layer's weight gradient into that layer's slice, in place;
-- `summing_into`: the same for weights outside the layer stack (embeddings, final norm), added once.
+- `summing_into`: the same for weights outside the layer stack (embeddings, final norm), added once;
+- `token_logprobs(unembed_sum=...)` (models/logprobs.py): the output table's gradient added chunk by chunk into
+  its sum, the backward's carry, rather than summed over chunks apart and then added.
 It is Megatron's gradient-accumulation fusion for a scanned JAX model: one stacked gradient buffer, not two.
 """
 
@@ -20,22 +22,36 @@ import jax.numpy as jnp
 
 from drgrpo_jax.models.remat import normalise_remat, remat_block
 
-__all__ = ["into_sums", "scan_layers", "summing_into"]
+__all__ = ["gradient_to", "into_sums", "scan_layers", "summing_into"]
 
 
-def into_sums(params: Any, sums: Any) -> tuple[Any, dict[str, jax.Array]]:
-    """(params whose gradient goes to `sums`, the layer stack's sums for `Transformer.hidden_states`).
+def into_sums(params: Any, sums: Any, *, unembed_by_caller: bool = False
+              ) -> tuple[Any, dict[str, jax.Array], tuple[jax.Array, str] | None]:
+    """(params whose gradient goes to `sums`, the layer stack's sums for `Transformer.hidden_states`, the
+    unembedding's sum and layout or None).
 
     params and sums: a Transformer's nnx.State and a float32 one like it. The layers' sums are added to in place
     by the layer scan's backward; the other weights' (embeddings, final norm) by `summing_into`. Differentiate
     with respect to `sums`: a use of the original params elsewhere in the loss adds nothing to them.
+    `unembed_by_caller`: the output table's sum is returned, (sum, "VD") for a tied embedding or (sum, "DV") for
+    lm_head, for `token_logprobs(unembed_sum=...)` to add into chunk by chunk; the table's other uses (a tied
+    embedding's gather) then send it their gradient alone (`gradient_to`), and it must be used that way once.
     """
+    tied = "lm_head" not in params
 
     def outside_layers(path, param, sum_):
-        return param if path[0].key == "blocks" else summing_into(param, sum_)
+        name = path[0].key
+        if name == "blocks":
+            return param
+        if unembed_by_caller and name == ("embed" if tied else "lm_head"):
+            return gradient_to(param, sum_) if tied else param
+        return summing_into(param, sum_)
 
+    unembed = None
+    if unembed_by_caller:
+        unembed = (sums["embed"][...], "VD") if tied else (sums["lm_head"][...], "DV")
     return (jax.tree_util.tree_map_with_path(outside_layers, params, sums),
-            {name: sum_[...] for name, sum_ in sums["blocks"].items()})
+            {name: sum_[...] for name, sum_ in sums["blocks"].items()}, unembed)
 
 
 Block = Callable[[jax.Array, Any], jax.Array]  # (x, (params of one layer, its extras)) -> x
@@ -112,3 +128,18 @@ def _add_into_sum(sum_, ct):
 
 
 summing_into.defvjp(_identity_keeping_sum, _add_into_sum)
+
+
+@jax.custom_vjp
+def gradient_to(param: jax.Array, sum_: jax.Array) -> jax.Array:
+    """`param`, whose gradient goes to `sum_` as it is (d/d(sum_) = d/d(param), no sum_ added: another use of sum_
+    adds it once, e.g. `token_logprobs(unembed_sum=sum_)`); param gets none."""
+    del sum_
+    return param
+
+
+def _pass_to_sum(sum_, ct):
+    return None, ct.astype(sum_.dtype)
+
+
+gradient_to.defvjp(_identity_keeping_sum, _pass_to_sum)

@@ -66,13 +66,17 @@ def _chunk_stats(logits_WV: jax.Array, targets_W: jax.Array, temperature: float,
 def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
                    temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                    final_logit_softcap: float | None = None,
-                   compute_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
+                   compute_dtype: jnp.dtype | None = None,
+                   unembed_sum: jax.Array | None = None, sum_layout: str = "DV") -> tuple[jax.Array, jax.Array]:
     """float32 (log-prob of each target, entropy of each position's distribution), both [B, T].
 
     Logits are soft-capped (if the model does), then divided by temperature, as the sampler does.
     `compute_dtype` (e.g. bfloat16): the vocabulary GEMM and its backward's two run in it accumulating in
     float32 (`_vocab_logits`: the float32 logits' cotangent is rounded to it, as torch.autocast does), and the
     unembedding's gradient sums over chunks in its own dtype; logits and softmax stay float32.
+    `unembed_sum` (float32, `sum_layout` "DV" like unembed_DV or "VD" like a tied embedding): the table's gradient
+    goes there instead, added chunk by chunk in place (`d/d(unembed_sum) = unembed_sum + d/d(unembed_DV)`, none for
+    unembed_DV; models/grad_sums.py), so no [D, V] gradient exists beside the sum.
     """
     if not chunk_size > 0:
         raise ValueError(f"chunk_size: must be a positive int, got {chunk_size}")
@@ -86,6 +90,15 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
     if pad:  # padded tokens are computed and dropped; their cotangent is zero
         hidden_MD = jnp.concatenate([hidden_MD, jnp.zeros((pad, D), hidden_MD.dtype)])
         targets_M = jnp.concatenate([targets_M, jnp.zeros((pad,), jnp.int32)])
+
+    if unembed_sum is not None:
+        stats = functools.partial(_chunk_stats, temperature=temperature, final_logit_softcap=final_logit_softcap)
+        if sum_layout not in ("DV", "VD"):
+            raise ValueError(f"sum_layout: 'DV' or 'VD', got {sum_layout!r}")
+        logprobs_JW, entropy_JW = _logprobs_into_sum(stats, compute_dtype, sum_layout == "VD",
+                                                     hidden_MD.reshape(J, W, D), unembed_DV, targets_M.reshape(J, W),
+                                                     unembed_sum)
+        return logprobs_JW.reshape(-1)[:M].reshape(B, T), entropy_JW.reshape(-1)[:M].reshape(B, T)
 
     # Mixed precision: the table is cast once, outside the chunk loop, as [V, D] (a tied embedding's own
     # layout); cast per chunk, XLA transposed it every time, 0.1-0.15 s a chunk at SmolLM2's 256 x 49152.
@@ -102,6 +115,57 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
 
     logprobs_JW, entropy_JW = jax.lax.map(one_chunk, (hidden_MD.reshape(J, W, D), targets_M.reshape(J, W)))
     return logprobs_JW.reshape(-1)[:M].reshape(B, T), entropy_JW.reshape(-1)[:M].reshape(B, T)
+
+
+def _chunk_logits(hidden_WD, table_VD, low):
+    """float32 logits [W, V] of one chunk: hidden @ table^T, in `low` (None: float32) accumulating in float32."""
+    if low is None:
+        return jnp.einsum("wd,vd->wv", hidden_WD, table_VD, preferred_element_type=_F32)
+    return mm_nt(hidden_WD.astype(low), table_VD)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _logprobs_into_sum(stats, low, sum_is_VD, hidden_JWD, unembed_DV, targets_JW, unembed_sum):
+    """(log-probs, entropies) [J, W] of every chunk; the backward adds the table's gradient into unembed_sum."""
+    table_VD = _table(unembed_DV, low)
+    return jax.lax.map(lambda c: stats(_chunk_logits(c[0], table_VD, low), c[1]), (hidden_JWD, targets_JW))
+
+
+def _table(unembed_DV, low):
+    """The table as [V, D] (a tied embedding's own layout, read in place by both GEMMs), in `low` if set."""
+    return unembed_DV.T if low is None else row_major(unembed_DV.T.astype(low))
+
+
+def _logprobs_into_sum_fwd(stats, low, sum_is_VD, hidden_JWD, unembed_DV, targets_JW, unembed_sum):
+    table_VD = _table(unembed_DV, low)
+    out = jax.lax.map(lambda c: stats(_chunk_logits(c[0], table_VD, low), c[1]), (hidden_JWD, targets_JW))
+    return out, (hidden_JWD, table_VD, targets_JW, unembed_sum)
+
+
+def _logprobs_into_sum_bwd(stats, low, sum_is_VD, residuals, cts):
+    """Each chunk's logits recomputed, its hidden states' cotangent stacked and its table gradient added to the
+    sum, the loop's carry: one [V, D] GEMM result at a time beside it."""
+    hidden_JWD, table_VD, targets_JW, sum_ = residuals
+
+    def chunk_back(sum_, chunk):
+        hidden_WD, targets_W, ct_logprobs_W, ct_entropy_W = chunk
+        _, pullback = jax.vjp(lambda logits: stats(logits, targets_W), _chunk_logits(hidden_WD, table_VD, low))
+        (dlogits_WV,) = pullback((ct_logprobs_W, ct_entropy_W))
+        if low is None:
+            dhidden_WD = jnp.einsum("wv,vd->wd", dlogits_WV, table_VD, preferred_element_type=_F32)
+            dtable = (jnp.einsum("wv,wd->vd", dlogits_WV, hidden_WD, preferred_element_type=_F32) if sum_is_VD
+                      else jnp.einsum("wd,wv->dv", hidden_WD, dlogits_WV, preferred_element_type=_F32))
+        else:  # the logits' cotangent rounded to the compute dtype, as torch.autocast does
+            dlogits_WV, low_hidden_WD = dlogits_WV.astype(low), hidden_WD.astype(low)
+            dhidden_WD = mm(dlogits_WV, table_VD)
+            dtable = mm_tn(dlogits_WV, low_hidden_WD) if sum_is_VD else mm_tn(low_hidden_WD, dlogits_WV)
+        return sum_ + dtable.astype(sum_.dtype), dhidden_WD.astype(hidden_WD.dtype)
+
+    sum_, dhidden_JWD = jax.lax.scan(chunk_back, sum_, (hidden_JWD, targets_JW, *cts))
+    return dhidden_JWD, None, None, sum_
+
+
+_logprobs_into_sum.defvjp(_logprobs_into_sum_fwd, _logprobs_into_sum_bwd)
 
 
 def naive_token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax.Array, *,
