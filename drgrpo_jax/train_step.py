@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
-from drgrpo_jax.optimizer import in_float32, make_optimizer
+from drgrpo_jax.optimizer import AdamW, in_float32, make_optimizer
 from drgrpo_jax.packing import PackSpec
 from drgrpo_jax.sharding import place
 from drgrpo_jax.step_batch import (
@@ -195,11 +195,14 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         skipped = skipped | (metrics["pack_overflow"] > 0)
 
     # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.tree.where(skipped, state.params, optax.apply_updates(state.params, updates))
-    # The donated state is overwritten in place and the params' update reads the old moments: a flag read from the
-    # new params orders the moments' overwrite after that read, else XLA first copies every moment (2x params).
-    opt_state = optax.tree.where(skipped | _false_after(params), state.opt_state, opt_state)
+    if isinstance(optimizer, AdamW):  # in place: no moment held twice (optimizer.py)
+        params, opt_state = optimizer.update_or_keep(grads, state.opt_state, state.params, skipped)
+    else:
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.tree.where(skipped, state.params, optax.apply_updates(state.params, updates))
+        # The donated state is overwritten in place and the params' update reads the old moments: a flag read from
+        # the new params orders the moments' overwrite after that read, else XLA first copies every moment.
+        opt_state = optax.tree.where(skipped | _false_after(params), state.opt_state, opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
     metrics.update(
         loss=loss,
