@@ -32,6 +32,25 @@ def test_step_seeds_depend_on_seed_step_and_purpose_only():
     assert len({step_seed(0, 3, 0), step_seed(1, 3, 0), step_seed(0, 4, 0), step_seed(0, 3, 1)}) == 4
 
 
+def test_compile_memory_goes_back_to_the_os_only_while_training(monkeypatch):
+    import jax
+
+    from drgrpo_jax import train
+
+    calls = []
+    monkeypatch.setattr(train, "return_freed_memory", lambda: calls.append(1))
+    fresh = float(time.time_ns() % 999_983)  # a constant of its own: a program no compile cache holds
+
+    def compile_one(offset):
+        jax.jit(lambda x: x * fresh + offset).lower(np.float32(0)).compile()
+
+    with train.returning_compile_memory():
+        compile_one(1.0)
+    assert calls == [1]
+    compile_one(2.0)
+    assert calls == [1]
+
+
 def test_correctness_uses_the_correctness_component_else_a_positive_reward():
     components = np.array([[1.0, 0.0], [0.0, 1.0], [0.5, 1.0]], np.float32)
     np.testing.assert_array_equal(correct_mask(("math_verify", "format"), components), [True, False, False])
