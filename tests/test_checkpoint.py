@@ -128,3 +128,25 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path):
         assert checkpointer.save(2, {"w": jnp.full((4,), 2.0)}, {"data_position": 2})
         assert checkpointer.all_steps() == [1, 2]
     assert not any("tmp" in name for name in os.listdir(directory))
+
+
+def test_a_compressed_checkpoint_of_an_earlier_version_restores(tmp_path):
+    """Earlier versions saved the state with orbax's StandardSave (zstd); this one writes it uncompressed."""
+    import orbax.checkpoint as ocp
+
+    state = {"w": jnp.arange(12.0).reshape(3, 4), "moments": {"mu": jnp.ones(5, jnp.bfloat16)}, "step": jnp.int32(7)}
+    earlier = ocp.CheckpointManager(str(tmp_path), options=ocp.CheckpointManagerOptions(create=True),
+                                    item_names=("state", "host"))
+    earlier.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave({"step": 3})))
+    earlier.wait_until_finished()
+    earlier.close()
+
+    checkpointer = Checkpointer(tmp_path, save_every=1, keep=2)
+    restored = checkpointer.restore_latest(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+    assert restored is not None and restored.step == 3 and restored.host == {"step": 3}
+    for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    checkpointer.save(4, restored.state, {"step": 4})  # and saves on into the same folder
+    checkpointer.close()
+    assert Checkpointer(tmp_path, save_every=1, keep=2).all_steps() == [3, 4]
