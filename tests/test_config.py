@@ -361,7 +361,7 @@ def test_auto_compute_dtype_is_bfloat16_where_the_hardware_multiplies_it_fast():
     assert [resolve_compute_dtype("auto", "float32", d) for d in (tpu, a100, v100)] == \
         ["bfloat16", "bfloat16", "float32"]
     assert [resolve_compute_dtype("auto", "float32", cpu, flags) for flags in (amx, zen4, avx2)] == \
-        ["bfloat16", "float32", "float32"]
+        ["bfloat16", "bfloat16", "float32"]
     assert resolve_compute_dtype("bfloat16", "float32", cpu, avx2) == "bfloat16"  # asked for: given on any device
     assert resolve_compute_dtype("float32", "float32", tpu) == "float32"  # float32 is one override away
     assert resolve_compute_dtype("auto", "bfloat16", v100) == "bfloat16"  # bfloat16 params: nothing to cast

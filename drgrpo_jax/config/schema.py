@@ -77,7 +77,7 @@ class ModelConfig:
     compute_dtype: Literal["auto", "float32", "bfloat16"] = _f(
         "auto", "dtype of the GEMMs in the train step and the trainer's own generation service (float32 "
                    "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
-                   "TPUs, Ampere+ GPUs and CPUs with AMX-BF16, float32 elsewhere")
+                   "TPUs, Ampere+ GPUs and CPUs with AMX-BF16 or AVX512-BF16, float32 elsewhere")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: str = _f(
         "auto", "what each decoder layer keeps for the backward pass: none, dots_saveable, save_attention_out or full "

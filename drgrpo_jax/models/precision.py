@@ -11,11 +11,11 @@ With LoRA the float32 adapters compute the same way (gradients and Adam stay on 
 frozen base is cast once up front (`matmul_weights_in`: it has no gradient), unless model.lora.base_dtype
 already stores it in bfloat16 or as int8 (dequantised per layer in bfloat16).
 
-`"auto"` picks bfloat16 where the hardware multiplies it fast: TPUs, NVIDIA from Ampere on, and CPUs with
-AMX-BF16 tiles (a 2-core Xeon, 2026-12-01 records: the SmolLM2 train step at 2.1-2.2x float32's tokens/s, the
-RL step 2.0x). Other CPUs get float32, including those with only AVX512-BF16 dot instructions (a Zen 4 measured
-bfloat16 no faster); `model.compute_dtype=float32` or `bfloat16` overrides it anywhere. `native_bfloat16` says
-what a CPU has.
+`"auto"` picks bfloat16 where the hardware multiplies it natively (`native_bfloat16`): TPUs, NVIDIA from
+Ampere on, and x86 CPUs with bfloat16 dot instructions (AMX-BF16 or AVX512-BF16). On 2-core VMs of both CPU
+kinds bfloat16 ran the SmolLM2 train step at 1.7x (Zen 4, AVX512-BF16, 2026-12-02) to 2.1-2.2x (Xeon, AMX,
+2026-12-01) float32's tokens/s, and the sampler at 1.8x (Zen 4). Other CPUs get float32;
+`model.compute_dtype=float32` or `bfloat16` overrides it anywhere.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from drgrpo_jax.models.quant import SCALE_SUFFIX
 ComputeDtype = Literal["float32", "bfloat16"]
 COMPUTE_DTYPES: dict[str, jnp.dtype] = {"float32": jnp.dtype(jnp.float32), "bfloat16": jnp.dtype(jnp.bfloat16)}
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 bfloat16 dot-product instructions
-_CPU_FAST_BF16_FLAG = "amx_bf16"  # the one of them that made bfloat16 GEMMs beat float32 in our records
 
 
 # Names of the decoder's GEMM operands: projection weights, int8 weights' scales (bfloat16-exact, models/quant.py:
@@ -83,17 +82,13 @@ def resolve_compute_dtype(setting: str, param_dtype: str, device: jax.Device,
                           cpu_flags: frozenset[str] | None = None) -> ComputeDtype:
     """`setting` ("auto", "float32", "bfloat16") made concrete for `device` and parameters of `param_dtype`.
 
-    bfloat16 parameters always compute in bfloat16 (there is nothing to cast); "auto" is bfloat16 on a TPU,
-    on a GPU with `native_bfloat16` and on a CPU with AMX-BF16, float32 elsewhere (why: the module's docstring).
+    bfloat16 parameters always compute in bfloat16 (there is nothing to cast); "auto" is bfloat16 where
+    `native_bfloat16(device)`, float32 elsewhere.
     """
     if param_dtype == "bfloat16":
         return "bfloat16"
     if setting == "auto":
-        if device.platform == "cpu":
-            fast = _CPU_FAST_BF16_FLAG in (_cpu_flags() if cpu_flags is None else cpu_flags)
-        else:
-            fast = native_bfloat16(device)
-        return "bfloat16" if fast else "float32"
+        return "bfloat16" if native_bfloat16(device, cpu_flags) else "float32"
     if setting not in COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype: unknown {setting!r}; choose auto, float32 or bfloat16")
     return setting  # type: ignore[return-value]  # checked just above
