@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def choose_remat(by_policy: dict[str, int], budget: int) -> str:
     return next((policy for policy in REMAT_POLICIES if by_policy[policy] <= budget), "full")
 
 
-def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = 256) -> int:
+def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = DEFAULT_CHUNK_SIZE) -> int:
     """One chunk's float32 logits, probabilities and their gradient on one device."""
     tokens = min(chunk, rows_per_device(config) * config.rollout.max_new_tokens)
     return 3 * tokens * (model.vocab_size // config.mesh.tensor) * 4

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
 from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype
 
 __all__ = ["ImportanceLevel", "StepConfig", "importance_weights"]
@@ -32,7 +33,7 @@ class StepConfig:
     tis_level: ImportanceLevel = "token"  # tis_cap's and mis_high's ratio: per token or per response
     mis_high: float | None = None  # masked importance sampling: weight 0 above this ratio (>= 1), else the ratio
     mis_low: float = 0.0  # masked importance sampling: weight 0 below this ratio too, in [0, 1]
-    logprob_chunk: int = 256  # tokens per chunk of the vocabulary projection
+    logprob_chunk: int = DEFAULT_CHUNK_SIZE  # tokens per chunk of the vocabulary projection
     # The rollout gets exactly one optimizer window (one epoch, one minibatch): the old policy IS the current
     # one, so its log-probs are this forward's with the gradient stopped and the batch's old_logprobs are unused.
     on_policy: bool = False

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from drgrpo_jax.models.gemm import mm, mm_nt, mm_tn, row_major
 
 _F32 = jnp.float32
-DEFAULT_CHUNK_SIZE = 256  # Gemma 3 (V = 262,144): 256 x V float32 = 268 MB per chunk
+DEFAULT_CHUNK_SIZE = 128  # Gemma 3 (V = 262,144): 128 x V float32 = 134 MB per chunk
 
 
 def _vocab_logits(hidden_WD: jax.Array, unembed_DV: jax.Array, low_VD: jax.Array) -> jax.Array:
