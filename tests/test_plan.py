@@ -263,7 +263,15 @@ def test_the_trainer_resolves_auto_on_its_own_device():
     config = load_config(None, ["model.path=tiny"])
     assert config.model.remat == "auto"
     assert plan.device_memory_bytes(jax.devices()[0]) > 2**30
-    assert plan.auto_remat(config, tiny, jax.devices()[0]) == plan.CPU_AUTO_REMAT == "full"  # on a CPU, whatever fits
+    # Rows under CPU_KEEP_ATTENTION_FROM tokens on a CPU: full, whatever fits.
+    assert plan.auto_remat(config, tiny, jax.devices()[0]) == plan.CPU_AUTO_REMAT == "full"
     assert plan.resolve_remat(config, {"none": 1, "full": 1}, budget=2**40, backend="gpu") == "none"  # all fits
+    # From 2048 tokens a row a CPU keeps the attention output where it fits (not the reference's: no gain).
+    long = ["model.path=tiny", "rollout.max_prompt_tokens=256", "rollout.max_new_tokens=1793"]
+    by_policy = {"save_attention_out": 2, "full": 1}
+    assert plan.resolve_remat(load_config(None, long), by_policy, budget=2) == "save_attention_out"
+    assert plan.resolve_remat(load_config(None, long), by_policy, budget=1) == "full"
+    assert plan.resolve_remat(load_config(None, [*long[:2], "rollout.max_new_tokens=1792"]), by_policy, 2) == "full"
+    assert plan.resolve_remat(load_config(None, [*long, "model.attention_impl=reference"]), by_policy, 2) == "full"
     fixed = load_config(None, ["model.path=tiny", "model.remat=true"])
     assert plan.resolve_remat(fixed, {}, budget=0) == "full"  # a set policy is kept whatever the budget

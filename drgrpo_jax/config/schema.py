@@ -82,8 +82,8 @@ class ModelConfig:
     remat: str = _f(
         "auto", "what each decoder layer keeps for the backward pass: none, dots_saveable, save_attention_out or full "
                 "(most memory and least recomputation first; models/remat.py); true/false = full/none; auto = the "
-                "first that fits the device, full on a CPU (as fast there, half the memory; python -m "
-                "drgrpo_jax.plan shows each policy's activations)")
+                "first that fits the device; on a CPU full (as fast there, half the memory), save_attention_out "
+                "from 2048 tokens a row where it fits (python -m drgrpo_jax.plan shows each policy's activations)")
     attention_impl: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = _f(
         "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
                 "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
