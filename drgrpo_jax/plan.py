@@ -98,8 +98,9 @@ def device_backend(device: DeviceSpec | None) -> str:
 # train_step-20261201T104758Z.json and -104918Z.json, the quickstart's micro-batch, remat none vs full: 238 vs
 # 244 tok/s, 7.6 vs 3.5 GB. So auto takes full on a CPU, except from CPU_KEEP_ATTENTION_FROM tokens a row, where
 # rerunning the attention's forward (quadratic) starts to cost more than keeping its output: save_attention_out
-# made the bf16 step at 2x2048 and 1x8192 16% and 23% faster for 0.5 and 1.0 GB more (long_context-*.json);
-# at 8x512 and 4x1024 it was as fast as full (unrecorded train_step.py pairs) for 0.54 GB more XLA temp.
+# made the bf16 step at 2x2048 and 1x8192 16% and 23% faster for 0.6 and 1.1 GB more peak RSS; at 8x512 and
+# 4x1024 it was as fast as full for 0.54 GB more XLA temp (unrecorded long_context.py / train_step.py pairs,
+# Zen 4, 2026-12-02; long_context-20261202T182039Z.json is the step with it).
 CPU_AUTO_REMAT = "full"
 CPU_LONG_AUTO_REMAT = "save_attention_out"
 CPU_KEEP_ATTENTION_FROM = 2048

@@ -86,7 +86,8 @@ def _quickstart(r: dict) -> tuple[str, str]:
 
 
 def _long_context(r: dict) -> tuple[str, str]:
-    what = "SmolLM2 long context: train step (blockwise + remat) vs torch, peak RSS; sampler vs transformers"
+    what = (f"SmolLM2 long context: train step ({r.get('train_dtype', 'float32')}, blockwise + remat) vs torch, "
+            "peak RSS; sampler vs transformers")
     parts = []
     for entry in r.get("train", []):
         ours, theirs = entry["ours"], entry["torch"]
@@ -149,7 +150,7 @@ def _code_commit(commit: str) -> str:
 
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
-VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches")}
+VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches"), "long_context": ("train_dtype",)}
 
 
 def _row_key(record: dict) -> tuple[str, str]:
