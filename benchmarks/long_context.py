@@ -143,12 +143,10 @@ def export_model(folder: str) -> None:
 
 def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     """Both sides of one ROWSxLENGTH training step, and ours over theirs."""
-    from drgrpo_jax.plan import CPU_AUTO_REMAT, CPU_KEEP_ATTENTION_FROM, CPU_LONG_AUTO_REMAT
+    from drgrpo_jax.plan import cpu_auto_remat
 
     rows, length = (int(x) for x in shape.split("x"))
-    remat = args.remat
-    if remat == "auto":
-        remat = CPU_LONG_AUTO_REMAT if length >= CPU_KEEP_ATTENTION_FROM else CPU_AUTO_REMAT
+    remat = cpu_auto_remat(length) if args.remat == "auto" else args.remat
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,
             "remat": remat}
     ours, torch = run_worker("train_ours", spec, args.timeout), run_worker("train_torch", spec, args.timeout)

@@ -106,20 +106,24 @@ CPU_LONG_AUTO_REMAT = "save_attention_out"
 CPU_KEEP_ATTENTION_FROM = 2048
 
 
+def cpu_auto_remat(seq_len: int, attention_impl: str = "auto") -> str:
+    """The policy auto prefers on a CPU for rows of `seq_len` tokens (before asking whether it fits)."""
+    keep = seq_len >= CPU_KEEP_ATTENTION_FROM and attention_impl != "reference"
+    return CPU_LONG_AUTO_REMAT if keep else CPU_AUTO_REMAT
+
+
 def resolve_remat(config: Config, by_policy: dict[str, int], budget: int | None, backend: str = "cpu") -> str:
     """model.remat made concrete: a policy as set; for auto on a known device (`budget` bytes; None: no device, so
-    none) on a CPU CPU_AUTO_REMAT, or CPU_LONG_AUTO_REMAT for long rows where it fits; elsewhere the first
-    policy whose activations fit `budget`."""
+    none) on a CPU `cpu_auto_remat`'s pick where it fits, else CPU_AUTO_REMAT; elsewhere the first policy whose
+    activations fit `budget`."""
     if config.model.remat != "auto":
         return config.model.remat
     if budget is None:
         return "none"
     if backend != "cpu":
         return choose_remat(by_policy, budget)
-    long_rows = model_call(config)[1] >= CPU_KEEP_ATTENTION_FROM
-    if long_rows and config.model.attention_impl != "reference" and by_policy[CPU_LONG_AUTO_REMAT] <= budget:
-        return CPU_LONG_AUTO_REMAT
-    return CPU_AUTO_REMAT
+    preferred = cpu_auto_remat(model_call(config)[1], config.model.attention_impl)
+    return preferred if by_policy[preferred] <= budget else CPU_AUTO_REMAT
 
 
 def device_memory_bytes(device: Any) -> int:
