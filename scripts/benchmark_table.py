@@ -153,14 +153,28 @@ def _code_commit(commit: str) -> str:
 VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches"), "long_context": ("train_dtype",)}
 
 
+def cpu_kind(machine: dict) -> str:
+    """The CPU's matmul class from the flags `benchmarks/record.py` keeps: what decides the speed of each dtype
+    (and what `model.compute_dtype: auto` picks), so records of different kinds are different rows."""
+    flags = set(machine.get("cpu_flags", ()))
+    for flag, kind in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                       ("avx2", "AVX2")):
+        if flag in flags:
+            return kind
+    return "no AVX2"
+
+
 def _row_key(record: dict) -> tuple[str, str]:
-    """(script, variant): one row per config, other overrides and GEMM dtype the quickstart ran (a dtype asked
-    for and the same one resolved by `auto` share a row), per shape and lever of the train step."""
+    """(script, variant): one row per CPU kind and, within it, per config, other overrides and GEMM dtype the
+    quickstart ran (a dtype asked for and the same one resolved by `auto` share a row), per shape and lever of the
+    train step."""
     result = record["results"][-1]
+    kind = cpu_kind(record["machine"])
     if record["script"] == "quickstart":
         others = [o for o in result.get("overrides", []) if not o.startswith(_DTYPE_OVERRIDE)]
-        return "quickstart", f"{result['config']} {others} {_quickstart_dtype(result)}"
-    return record["script"], " ".join(str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ()))
+        return "quickstart", f"{result['config']} {others} {_quickstart_dtype(result)} {kind}"
+    fields = [str(result.get(f, "")) for f in VARIANT_FIELDS.get(record["script"], ())]
+    return record["script"], " ".join([*fields, kind])
 
 
 @functools.cache
@@ -210,7 +224,7 @@ def table(records: dict[tuple[str, str], list[dict]]) -> str:
         figures += _spread(script, records[script, variant])
         m = record["machine"]
         source = (f"[{record['date'][:10]}]({record['file']}), {record['commit'][:7]}"
-                  f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores, load "
+                  f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores {cpu_kind(m)}, load "
                   f"{record['load_before']} -> {record['load_after']}")
         rows.append(f"| {what} | {figures} | {source} |")
     return "\n".join(rows)

@@ -60,6 +60,29 @@ def test_the_table_leads_with_the_same_run_ratio_and_cites_the_record(tmp_path, 
     assert readme.read_text() == f"before\n{table.BEGIN}\n{text}\n{table.END}\nafter\n"
 
 
+def test_each_cpu_kind_keeps_its_own_row(tmp_path, monkeypatch):
+    """A record from another CPU kind (which decides each dtype's speed and what `auto` picks) adds a row naming
+    its kind instead of replacing the row of the kind measured before."""
+    table = _load("scripts/benchmark_table.py")
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    monkeypatch.setattr(table, "ROOT", tmp_path)
+    result = {"batch": "32x128", "jax_over_torch": 1.0, "jax_tokens_per_s": 100.0, "torch_tokens_per_s": 100.0,
+              "jax_utilisation": 0.5, "matmul_peak_gflops": 200.0}
+    kinds = {"amx": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "zen4": ["avx2", "avx512f", "avx512_bf16"],
+             "avx2": ["avx2"]}
+    for day, (name, flags) in enumerate(kinds.items(), start=1):
+        record = {"script": "train_step", "date": f"2026-12-0{day}T00:00:00+00:00", "commit": "a" * 40,
+                  "dirty": False, "load_before": 0.2, "load_after": 1.1, "machine": {"nproc": 2, "cpu_flags": flags},
+                  "results": [dict(result, jax_over_torch=float(day))]}
+        (tmp_path / f"train_step-{name}.json").write_text(json.dumps(record))
+    rows = table.table(table.newest_records()).splitlines()[2:]
+    assert len(rows) == 3
+    for ratio, kind in [("1.00x", "AMX-BF16"), ("2.00x", "AVX512-BF16"), ("3.00x", "AVX2")]:
+        [row] = [row for row in rows if f"**{ratio}**" in row]
+        assert f"2 cores {kind}, load" in row
+    assert table.cpu_kind({"cpu_flags": []}) == "no AVX2"
+
+
 def test_long_context_series_row_and_failed_worker():
     """benchmarks/long_context.py's memory series and README row, and a worker that fails is reported, not raised."""
     long_context, table = _load("benchmarks/long_context.py"), _load("scripts/benchmark_table.py")
