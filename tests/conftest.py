@@ -55,19 +55,26 @@ def prompts_file(tmp_path_factory) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Markers: slow runs only when -m names it; a test that starts a process must say so
+# Markers: slow and heavy run only where -m asks for them; a test that starts a process must say so
 # ---------------------------------------------------------------------------------------------
 
 
 def pytest_collection_modifyitems(config, items):
-    """A -m given on the command line replaces addopts' -m 'not slow': `-m "not subprocess"` would run the
-    slow checks too. Slow tests run only when the -m expression names them (`-m slow`, `-m "slow or ..."`)."""
-    if "slow" in config.getoption("markexpr", ""):
-        return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    """Three tiers, chosen by -m. Plain `pytest` (CI, the README) runs everything but `slow`. Any -m expression
+    is an inner loop: it leaves out `slow` and `heavy` unless it names them, so `-m "not subprocess"` is the
+    quick math-and-model loop, `-m "heavy or not subprocess"` adds the whole-model and sharded-step checks, and
+    `-m slow` runs the long ones."""
+    expr = config.getoption("markexpr", "")
+
+    def left_out(item) -> bool:
+        if item.get_closest_marker("slow"):  # the stronger tag: a slow heavy test is slow
+            return "slow" not in expr
+        return bool(expr) and "heavy" not in expr and item.get_closest_marker("heavy") is not None
+
+    dropped = [item for item in items if left_out(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not left_out(item)]
 
 
 def pytest_configure(config):

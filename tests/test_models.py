@@ -15,7 +15,8 @@ from drgrpo_jax.models import DecoderConfig, Transformer, from_hf_config, from_p
 from drgrpo_jax.models.kv_cache import split_cache, stack_cache, write_slots
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 
-pytestmark = pytest.mark.heavy  # every model family against transformers, compiled per shape
+# Every family's forward against transformers runs in the inner loop; the decode, bfloat16, gradient and remat
+# checks compile more programs per family and are `heavy`.
 
 VOCAB = 96
 TOL = 1e-4
@@ -119,6 +120,7 @@ def test_packed_parity(hf_pair):
     np.testing.assert_allclose(got[0, 7:13], _hf_logits(model, b)[0], atol=TOL, rtol=0)
 
 
+@pytest.mark.heavy
 def test_roundtrip_through_save_pretrained(hf_pair, tmp_path):
     _, model, folder = hf_pair
     ours = from_pretrained(folder)
@@ -166,6 +168,7 @@ def _left_padded_batch(prompt_len: int, new: int):
     return ids, real, np.where(real, np.cumsum(real, axis=1) - 1, -1).astype(np.int32)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("split", [False, True], ids=["stacked_cache", "split_cache"])
 def test_prefill_and_decode_match_full_forward(hf_pair, split):
     _, _, folder = hf_pair
@@ -184,6 +187,7 @@ def test_prefill_and_decode_match_full_forward(hf_pair, split):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.heavy
 def test_bfloat16_split_cache_decode_close_to_float32(hf_pair):
     """The bf16 sampler path (bf16 weights and cache, uint16 cache writes, f32 gate) against the f32 forward."""
     _, _, folder = hf_pair
@@ -206,6 +210,7 @@ def test_bfloat16_cache_writes_are_exact():
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_causal_by_gradient(family):
     config = dataclasses.replace(from_hf_config(_hf_config(family).to_dict()), tie_word_embeddings=False)
@@ -226,6 +231,7 @@ def test_causal_by_gradient(family):
         assert np.all(row_norms[t + 1:] == 0), (t, row_norms)
 
 
+@pytest.mark.heavy
 def test_bfloat16_params_close_to_float32(hf_pair):
     _, _, folder = hf_pair
     ids = jnp.asarray(_ids(6, (1, 8)))
@@ -237,6 +243,7 @@ def test_bfloat16_params_close_to_float32(hf_pair):
     assert np.abs(np.asarray(got) - ref).max() < 0.1 * np.abs(ref).max()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl", ["reference", "blockwise"])
 def test_every_remat_policy_gives_the_same_loss_and_gradients(impl, monkeypatch):
     """Each policy of models/remat.py only changes what the backward recomputes, never the values."""
