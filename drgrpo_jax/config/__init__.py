@@ -6,9 +6,11 @@ fails before anything is compiled. The rules of the library's own configs live i
 `validate` builds the algorithm's options, `LossConfig` and `StepConfig` from the config
 (`step_configs`) and names the config key of any field they refuse (`_LIBRARY_KEYS`).
 
-Sections and their fields: `schema.py`; loading and the command line: `load.py`; cross-field rules: `rules.py`.
+Sections and their fields: `schema.py`; loading and the command line: `load.py`; cross-field rules: `rules.py`;
+the library's configs built from the run config: `derived.py`.
 """
 
+from drgrpo_jax.config.derived import lora_base_dtype, lora_spec, one_window_per_rollout, pack_length, step_configs
 from drgrpo_jax.config.load import (
     check_paths,
     config_from_argv,
@@ -17,17 +19,7 @@ from drgrpo_jax.config.load import (
     load_config,
     resolve_model_path,
 )
-from drgrpo_jax.config.rules import (
-    TRACKERS,
-    component_names,
-    function_name,
-    lora_base_dtype,
-    lora_spec,
-    one_window_per_rollout,
-    pack_length,
-    step_configs,
-    validate,
-)
+from drgrpo_jax.config.rules import TRACKERS, component_names, function_name, validate
 from drgrpo_jax.config.schema import (
     AlgorithmConfig,
     Config,
