@@ -1,12 +1,15 @@
-"""Self-attention alone, forward+backward: the reference against the blockwise kernel, time and temporaries.
+"""Self-attention alone, forward+backward: reference, blockwise kernel and PyTorch's SDPA; time and temporaries.
 
 Prints one JSON line. SmolLM2-135M's heads by default (Q=9 query heads, C=3 kv heads, H=64), causal,
 float32, B rows of S tokens; for each length and implementation the median wall time of a jitted
 forward+backward (gradients of q, k, v) and the compiled program's temporary bytes (XLA's
 memory_analysis: a property of the program, what a step must find free), measured in the same run.
+The peer, `torch_sdpa`, is `torch.nn.functional.scaled_dot_product_attention` (causal, grouped kv heads, CPU
+flash kernel) forward+backward on the same shapes and dtype; each of our rows of a length carries
+`speedup_vs_torch_sdpa` (torch's seconds over ours).
 
-    python benchmarks/attention.py [--rows 2] [--lengths 128,512,2048,4096] [--impls reference,blockwise]
-        [--blocks 256,512]
+    python benchmarks/attention.py [--rows 2] [--lengths 128,512,2048,4096]
+        [--impls reference,blockwise,torch_sdpa] [--blocks 256,512]
 """
 
 import argparse
@@ -42,11 +45,41 @@ def measure(impl: str, rows: int, length: int, heads: tuple[int, int, int], dtyp
     return {"impl": impl, "S": length, "fwd_bwd_s": round(seconds, 4), "temp_gb": round(temp_bytes / 1e9, 3)}
 
 
+def measure_torch(rows: int, length: int, heads: tuple[int, int, int], dtype: str, repeats: int) -> dict:
+    """PyTorch's scaled_dot_product_attention forward+backward, causal, C kv heads shared by Q query heads."""
+    import torch
+
+    Q, C, H = heads
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(*shape, grad=True):
+        return torch.randn(*shape, generator=generator).to(getattr(torch, dtype)).requires_grad_(grad)
+
+    q, k, v = normal(rows, Q, length, H), normal(rows, C, length, H), normal(rows, C, length, H)
+    cotangent = normal(rows, Q, length, H, grad=False)
+
+    def forward_backward():
+        q.grad = k.grad = v.grad = None
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(cotangent)
+
+    forward_backward()
+    seconds = median_time(forward_backward, repeats)
+    return {"impl": "torch_sdpa", "S": length, "fwd_bwd_s": round(seconds, 4), "torch_threads": torch.get_num_threads()}
+
+
+def with_ratios(results: list[dict]) -> list[dict]:
+    """Each of our rows with `speedup_vs_torch_sdpa` where the peer ran at its length."""
+    peer = {r["S"]: r["fwd_bwd_s"] for r in results if r["impl"] == "torch_sdpa"}
+    return [r if r["impl"] == "torch_sdpa" or r["S"] not in peer else
+            {**r, "speedup_vs_torch_sdpa": round(peer[r["S"]] / r["fwd_bwd_s"], 3)} for r in results]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--lengths", default="128,512,2048,4096")
-    parser.add_argument("--impls", default="reference,blockwise")
+    parser.add_argument("--impls", default="reference,blockwise,torch_sdpa")
     parser.add_argument("--heads", default="9,3,64", help="Q,C,H")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
@@ -57,13 +90,16 @@ def main():
     results = []
     for length in args.lengths.split(","):
         for impl in args.impls.split(","):
+            if impl == "torch_sdpa":
+                results.append(measure_torch(args.rows, int(length), heads, args.dtype, args.repeats))
+                continue
             for block in args.blocks.split(",") if impl == "blockwise" else [None]:
                 if block is not None:
                     attention_module.DEFAULT_BLOCK_SIZE = int(block)
                 result = measure(impl, args.rows, int(length), heads, jnp.dtype(args.dtype), args.repeats)
                 results.append(result if block is None else {**result, "block": int(block)})
     print(json.dumps({"benchmark": "attention", "heads_QCH": heads, "rows": args.rows, "dtype": args.dtype,
-                      "backend": jax.default_backend(), "results": results}))
+                      "backend": jax.default_backend(), "results": with_ratios(results)}))
 
 
 if __name__ == "__main__":

@@ -124,9 +124,20 @@ def _rl_step(r: dict) -> tuple[str, str]:
     return what, "; ".join(parts) or "-"
 
 
+def _attention(r: dict) -> tuple[str, str]:
+    Q, C, H = r["heads_QCH"]
+    what = (f"Causal self-attention alone, forward+backward, {r['dtype']}, {r['rows']} rows, {Q} query / {C} kv "
+            f"heads of {H}: our blockwise kernel vs PyTorch SDPA")
+    peer = {e["S"]: e["fwd_bwd_s"] for e in r["results"] if e["impl"] == "torch_sdpa"}
+    parts = [f"S={e['S']}: **{e['speedup_vs_torch_sdpa']:.2f}x** ({e['fwd_bwd_s']:.3f} vs {peer[e['S']]:.3f} s, "
+             f"XLA temporaries {e['temp_gb']:.2f} GB)" for e in r["results"]
+             if e["impl"] == "blockwise" and "speedup_vs_torch_sdpa" in e]
+    return what, "; ".join(parts) or "-"
+
+
 FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"quickstart": _quickstart, "rl_step": _rl_step,
                                                          "train_step": _train_step, "sampler": _sampler,
-                                                         "long_context": _long_context}
+                                                         "long_context": _long_context, "attention": _attention}
 
 
 # The headline ratio of each script, (what it is, its key): the spread over reproductions is shown on it.
@@ -150,7 +161,8 @@ def _code_commit(commit: str) -> str:
 
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
-VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches"), "long_context": ("train_dtype",)}
+VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches"), "long_context": ("train_dtype",),
+                  "attention": ("dtype", "rows")}
 
 
 def cpu_kind(machine: dict) -> str:

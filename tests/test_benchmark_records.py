@@ -103,6 +103,19 @@ def test_long_context_series_row_and_failed_worker():
     assert failed["error"].startswith("exit 1: KeyError")
 
 
+def test_attention_ratio_against_torch_sdpa_and_its_row(monkeypatch):
+    """benchmarks/attention.py: each of our rows of a length gets torch's seconds over ours; the row shows them."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script imports its _common as a sibling
+    attention, table = _load("benchmarks/attention.py"), _load("scripts/benchmark_table.py")
+    results = attention.with_ratios([
+        {"impl": "blockwise", "S": 2048, "fwd_bwd_s": 0.6, "temp_gb": 0.03, "block": 128},
+        {"impl": "reference", "S": 8192, "fwd_bwd_s": 9.0, "temp_gb": 4.85},  # no peer at this length
+        {"impl": "torch_sdpa", "S": 2048, "fwd_bwd_s": 0.3, "torch_threads": 2}])
+    assert [r.get("speedup_vs_torch_sdpa") for r in results] == [0.5, None, None]
+    _, row = table.FORMATS["attention"]({"heads_QCH": [9, 3, 64], "rows": 2, "dtype": "float32", "results": results})
+    assert row == "S=2048: **0.50x** (0.600 vs 0.300 s, XLA temporaries 0.03 GB)"
+
+
 def test_one_quickstart_row_per_config_and_the_rl_step_row(tmp_path, monkeypatch):
     table = _load("scripts/benchmark_table.py")
     monkeypatch.setattr(table, "RESULTS", tmp_path)
