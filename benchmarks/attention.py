@@ -4,9 +4,9 @@ Prints one JSON line. SmolLM2-135M's heads by default (Q=9 query heads, C=3 kv h
 float32, B rows of S tokens; for each length and implementation the median wall time of a jitted
 forward+backward (gradients of q, k, v) and the compiled program's temporary bytes (XLA's
 memory_analysis: a property of the program, what a step must find free), measured in the same run.
-The peer, `torch_sdpa`, is `torch.nn.functional.scaled_dot_product_attention` (causal, grouped kv heads, CPU
-flash kernel) forward+backward on the same shapes and dtype; each of our rows of a length carries
-`speedup_vs_torch_sdpa` (torch's seconds over ours).
+The peer, `torch_sdpa`, is `torch.nn.functional.scaled_dot_product_attention` (causal, grouped kv heads)
+forward+backward on the same shapes and dtype; each of our rows of a length carries `speedup_vs_torch_sdpa`
+(torch's seconds over ours).
 
     python benchmarks/attention.py [--rows 2] [--lengths 128,512,2048,4096]
         [--impls reference,blockwise,torch_sdpa] [--blocks 256,512]
