@@ -3,7 +3,8 @@
 Letters: capitals as in the README's shape-letter glossary (D, I, Q, C, H, L, V from the model), S tokens per row
 of one model call (prompt + budget - 1, or train.pack_length when packing), b rows per device per micro-batch
 (responses, or train.pack_rows when packing), a activation bytes (the parameter dtype), t tensor ways, W the
-blockwise attention's block (128) and log-prob chunk tokens. Per layer and row, kept for the backward pass:
+blockwise attention's query block (128; its key blocks are 2W wide) and log-prob chunk tokens. Per layer and row,
+kept for the backward pass:
 
   none                 2S * (4D + (2Q + 2C)H/t + 3I/t) * a + A    (norm inputs, q/k/v/o, MLP gate/up/product)
   dots_saveable        S * (3D + (Q + 2C)H/t + 2I/t) * a + O      (layer input, every projection's output)
@@ -15,7 +16,7 @@ memory-linear kernels (blockwise, cuDNN, splash) the float32 log-sum-exp (Q/t) *
 S * QH/t * a, plus, for a memory-linear kernel, its own copy and log-sum-exp S * QH/t * a + (Q/t) * S * 4.
 Kept: L such layers; while one layer's backward runs, it also holds what it recomputed (the none figure less its
 own). Live at once besides: the reference's float32 scores b * (Q/t) * S^2 * 4 and its two bool masks 2 * b * S^2, or a
-blockwise kernel's block temporaries 3 * b * (Q/t) * W^2 * 4. Log-prob chunks: 3 * W * V/t * 4.
+blockwise kernel's block temporaries 3 * b * (Q/t) * W * 2W * 4. Log-prob chunks: 3 * W * V/t * 4.
 Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
 cast: measured with memory_analysis() on CPU, 2.1-2.3x), hence the 2S. tests/test_plan.py checks every policy's
 figure against XLA's own memory_analysis() of a small model's backward.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from drgrpo_jax.models.attention import BLOCKWISE_MIN_LENGTH, block_widths
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
 from drgrpo_jax.models.remat import REMAT_POLICIES
@@ -36,8 +38,6 @@ __all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_r
            "model_call", "rows_per_device", "stores_probabilities"]
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
-_BLOCK = 128  # models.attention.DEFAULT_BLOCK_SIZE
-_BLOCKWISE_MIN_LENGTH = 256  # models.attention.BLOCKWISE_MIN_LENGTH: "auto" on CPU keeps the reference below it
 
 
 def rows_per_device(config: Config) -> int:
@@ -59,7 +59,7 @@ def model_call(config: Config) -> tuple[int, int]:
 def stores_probabilities(attention_impl: str, seq_len: int, backend: str) -> bool:
     """Whether the training forward's attention keeps [S, S] probabilities (the reference: models.attention)."""
     if attention_impl == "auto":
-        return backend == "cpu" and seq_len < _BLOCKWISE_MIN_LENGTH
+        return backend == "cpu" and seq_len < BLOCKWISE_MIN_LENGTH
     return attention_impl == "reference"
 
 
@@ -84,7 +84,8 @@ def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend:
     if probabilities:
         live = b * heads * S * S * 4 + 2 * b * S * S
     else:
-        live = 3 * b * heads * min(S, _BLOCK) ** 2 * 4
+        W, V = block_widths(S)
+        live = 3 * b * heads * W * V * 4
     recomputed = b * (layer["none"] - layer[policy])  # what one layer's backward rebuilds beside what it kept
     return model.num_layers * b * layer[policy] + recomputed + live
 

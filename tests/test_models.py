@@ -250,7 +250,7 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(impl, monkeypatch)
     from drgrpo_jax.models import attention
     from drgrpo_jax.models.remat import REMAT_POLICIES
 
-    monkeypatch.setattr(attention, "DEFAULT_BLOCK_SIZE", 4)  # blockwise: 2 blocks per row, the cross-block paths run
+    monkeypatch.setattr(attention, "DEFAULT_BLOCK_SIZE", 2)  # blockwise: 4 query and 2 key blocks per row
     config = dataclasses.replace(from_hf_config(_hf_config("qwen3").to_dict()), attention_impl=impl)
     ids = jnp.asarray(_ids(7, (2, 8)))
     segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1] * 8])  # two packed sequences and a padding slot

@@ -1,7 +1,8 @@
-"""Self-attention of a full (cache-free) forward: the reference, a memory-linear blockwise kernel, cuDNN, TPU splash.
+"""Self-attention of a full (cache-free) forward: the reference, a memory-linear blockwise kernel, and the dispatch
+that also picks cuDNN or TPU splash (`accelerator_attention`).
 
 Shape letters (the README's glossary): B rows, T query positions, S key positions, Q query heads, C key/value
-heads, R query heads per kv head (Q = C * R), H head dim, J blocks and W positions per block.
+heads, R query heads per kv head (Q = C * R), H head dim, J query blocks of W positions, key blocks of V = K * W.
 
 Visibility is one rule (`self_attention_mask`): key s is visible to query t when both carry the same non-zero
 segment id, s <= t by index (causal), and, with a window, q_pos - k_pos < window (Gemma 3's sliding layers).
@@ -21,6 +22,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from drgrpo_jax.models.accelerator_attention import (
+    SPLASH_BLOCK,
+    cudnn_attention,
+    cudnn_supported,
+    splash_attention,
+    splash_supported,
+)
 from drgrpo_jax.models.config import ATTENTION_IMPLS
 from drgrpo_jax.models.gemm import is_half, matmul, matmul_nt, mm_tn
 from drgrpo_jax.models.remat import name_attention
@@ -28,10 +36,13 @@ from drgrpo_jax.models.remat import name_attention
 _F32 = jnp.float32
 # Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
 MASKED = -1e30
-# 128: the block's [B, C, R, W, W] float32 temporaries stay in cache. Measured with benchmarks/attention.py,
-# SmolLM2 heads, B=2, S=2048, forward+backward, same run: W=64/128/256/512/1024 took 1.70/1.79/1.99/~2.3-2.6/5.2 s
-# (a busy 2-core machine: ratios only); at B=8, S=1024: W=64/128/256 took 2.4/2.5/4.2 s.
+# 128 query positions per block, against key blocks KEY_BLOCK_FACTOR = 2 times as wide: fewer loop trips and
+# wider score GEMMs. Forward+backward at SmolLM2's heads, B=2, S=2048, float32, one process per shape, AVX2 EPYC,
+# 2026-12-03 (torch SDPA took 0.31-0.32 s beside each): query x key blocks 128 x 128 took 0.58 s, 128 x 256 0.43 s,
+# 256 x 256 0.49 s, 256 x 512 0.68 s, 128 x 512 0.61 s, 64 x 256 0.63 s. The block's [B, C, R, W, 2W] float32
+# temporaries stay in cache.
 DEFAULT_BLOCK_SIZE = 128
+KEY_BLOCK_FACTOR = 2
 # "auto" on CPU below this length keeps the reference. Measured with benchmarks/attention.py (Q=9, C=3, H=64,
 # B=2, float32, forward+backward, same run, busy machine): reference vs blockwise 1.3 vs 1.2 ms at S=32,
 # 2.0 vs 3.1 ms at S=64, 19 vs 19 ms at S=192, 38 vs 24 ms at S=256, 0.43 vs 0.09 s at S=512,
@@ -97,45 +108,57 @@ def _to_blocks(x_BT: jax.Array, W: int, J: int, fill=0) -> jax.Array:
     return jnp.moveaxis(x_BJW, 1, 0)
 
 
-def _block_mask(seg_JBW, pos_JBW, i, j, W: int, window: int | None) -> jax.Array:
-    """bool [B, W, W]: which keys of block j the queries of block i see."""
-    idx_W = jnp.arange(W)
-    return self_attention_mask(seg_JBW[i], seg_JBW[j], i * W + idx_W, j * W + idx_W, pos_JBW[i], pos_JBW[j], window)
+def _key_blocks(x_JBW: jax.Array, K: int) -> jax.Array:
+    """Per-position values of query blocks [J * K, B, W] regrouped into key blocks K times as wide: [J, B, K * W]."""
+    JK, B, W = x_JBW.shape
+    return x_JBW.reshape(JK // K, K, B, W).transpose(0, 2, 1, 3).reshape(JK // K, B, K * W)
 
 
-def _scores(q_BCRWH, k_BCWH, mask_BWW, scale: float) -> jax.Array:
-    """float32 scores [B, C, R, W, W] with hidden keys at -inf."""
-    s_BCRWW = jnp.einsum("bcrwh,bcsh->bcrws", q_BCRWH, k_BCWH, preferred_element_type=_F32) * scale
-    return jnp.where(mask_BWW[:, None, None], s_BCRWW, -jnp.inf)
+def _block_mask(seg_JBW, pos_JBW, seg_JBV, pos_JBV, i, j, window: int | None) -> jax.Array:
+    """bool [B, W, V]: which keys of key block j (V wide) the queries of query block i (W wide) see."""
+    W, V = seg_JBW.shape[2], seg_JBV.shape[2]
+    return self_attention_mask(seg_JBW[i], seg_JBV[j], i * W + jnp.arange(W), j * V + jnp.arange(V), pos_JBW[i],
+                               pos_JBV[j], window)
 
 
-def _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale: float, window: int | None, out_dtype):
-    """Output [J, B, C, R, W, H] in `out_dtype` and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen)."""
+def _scores(q_BCRWH, k_BCVH, mask_BWV, scale: float) -> jax.Array:
+    """float32 scores [B, C, R, W, V] with hidden keys at -inf."""
+    s_BCRWV = jnp.einsum("bcrwh,bcsh->bcrws", q_BCRWH, k_BCVH, preferred_element_type=_F32) * scale
+    return jnp.where(mask_BWV[:, None, None], s_BCRWV, -jnp.inf)
+
+
+def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale: float, window: int | None, out_dtype):
+    """Output [J, B, C, R, W, H] in `out_dtype` and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen).
+
+    Keys come in blocks V = K * W wide (k_JBCVH holds J / K of them).
+    """
     J, B, C, R, W, H = q_JBCRWH.shape
+    K = J // k_JBCVH.shape[0]
+    seg_JBV, pos_JBV = _key_blocks(seg_JBW, K), _key_blocks(pos_JBW, K)
 
     def query_block(i):
         q_BCRWH = q_JBCRWH[i]
 
         def key_block(j, carry):
-            mask_BWW = _block_mask(seg_JBW, pos_JBW, i, j, W, window)
+            mask_BWV = _block_mask(seg_JBW, pos_JBW, seg_JBV, pos_JBV, i, j, window)
 
             def update(carry):
                 m_BCRW, l_BCRW, acc_BCRWH = carry
-                s_BCRWW = _scores(q_BCRWH, k_JBCWH[j], mask_BWW, scale)
-                m_new = jnp.maximum(m_BCRW, s_BCRWW.max(-1))
+                s_BCRWV = _scores(q_BCRWH, k_JBCVH[j], mask_BWV, scale)
+                m_new = jnp.maximum(m_BCRW, s_BCRWV.max(-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-                p_BCRWW = jnp.exp(s_BCRWW - m_safe[..., None])
+                p_BCRWV = jnp.exp(s_BCRWV - m_safe[..., None])
                 correction = jnp.exp(m_BCRW - m_safe)
-                pv_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", p_BCRWW.astype(v_JBCWH.dtype), v_JBCWH[j],
+                pv_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", p_BCRWV.astype(v_JBCVH.dtype), v_JBCVH[j],
                                       preferred_element_type=_F32)
-                return m_new, l_BCRW * correction + p_BCRWW.sum(-1), acc_BCRWH * correction[..., None] + pv_BCRWH
+                return m_new, l_BCRW * correction + p_BCRWV.sum(-1), acc_BCRWH * correction[..., None] + pv_BCRWH
 
             # Blocks nobody in them sees (windows, padding) cost one mask; causality bounds the loop.
-            return jax.lax.cond(mask_BWW.any(), update, lambda c: c, carry)
+            return jax.lax.cond(mask_BWV.any(), update, lambda c: c, carry)
 
         init = (jnp.full((B, C, R, W), -jnp.inf, _F32), jnp.zeros((B, C, R, W), _F32),
                 jnp.zeros((B, C, R, W, H), _F32))
-        m_BCRW, l_BCRW, acc_BCRWH = jax.lax.fori_loop(0, i + 1, key_block, init)
+        m_BCRW, l_BCRW, acc_BCRWH = jax.lax.fori_loop(0, i // K + 1, key_block, init)
         seen = l_BCRW > 0
         out_BCRWH = jnp.where(seen[..., None], acc_BCRWH / jnp.where(seen, l_BCRW, 1.0)[..., None], 0.0)
         lse_BCRW = jnp.where(seen, m_BCRW + jnp.log(jnp.where(seen, l_BCRW, 1.0)), 0.0)
@@ -144,82 +167,86 @@ def _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale: float, w
     return jax.lax.map(query_block, jnp.arange(J))
 
 
-def _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
+def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
                     scale: float, window: int | None):
     """(dq, dk, dv) in float32, each block's probabilities recomputed from the log-sum-exp (FlashAttention-2).
 
     The GEMMs run in q's dtype (the compute dtype), accumulating in float32.
     """
     J = q_JBCRWH.shape[0]
-    W = q_JBCRWH.shape[4]
+    K = J // k_JBCVH.shape[0]
+    seg_JBV, pos_JBV = _key_blocks(seg_JBW, K), _key_blocks(pos_JBW, K)
     dtype = q_JBCRWH.dtype
     delta_JBCRW = jnp.sum(do_JBCRWH.astype(_F32) * out_JBCRWH.astype(_F32), axis=-1)
     do_JBCRWH = do_JBCRWH.astype(dtype)
 
     def key_block(dq_JBCRWH, j):
-        k_BCWH, v_BCWH = k_JBCWH[j], v_JBCWH[j]
+        k_BCVH, v_BCVH = k_JBCVH[j], v_JBCVH[j]
 
         def query_block(i, carry):
-            dk_BCWH, dv_BCWH, dq_JBCRWH = carry
-            mask_BWW = _block_mask(seg_JBW, pos_JBW, i, j, W, window)
+            dk_BCVH, dv_BCVH, dq_JBCRWH = carry
+            mask_BWV = _block_mask(seg_JBW, pos_JBW, seg_JBV, pos_JBV, i, j, window)
 
             def grads(dkv):
-                dk_BCWH, dv_BCWH = dkv
+                dk_BCVH, dv_BCVH = dkv
                 q_BCRWH, do_BCRWH = q_JBCRWH[i], do_JBCRWH[i]
-                s_BCRWW = _scores(q_BCRWH, k_BCWH, mask_BWW, scale)
-                p_BCRWW = jnp.exp(s_BCRWW - lse_JBCRW[i][..., None])  # hidden keys: exp(-inf) = 0
-                dv_BCWH = dv_BCWH + _key_grad(p_BCRWW.astype(dtype), do_BCRWH)
-                dp_BCRWW = jnp.einsum("bcrwh,bcsh->bcrws", do_BCRWH, v_BCWH, preferred_element_type=_F32)
-                ds_BCRWW = (p_BCRWW * (dp_BCRWW - delta_JBCRW[i][..., None]) * scale).astype(dtype)
-                dq_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", ds_BCRWW, k_BCWH, preferred_element_type=_F32)
-                dk_BCWH = dk_BCWH + _key_grad(ds_BCRWW, q_BCRWH)
-                return dk_BCWH, dv_BCWH, dq_BCRWH
+                s_BCRWV = _scores(q_BCRWH, k_BCVH, mask_BWV, scale)
+                p_BCRWV = jnp.exp(s_BCRWV - lse_JBCRW[i][..., None])  # hidden keys: exp(-inf) = 0
+                dv_BCVH = dv_BCVH + _key_grad(p_BCRWV.astype(dtype), do_BCRWH)
+                dp_BCRWV = jnp.einsum("bcrwh,bcsh->bcrws", do_BCRWH, v_BCVH, preferred_element_type=_F32)
+                ds_BCRWV = (p_BCRWV * (dp_BCRWV - delta_JBCRW[i][..., None]) * scale).astype(dtype)
+                dq_BCRWH = jnp.einsum("bcrws,bcsh->bcrwh", ds_BCRWV, k_BCVH, preferred_element_type=_F32)
+                dk_BCVH = dk_BCVH + _key_grad(ds_BCRWV, q_BCRWH)
+                return dk_BCVH, dv_BCVH, dq_BCRWH
 
             def skip(dkv):
                 return *dkv, jnp.zeros(q_JBCRWH.shape[1:], _F32)
 
-            dk_BCWH, dv_BCWH, dq_BCRWH = jax.lax.cond(mask_BWW.any(), grads, skip, (dk_BCWH, dv_BCWH))
+            dk_BCVH, dv_BCVH, dq_BCRWH = jax.lax.cond(mask_BWV.any(), grads, skip, (dk_BCVH, dv_BCVH))
             # The dq update stays outside the cond: a cond carrying the whole dq copied it per block.
             dq_JBCRWH = jax.lax.dynamic_update_index_in_dim(dq_JBCRWH, dq_JBCRWH[i] + dq_BCRWH, i, 0)
-            return dk_BCWH, dv_BCWH, dq_JBCRWH
+            return dk_BCVH, dv_BCVH, dq_JBCRWH
 
-        zeros_BCWH = jnp.zeros(k_JBCWH.shape[1:], _F32)
-        dk_BCWH, dv_BCWH, dq_JBCRWH = jax.lax.fori_loop(j, J, query_block, (zeros_BCWH, zeros_BCWH, dq_JBCRWH))
-        return dq_JBCRWH, (dk_BCWH, dv_BCWH)
+        zeros_BCVH = jnp.zeros(k_JBCVH.shape[1:], _F32)
+        dk_BCVH, dv_BCVH, dq_JBCRWH = jax.lax.fori_loop(j * K, J, query_block, (zeros_BCVH, zeros_BCVH, dq_JBCRWH))
+        return dq_JBCRWH, (dk_BCVH, dv_BCVH)
 
-    dq_JBCRWH, (dk_JBCWH, dv_JBCWH) = jax.lax.scan(key_block, jnp.zeros(q_JBCRWH.shape, _F32), jnp.arange(J))
-    return dq_JBCRWH, dk_JBCWH, dv_JBCWH
+    dq_JBCRWH, (dk_JBCVH, dv_JBCVH) = jax.lax.scan(key_block, jnp.zeros(q_JBCRWH.shape, _F32),
+                                                   jnp.arange(k_JBCVH.shape[0]))
+    return dq_JBCRWH, dk_JBCVH, dv_JBCVH
 
 
-def _key_grad(x_BCRWS, y_BCRWH) -> jax.Array:
-    """float32 [B, C, S, H]: sum over (R, W) of x[.., s] y[.., h], the gradient of keys or values."""
-    if not is_half(x_BCRWS.dtype):
-        return jnp.einsum("bcrws,bcrwh->bcsh", x_BCRWS, y_BCRWH, preferred_element_type=_F32)
-    B, C, R, W, S = x_BCRWS.shape
-    return mm_tn(x_BCRWS.reshape(B, C, R * W, S), y_BCRWH.reshape(B, C, R * W, -1))  # row-major operands
+def _key_grad(x_BCRWV, y_BCRWH) -> jax.Array:
+    """float32 [B, C, V, H]: sum over (R, W) of x[.., v] y[.., h], the gradient of keys or values.
+
+    Through row-major copies (`mm_tn`) in float32 too: the einsum's transposed operand cost ~10% of the kernel's
+    forward+backward (2x2048, SmolLM2's heads, AVX2 EPYC: 0.41 vs 0.45 s).
+    """
+    B, C, R, W, V = x_BCRWV.shape
+    return mm_tn(x_BCRWV.reshape(B, C, R * W, V), y_BCRWH.reshape(B, C, R * W, -1))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, dtype):
+def _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, dtype):
     """Blocked attention output in q's dtype, its GEMMs in `dtype`; the custom backward keeps only the inputs
     (in `dtype`), output and log-sum-exp."""
-    return _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, dtype)[0]
+    return _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, dtype)[0]
 
 
-def _flash_fwd(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, dtype):
+def _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, dtype):
     """Output and residuals (inputs in `dtype`, output, float32 log-sum-exp)."""
     out_dtype = q_JBCRWH.dtype
-    q_JBCRWH, k_JBCWH, v_JBCWH = q_JBCRWH.astype(dtype), k_JBCWH.astype(dtype), v_JBCWH.astype(dtype)
-    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, scale, window, out_dtype)
+    q_JBCRWH, k_JBCVH, v_JBCVH = q_JBCRWH.astype(dtype), k_JBCVH.astype(dtype), v_JBCVH.astype(dtype)
+    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, out_dtype)
     # Named, so a rematerialised layer that saves the attention (models/remat.py) keeps them and skips this forward.
     out_JBCRWH, lse_JBCRW = name_attention(out_JBCRWH), name_attention(lse_JBCRW)
-    return out_JBCRWH, (q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW)
+    return out_JBCRWH, (q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW)
 
 
 def _flash_bwd(scale, window, dtype, residuals, do_JBCRWH):
     """Cotangents of q, k, v in the output's dtype (theirs); none for the integer segment ids and positions."""
-    q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW = residuals
-    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
+    q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW = residuals
+    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
                                  scale, window)
     return dq.astype(do_JBCRWH.dtype), dk.astype(do_JBCRWH.dtype), dv.astype(do_JBCRWH.dtype), None, None
 
@@ -227,12 +254,19 @@ def _flash_bwd(scale, window, dtype, residuals, do_JBCRWH):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def block_widths(T: int, block_size: int | None = None) -> tuple[int, int]:
+    """(W, V): the query and key block widths of `blockwise_attention` at length T (the plan sizes its temporaries
+    by them). `block_size` None reads DEFAULT_BLOCK_SIZE when called (tests shrink it)."""
+    W = min(T, block_size or DEFAULT_BLOCK_SIZE)
+    return W, KEY_BLOCK_FACTOR * W if T > W else W
+
+
 def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array, *, scale: float, window: int | None = None,
                         block_size: int | None = None, dtype=None) -> jax.Array:
     """Self-attention [B, T, Q, H] in blocks of W = min(T, block_size): memory linear in T, same rule as the reference.
 
-    `block_size` None reads DEFAULT_BLOCK_SIZE when called (tests shrink it to cut a tiny model into blocks).
+    Block widths by `block_widths` (keys KEY_BLOCK_FACTOR * W wide when T > W; T padded to whole key blocks).
 
     `dtype` (None: q's): the GEMMs' operand dtype, accumulating in float32 (bfloat16 under mixed precision).
     Float32 softmax statistics whatever the input dtype; kv heads are never repeated (queries are grouped
@@ -242,93 +276,19 @@ def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
     C = k_BSCH.shape[2]
     if k_BSCH.shape[1] != T:
         raise ValueError(f"blockwise_attention: self-attention only, got {T} queries and {k_BSCH.shape[1]} keys")
-    W = min(T, block_size or DEFAULT_BLOCK_SIZE)
-    J = -(-T // W)
+    W, V = block_widths(T, block_size)
+    K = V // W
+    J = -(-T // V) * K  # T padded to whole key blocks
     q_JBWCRH = _to_blocks(q_BTQH.reshape(B, T, C, Q // C, H), W, J)
     q_JBCRWH = q_JBWCRH.transpose(0, 1, 3, 4, 2, 5)
-    k_JBCWH = _to_blocks(k_BSCH, W, J).transpose(0, 1, 3, 2, 4)
-    v_JBCWH = _to_blocks(v_BSCH, W, J).transpose(0, 1, 3, 2, 4)
+    k_JBCVH = _to_blocks(k_BSCH, K * W, J // K).transpose(0, 1, 3, 2, 4)
+    v_JBCVH = _to_blocks(v_BSCH, K * W, J // K).transpose(0, 1, 3, 2, 4)
     seg_JBW = _to_blocks(segment_ids_BT.astype(jnp.int32), W, J)  # padded positions: segment 0, never seen
     pos_JBW = _to_blocks(positions_BT.astype(jnp.int32), W, J)
     low = q_BTQH.dtype if dtype is None else jnp.dtype(dtype)
-    out_JBCRWH = _flash(q_JBCRWH, k_JBCWH, v_JBCWH, seg_JBW, pos_JBW, float(scale), window, low)
+    out_JBCRWH = _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, float(scale), window, low)
     out_BJWQH = out_JBCRWH.transpose(1, 0, 4, 2, 3, 5).reshape(B, J * W, Q, H)
     return out_BJWQH[:, :T]
-
-
-# ---------------------------------------------------------------- accelerator kernels shipped with JAX
-
-
-def _cudnn_supported(dtype, head_dim: int, seq_len: int) -> bool:
-    """cuDNN flash attention's constraints (jax._src.cudnn.fused_attention_stablehlo): 16-bit floats, H % 8 == 0,
-    H <= 128 (<= 256 from Hopper, compute capability 9.0), an even length (training with a bias, our mask)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8 or seq_len % 2:
-        return False
-    if head_dim <= 128:
-        return True
-    capability = getattr(jax.devices()[0], "compute_capability", "0.0")
-    return head_dim <= 256 and tuple(int(x) for x in str(capability).split(".")) >= (9, 0)
-
-
-def cudnn_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
-                    segment_ids_BT: jax.Array, *, scale: float, window: int | None = None) -> jax.Array:
-    """`jax.nn.dot_product_attention(implementation="cudnn")` with the same visibility rule (GPU only).
-
-    Causality and the window go to cuDNN as such (the window by index: q_pos - k_pos equals the index
-    difference inside a segment when positions count up by one, as the trainer's do). Segments and padding go
-    as a boolean [B, 1, T, S] mask, which JAX turns into an additive bias (and cuDNN's backward into a bias
-    gradient of the same shape): [B, T, S] arrays per call, not per head and not kept as probabilities, but
-    still quadratic (cuDNN's own padding mask only knows right-padded lengths, and the trainer's rows are
-    left-padded; its packed layout with segment offsets is not public API).
-    """
-    del positions_BT
-    seg_BT = segment_ids_BT
-    mask_B1TS = ((seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, :, None] != 0))[:, None]
-    return jax.nn.dot_product_attention(
-        q_BTQH, k_BSCH, v_BSCH, mask=mask_B1TS, scale=scale, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
-
-
-_SPLASH_BLOCK = 128  # splash's default block sizes; T must be a multiple
-
-
-def _splash_supported(seq_len: int) -> bool:
-    """Lengths the splash kernel's default 128 x 128 blocks tile."""
-    return seq_len % _SPLASH_BLOCK == 0
-
-
-def splash_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
-                     segment_ids_BT: jax.Array, *, scale: float, window: int | None = None,
-                     interpret: bool = False) -> jax.Array:
-    """TPU Pallas splash attention (jax.experimental.pallas.ops.tpu.splash_attention) with the same rule.
-
-    Causal or causal-local mask by index (see `cudnn_attention` on windows), segment ids for packing and
-    padding; one MQA kernel per kv head (vmapped over B and C), so kv heads are not repeated. Padding queries
-    see the padding keys before them: finite, ignored outputs. Single device: under a sharded jit the kernel
-    needs a shard_map over the batch, which this module does not add yet. `interpret` runs it on CPU (tests).
-    """
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-
-    del positions_BT
-    B, T, Q, H = q_BTQH.shape
-    C = k_BSCH.shape[2]
-    R = Q // C
-    mask: splash_mask.Mask
-    if window is None:
-        mask = splash_mask.CausalMask((T, T))
-    else:
-        mask = splash_mask.LocalMask((T, T), window_size=(window - 1, 0), offset=0)
-    kernel = splash.make_splash_mqa_single_device(splash_mask.MultiHeadMask([mask] * R), interpret=interpret)
-    q_BCRTH = (q_BTQH.reshape(B, T, C, R, H) * jnp.asarray(scale, q_BTQH.dtype)).transpose(0, 2, 3, 1, 4)
-    k_BCSH, v_BCSH = k_BSCH.transpose(0, 2, 1, 3), v_BSCH.transpose(0, 2, 1, 3)
-
-    def one_row(q_CRTH, k_CSH, v_CSH, seg_T):
-        ids = splash.SegmentIds(q=seg_T, kv=seg_T)
-        return jax.vmap(lambda q_RTH, k_SH, v_SH: kernel(q_RTH, k_SH, v_SH, ids))(q_CRTH, k_CSH, v_CSH)
-
-    out_BCRTH = jax.vmap(one_row)(q_BCRTH, k_BCSH, v_BCSH, segment_ids_BT.astype(jnp.int32))
-    return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -344,17 +304,17 @@ def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str |
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention: {impl!r} is not supported (supported: {ATTENTION_IMPLS})")
     backend = backend or jax.default_backend()
-    if impl == "cudnn" and not _cudnn_supported(dtype, head_dim, seq_len):
+    if impl == "cudnn" and not cudnn_supported(dtype, head_dim, seq_len):
         raise ValueError(f"attention: cudnn needs bfloat16/float16, head_dim % 8 == 0, <= 128 (256 on Hopper) and "
                          f"an even length; got {jnp.dtype(dtype).name}, head_dim {head_dim}, length {seq_len}")
-    if impl == "splash" and not _splash_supported(seq_len):
-        raise ValueError(f"attention: splash needs a length multiple of {_SPLASH_BLOCK}, got {seq_len}")
+    if impl == "splash" and not splash_supported(seq_len):
+        raise ValueError(f"attention: splash needs a length multiple of {SPLASH_BLOCK}, got {seq_len}")
     if impl != "auto":
         return impl
     if backend == "gpu":
-        return "cudnn" if _cudnn_supported(dtype, head_dim, seq_len) else "blockwise"
+        return "cudnn" if cudnn_supported(dtype, head_dim, seq_len) else "blockwise"
     if backend == "tpu":
-        return "splash" if _splash_supported(seq_len) else "blockwise"
+        return "splash" if splash_supported(seq_len) else "blockwise"
     return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "reference"
 
 
