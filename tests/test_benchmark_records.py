@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
+import subprocess
 import sys
 
 import pytest
@@ -147,3 +149,19 @@ def test_one_quickstart_row_per_config_and_the_rl_step_row(tmp_path, monkeypatch
                                        "trl_float32": dict(side, seconds={"step": 30.0}),
                                        "speedup_float32": {"step": 1.5, "generate": 2.0, "update": 1.2}})
     assert row.startswith("float32: **1.50x** TRL (20.0 vs 30.0 s/step; generate 2.00x, update 1.20x")
+
+
+def test_the_readme_states_what_the_committed_records_say():
+    """Every record names a commit of this history (a record of code that never landed cannot be checked), every
+    record the README cites is committed, and its table is the one the records make (regenerate it with
+    `python scripts/benchmark_table.py --write README.md`)."""
+    table = _load("scripts/benchmark_table.py")
+    for path in sorted(table.RESULTS.glob("*.json")):
+        commit = json.loads(path.read_text())["commit"]
+        known = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=ROOT, capture_output=True)
+        assert known.returncode == 0, f"{path.name}: its commit {commit[:7]} is not in this branch's history"
+    readme = (ROOT / "README.md").read_text()
+    cited = set(re.findall(r"benchmarks/results/[\w.-]+\.json", readme))
+    assert cited and not [p for p in sorted(cited) if not (ROOT / p).exists()]
+    stated = readme.split(table.BEGIN, 1)[1].split(table.END, 1)[0].strip()
+    assert stated == table.table(table.newest_records())
