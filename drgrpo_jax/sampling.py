@@ -39,7 +39,7 @@ from flax import nnx
 
 from drgrpo_jax.draws import filter_top_k_top_p, row_keys, sample_inverse_cdf, sample_step
 from drgrpo_jax.models import KVCache, init_cache
-from drgrpo_jax.models.kv_cache import split_cache
+from drgrpo_jax.models.kv_cache import key_slot_axis, split_cache
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
@@ -222,7 +222,7 @@ class _Decoding:
     """What the programs carry from one to the next: every per-row field follows the kept rows."""
 
     step: jax.Array  # int32 index of the token about to be written
-    cache: KVCache  # split per layer ([B, C, S, H]), S = the phase's span
+    cache: KVCache  # split per layer (`kv_cache.split_cache`), S = the phase's span
     tokens_B: jax.Array  # last sampled token of every row
     done_B: jax.Array  # bool: row finished (or a padding row)
     out: SamplerOutput  # [B, T]
@@ -256,12 +256,12 @@ def _take_and_grow(cache: KVCache, index_B: jax.Array, num_slots: int) -> KVCach
     """Rows `index_B` of a split cache, its slot axis padded with empty slots to `num_slots`."""
     extra = num_slots - cache.positions_BS.shape[1]
 
-    def grow(x_BCSH: jax.Array) -> jax.Array:
-        return jnp.pad(x_BCSH[index_B], ((0, 0), (0, 0), (0, extra), (0, 0)))
+    def grow(x: jax.Array, slot_axis: int) -> jax.Array:
+        return jnp.pad(x[index_B], [(0, extra if axis == slot_axis else 0) for axis in range(x.ndim)])
 
     positions_BS = jnp.pad(cache.positions_BS[index_B], ((0, 0), (0, extra)), constant_values=-1)
-    return KVCache(k=tuple(map(grow, cache.k)), v=tuple(map(grow, cache.v)), positions_BS=positions_BS,
-                   length=cache.length)
+    return KVCache(k=tuple(grow(k, key_slot_axis(k.dtype)) for k in cache.k), v=tuple(grow(v, 2) for v in cache.v),
+                   positions_BS=positions_BS, length=cache.length)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype"))

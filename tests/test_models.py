@@ -179,8 +179,10 @@ def test_prefill_and_decode_match_full_forward(hf_pair, split):
     assert int(cache.length) == ids.shape[1]
     np.testing.assert_allclose(got[real], full[real], atol=1e-5, rtol=0)
     config = model.config
-    if split:  # per layer, in attention order [B, K, S, H]; stack_cache is its exact inverse
-        assert len(cache.k) == config.num_layers and cache.k[0].shape == (2, config.num_kv_heads, 16, config.head_dim)
+    if split:  # per layer, in attention order (keys [B, C, H, S], values [B, C, S, H]); stack_cache inverts it
+        C, H = config.num_kv_heads, config.head_dim
+        assert len(cache.k) == config.num_layers and cache.k[0].shape == (2, C, H, 16)  # float32: keys transposed
+        assert cache.v[0].shape == (2, C, 16, H)
         stacked = stack_cache(cache)
         assert stacked.k.shape == (config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
         for a, b in zip(split_cache(stacked).k + split_cache(stacked).v, cache.k + cache.v):
@@ -197,6 +199,7 @@ def test_bfloat16_split_cache_decode_close_to_float32(hf_pair):
     got, cache = _prefill_then_decode(from_pretrained(folder, dtype=jnp.bfloat16), ids, positions, 6, split=True,
                                       cache_dtype=jnp.bfloat16)
     assert cache.k[0].dtype == jnp.bfloat16 and got.dtype == np.float32
+    assert cache.k[0].shape == cache.v[0].shape  # 16-bit keys stay [B, C, S, H] (kv_cache.keys_transposed)
     assert np.abs(got[real] - ref[real]).max() < 0.1 * np.abs(ref[real]).max()
 
 

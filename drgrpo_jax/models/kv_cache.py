@@ -1,8 +1,9 @@
 """The decode-time KV cache: its layout, sharding, slot writes and the attention that reads it.
 
 Shape letters as in transformer.py (the README's glossary). `init_cache` makes the stacked [L, B, S, C, H]
-form that shards like the params; a decode loop carries the per-layer [B, C, S, H] form (`split_cache`),
-whose slots each step writes in place (`write_slots`) and attention reads without a transpose (`attend_slots`).
+form that shards like the params; a decode loop carries the per-layer form (`split_cache`): values [B, C, S, H],
+keys [B, C, H, S] in 32-bit floats and [B, C, S, H] in 16-bit ones (`keys_transposed`), whose slots each step
+writes in place (`write_keys`, `write_values`) and attention reads without a transpose (`attend_slots`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ _F32 = jnp.float32
 class KVCache:
     """Explicit decode state: keys/values per layer and the position stored in each slot."""
 
-    k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, C, H]; a decode loop carries L [B, C, S, H] (`split_cache`)
-    v: jax.Array | tuple[jax.Array, ...]  # as k
+    k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, C, H]; a decode loop carries L [B, C, H or S, S or H]
+    v: jax.Array | tuple[jax.Array, ...]  # [L, B, S, C, H]; a decode loop carries L [B, C, S, H]
     positions_BS: jax.Array  # int32, -1 = empty slot or padding token
     length: jax.Array  # int32 scalar: slots written so far (all rows write the same slots)
 
@@ -80,17 +81,47 @@ def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array
     return unbits(written, buffer.dtype)
 
 
-def attend_slots(q_BTQH: jax.Array, k_BCSH: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
-                 scale: float) -> jax.Array:
-    """`reference_attention` over a per-layer cache in attention order [B, C, S, H]; scores and softmax in float32.
+def keys_transposed(dtype) -> bool:
+    """Whether a split cache stores keys [B, C, H, S] (32-bit floats) rather than [B, C, S, H] (16-bit).
 
-    Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA
-    transpose every layer's slots every decode step); only the few queries are transposed.
+    Transposed keys give the score dot its big operand as [contracted, kept], which XLA's CPU GEMMs read
+    fastest at decode's few query rows: a SmolLM2 decode step at 16 rows x 1088 slots took 137 instead of
+    207 ms in float32 (AMX Xeon VM, one-off timings). A 16-bit write into the minor slot axis is not done in
+    place (XLA copied every layer's keys every step: 156 instead of 127 ms), so bfloat16 keeps [B, C, S, H].
+    """
+    return not is_half(dtype)
+
+
+def key_slot_axis(dtype) -> int:
+    """The slot axis of a split cache's keys."""
+    return 3 if keys_transposed(dtype) else 2
+
+
+def write_keys(buffer: jax.Array, k_BTCH: jax.Array, start: jax.Array) -> jax.Array:
+    """Keys of T tokens into a split cache's slots [start, start + T), in place."""
+    if keys_transposed(buffer.dtype):
+        return write_slots(buffer, k_BTCH.transpose(0, 2, 3, 1), (0, 0, 0, start))
+    return write_slots(buffer, k_BTCH.transpose(0, 2, 1, 3), (0, 0, start, 0))
+
+
+def write_values(buffer: jax.Array, v_BTCH: jax.Array, start: jax.Array) -> jax.Array:
+    """Values of T tokens into a split cache's slots [start, start + T), in place."""
+    return write_slots(buffer, v_BTCH.transpose(0, 2, 1, 3), (0, 0, start, 0))
+
+
+def attend_slots(q_BTQH: jax.Array, k_BCxx: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
+                 scale: float) -> jax.Array:
+    """`reference_attention` over a per-layer cache (keys as `keys_transposed` says, values [B, C, S, H]);
+    scores and softmax in float32.
+
+    Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA transpose
+    every layer's slots every decode step); only the few queries are transposed.
     """
     B, T, Q, H = q_BTQH.shape
-    C = k_BCSH.shape[1]
-    q_BCRTH = q_BTQH.reshape(B, T, C, Q // C, H).transpose(0, 2, 3, 1, 4).astype(k_BCSH.dtype)
-    scores_BCRTS = jnp.einsum("bcrth,bcsh->bcrts", q_BCRTH, k_BCSH, preferred_element_type=_F32) * scale
+    C = k_BCxx.shape[1]
+    q_BCRTH = q_BTQH.reshape(B, T, C, Q // C, H).transpose(0, 2, 3, 1, 4).astype(k_BCxx.dtype)
+    keys = "bchs" if keys_transposed(k_BCxx.dtype) else "bcsh"
+    scores_BCRTS = jnp.einsum(f"bcrth,{keys}->bcrts", q_BCRTH, k_BCxx, preferred_element_type=_F32) * scale
     scores_BCRTS = jnp.where(mask_BTS[:, None, None], scores_BCRTS, MASKED)
     probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BCSH.dtype)
     out_BCRTH = jnp.einsum("bcrts,bcsh->bcrth", probs_BCRTS, v_BCSH, preferred_element_type=_F32)
@@ -98,17 +129,20 @@ def attend_slots(q_BTQH: jax.Array, k_BCSH: jax.Array, v_BCSH: jax.Array, mask_B
 
 
 def split_cache(cache: KVCache) -> KVCache:
-    """The cache with keys/values as tuples of per-layer arrays in attention order [B, C, S, H].
+    """The cache with keys/values as tuples of per-layer arrays in attention order: values [B, C, S, H], keys
+    [B, C, H, S] or [B, C, S, H] (`keys_transposed`).
 
     What a decode loop carries: each layer's slots are their own buffer, which a step updates in place
     and attention reads without a transpose (slicing a layer out of the stacked array is a copy, and its
     [B, S, C, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
     """
-    return dataclasses.replace(cache, k=tuple(jnp.swapaxes(k_BSCH, 1, 2) for k_BSCH in cache.k),
+    order = (0, 2, 3, 1) if keys_transposed(cache.k[0].dtype) else (0, 2, 1, 3)
+    return dataclasses.replace(cache, k=tuple(jnp.transpose(k_BSCH, order) for k_BSCH in cache.k),
                                v=tuple(jnp.swapaxes(v_BSCH, 1, 2) for v_BSCH in cache.v))
 
 
 def stack_cache(cache: KVCache) -> KVCache:
     """The inverse of `split_cache`: stacked [L, B, S, C, H] keys/values."""
-    return dataclasses.replace(cache, k=jnp.stack([jnp.swapaxes(k, 1, 2) for k in cache.k]),
+    order = (0, 3, 1, 2) if keys_transposed(cache.k[0].dtype) else (0, 2, 1, 3)
+    return dataclasses.replace(cache, k=jnp.stack([jnp.transpose(k, order) for k in cache.k]),
                                v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))

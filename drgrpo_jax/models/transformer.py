@@ -27,7 +27,16 @@ from drgrpo_jax.models.attention import attention, choose_impl, reference_attent
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
 from drgrpo_jax.models.gemm import dense
 from drgrpo_jax.models.grad_sums import scan_layers
-from drgrpo_jax.models.kv_cache import KVCache, attend_slots, bits, split_cache, stack_cache, unbits, write_slots
+from drgrpo_jax.models.kv_cache import (
+    KVCache,
+    attend_slots,
+    bits,
+    split_cache,
+    stack_cache,
+    unbits,
+    write_keys,
+    write_values,
+)
 from drgrpo_jax.models.params import Blocks, init_value
 from drgrpo_jax.models.remat import name_attention, name_projection
 
@@ -232,13 +241,12 @@ def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Arra
     layer's slots are written in place, then read.
     """
     tables = rope_for_layers(config, positions_BT) if rope is None else rope
-    start = (0, 0, cache.length, 0)
     keys, values = [], []
     for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
         with jax.named_scope(f"layer_{index}"):
             q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, *tables[int(sliding)])
-            keys.append(write_slots(cache.k[index], k_BTCH.transpose(0, 2, 1, 3), start))
-            values.append(write_slots(cache.v[index], v_BTCH.transpose(0, 2, 1, 3), start))
+            keys.append(write_keys(cache.k[index], k_BTCH, cache.length))
+            values.append(write_values(cache.v[index], v_BTCH, cache.length))
             o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale)
             x_BTD = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
     return x_BTD, tuple(keys), tuple(values)
