@@ -199,7 +199,7 @@ def test_bfloat16_split_cache_decode_close_to_float32(hf_pair):
     got, cache = _prefill_then_decode(from_pretrained(folder, dtype=jnp.bfloat16), ids, positions, 6, split=True,
                                       cache_dtype=jnp.bfloat16)
     assert cache.k[0].dtype == jnp.bfloat16 and got.dtype == np.float32
-    assert cache.k[0].shape == cache.v[0].shape  # 16-bit keys stay [B, C, S, H] (kv_cache.keys_transposed)
+    assert cache.k[0].shape == cache.v[0].shape  # 16-bit keys stay [B, C, S, H] (kv_cache.key_order)
     assert np.abs(got[real] - ref[real]).max() < 0.1 * np.abs(ref[real]).max()
 
 

@@ -2,7 +2,7 @@
 
 Shape letters as in transformer.py (the README's glossary). `init_cache` makes the stacked [L, B, S, C, H]
 form that shards like the params; a decode loop carries the per-layer form (`split_cache`): values [B, C, S, H],
-keys [B, C, H, S] in 32-bit floats and [B, C, S, H] in 16-bit ones (`keys_transposed`), whose slots each step
+keys [B, C, H, S] in 32-bit floats and [B, C, S, H] in 16-bit ones (`key_order`), whose slots each step
 writes in place (`write_keys`, `write_values`) and attention reads without a transpose (`attend_slots`).
 """
 
@@ -81,37 +81,42 @@ def write_slots(buffer: jax.Array, update: jax.Array, start: tuple) -> jax.Array
     return unbits(written, buffer.dtype)
 
 
-def keys_transposed(dtype) -> bool:
-    """Whether a split cache stores keys [B, C, H, S] (32-bit floats) rather than [B, C, S, H] (16-bit).
+VALUE_ORDER = (0, 2, 1, 3)  # a split cache's values, from [B, S, C, H]: [B, C, S, H]
+
+
+def key_order(dtype) -> tuple[int, ...]:
+    """A split cache's keys, as a permutation of [B, S, C, H]: [B, C, H, S] in 32-bit floats, [B, C, S, H] in 16-bit.
 
     Transposed keys give the score dot its big operand as [contracted, kept], which XLA's CPU GEMMs read
     fastest at decode's few query rows: a SmolLM2 decode step at 16 rows x 1088 slots took 137 instead of
     207 ms in float32 (AMX Xeon VM, one-off timings). A 16-bit write into the minor slot axis is not done in
     place (XLA copied every layer's keys every step: 156 instead of 127 ms), so bfloat16 keeps [B, C, S, H].
     """
-    return not is_half(dtype)
+    return VALUE_ORDER if is_half(dtype) else (0, 2, 3, 1)
 
 
 def key_slot_axis(dtype) -> int:
     """The slot axis of a split cache's keys."""
-    return 3 if keys_transposed(dtype) else 2
+    return key_order(dtype).index(1)
+
+
+def _write_tokens(buffer: jax.Array, x_BTCH: jax.Array, start: jax.Array, order: tuple[int, ...]) -> jax.Array:
+    """T tokens' keys or values, laid out by `order`, into a split cache's slots [start, start + T), in place."""
+    slot_axis = order.index(1)
+    return write_slots(buffer, x_BTCH.transpose(order), tuple(start if axis == slot_axis else 0 for axis in range(4)))
 
 
 def write_keys(buffer: jax.Array, k_BTCH: jax.Array, start: jax.Array) -> jax.Array:
-    """Keys of T tokens into a split cache's slots [start, start + T), in place."""
-    if keys_transposed(buffer.dtype):
-        return write_slots(buffer, k_BTCH.transpose(0, 2, 3, 1), (0, 0, 0, start))
-    return write_slots(buffer, k_BTCH.transpose(0, 2, 1, 3), (0, 0, start, 0))
+    return _write_tokens(buffer, k_BTCH, start, key_order(buffer.dtype))
 
 
 def write_values(buffer: jax.Array, v_BTCH: jax.Array, start: jax.Array) -> jax.Array:
-    """Values of T tokens into a split cache's slots [start, start + T), in place."""
-    return write_slots(buffer, v_BTCH.transpose(0, 2, 1, 3), (0, 0, start, 0))
+    return _write_tokens(buffer, v_BTCH, start, VALUE_ORDER)
 
 
 def attend_slots(q_BTQH: jax.Array, k_BCxx: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
                  scale: float) -> jax.Array:
-    """`reference_attention` over a per-layer cache (keys as `keys_transposed` says, values [B, C, S, H]);
+    """`reference_attention` over a per-layer cache (keys laid out by `key_order`, values [B, C, S, H]);
     scores and softmax in float32.
 
     Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA transpose
@@ -120,7 +125,7 @@ def attend_slots(q_BTQH: jax.Array, k_BCxx: jax.Array, v_BCSH: jax.Array, mask_B
     B, T, Q, H = q_BTQH.shape
     C = k_BCxx.shape[1]
     q_BCRTH = q_BTQH.reshape(B, T, C, Q // C, H).transpose(0, 2, 3, 1, 4).astype(k_BCxx.dtype)
-    keys = "bchs" if keys_transposed(k_BCxx.dtype) else "bcsh"
+    keys = "bcsh" if key_order(k_BCxx.dtype) == VALUE_ORDER else "bchs"
     scores_BCRTS = jnp.einsum(f"bcrth,{keys}->bcrts", q_BCRTH, k_BCxx, preferred_element_type=_F32) * scale
     scores_BCRTS = jnp.where(mask_BTS[:, None, None], scores_BCRTS, MASKED)
     probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BCSH.dtype)
@@ -130,19 +135,22 @@ def attend_slots(q_BTQH: jax.Array, k_BCxx: jax.Array, v_BCSH: jax.Array, mask_B
 
 def split_cache(cache: KVCache) -> KVCache:
     """The cache with keys/values as tuples of per-layer arrays in attention order: values [B, C, S, H], keys
-    [B, C, H, S] or [B, C, S, H] (`keys_transposed`).
+    [B, C, H, S] or [B, C, S, H] (`key_order`).
 
     What a decode loop carries: each layer's slots are their own buffer, which a step updates in place
     and attention reads without a transpose (slicing a layer out of the stacked array is a copy, and its
     [B, S, C, H] order a transpose before every attention dot). `Transformer.decode` takes either form.
     """
-    order = (0, 2, 3, 1) if keys_transposed(cache.k[0].dtype) else (0, 2, 1, 3)
+    order = key_order(cache.k[0].dtype)
     return dataclasses.replace(cache, k=tuple(jnp.transpose(k_BSCH, order) for k_BSCH in cache.k),
-                               v=tuple(jnp.swapaxes(v_BSCH, 1, 2) for v_BSCH in cache.v))
+                               v=tuple(jnp.transpose(v_BSCH, VALUE_ORDER) for v_BSCH in cache.v))
 
 
 def stack_cache(cache: KVCache) -> KVCache:
     """The inverse of `split_cache`: stacked [L, B, S, C, H] keys/values."""
-    order = (0, 3, 1, 2) if keys_transposed(cache.k[0].dtype) else (0, 2, 1, 3)
-    return dataclasses.replace(cache, k=jnp.stack([jnp.transpose(k, order) for k in cache.k]),
-                               v=jnp.stack([jnp.swapaxes(v, 1, 2) for v in cache.v]))
+    def unsplit(x: jax.Array, order: tuple[int, ...]) -> jax.Array:
+        return jnp.transpose(x, [order.index(axis) for axis in range(4)])
+
+    order = key_order(cache.k[0].dtype)
+    return dataclasses.replace(cache, k=jnp.stack([unsplit(k, order) for k in cache.k]),
+                               v=jnp.stack([unsplit(v, VALUE_ORDER) for v in cache.v]))
