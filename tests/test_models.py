@@ -20,6 +20,7 @@ from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 
 VOCAB = 96
 TOL = 1e-4
+SLOTS = 20  # decode cache slots in these tests: no family's head_dim, so a key layout shows in the shapes
 
 
 def _hf_config(family: str):
@@ -150,7 +151,7 @@ def _prefill_then_decode(model, ids, positions, prompt_len, *, split, cache_dtyp
         layers = layer_params(m.blocks.arrays(), m.config.num_layers)
         return m.decode(ids_BT, pos_BT, cache, layers, rope_for_layers(m.config, pos_BT))
 
-    cache = init_cache(model.config, ids.shape[0], 16, dtype=cache_dtype)
+    cache = init_cache(model.config, ids.shape[0], SLOTS, dtype=cache_dtype)
     cache = split_cache(cache) if split else cache
     logits, cache = step(state, jnp.asarray(ids[:, :prompt_len]), jnp.asarray(positions[:, :prompt_len]), cache)
     got = [np.asarray(logits)]
@@ -181,10 +182,10 @@ def test_prefill_and_decode_match_full_forward(hf_pair, split):
     config = model.config
     if split:  # per layer, in attention order (keys [B, C, H, S], values [B, C, S, H]); stack_cache inverts it
         C, H = config.num_kv_heads, config.head_dim
-        assert len(cache.k) == config.num_layers and cache.k[0].shape == (2, C, H, 16)  # float32: keys transposed
-        assert cache.v[0].shape == (2, C, 16, H)
+        assert len(cache.k) == config.num_layers and cache.k[0].shape == (2, C, H, SLOTS)  # float32: keys transposed
+        assert cache.v[0].shape == (2, C, SLOTS, H)
         stacked = stack_cache(cache)
-        assert stacked.k.shape == (config.num_layers, 2, 16, config.num_kv_heads, config.head_dim)
+        assert stacked.k.shape == (config.num_layers, 2, SLOTS, config.num_kv_heads, config.head_dim)
         for a, b in zip(split_cache(stacked).k + split_cache(stacked).v, cache.k + cache.v):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -199,7 +200,8 @@ def test_bfloat16_split_cache_decode_close_to_float32(hf_pair):
     got, cache = _prefill_then_decode(from_pretrained(folder, dtype=jnp.bfloat16), ids, positions, 6, split=True,
                                       cache_dtype=jnp.bfloat16)
     assert cache.k[0].dtype == jnp.bfloat16 and got.dtype == np.float32
-    assert cache.k[0].shape == cache.v[0].shape  # 16-bit keys stay [B, C, S, H] (kv_cache.key_order)
+    _, C, _, H = cache.v[0].shape  # 16-bit keys stay [B, C, S, H] (kv_cache.key_order)
+    assert cache.k[0].shape == cache.v[0].shape == (2, C, SLOTS, H)
     assert np.abs(got[real] - ref[real]).max() < 0.1 * np.abs(ref[real]).max()
 
 
