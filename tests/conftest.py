@@ -60,13 +60,15 @@ def prompts_file(tmp_path_factory) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Three tiers, chosen by -m. Plain `pytest` (CI, the README) runs everything but `slow`. Any -m expression
-    is an inner loop: it leaves out `slow` and `heavy` unless it names them, so `-m "not subprocess"` is the
-    quick math-and-model loop, `-m "heavy or not subprocess"` adds the whole-model and sharded-step checks, and
-    `-m slow` runs the long ones."""
+    """Three tiers, chosen by -m, and the GPU checks. Plain `pytest` (CI, the README) runs everything but `slow`
+    and `gpu`. Any -m expression is an inner loop: it leaves out `slow` and `heavy` unless it names them, so
+    `-m "not subprocess"` is the quick math-and-model loop, `-m "heavy or not subprocess"` adds the whole-model
+    and sharded-step checks, and `-m slow` runs the long ones. `-m gpu` runs the GPU checks (on a GPU)."""
     expr = config.getoption("markexpr", "")
 
     def left_out(item) -> bool:
+        if item.get_closest_marker("gpu"):  # runs only where asked: scripts/gpu_check.sh on a GPU machine
+            return "gpu" not in expr
         if item.get_closest_marker("slow"):  # the stronger tag: a slow heavy test is slow
             return "slow" not in expr
         return bool(expr) and "heavy" not in expr and item.get_closest_marker("heavy") is not None

@@ -232,7 +232,8 @@ def test_auto_per_backend_and_explicit_kernels_check_their_constraints():
     choose = attn.choose_impl
     assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="gpu") == "cudnn"
     assert choose("auto", seq_len=4096, dtype=jnp.float32, head_dim=64, backend="gpu") == "blockwise"
-    assert choose("auto", seq_len=4095, dtype=jnp.bfloat16, head_dim=64, backend="gpu") == "blockwise"
+    assert choose("auto", seq_len=4095, dtype=jnp.bfloat16, head_dim=64, backend="gpu") == "cudnn"  # pads to even
+    assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=60, backend="gpu") == "blockwise"
     assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="tpu") == "splash"
     assert choose("auto", seq_len=4000, dtype=jnp.bfloat16, head_dim=64, backend="tpu") == "blockwise"
     with pytest.raises(ValueError, match="cudnn"):
@@ -334,3 +335,89 @@ def test_train_step_blockwise_equals_reference(monkeypatch):
     np.testing.assert_allclose(got_metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
     for r, g in zip(jax.tree.leaves(ref_params), jax.tree.leaves(got_params)):
         np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- on a GPU (-m gpu: scripts/gpu_check.sh)
+
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU: scripts/gpu_check.sh runs these")
+
+GPU_CASES = {  # name: (mask kind, B, T, C, R, H, window): cuDNN's head dims (H % 8 == 0)
+    "causal_gqa": ("causal", 2, 256, 3, 3, 64, None),  # SmolLM2-135M's heads
+    "left_padded_odd_length": ("left_padded", 4, 199, 2, 2, 64, None),  # the trainer's U + T - 1
+    "packed_segments": ("packed", 3, 256, 1, 4, 64, None),
+    "window": ("left_padded", 4, 320, 2, 2, 64, 37),
+    "packed_window": ("packed", 3, 256, 2, 2, 128, 50),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("impl", ["cudnn", "blockwise"])
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu_kernels_match_the_float32_reference(case, impl):
+    """bf16 q, k, v through cuDNN flash attention and through our blockwise kernel, on the GPU: the outputs of
+    queries that see something and the gradients of q, k, v, against the reference in float32 on the same values."""
+    kind, B, T, C, R, H, window = GPU_CASES[case]
+    positions, segments = _layout(kind, B, T, np.random.RandomState(8))
+    q, k, v, projection = _inputs(B, T, C, R, H, jnp.bfloat16, seed=9)
+    idx = jnp.arange(T)
+    mask = attn.self_attention_mask(segments, segments, idx, idx, positions, positions, window)
+    seen = mask.any(-1)[:, :, None, None]
+    kernel = attn.cudnn_attention if impl == "cudnn" else attn.blockwise_attention
+
+    def got(q, k, v):
+        return kernel(q, k, v, positions, segments, scale=0.3, window=window)
+
+    def want(q, k, v):
+        return attn.reference_attention(q, k, v, mask, 0.3)
+
+    def out_and_grads(fn, q, k, v):
+        out, pull = jax.vjp(fn, q, k, v)
+        return out, *pull(jnp.where(seen, projection, 0.0).astype(out.dtype))
+
+    expected = jax.jit(functools.partial(out_and_grads, want))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    results = jax.jit(functools.partial(out_and_grads, got))(q, k, v)
+    keep = np.broadcast_to(np.asarray(seen), expected[0].shape)
+    for name, w, g in zip(("out", "dq", "dk", "dv"), expected, results):
+        assert g.dtype == jnp.bfloat16, name
+        w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        if name == "out":  # a query that sees nothing: the reference's mean of the values, the kernels' own value
+            w, g = w[keep], g[keep]
+        assert np.all(np.isfinite(g)), name
+        np.testing.assert_allclose(g, w, atol=BF16_TOL * max(1.0, np.abs(w).max()), rtol=BF16_TOL, err_msg=name)
+
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_auto_on_a_gpu_runs_cudnn_in_the_model_within_bf16_of_the_reference(family):
+    """`attention_impl: auto` under bfloat16 compute picks cuDNN on a GPU (its forward and backward custom calls
+    are in the program), and the model's logits and gradients stay within bf16 rounding of the float32 reference
+    (Gemma 3: sliding windows and packed segments; Llama: left padding)."""
+    B, T = 3, 30
+    positions, segments = _layout("packed" if family == "gemma3" else "left_padded", B, T, np.random.RandomState(6))
+    ids = jnp.asarray(np.random.RandomState(7).randint(0, 64, (B, T)))
+    seen = np.asarray(segments != 0)
+    outputs = []
+    for impl, compute in (("reference", None), ("auto", "bfloat16")):
+        config = dataclasses.replace(_family_config(family, impl), compute_dtype=compute)
+        graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+
+        def loss(state, graphdef=graphdef):
+            logits = nnx.merge(graphdef, state)(ids, positions, segments)
+            logp = jnp.where(jnp.asarray(seen)[:, :, None], jax.nn.log_softmax(logits), 0.0)
+            return jnp.sum(logp) / seen.sum(), logits
+
+        step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+        if impl == "auto":
+            program = step.lower(state).as_text()
+            assert "__cudnn$fmha" in program and "Backward" in program, "auto did not pick cuDNN"
+        (_, logits), grads = step(state)
+        outputs.append((np.asarray(logits, np.float32), grads))
+    (ref_logits, ref_grads), (got_logits, got_grads) = outputs
+    np.testing.assert_allclose(got_logits[seen], ref_logits[seen], atol=BF16_TOL * np.abs(ref_logits).max())
+    for r, g in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(got_grads)):
+        r, g = np.asarray(r, np.float32), np.asarray(g, np.float32)
+        assert np.linalg.norm(g - r) <= 3e-2 * np.linalg.norm(r) + 1e-6, (np.linalg.norm(g - r), np.linalg.norm(r))
+

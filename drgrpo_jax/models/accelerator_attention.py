@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 
-def cudnn_supported(dtype, head_dim: int, seq_len: int) -> bool:
+def cudnn_supported(dtype, head_dim: int) -> bool:
     """cuDNN flash attention's constraints (jax._src.cudnn.fused_attention_stablehlo): 16-bit floats, H % 8 == 0,
-    H <= 128 (<= 256 from Hopper, compute capability 9.0), an even length (training with a bias, our mask)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8 or seq_len % 2:
+    H <= 128 (<= 256 from Hopper, compute capability 9.0). Its even length (training with a bias, our mask) is
+    `cudnn_attention`'s to meet."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or head_dim % 8:
         return False
     if head_dim <= 128:
         return True
@@ -31,13 +32,22 @@ def cudnn_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, pos
     gradient of the same shape): [B, T, S] arrays per call, not per head and not kept as probabilities, but
     still quadratic (cuDNN's own padding mask only knows right-padded lengths, and the trainer's rows are
     left-padded; its packed layout with segment offsets is not public API).
+
+    cuDNN trains with a bias only at even lengths, and the trainer's forward is U + T - 1 long (odd for even
+    budgets): an odd length gets one padding position at the end (segment 0, seen by nothing), cut off after.
     """
     del positions_BT
+    T = q_BTQH.shape[1]
+    extra = T % 2
+    if extra:
+        q_BTQH, k_BSCH, v_BSCH = (jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0))) for x in (q_BTQH, k_BSCH, v_BSCH))
+        segment_ids_BT = jnp.pad(segment_ids_BT, ((0, 0), (0, extra)))
     seg_BT = segment_ids_BT
     mask_B1TS = ((seg_BT[:, :, None] == seg_BT[:, None, :]) & (seg_BT[:, :, None] != 0))[:, None]
-    return jax.nn.dot_product_attention(
+    out_BTQH = jax.nn.dot_product_attention(
         q_BTQH, k_BSCH, v_BSCH, mask=mask_B1TS, scale=scale, is_causal=True,
         local_window_size=None if window is None else (window - 1, 0), implementation="cudnn")
+    return out_BTQH[:, :T]
 
 
 SPLASH_BLOCK = 128  # splash's default block sizes; T must be a multiple

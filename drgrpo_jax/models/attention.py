@@ -304,15 +304,15 @@ def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str |
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention: {impl!r} is not supported (supported: {ATTENTION_IMPLS})")
     backend = backend or jax.default_backend()
-    if impl == "cudnn" and not cudnn_supported(dtype, head_dim, seq_len):
-        raise ValueError(f"attention: cudnn needs bfloat16/float16, head_dim % 8 == 0, <= 128 (256 on Hopper) and "
-                         f"an even length; got {jnp.dtype(dtype).name}, head_dim {head_dim}, length {seq_len}")
+    if impl == "cudnn" and not cudnn_supported(dtype, head_dim):
+        raise ValueError(f"attention: cudnn needs bfloat16/float16 and head_dim % 8 == 0, <= 128 (256 on Hopper); "
+                         f"got {jnp.dtype(dtype).name}, head_dim {head_dim}")
     if impl == "splash" and not splash_supported(seq_len):
         raise ValueError(f"attention: splash needs a length multiple of {SPLASH_BLOCK}, got {seq_len}")
     if impl != "auto":
         return impl
     if backend == "gpu":
-        return "cudnn" if cudnn_supported(dtype, head_dim, seq_len) else "blockwise"
+        return "cudnn" if cudnn_supported(dtype, head_dim) else "blockwise"
     if backend == "tpu":
         return "splash" if splash_supported(seq_len) else "blockwise"
     return "blockwise" if seq_len >= BLOCKWISE_MIN_LENGTH else "reference"
