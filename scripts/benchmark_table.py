@@ -86,16 +86,20 @@ def _quickstart(r: dict) -> tuple[str, str]:
 
 
 def _long_context(r: dict) -> tuple[str, str]:
-    what = (f"SmolLM2 long context: train step ({r.get('train_dtype', 'float32')}, blockwise + remat) vs torch, "
-            "peak RSS; sampler vs transformers")
+    gpu = r.get("device") == "gpu"
+    memory = "peak_device_gb" if gpu else "peak_rss_gb"
+    kernels = "cuDNN attention, no remat" if gpu else "blockwise + remat"
+    what = (f"SmolLM2{' shape, random weights,' if 'random' in r.get('model', '') else ''} long context"
+            f"{' on a GPU' if gpu else ''}: train step ({r.get('train_dtype', 'float32')}, {kernels}) vs torch, "
+            f"{'peak GPU memory' if gpu else 'peak RSS'}; sampler vs transformers")
     parts = []
     for entry in r.get("train", []):
         ours, theirs = entry["ours"], entry["torch"]
         if "speedup" in entry:
             parts.append(f"{entry['batch']}: **{entry['speedup']:.2f}x** torch tok/s at {entry['memory_ratio']:.2f}x "
-                         f"its memory ({ours['peak_rss_gb']:.1f} vs {theirs['peak_rss_gb']:.1f} GB)")
+                         f"its memory ({ours[memory]:.1f} vs {theirs[memory]:.1f} GB)")
         elif "error" not in ours:
-            parts.append(f"{entry['batch']}: {ours['tokens_per_s']:.0f} tok/s, {ours['peak_rss_gb']:.1f} GB "
+            parts.append(f"{entry['batch']}: {ours['tokens_per_s']:.0f} tok/s, {ours[memory]:.1f} GB "
                          "(torch failed)")
     sampler = r.get("sampler", {})
     if "speedup" in sampler:
@@ -165,9 +169,12 @@ VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batch
                   "attention": ("dtype", "rows")}
 
 
-def cpu_kind(machine: dict) -> str:
-    """The CPU's matmul class from the flags `benchmarks/record.py` keeps: what decides the speed of each dtype
-    (and what `model.compute_dtype: auto` picks), so records of different kinds are different rows."""
+def machine_kind(machine: dict) -> str:
+    """The GPU a record ran on (nvidia-smi's name), else the CPU's matmul class from the flags `benchmarks/record.py`
+    keeps: what decides the speed of each dtype (and what `model.compute_dtype: auto` picks), so records of
+    different kinds are different rows."""
+    if machine.get("gpus"):
+        return f"{len(machine['gpus'])}x {machine['gpus'][0].split(',')[0]}"
     flags = set(machine.get("cpu_flags", ()))
     for flag, kind in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
                        ("avx2", "AVX2")):
@@ -181,7 +188,7 @@ def _row_key(record: dict) -> tuple[str, str]:
     quickstart ran (a dtype asked for and the same one resolved by `auto` share a row), per shape and lever of the
     train step."""
     result = record["results"][-1]
-    kind = cpu_kind(record["machine"])
+    kind = machine_kind(record["machine"])
     if record["script"] == "quickstart":
         others = [o for o in result.get("overrides", []) if not o.startswith(_DTYPE_OVERRIDE)]
         return "quickstart", f"{result['config']} {others} {_quickstart_dtype(result)} {kind}"
@@ -236,7 +243,7 @@ def table(records: dict[tuple[str, str], list[dict]]) -> str:
         figures += _spread(script, records[script, variant])
         m = record["machine"]
         source = (f"[{record['date'][:10]}]({record['file']}), {record['commit'][:7]}"
-                  f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores {cpu_kind(m)}, load "
+                  f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores {machine_kind(m)}, load "
                   f"{record['load_before']} -> {record['load_after']}")
         rows.append(f"| {what} | {figures} | {source} |")
     return "\n".join(rows)

@@ -62,27 +62,30 @@ def test_the_table_leads_with_the_same_run_ratio_and_cites_the_record(tmp_path, 
     assert readme.read_text() == f"before\n{table.BEGIN}\n{text}\n{table.END}\nafter\n"
 
 
-def test_each_cpu_kind_keeps_its_own_row(tmp_path, monkeypatch):
-    """A record from another CPU kind (which decides each dtype's speed and what `auto` picks) adds a row naming
-    its kind instead of replacing the row of the kind measured before."""
+def test_each_machine_kind_keeps_its_own_row(tmp_path, monkeypatch):
+    """A record from another CPU kind (which decides each dtype's speed and what `auto` picks) or from a GPU adds a
+    row naming its kind instead of replacing the row of the kind measured before."""
     table = _load("scripts/benchmark_table.py")
     monkeypatch.setattr(table, "RESULTS", tmp_path)
     monkeypatch.setattr(table, "ROOT", tmp_path)
     result = {"batch": "32x128", "jax_over_torch": 1.0, "jax_tokens_per_s": 100.0, "torch_tokens_per_s": 100.0,
               "jax_utilisation": 0.5, "matmul_peak_gflops": 200.0}
     kinds = {"amx": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"], "zen4": ["avx2", "avx512f", "avx512_bf16"],
-             "avx2": ["avx2"]}
+             "avx2": ["avx2"], "gpu": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]}
     for day, (name, flags) in enumerate(kinds.items(), start=1):
+        machine = {"nproc": 2, "cpu_flags": flags, **({"gpus": ["NVIDIA H200, 143771 MiB, 580.1"]} if name == "gpu"
+                                                      else {})}
         record = {"script": "train_step", "date": f"2026-12-0{day}T00:00:00+00:00", "commit": "a" * 40,
-                  "dirty": False, "load_before": 0.2, "load_after": 1.1, "machine": {"nproc": 2, "cpu_flags": flags},
+                  "dirty": False, "load_before": 0.2, "load_after": 1.1, "machine": machine,
                   "results": [dict(result, jax_over_torch=float(day))]}
         (tmp_path / f"train_step-{name}.json").write_text(json.dumps(record))
     rows = table.table(table.newest_records()).splitlines()[2:]
-    assert len(rows) == 3
-    for ratio, kind in [("1.00x", "AMX-BF16"), ("2.00x", "AVX512-BF16"), ("3.00x", "AVX2")]:
+    assert len(rows) == 4
+    expected = [("1.00x", "AMX-BF16"), ("2.00x", "AVX512-BF16"), ("3.00x", "AVX2"), ("4.00x", "1x NVIDIA H200")]
+    for ratio, kind in expected:
         [row] = [row for row in rows if f"**{ratio}**" in row]
         assert f"2 cores {kind}, load" in row
-    assert table.cpu_kind({"cpu_flags": []}) == "no AVX2"
+    assert table.machine_kind({"cpu_flags": []}) == "no AVX2"
 
 
 def test_long_context_series_row_and_failed_worker():
@@ -101,6 +104,12 @@ def test_long_context_series_row_and_failed_worker():
     _, row = table.FORMATS["long_context"]({"train": train[1:2], "sampler": sampler})
     assert row == ("2x2048: **1.25x** torch tok/s at 0.33x its memory (3.0 vs 9.0 GB); "
                    "sampler 16x1024 float32: **2.50x** (250 vs 100 tok/s)")
+    on_gpu = [{**e, "ours": {**e["ours"], "peak_device_gb": 1.5}, "torch": {**e["torch"], "peak_device_gb": 3.0},
+               "memory_ratio": 0.5} for e in train]
+    assert long_context.memory_series(on_gpu, "peak_device_gb")["ours_peak_device_gb"] == [1.5, 1.5, 1.5]
+    what, row = table.FORMATS["long_context"]({"train": on_gpu[1:2], "device": "gpu", "model": "... random weights"})
+    assert "on a GPU" in what and "random weights" in what and "peak GPU memory" in what
+    assert row == "2x2048: **1.25x** torch tok/s at 0.50x its memory (1.5 vs 3.0 GB)"
     failed = long_context.run_worker("no_such_worker", {}, timeout_s=120)
     assert failed["error"].startswith("exit 1: KeyError")
 
