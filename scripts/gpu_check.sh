@@ -29,14 +29,14 @@ print('jax', jax.__version__, jax.devices(), '| flax', flax.__version__, '| opta
     2>&1 | tee -a "$out/gpu.txt"
 
 status=0
-timeout 240 $python -m pytest -q -rs -m gpu tests/test_attention.py -p no:cacheprovider 2>&1 \
+timeout 180 $python -m pytest -q -rs -m gpu tests/test_attention.py -p no:cacheprovider 2>&1 \
     | tee "$out/gpu_tests.log" || status=1
 
 before=$(ls benchmarks/results)
-timeout 420 $python benchmarks/record.py ${commit:+--commit "$commit"} \
+timeout 380 $python benchmarks/record.py ${commit:+--commit "$commit"} \
     --note "scripts/gpu_check.sh: random weights of SmolLM2-135M's shape (no registry on the GPU machine)" \
     -- $python benchmarks/long_context.py --device gpu --random-weights --dtype bfloat16 --repeats 3 \
-    --timeout 200 2>&1 | tee "$out/long_context.log" || status=1
+    --timeout 150 2>&1 | tee "$out/long_context.log" || status=1
 for record in $(ls benchmarks/results); do
     grep -qx "$record" <<<"$before" || cp "benchmarks/results/$record" "$out/"
 done
