@@ -226,6 +226,11 @@ def test_mixed_precision_hands_the_gpu_kernel_16_bit_operands(monkeypatch):
     positions, segments = jnp.arange(T)[None], jnp.ones((B, T), jnp.int32)
     out = attn.attention(q, k, v, positions, segments, scale=0.25, dtype=jnp.bfloat16)
     assert seen == [(jnp.bfloat16,) * 3] and out.dtype == jnp.float32
+    # and so does the model: float32 weights and activations, bf16 compute (the trainer's mixed precision), T odd
+    config = dataclasses.replace(_family_config("llama", "auto"), compute_dtype="bfloat16")
+    ids = jnp.zeros((1, 29), jnp.int32)
+    Transformer(config, rngs=nnx.Rngs(0))(ids, jnp.arange(29)[None], jnp.ones((1, 29), jnp.int32))
+    assert seen[1:] == [(jnp.bfloat16,) * 3]  # traced once: the layers are one scanned block
 
 
 def test_auto_per_backend_and_explicit_kernels_check_their_constraints():

@@ -210,7 +210,8 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     layers; the others derive visibility from positions and segment ids inside their kernels.
     """
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
-    impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=x_BTD.dtype, head_dim=config.head_dim)
+    compute = config.compute_dtype or x_BTD.dtype  # float32 activations under bf16 compute still get cuDNN
+    impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim)
     masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
     layer_L = jnp.arange(config.num_layers)
