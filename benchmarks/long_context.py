@@ -178,10 +178,12 @@ def memory_key(device: str) -> str:
 
 def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     """Both sides of one ROWSxLENGTH training step, and ours over theirs."""
-    from drgrpo_jax.plan import cpu_auto_remat
-
     rows, length = (int(x) for x in shape.split("x"))
-    remat = args.remat if args.remat != "auto" else "none" if args.device == "gpu" else cpu_auto_remat(length)
+    remat = args.remat
+    if remat == "auto":  # the plan needs the trainer's config stack (omegaconf), which a GPU image may lack
+        from drgrpo_jax.plan import cpu_auto_remat
+
+        remat = "none" if args.device == "gpu" else cpu_auto_remat(length)
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,
             "remat": remat, "device": args.device}
     ours, torch = run_worker("train_ours", spec, args.timeout), run_worker("train_torch", spec, args.timeout)
