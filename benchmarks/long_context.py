@@ -180,10 +180,12 @@ def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     """Both sides of one ROWSxLENGTH training step, and ours over theirs."""
     rows, length = (int(x) for x in shape.split("x"))
     remat = args.remat
-    if remat == "auto":  # the plan needs the trainer's config stack (omegaconf), which a GPU image may lack
+    if remat == "auto" and args.device == "gpu":
+        remat = "none"
+    elif remat == "auto":  # the plan needs the trainer's config stack (omegaconf), which a GPU image may lack
         from drgrpo_jax.plan import cpu_auto_remat
 
-        remat = "none" if args.device == "gpu" else cpu_auto_remat(length)
+        remat = cpu_auto_remat(length)
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,
             "remat": remat, "device": args.device}
     ours, torch = run_worker("train_ours", spec, args.timeout), run_worker("train_torch", spec, args.timeout)
