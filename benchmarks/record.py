@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="record even on a busy machine (the record says so)")
     parser.add_argument("--note", default="", help="a free-text note stored with the record")
     parser.add_argument("--commit", default="",
-                        help="the commit of a tree without .git (a copy sent to a GPU machine): must be clean there")
+                        help="the commit of a tree whose .git is missing or stale (a copy sent to a GPU machine); "
+                             "the caller vouches that the tree is that commit, clean")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the benchmark command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -102,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "script": next((pathlib.Path(c).stem for c in command if c.endswith(".py")), pathlib.Path(command[0]).name),
         "command": shlex.join(command),
-        "commit": _git("rev-parse", "HEAD") or args.commit,
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": args.commit or _git("rev-parse", "HEAD"),
+        "dirty": False if args.commit else bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit_given": bool(args.commit),
         "date": started.isoformat(timespec="seconds"),
         "seconds": round((datetime.datetime.now(datetime.UTC) - started).total_seconds(), 1),
         "machine": machine(),
