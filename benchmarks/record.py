@@ -3,10 +3,10 @@
     python benchmarks/record.py -- python benchmarks/train_step.py --rows 16
 
 Writes benchmarks/results/<script>-<UTC time>.json: the JSON lines the command printed, the exact
-command, the git commit (and whether the tree had uncommitted changes), the date, `nproc`, the
-CPU model and its relevant flags, the GPUs `nvidia-smi` lists (if any), and the 1-minute load average before
-and after. Refuses to
-start when the load is already >= --max-load (a busy machine halves some figures), unless --force.
+command, the git commit (and whether the tree had uncommitted changes; or the one --commit names), the
+date, `nproc`, the CPU model and its relevant flags, the GPUs `nvidia-smi` lists (if any), and the 1-minute
+load average before and after. Refuses to start when the load is already >= --max-load (a busy machine halves
+some figures), unless --force.
 `scripts/benchmark_table.py` turns the newest record of each script into the README's table.
 """
 

@@ -11,8 +11,9 @@
 #
 #     scripts/gpu_check.sh OUT_DIR [COMMIT]
 #
-# OUT_DIR gets the logs and the record; COMMIT names the checkout where it has no .git (a copy sent to a GPU
-# machine). Exits non-zero if either part fails; both always run.
+# OUT_DIR gets the logs and the record; COMMIT names the checkout where its .git is missing or stale (a copy
+# sent to a GPU machine may carry an older .git: commit first, then pass the hash). Exits non-zero if either part
+# fails; both always run.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [COMMIT]}
 commit=${2:-}
