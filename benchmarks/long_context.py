@@ -5,7 +5,7 @@
         [--repeats 1] [--skip-sampler] [--device cpu|gpu] [--random-weights]
 
 Prints one JSON line. Every measurement runs in its own process (this script with --worker), which reports
-its time and its own peak RSS (`ru_maxrss`), so the two sides never share an allocator or a high-water mark:
+its time and its own peak RSS (VmHWM), so the two sides never share an allocator or a high-water mark:
 - train: one AdamW step (forward + backward + update) on ROWSxLENGTH tokens (128 prompt tokens, the rest
   response) in --dtype (bfloat16: mixed precision on both sides, float32 master weights; ours
   `StepConfig.compute_dtype`, PyTorch `torch.autocast`): ours with `attention_impl: auto` (blockwise on a CPU at
@@ -43,8 +43,15 @@ PROMPT_TOKENS = 128  # of every training row; the rest of the length is response
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory (Linux ru_maxrss is in KiB)."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    """This process's peak resident memory: VmHWM, its own address space's high-water mark. Linux's ru_maxrss
+    also keeps the parent's peak across the exec that started this worker (this script's main process, which
+    exported the model), so it cannot report a worker below that; it is the fallback without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return round(kib / 2**20, 2)
 
 
 def peak_device_gb(framework: str) -> float:

@@ -177,3 +177,15 @@ def test_the_readme_states_what_the_committed_records_say():
     assert cited and not [p for p in sorted(cited) if not (ROOT / p).exists()]
     stated = readme.split(table.BEGIN, 1)[1].split(table.END, 1)[0].strip()
     assert stated == table.table(table.newest_records())
+
+
+def test_a_worker_reports_its_own_peak_memory_not_its_parents():
+    """long_context's workers are started by a process that holds the exported model: a worker's peak RSS must
+    be its own (Linux's ru_maxrss keeps the parent's peak across exec, which once floored every worker's figure)."""
+    import numpy as np
+
+    held = np.ones(768 * 2**20 // 8)  # this process: >= 0.75 GB resident
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import long_context; " \
+           "print(long_context.peak_rss_gb())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert held.sum() > 0 and child < 0.5, child
