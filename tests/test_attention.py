@@ -392,7 +392,6 @@ def test_gpu_kernels_match_the_float32_reference(case, impl):
         np.testing.assert_allclose(g, w, atol=BF16_TOL * max(1.0, np.abs(w).max()), rtol=BF16_TOL, err_msg=name)
 
 
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
