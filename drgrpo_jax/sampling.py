@@ -39,7 +39,7 @@ from flax import nnx
 
 from drgrpo_jax.draws import filter_top_k_top_p, row_keys, sample_inverse_cdf, sample_step
 from drgrpo_jax.models import KVCache, init_cache
-from drgrpo_jax.models.kv_cache import key_slot_axis, split_cache
+from drgrpo_jax.models.kv_cache import VALUE_ORDER, key_slot_axis, split_cache
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
@@ -260,8 +260,9 @@ def _take_and_grow(cache: KVCache, index_B: jax.Array, num_slots: int) -> KVCach
         return jnp.pad(x[index_B], [(0, extra if axis == slot_axis else 0) for axis in range(x.ndim)])
 
     positions_BS = jnp.pad(cache.positions_BS[index_B], ((0, 0), (0, extra)), constant_values=-1)
-    return KVCache(k=tuple(grow(k, key_slot_axis(k.dtype)) for k in cache.k), v=tuple(grow(v, 2) for v in cache.v),
-                   positions_BS=positions_BS, length=cache.length)
+    keys = tuple(grow(k, key_slot_axis(k.dtype)) for k in cache.k)
+    values = tuple(grow(v, VALUE_ORDER.index(1)) for v in cache.v)
+    return KVCache(k=keys, v=values, positions_BS=positions_BS, length=cache.length)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype"))
