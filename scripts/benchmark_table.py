@@ -88,10 +88,12 @@ def _quickstart(r: dict) -> tuple[str, str]:
 def _long_context(r: dict) -> tuple[str, str]:
     gpu = r.get("device") == "gpu"
     memory = "peak_device_gb" if gpu else "peak_rss_gb"
-    kernels = "cuDNN attention, no remat" if gpu else "blockwise + remat"
+    train = r.get("train", [])  # what the steps ran, as recorded (records before 2026-12-04 forced blockwise)
+    attention = "/".join(sorted({e["ours"].get("attention", "blockwise") for e in train if "error" not in e["ours"]}))
+    remat = "/".join(sorted({str(e.get("remat", "on")) for e in train}))
     what = (f"SmolLM2{' shape, random weights,' if 'random' in r.get('model', '') else ''} long context"
-            f"{' on a GPU' if gpu else ''}: train step ({r.get('train_dtype', 'float32')}, {kernels}) vs torch, "
-            f"{'peak GPU memory' if gpu else 'peak RSS'}; sampler vs transformers")
+            f"{' on a GPU' if gpu else ''}: train step ({r.get('train_dtype', 'float32')}, {attention} attention, "
+            f"remat {remat}) vs torch, {'peak GPU memory' if gpu else 'peak RSS'}; sampler vs transformers")
     parts = []
     for entry in r.get("train", []):
         ours, theirs = entry["ours"], entry["torch"]

@@ -104,11 +104,12 @@ def test_long_context_series_row_and_failed_worker():
     _, row = table.FORMATS["long_context"]({"train": train[1:2], "sampler": sampler})
     assert row == ("2x2048: **1.25x** torch tok/s at 0.33x its memory (3.0 vs 9.0 GB); "
                    "sampler 16x1024 float32: **2.50x** (250 vs 100 tok/s)")
-    on_gpu = [{**e, "ours": {**e["ours"], "peak_device_gb": 1.5}, "torch": {**e["torch"], "peak_device_gb": 3.0},
-               "memory_ratio": 0.5} for e in train]
+    on_gpu = [{**e, "ours": {**e["ours"], "peak_device_gb": 1.5, "attention": "cudnn"}, "remat": "none",
+               "torch": {**e["torch"], "peak_device_gb": 3.0}, "memory_ratio": 0.5} for e in train]
     assert long_context.memory_series(on_gpu, "peak_device_gb")["ours_peak_device_gb"] == [1.5, 1.5, 1.5]
     what, row = table.FORMATS["long_context"]({"train": on_gpu[1:2], "device": "gpu", "model": "... random weights"})
     assert "on a GPU" in what and "random weights" in what and "peak GPU memory" in what
+    assert "(float32, cudnn attention, remat none)" in what  # what the record says the step ran
     assert row == "2x2048: **1.25x** torch tok/s at 0.50x its memory (1.5 vs 3.0 GB)"
     failed = long_context.run_worker("no_such_worker", {}, timeout_s=120)
     assert failed["error"].startswith("exit 1: KeyError")
