@@ -389,10 +389,20 @@ def test_attention_impl_lists_the_model_choices_and_kernels_need_their_backend()
 def test_long_quickstart_sets_the_long_context_options():
     import os
 
+    import jax.numpy as jnp
+
+    from drgrpo_jax.activations import model_call
+    from drgrpo_jax.models.attention import choose_impl
+    from drgrpo_jax.plan import resolve_remat
+
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "long_quickstart.yaml")
     config = load_config(path)
     assert config.rollout.max_new_tokens == 1024 and config.data.task == "gsm_symbolic"
-    assert config.model.remat and config.model.attention_impl == "blockwise"
+    # auto, so each backend takes its own kernel; on a CPU its 1279-token rows get the memory-linear ones.
+    assert config.model.remat == config.model.attention_impl == "auto"
+    seq_len = model_call(config)[1]
+    assert choose_impl("auto", seq_len=seq_len, dtype=jnp.float32, head_dim=64, backend="cpu") == "blockwise"
+    assert resolve_remat(config, {"full": 0, "none": 1 << 40}, budget=1 << 34, backend="cpu") == "full"
 
 
 @pytest.mark.parametrize("overrides, key, fragment", [
