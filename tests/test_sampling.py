@@ -1,5 +1,7 @@
 """The KV-cache sampler against repeated full forwards, the trainer's log-probs, and numpy oracles."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +126,11 @@ def test_fixed_seed_repeats_and_rows_do_not_depend_on_batch_mates(model):
     mixed = run(model, [rows[2], RowRequest(PROMPTS[1], params, seed=99), rows[0]])
     np.testing.assert_array_equal(mixed.tokens_BT[0], first.tokens_BT[2])
     np.testing.assert_array_equal(mixed.tokens_BT[2], first.tokens_BT[0])
+    # A greedy batch-mate changes neither the sampled rows nor its own tokens (the argmax runs only with one).
+    greedy = RowRequest(PROMPTS[1], dataclasses.replace(params, temperature=0.0), seed=0)
+    with_greedy, greedy_alone = run(model, [rows[0], greedy]), run(model, [greedy])
+    np.testing.assert_array_equal(with_greedy.tokens_BT[0], first.tokens_BT[0])
+    np.testing.assert_array_equal(with_greedy.tokens_BT[1], greedy_alone.tokens_BT[0])
 
 
 def test_stop_tokens_budgets_and_early_exit(model):
