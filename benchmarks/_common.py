@@ -28,7 +28,9 @@ def smollm2(random_weights: bool = False):
     import jax.numpy as jnp
     from flax import nnx
 
-    from drgrpo_jax.models import DecoderConfig, RopeConfig, Transformer, from_pretrained
+    from drgrpo_jax.models.config import DecoderConfig, RopeConfig
+    from drgrpo_jax.models.pretrained import from_pretrained
+    from drgrpo_jax.models.transformer import Transformer
 
     if not random_weights:
         return from_pretrained(smollm2_gguf(), dtype=jnp.float32)

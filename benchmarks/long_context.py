@@ -87,8 +87,8 @@ def train_ours(spec: dict) -> dict:
     import jax.numpy as jnp
     from train_step import jax_step_seconds, make_batch
 
-    from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.models.attention import choose_impl
+    from drgrpo_jax.models.pretrained import from_pretrained
 
     model = from_pretrained(spec["folder"], dtype=jnp.float32)
     model.config = dataclasses.replace(model.config, attention_impl="auto", remat=spec["remat"])
@@ -117,7 +117,7 @@ def sampler_ours(spec: dict) -> dict:
     import jax.numpy as jnp
     from sampler import sampler_call
 
-    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.models.pretrained import from_pretrained
 
     from _common import sampler_prompts
 
@@ -171,7 +171,7 @@ def run_worker(kind: str, spec: dict, timeout_s: float) -> dict:
 
 def export_model(folder: str, random_weights: bool) -> None:
     """SmolLM2 (the GGUF, or random weights of its shape) as an HF safetensors folder that both sides read."""
-    from drgrpo_jax.models import save_pretrained
+    from drgrpo_jax.models.hf_io import save_pretrained
 
     from _common import smollm2
 
@@ -190,7 +190,7 @@ def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     if remat == "auto" and args.device == "gpu":
         remat = "none"
     elif remat == "auto":  # the plan needs the trainer's config stack (omegaconf), which a GPU image may lack
-        from drgrpo_jax.plan import cpu_auto_remat
+        from drgrpo_jax.plan.planner import cpu_auto_remat
 
         remat = cpu_auto_remat(length)
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,

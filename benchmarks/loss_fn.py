@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drgrpo_jax import LossConfig, loss_fn
+from drgrpo_jax.losses import LossConfig, loss_fn
 
 
 def median_seconds(fn, args, repeats):

@@ -29,10 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drgrpo_jax.models import DecoderConfig, RopeConfig, Transformer, init_cache, save_pretrained
-from drgrpo_jax.models.kv_cache import split_cache
+from drgrpo_jax.models.config import DecoderConfig, RopeConfig
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.kv_cache import init_cache, split_cache
 from drgrpo_jax.models.logprobs import token_logprobs
-from drgrpo_jax.models.transformer import layer_params, rope_for_layers
+from drgrpo_jax.models.transformer import Transformer, layer_params, rope_for_layers
 
 
 def smollm2_shapes(num_layers: int) -> DecoderConfig:

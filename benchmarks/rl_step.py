@@ -71,10 +71,11 @@ def write_inputs(args, workdir: str) -> tuple[str, str]:
     """(HF model folder, prompts JSONL in our trainer's draw order) for both sides."""
     import jax.numpy as jnp
 
-    from drgrpo_jax.config import load_config
+    from drgrpo_jax.config.load import load_config
     from drgrpo_jax.data import PromptStream, load_dataset, render_prompt, tokenize_prompt
-    from drgrpo_jax.models import from_pretrained, save_pretrained
     from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
+    from drgrpo_jax.models.hf_io import save_pretrained
+    from drgrpo_jax.models.pretrained import from_pretrained
 
     model_dir = os.path.join(workdir, "model")
     tokenizer = load_gguf_tokenizer(smollm2_gguf())
@@ -193,7 +194,7 @@ def trl_child(args) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from drgrpo_jax.data import Example
-    from drgrpo_jax.rewards import math_verify_reward
+    from drgrpo_jax.rewards.functions import math_verify_reward
 
     torch.set_num_threads(os.cpu_count() or 1)
     rows = [json.loads(line) for line in open(args.prompts_file)]

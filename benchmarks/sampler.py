@@ -2,7 +2,7 @@
 
     python benchmarks/sampler.py [--batch 32] [--new-tokens 128] [--dtypes float32,bfloat16] [--repeats 2]
 
-Prints one JSON line: generated tokens/s of drgrpo_jax.sampling.generate (per dtype; steady state
+Prints one JSON line: generated tokens/s of drgrpo_jax.sampler.generate.generate (per dtype; steady state
 after a compile call), of transformers' `generate` (PyTorch CPU, float32 and each --dtypes) on the
 same weights, batch and lengths, the ratios (`ratio_X`: ours in X over transformers in float32, its
 CPU default; `ratio_X_vs_transformers_X`: the same dtype on both sides), the compile time, and the
@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drgrpo_jax import sampling
-from drgrpo_jax.models import from_pretrained, save_pretrained
-from drgrpo_jax.sampling import RowRequest, SamplingParams
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 
 from _common import sampler_prompts, smollm2_gguf, time_transformers
 
@@ -80,7 +81,7 @@ def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
 
 def time_weight_swap(folder: str, dtype: str) -> float:
     """Seconds for Engine.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
-    from drgrpo_jax.serve import Engine, ServeConfig
+    from drgrpo_jax.serve.engine import Engine, ServeConfig
 
     engine = Engine(ServeConfig(model=folder, dtype=dtype))
     try:

@@ -27,10 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drgrpo_jax import LossConfig
-from drgrpo_jax.models import from_pretrained, save_pretrained
-from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-from drgrpo_jax.train_step import Batch, StepConfig, init_state, jit_train_step, make_optimizer, place, state_shardings
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, place
+from drgrpo_jax.step.batch import Batch
+from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.optimizer import make_optimizer
+from drgrpo_jax.step.train_step import init_state, jit_train_step, state_shardings
 
 from _common import median_time, smollm2_gguf, torch_step_seconds, training_token_ids
 
@@ -101,7 +105,7 @@ def packed_step(batch, args) -> dict:
 
     A fresh model: the padded step donated the first one's arrays.
     """
-    from drgrpo_jax.packing import rows_needed, sequence_lengths
+    from drgrpo_jax.step.packing import rows_needed, sequence_lengths
 
     model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
     model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)

@@ -14,6 +14,8 @@ import types
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from drgrpo_jax import advantages as adv
 from drgrpo_jax.errors import FieldError, FieldTypeError
@@ -28,18 +30,89 @@ _REASONS = {
     "kl_in_reward": "the KL penalty belongs in the loss (algorithm.kl_coef), not in the reward",
 }
 
+Values = jax.Array | np.ndarray  # the table takes the host's numpy arrays and jitted code's alike
+Weights = jax.Array | np.ndarray | Sequence[float]
+AxisName = str | Sequence[str] | None
+
+
+def _as_array(x: Values | None) -> jax.Array | None:
+    return None if x is None else jnp.asarray(x)
+
+
+def _gdpo_window(advantages: Values, valid: Values, signal: Values, *,
+                 axis_name: AxisName = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """GDPO's batch whitening over the window's valid rows; rows of groups without signal stay exactly 0.
+
+    Any shape ([N] rows of one window, [P, G] groups); the statistics are psum-reduced over `axis_name`.
+    """
+    advantages, valid = jnp.asarray(advantages), jnp.asarray(valid)
+    x, valid_x = advantages.reshape(1, -1), valid.reshape(1, -1)
+    mean, std = adv.whiten_stats(x, valid_x, axis_name=axis_name)
+    whitened = adv.whiten(x, valid_x, eps=1e-4, axis_name=axis_name).reshape(advantages.shape)
+    return jnp.where(signal & valid, whitened, 0.0), {"whiten_mean": mean, "whiten_std": std}
+
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """An RL post-training algorithm as the trainer runs it."""
+    """An RL post-training algorithm as the trainer runs it: its whole data path from rewards to the loss.
+
+    Advantages come in two stages: `advantage_fn` within each group of the rollout, then, where the
+    algorithm has one, `window_fn` over each optimizer window (GDPO whitens each window on its own rows,
+    never the concatenation of several windows). For a batch that is one window the two stages are the
+    whole estimator (`compute_advantages`).
+    """
 
     name: str
-    advantage_fn: Callable[..., jax.Array]  # [P, G] rewards (or [P, G, K] components) -> [P, G]
+    advantage_fn: Callable[..., jax.Array]  # [P, G] rewards (multi_reward: [P, G, K] components, [K] weights) -> [P, G]
     aggregation: Aggregation  # loss aggregation over the optimizer window
     min_group_size: int  # the estimator is meaningless below this group size
     forbids: frozenset[str]  # options of _REASONS this algorithm rejects
     multi_reward: bool = False  # the estimator takes [P, G, K] components and weights
     policy_loss: PolicyLoss = "ppo_clip"  # the per-token surrogate (see drgrpo_jax.losses)
+    window_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] | None = None  # per optimizer window
+
+    def rewards(self, components_PGK: Values, weights_K: Weights) -> jax.Array:
+        """What `advantage_fn` reads: the components themselves (multi_reward) or their weighted sum [P, G]."""
+        components = jnp.asarray(components_PGK, jnp.float32)
+        return components if self.multi_reward else components @ jnp.asarray(weights_K, jnp.float32)
+
+    def group_advantages(self, components_PGK: Values, weights_K: Weights, valid_PG: Values | None = None, *,
+                         scale_rewards: bool = False, whiten_advantages: bool = False,
+                         axis_name: AxisName = None) -> jax.Array:
+        """[P, G] advantages of the rollout's reward components, before any per-window step."""
+        check_algorithm_options(self.name, scale_rewards=scale_rewards, whiten_advantages=whiten_advantages)
+        rewards, valid_PG = self.rewards(components_PGK, weights_K), _as_array(valid_PG)
+        if self.multi_reward:
+            return self.advantage_fn(rewards, jnp.asarray(weights_K, jnp.float32), valid_PG)
+        result = self.advantage_fn(rewards, valid_PG)
+        if scale_rewards:
+            result = result / (adv.group_std(rewards, valid_PG) + 1e-6)
+        if whiten_advantages:
+            result = adv.whiten(result, valid_PG, eps=1e-6, axis_name=axis_name)
+        return result
+
+    def group_signal(self, components_PGK: Values, weights_K: Weights, valid_PG: Values | None = None) -> jax.Array:
+        """bool [P]: groups that carry a learning signal, by this algorithm's own test.
+
+        The group-stage advantages are not all equal: for gdpo, components that cancel give no signal; for
+        the others, the scalar reward varies within the group. Dynamic sampling keeps exactly the groups the
+        optimiser would learn from.
+        """
+        rewards, valid_PG = self.rewards(components_PGK, weights_K), _as_array(valid_PG)
+        if self.multi_reward:
+            rewards = self.advantage_fn(rewards, jnp.asarray(weights_K, jnp.float32), valid_PG)
+        return ~adv.zero_signal_groups(rewards, valid_PG)
+
+    def window_advantages(self, advantages: Values, valid: Values, signal: Values, *,
+                          axis_name: AxisName = None) -> tuple[Values, dict[str, jax.Array]]:
+        """One optimizer window's advantages from the group stage's, and what the window step reports.
+
+        `valid`: real rows; `signal`: rows whose group carries a signal. Unchanged (and no report) for
+        algorithms without a window step.
+        """
+        if self.window_fn is None:
+            return advantages, {}
+        return self.window_fn(advantages, valid, signal, axis_name=axis_name)
 
 
 ALGORITHMS: types.MappingProxyType[str, Algorithm] = types.MappingProxyType(
@@ -48,7 +121,8 @@ ALGORITHMS: types.MappingProxyType[str, Algorithm] = types.MappingProxyType(
         "grpo": Algorithm("grpo", adv.grpo, "seq_mean_token_mean", 2, frozenset({"scale_rewards", "kl_in_reward"})),
         "dapo": Algorithm("dapo", adv.grpo, "token_mean", 2, frozenset({"scale_rewards", "kl_in_reward"})),
         "rloo": Algorithm("rloo", adv.rloo, "seq_mean_token_sum", 2, frozenset({"kl_in_reward"})),
-        "gdpo": Algorithm("gdpo", adv.gdpo, "token_mean", 2, frozenset(_REASONS), multi_reward=True),
+        "gdpo": Algorithm("gdpo", adv.gdpo_combined, "token_mean", 2, frozenset(_REASONS), multi_reward=True,
+                          window_fn=_gdpo_window),
         # GSPO's objective: 1/G sum_i min(s_i A_i, clip(s_i) A_i), one term per response (seq-mean).
         "gspo": Algorithm("gspo", adv.grpo, "seq_mean_token_mean", 2, frozenset({"scale_rewards", "kl_in_reward"}),
                           policy_loss="gspo"),
@@ -97,6 +171,15 @@ def check_algorithm_options(
                          f"{name} needs at least {algorithm.min_group_size} samples per prompt, got {group_size}")
 
 
+def _components(algorithm: Algorithm, rewards: Values, weights: Weights | None) -> tuple[Values, Weights]:
+    """The public functions' rewards as the table's components: [P, G, K] as given, or [P, G] as one component."""
+    if not algorithm.multi_reward:
+        return jnp.asarray(rewards)[..., None], [1.0]
+    if weights is None:
+        raise ValueError(f"reward.weights: {algorithm.name} needs one weight per reward component")
+    return rewards, weights
+
+
 def compute_advantages(
     name: str,
     rewards: jax.Array,
@@ -105,21 +188,19 @@ def compute_advantages(
     weights: jax.Array | Sequence[float] | None = None,
     scale_rewards: bool = False,
     whiten_advantages: bool = False,
-    axis_name: str | Sequence[str] | None = None,
+    axis_name: AxisName = None,
 ) -> jax.Array:
-    """The algorithm's advantages of [P, G] rewards ([P, G, K] components for gdpo) -> [P, G]."""
-    check_algorithm_options(name, scale_rewards=scale_rewards, whiten_advantages=whiten_advantages)
+    """The algorithm's advantages of a batch that is one window: [P, G] rewards ([P, G, K] components with
+    `weights` for a multi-reward algorithm) -> [P, G]. With `axis_name` the batch statistics are psum-reduced."""
     algorithm = _get(name)
-    if algorithm.multi_reward:
-        if weights is None:
-            raise ValueError(f"reward.weights: {name} needs one weight per reward component")
-        return algorithm.advantage_fn(rewards, weights, valid, axis_name=axis_name)
-    result = algorithm.advantage_fn(rewards, valid)
-    if scale_rewards:
-        result = result / (adv.group_std(rewards, valid) + 1e-6)
-    if whiten_advantages:
-        result = adv.whiten(result, valid, eps=1e-6, axis_name=axis_name)
-    return result
+    components, weights_K = _components(algorithm, rewards, weights)
+    grouped = algorithm.group_advantages(components, weights_K, valid, scale_rewards=scale_rewards,
+                                         whiten_advantages=whiten_advantages, axis_name=axis_name)
+    if algorithm.window_fn is None:
+        return grouped
+    valid_PG = jnp.ones(grouped.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    signal_PG = algorithm.group_signal(components, weights_K, valid_PG)[:, None] & valid_PG
+    return jnp.asarray(algorithm.window_advantages(grouped, valid_PG, signal_PG, axis_name=axis_name)[0])
 
 
 def group_signal(
@@ -129,17 +210,7 @@ def group_signal(
     *,
     weights: jax.Array | Sequence[float] | None = None,
 ) -> jax.Array:
-    """bool [P]: groups that carry a learning signal, by the algorithm's own test.
-
-    gdpo: the combined advantage before whitening is not all equal (components that cancel
-    give no signal); the others: the scalar reward [P, G] varies within the group. Dynamic
-    sampling keeps exactly the groups the optimiser would learn from.
-    """
+    """bool [P]: groups that carry a learning signal, by the algorithm's own test (`Algorithm.group_signal`)."""
     algorithm = _get(name)
-    if algorithm.multi_reward:
-        if weights is None:
-            raise ValueError(f"reward.weights: {name} needs one weight per reward component")
-        signal_input = adv.gdpo_combined(rewards, weights, valid)
-    else:
-        signal_input = rewards
-    return ~adv.zero_signal_groups(signal_input, valid)
+    components, weights_K = _components(algorithm, rewards, weights)
+    return algorithm.group_signal(components, weights_K, valid)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import DataConfig
+from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.errors import ConfigError
 
 __all__ = [

@@ -14,7 +14,7 @@ import numpy as np
 
 from drgrpo_jax.errors import ConfigError, HostFailure, RewardError, RolloutError
 
-__all__ = ["fail_together", "failure_code", "gather_hosts", "remote_failure"]
+__all__ = ["fail_together", "failure_code", "gather_hosts", "host_array", "remote_failure"]
 
 
 def gather_hosts(tree: Any) -> Any:
@@ -90,3 +90,14 @@ def _all_hosts_ok(error: Exception | None, what: str) -> None:
     failure = remote_failure(codes, what)
     if failure is not None:
         raise failure
+
+
+def host_array(x: Any) -> np.ndarray:
+    """A whole array as numpy on this host (gathered across processes when it spans several)."""
+    import jax
+
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))

@@ -122,7 +122,7 @@ def kill_and_resume(overrides: list[str], output_dir, checkpoint: int, timeout: 
 
 def tiny_decoder_config():
     """The step tests' 2-layer Llama-shaped DecoderConfig (vocab 64)."""
-    from drgrpo_jax.models import DecoderConfig
+    from drgrpo_jax.models.config import DecoderConfig
 
     return DecoderConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
@@ -130,7 +130,7 @@ def tiny_decoder_config():
 
 def make_step_batch(seed=0, lengths=None):
     """A window of responses of very different lengths, long ones packed onto the first shards."""
-    from drgrpo_jax.train_step import Batch
+    from drgrpo_jax.step.batch import Batch
 
     rows, prompt, response = STEP_ROWS, STEP_PROMPT, STEP_RESPONSE
     rng = np.random.default_rng(seed)
@@ -179,9 +179,10 @@ def initial_old_logprobs(lengths: tuple[int, ...] | None) -> np.ndarray:
     import jax
     from flax import nnx
 
-    from drgrpo_jax import LossConfig
-    from drgrpo_jax.models import Transformer
-    from drgrpo_jax.train_step import StepConfig, policy_logprobs
+    from drgrpo_jax.losses import LossConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.step.batch import policy_logprobs
+    from drgrpo_jax.step.config import StepConfig
 
     graphdef, params = nnx.split(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), nnx.Param)
     config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), logprob_chunk=5)
@@ -208,11 +209,11 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     import optax
     from flax import nnx
 
-    from drgrpo_jax import LossConfig
-    from drgrpo_jax.models import Transformer
+    from drgrpo_jax.losses import LossConfig
+    from drgrpo_jax.models.transformer import Transformer
     from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
-    from drgrpo_jax.train_step import (
-        StepConfig,
+    from drgrpo_jax.step.config import StepConfig
+    from drgrpo_jax.step.train_step import (
         batch_shardings,
         init_state,
         jit_policy_logprobs,
@@ -269,10 +270,10 @@ def lora_step_fn(model, mesh_shape, micro_batches):
     import jax
     import optax
 
-    from drgrpo_jax import LossConfig
+    from drgrpo_jax.losses import LossConfig
     from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-    from drgrpo_jax.train_step import (
-        StepConfig,
+    from drgrpo_jax.step.config import StepConfig
+    from drgrpo_jax.step.train_step import (
         batch_shardings,
         init_state,
         jit_policy_logprobs,
@@ -421,7 +422,8 @@ def tiny_sampler_model():
     import jax
     from flax import nnx
 
-    from drgrpo_jax.models import DecoderConfig, Transformer
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
 
     config = DecoderConfig(family="llama", vocab_size=SAMPLER_VOCAB, hidden_size=32, intermediate_size=64,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
@@ -437,8 +439,8 @@ def full_cache_sample(model, batch, max_new_tokens: int) -> dict[str, np.ndarray
     import jax
     import jax.numpy as jnp
 
-    from drgrpo_jax.draws import row_keys, sample_step
-    from drgrpo_jax.models import init_cache
+    from drgrpo_jax.models.kv_cache import init_cache
+    from drgrpo_jax.sampler.draws import row_keys, sample_step
 
     rows = batch.rows
     ids_BU = np.asarray(batch.prompt_ids_PU)[rows.prompt_index_B]

@@ -29,18 +29,11 @@ def main(process_id: int, port: int, out: str) -> None:
     from jax.experimental import multihost_utils
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from drgrpo_jax import LossConfig
-    from drgrpo_jax.models import Transformer
-    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
-    from drgrpo_jax.train_step import (
-        StepConfig,
-        init_state,
-        jit_policy_logprobs,
-        jit_train_step,
-        place,
-        shard_batch,
-        state_shardings,
-    )
+    from drgrpo_jax.losses import LossConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, place
+    from drgrpo_jax.step.config import StepConfig
+    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, shard_batch, state_shardings
 
     from helpers import STEP_RESPONSE, make_step_batch, tiny_decoder_config
 

@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax import advantages, compute_advantages
+from drgrpo_jax import advantages
+from drgrpo_jax.algorithms import compute_advantages
 
 import oracles
 

@@ -2,8 +2,10 @@
 
 import pytest
 
-from drgrpo_jax import ALGORITHMS, LossConfig, advantages, check_algorithm_options
+from drgrpo_jax import advantages
+from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
 from drgrpo_jax.errors import FieldError
+from drgrpo_jax.losses import LossConfig
 
 
 def test_dr_grpo_is_one_switch_for_both_halves():

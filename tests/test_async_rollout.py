@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from drgrpo_jax.async_rollout import Prefetcher, check_fresh
-from drgrpo_jax.config import dump_config, load_config
+from drgrpo_jax.config.load import dump_config, load_config
 from drgrpo_jax.errors import ConfigError, StaleWeightsError
+from drgrpo_jax.train.async_rollout import Prefetcher, check_fresh
 
 from helpers import kill_and_resume, start_trainer, trainer_overrides
 

@@ -10,11 +10,14 @@ import optax
 import pytest
 from flax import nnx
 
-from drgrpo_jax import LossConfig
-from drgrpo_jax.models import DecoderConfig, Transformer
+from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models import attention as attn
+from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
-from drgrpo_jax.train_step import Batch, StepConfig, batch_shardings, init_state, jit_train_step, state_shardings
+from drgrpo_jax.step.batch import Batch
+from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_train_step, state_shardings
 
 from helpers import compiled_dots
 

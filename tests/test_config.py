@@ -5,19 +5,13 @@ import textwrap
 
 import pytest
 
-from drgrpo_jax.config import (
-    Config,
-    check_paths,
-    config_from_argv,
-    describe_config,
-    dump_config,
-    load_config,
-    step_configs,
-    validate,
-)
+from drgrpo_jax.config.derived import step_configs
+from drgrpo_jax.config.load import check_paths, config_from_argv, describe_config, dump_config, load_config
+from drgrpo_jax.config.rules import validate
+from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.losses import LossConfig
-from drgrpo_jax.train_step import StepConfig
+from drgrpo_jax.step.config import StepConfig
 
 BASE = ["model.path=some/model"]  # the one field without a usable default
 
@@ -372,9 +366,9 @@ def test_auto_compute_dtype_is_bfloat16_where_the_hardware_multiplies_it_fast():
 def test_attention_impl_lists_the_model_choices_and_kernels_need_their_backend():
     import typing
 
-    from drgrpo_jax.config import ModelConfig
+    from drgrpo_jax.config.schema import ModelConfig
     from drgrpo_jax.models.config import ATTENTION_IMPLS
-    from drgrpo_jax.run import check_attention_backend
+    from drgrpo_jax.train.setup import check_attention_backend
 
     assert typing.get_args(typing.get_type_hints(ModelConfig)["attention_impl"]) == ATTENTION_IMPLS
     for impl, backend in [("auto", "cpu"), ("reference", "tpu"), ("blockwise", "cpu"), ("cudnn", "gpu"),
@@ -391,9 +385,9 @@ def test_long_quickstart_sets_the_long_context_options():
 
     import jax.numpy as jnp
 
-    from drgrpo_jax.activations import model_call
     from drgrpo_jax.models.attention import choose_impl
-    from drgrpo_jax.plan import resolve_remat
+    from drgrpo_jax.plan.activations import model_call
+    from drgrpo_jax.plan.planner import resolve_remat
 
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "long_quickstart.yaml")
     config = load_config(path)

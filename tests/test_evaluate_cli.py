@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from drgrpo_jax.passk import pass_at_k
+from drgrpo_jax.evaluate.passk import pass_at_k
 
 from helpers import REPO, trainer_env, wandb_offline_run
 

@@ -8,11 +8,18 @@ import pytest
 
 from drgrpo_jax.data import Example
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.eval_report import markdown_table, report_rows, write_report
-from drgrpo_jax.eval_suites import load_suite
-from drgrpo_jax.evaluation import EvalSamples, EvalSettings, eval_metrics, eval_summary, evaluate_problems, summarize
-from drgrpo_jax.rewards import RewardResult
-from drgrpo_jax.rollout import Rollout, prompt_seeds
+from drgrpo_jax.evaluate.evaluation import (
+    EvalSamples,
+    EvalSettings,
+    eval_metrics,
+    eval_summary,
+    evaluate_problems,
+    summarize,
+)
+from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
+from drgrpo_jax.evaluate.suites import load_suite
+from drgrpo_jax.rewards.functions import RewardResult
+from drgrpo_jax.rollout.client import Rollout, prompt_seeds
 
 BUDGET = 6
 
@@ -183,7 +190,7 @@ def test_report_rows_table_and_files(tmp_path):
 
 
 def test_the_cli_refuses_bad_flags_in_one_line_before_starting_anything(tmp_path, capsys):
-    from drgrpo_jax.evaluate import main, resolve_model
+    from drgrpo_jax.evaluate.cli import main, resolve_model
 
     model = tmp_path / "model"
     model.mkdir()

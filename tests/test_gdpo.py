@@ -10,10 +10,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax import advantages
-from drgrpo_jax.algorithms import group_signal
-from drgrpo_jax.config import load_config
+from drgrpo_jax.algorithms import ALGORITHMS, group_signal
+from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.rollout_batch import window_advantages
 
 from helpers import GDPO_WEIGHTS as WEIGHTS
 from helpers import eight_group_batch, mixed_batch, start_trainer, trainer_overrides
@@ -101,6 +100,10 @@ def test_d_each_window_is_whitened_on_its_own():
     combined = rng.normal(size=16).astype(np.float32)
     combined[8:] = combined[8:] * 5 + 3  # the second window has other statistics
     valid, signal = np.ones(16, bool), np.ones(16, bool)
+    def window_advantages(combined, valid, signal):  # the table's window step, as the trainer calls it
+        whitened, report = ALGORITHMS["gdpo"].window_advantages(combined, valid, signal)
+        return np.asarray(whitened), float(report["whiten_mean"]), float(report["whiten_std"])
+
     together, _, _ = window_advantages(combined, valid, signal)
     first, mean1, std1 = window_advantages(combined[:8], valid[:8], signal[:8])
     second, mean2, std2 = window_advantages(combined[8:], valid[8:], signal[8:])

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drgrpo_jax.models import Transformer
 from drgrpo_jax.models.grad_sums import into_sums, scan_layers, summing_into
 from drgrpo_jax.models.logprobs import token_logprobs
+from drgrpo_jax.models.transformer import Transformer
 
 from helpers import tiny_decoder_config
 

@@ -3,13 +3,7 @@
 import numpy as np
 import pytest
 
-from drgrpo_jax.errors import (
-    ConfigError,
-    HostFailure,
-    RewardError,
-    RolloutError,
-    StaleWeightsError,
-)
+from drgrpo_jax.errors import ConfigError, HostFailure, RewardError, RolloutError, StaleWeightsError
 from drgrpo_jax.hosts import fail_together, failure_code, remote_failure
 
 

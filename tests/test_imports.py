@@ -1,4 +1,4 @@
-"""The package's layout: no import circles, the layers of DESIGN.md point one way, no module past ~400 lines."""
+"""The package's layout: no import circles, layers that point one way, no re-export shims, modules sized by concept."""
 
 import ast
 import pathlib
@@ -58,23 +58,107 @@ def test_no_import_circles():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
-def test_layers_point_one_way():
+# The packages from the bottom up (docs/architecture.md): a module imports only from its own layer or below,
+# and a layer's packages do not import each other unless listed together in one tuple.
+LAYERS = (
+    ("errors",),
+    ("advantages", "losses", "algorithms"),  # the public math: usable in any JAX trainer
+    ("sharding", "hosts", "paths", "named_tensors", "checkpoint"),  # shared infrastructure
+    ("models",),
+    ("sampler",), ("step",),
+    ("config",), ("serve",),
+    ("data",), ("rewards",),
+    ("rollout",),
+    ("plan",), ("evaluate",),
+    ("train",),
+)
+RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
+
+
+def _package(module: str) -> str | None:
+    """drgrpo_jax.rollout.client -> rollout; the package's own __init__ (the public face) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_every_package_has_a_layer():
+    packages = {p for m in import_graph() if (p := _package(m)) is not None}
+    assert packages == set(RANK), f"unplaced: {sorted(packages - set(RANK))}; gone: {sorted(set(RANK) - packages)}"
+
+
+def test_no_package_reaches_up():
+    upward = []
+    for module, deps in import_graph().items():
+        own = _package(module)
+        if own is None:
+            continue
+        for dep in deps:
+            other = _package(dep)
+            if other is not None and other != own and RANK[other] > RANK[own]:
+                upward.append(f"{module} -> {dep}")
+    assert not upward, "imports that climb a layer: " + "; ".join(sorted(upward))
+
+
+def test_the_math_imports_nothing_but_itself():
     graph = import_graph()
+    math = {"drgrpo_jax.errors", "drgrpo_jax.advantages", "drgrpo_jax.losses", "drgrpo_jax.algorithms"}
     assert not graph["drgrpo_jax.errors"], "errors.py is the leaf every layer may import"
-    math = {"drgrpo_jax.advantages", "drgrpo_jax.losses", "drgrpo_jax.algorithms", "drgrpo_jax.errors"}
-    for name in math:  # the math knows no model, step or host
+    for name in math:
         assert graph[name] <= math, f"{name} imports {sorted(graph[name] - math)}"
-    for name, deps in graph.items():  # models/ and sharding.py know no trainer, step or service (errors: the leaf)
-        if name.startswith("drgrpo_jax.models") or name == "drgrpo_jax.sharding":
-            others = {d for d in deps if not d.startswith("drgrpo_jax.models")
-                      and d not in ("drgrpo_jax.sharding", "drgrpo_jax.errors")}
-            assert not others, f"{name} imports {sorted(others)}"
 
 
-MAX_MODULE_LINES = 400  # README, Layout: past it, a module is split by concept
+def _defined_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
 
 
-def test_no_module_grows_past_400_lines():
-    sizes = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    large = {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not large, f"split by concept (README, Layout): {large}"
+def test_no_module_re_exports_what_it_does_not_define():
+    """Only a package's __init__ hands names on; every other `__all__` lists the module's own definitions."""
+    shims = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                foreign = set(ast.literal_eval(node.value)) - _defined_names(tree)
+                if foreign:
+                    shims[_module_name(path)] = sorted(foreign)
+    assert not shims, f"re-exported names (import them from where they are defined): {shims}"
+
+
+def test_imports_name_the_defining_module():
+    """`from drgrpo_jax.X import name` finds name defined in X (or a submodule), never passed through X."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    defined = {m: _defined_names(ast.parse(p.read_text())) for m, p in modules.items()}
+    passed_on = []
+    for module, path in modules.items():
+        if path.name == "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("drgrpo_jax"):
+                for alias in node.names:
+                    own = alias.name in defined.get(node.module, set())
+                    if not own and f"{node.module}.{alias.name}" not in modules:
+                        passed_on.append(f"{module}: {node.module}.{alias.name}")
+    assert not passed_on, "imported through another module: " + "; ".join(sorted(passed_on))
+
+
+SOFT_MAX_LINES = 600  # docs/architecture.md: a module is sized by concept; past this it says why it is larger
+
+
+def test_modules_past_the_soft_limit_say_why():
+    """A module over ~600 lines carries a `# Size:` comment saying why it is one concept."""
+    unexplained = {}
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > SOFT_MAX_LINES and "# Size:" not in text:
+            unexplained[str(path.relative_to(PACKAGE.parent))] = len(text.splitlines())
+    assert not unexplained, f"split by concept, or say why it is one (# Size: ...): {unexplained}"

@@ -281,7 +281,7 @@ def test_local_mode_two_processes_match_one(tmp_path):
 @pytest.mark.slow  # one service and two trainer processes up to their first rollout: ~1.5 minutes on 2 cores
 def test_a_reward_failure_on_process_1_stops_both(tmp_path):
     """A NaN reward on process 1 only: both processes exit 1 naming RewardError, neither hangs."""
-    from drgrpo_jax.rollout import LocalServer
+    from drgrpo_jax.rollout.local_service import LocalServer
 
     _inputs(tmp_path)
     coordinator = f"127.0.0.1:{_free_port()}"

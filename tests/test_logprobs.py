@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drgrpo_jax.models import DecoderConfig, Transformer
+from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.logprobs import naive_token_logprobs, sequence_logprobs, token_logprobs
+from drgrpo_jax.models.transformer import Transformer
 
 pytestmark = pytest.mark.heavy  # model forwards compiled per chunking
 

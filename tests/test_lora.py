@@ -15,18 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drgrpo_jax.config import load_config, lora_spec
+from drgrpo_jax.config.derived import lora_spec
+from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.models import Transformer, from_pretrained, init_cache
 from drgrpo_jax.models.config import LoraSpec
-from drgrpo_jax.models.lora import (
-    adapter_arrays,
-    adapter_specs,
-    add_adapters,
-    load_adapter,
-    merged_model,
-    save_adapter,
-)
+from drgrpo_jax.models.kv_cache import init_cache
+from drgrpo_jax.models.lora import adapter_arrays, adapter_specs, add_adapters, load_adapter, merged_model, save_adapter
+from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.models.transformer import Transformer
 
 from helpers import REPO, kill_and_resume, lora_step_fn, start_trainer, tiny_decoder_config, trainer_overrides
 
@@ -150,7 +146,7 @@ def test_peft_loads_our_adapter_with_equal_logits_and_the_merged_export_matches(
     import torch
     import transformers
 
-    from drgrpo_jax.models import save_pretrained
+    from drgrpo_jax.models.hf_io import save_pretrained
 
     model = with_adapters(from_pretrained(tiny_model), LoraSpec(rank=4, alpha=12.0))
     arrays = adapters_of(model)
@@ -203,8 +199,9 @@ def test_adapter_folders_we_cannot_apply_are_refused_by_name(tmp_path):
 
 @pytest.mark.subprocess  # the generation service as a child process
 def test_service_serves_a_pushed_adapter_with_the_trainers_logprobs(tiny_model, tmp_path):
-    from drgrpo_jax.rollout import LocalServer, RolloutClient
-    from drgrpo_jax.train_step import response_logprobs
+    from drgrpo_jax.rollout.client import RolloutClient
+    from drgrpo_jax.rollout.local_service import LocalServer
+    from drgrpo_jax.step.batch import response_logprobs
 
     model = with_adapters(from_pretrained(tiny_model), b_scale=0.5)
     save_adapter(adapters_of(model), model.config, str(tmp_path / "weights" / "v1"), base_model=tiny_model)
@@ -305,8 +302,8 @@ LORA_CONFIGS = [("qwen2.5_math_7b_dr_grpo_lora_v5e8.yaml", "tpu-v5e"),
 
 
 def test_plan_counts_base_adapters_and_optimizer_for_lora():
-    from drgrpo_jax import plan
     from drgrpo_jax.models.config import from_hf_config
+    from drgrpo_jax.plan import planner as plan
 
     model = from_hf_config(plan.PRESETS["Qwen2.5-Math-7B"])
     full = plan.make_plan(load_config(None, ["model.path=x", "model.dtype=bfloat16", "mesh.fsdp=1"]), model)
@@ -328,7 +325,7 @@ def test_plan_counts_base_adapters_and_optimizer_for_lora():
 
 @pytest.mark.parametrize("name, device", LORA_CONFIGS)
 def test_7b_lora_configs_fit_their_hardware_as_their_headers_say(name, device):
-    from drgrpo_jax import plan
+    from drgrpo_jax.plan import planner as plan
 
     path = os.path.join(REPO, "configs", name)
     header = open(path).read()

@@ -14,14 +14,13 @@ import optax
 import pytest
 from flax import nnx
 
-from drgrpo_jax import LossConfig
-from drgrpo_jax.config import load_config
+from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.models import Transformer
+from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.config import LoraSpec
 from drgrpo_jax.models.lora import add_adapters, merged_model, store_base
 from drgrpo_jax.models.quant import dequantize, quantize, weight
-from drgrpo_jax.models.transformer import project
+from drgrpo_jax.models.transformer import Transformer, project
 
 from helpers import STEP_RESPONSE, lora_step_fn, make_step_batch, tiny_decoder_config
 
@@ -103,7 +102,9 @@ def test_int8_dequantised_matmul_matches_float32_within_its_quantisation_step():
 
 def _lora_sgd_step(compute_dtype: str, base_dtype: str | None = None):
     """(loss, float64 adapter gradients, state after, lowered HLO) of one SGD(lr=1) LoRA step with KL, off-policy."""
-    from drgrpo_jax.train_step import StepConfig, init_state, policy_logprobs, train_step
+    from drgrpo_jax.step.batch import policy_logprobs
+    from drgrpo_jax.step.config import StepConfig
+    from drgrpo_jax.step.train_step import init_state, train_step
 
     optimizer = optax.sgd(1.0)  # adapters_after = adapters - grad: the update is the window's gradient
     graphdef, state = init_state(lora_model(base_dtype, peaked=True), optimizer, jax.random.key(0))
@@ -256,8 +257,8 @@ def test_stored_base_step_trains_only_adapters_shards_and_resumes_exactly(base_d
 
 
 def test_plan_counts_the_stored_base_by_base_dtype():
-    from drgrpo_jax import plan
     from drgrpo_jax.models.config import from_hf_config
+    from drgrpo_jax.plan import planner as plan
 
     model = from_hf_config(plan.PRESETS["Qwen2.5-Math-7B"])
     D, I, Q, C, H, L = 3584, 18944, 28, 4, 128, 28
@@ -307,8 +308,8 @@ def test_trainer_runs_lora_on_an_int8_base_in_bfloat16_and_pushes_merged_models(
     import json
     import os
 
-    from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.models.lora import load_adapter
+    from drgrpo_jax.models.pretrained import from_pretrained
 
     from helpers import start_trainer, trainer_overrides
 

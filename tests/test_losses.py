@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax import LossConfig, loss_fn, window_stats
 from drgrpo_jax.errors import FieldError
+from drgrpo_jax.losses import LossConfig, loss_fn, window_stats
 
 import oracles
 

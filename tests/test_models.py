@@ -11,9 +11,11 @@ import torch
 import transformers
 from flax import nnx
 
-from drgrpo_jax.models import DecoderConfig, Transformer, from_hf_config, from_pretrained, init_cache, save_pretrained
-from drgrpo_jax.models.kv_cache import split_cache, stack_cache, write_slots
-from drgrpo_jax.models.transformer import layer_params, rope_for_layers
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.kv_cache import init_cache, split_cache, stack_cache, write_slots
+from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.models.transformer import Transformer, layer_params, rope_for_layers
 
 # Every family's forward against transformers runs in the inner loop; the decode, bfloat16, gradient and remat
 # checks compile more programs per family and are `heavy`.

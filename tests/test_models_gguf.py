@@ -11,7 +11,8 @@ import torch
 import transformers
 from flax import nnx
 
-from drgrpo_jax.models import from_pretrained, init_cache
+from drgrpo_jax.models.kv_cache import init_cache
+from drgrpo_jax.models.pretrained import from_pretrained
 
 pytestmark = pytest.mark.heavy  # GGUF models compiled and compared with transformers
 

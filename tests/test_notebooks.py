@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from nbclient import NotebookClient
 
-from drgrpo_jax import LossConfig, advantages, loss_fn
+from drgrpo_jax import advantages
+from drgrpo_jax.losses import LossConfig, loss_fn
 
 pytestmark = pytest.mark.heavy  # the notebooks' claims run seeded toy trainings
 
@@ -292,7 +293,7 @@ def test_foreign_policy_one_device_and_shard_map_agree():
 
 def test_length_bias_toy_gspo_follows_grpo_and_cispo_does_not():
     # The notebook's successors section: GSPO's geometric-mean ratio is GRPO's 1/|o_i|; CISPO's token mean is not.
-    from drgrpo_jax import ALGORITHMS
+    from drgrpo_jax.algorithms import ALGORITHMS
 
     def entry(name, **clips):
         algorithm = ALGORITHMS[name]

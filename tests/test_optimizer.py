@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from drgrpo_jax.optimizer import make_optimizer
+from drgrpo_jax.step.optimizer import make_optimizer
 
 
 def _tree(rng, shapes=((5, 7), (3,)), dtypes=(jnp.float32, jnp.bfloat16)):

@@ -10,12 +10,13 @@ import optax
 import pytest
 from flax import nnx
 
-from drgrpo_jax import LossConfig
 from drgrpo_jax.errors import PackingError
-from drgrpo_jax.models import Transformer
-from drgrpo_jax.packing import first_fit, pack_cell, sequence_lengths
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
-from drgrpo_jax.train_step import StepConfig, batch_shardings, init_state, jit_policy_logprobs, train_step
+from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.packing import first_fit, pack_cell, sequence_lengths
+from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_policy_logprobs, train_step
 
 from helpers import (
     STEP_PROMPT,

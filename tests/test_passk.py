@@ -7,7 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from drgrpo_jax.passk import avg_at_k, pass_at_k, pass_at_k_P, report_ks, sampled_report
+from drgrpo_jax.evaluate.passk import avg_at_k, pass_at_k, pass_at_k_P, report_ks, sampled_report
 
 
 def brute_force_pass_at_k(correct: list[bool], k: int) -> Fraction:

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from drgrpo_jax import plan
-from drgrpo_jax.config import load_config
+from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.models import DecoderConfig, Transformer
-from drgrpo_jax.models.config import from_hf_config
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.models.transformer import Transformer
+from drgrpo_jax.plan import planner as plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_7B_V5P = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
@@ -74,8 +74,9 @@ def test_7b_plan_matches_the_hand_calculation():
 @pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
 def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
     """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
-    from drgrpo_jax.sharding import param_shardings
-    from drgrpo_jax.train_step import init_state, make_optimizer, place, state_shardings
+    from drgrpo_jax.sharding import param_shardings, place
+    from drgrpo_jax.step.optimizer import make_optimizer
+    from drgrpo_jax.step.train_step import init_state, state_shardings
 
     data, fsdp, tensor = mesh
     config = load_config(None, ["model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
@@ -228,8 +229,8 @@ def test_activation_formula_matches_xla_memory_analysis(impl):
     policies keep less memory in the order the plan assumes."""
     import dataclasses
 
-    from drgrpo_jax.activations import activation_bytes
     from drgrpo_jax.models.remat import REMAT_POLICIES
+    from drgrpo_jax.plan.activations import activation_bytes
 
     S, b = 512, 2
     config = load_config(None, ["model.path=x", "rollout.max_prompt_tokens=1", f"rollout.max_new_tokens={S}",

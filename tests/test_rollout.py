@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
-from drgrpo_jax.rollout import LocalServer, RolloutClient, check_versions, prompt_seeds, retryable
+from drgrpo_jax.rollout.client import RolloutClient, check_versions, prompt_seeds, retryable
+from drgrpo_jax.rollout.local_service import LocalServer
 
 
 def fake_generate(request: httpx.Request, version: str = "3") -> httpx.Response:

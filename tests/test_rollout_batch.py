@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from drgrpo_jax.config import load_config
+from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.data import Example
-from drgrpo_jax.rollout_batch import ScoredRollout, advantages_N, group_signal_P
+from drgrpo_jax.rollout.record import ScoredRollout
 
 
 def _rollout(offset: int, prompts: int = 2, group: int = 2, budget: int = 3) -> ScoredRollout:
@@ -60,9 +60,9 @@ def test_a_record_whose_fields_disagree_is_refused():
 
 
 def test_advantages_are_per_group_and_zero_on_padding_groups():
-    config = load_config(None, ["model.path=x"])  # dr_grpo: r - mean(group)
+    dr_grpo, weights = ALGORITHMS["dr_grpo"], [1.0]  # r - mean(group)
     rollout = dataclasses.replace(_rollout(0, prompts=3), group_valid=np.array([True, True, False]))
-    np.testing.assert_allclose(advantages_N(config, rollout), [-0.5, 0.5, -0.5, 0.5, 0.0, 0.0])
-    np.testing.assert_array_equal(group_signal_P(config, rollout), [True, True, False])
+    np.testing.assert_allclose(rollout.advantages_N(dr_grpo, weights), [-0.5, 0.5, -0.5, 0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(rollout.signal_P(dr_grpo, weights), [True, True, False])
     same = dataclasses.replace(rollout, components=np.ones_like(rollout.components))
-    np.testing.assert_array_equal(group_signal_P(config, same), [False, False, False])
+    np.testing.assert_array_equal(same.signal_P(dr_grpo, weights), [False, False, False])

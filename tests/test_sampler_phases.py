@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drgrpo_jax import sampling
 from drgrpo_jax.models.logprobs import sequence_logprobs
-from drgrpo_jax.sampling import RowRequest, SamplingParams
+from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 
 from helpers import full_cache_sample, tiny_sampler_model
 
@@ -69,7 +69,7 @@ def test_greedy_equals_transformers_greedy(tiny_model):
     import torch
     import transformers
 
-    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.models.pretrained import from_pretrained
 
     prompts = [(1, 7, 12, 30, 4), (1, 22), (1, 7, 12, 30, 4), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
     ours = from_pretrained(tiny_model)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drgrpo_jax import sampling
-from drgrpo_jax.models import init_cache
+from drgrpo_jax.models.kv_cache import init_cache
 from drgrpo_jax.models.logprobs import sequence_logprobs
-from drgrpo_jax.sampling import RowRequest, SamplingParams
+from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 
 from helpers import tiny_sampler_model
 

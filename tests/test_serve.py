@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from drgrpo_jax.rollout import LocalServer
+from drgrpo_jax.rollout.local_service import LocalServer
 
 from helpers import write_tiny_llama
 
@@ -212,7 +212,7 @@ def test_config_file_and_health(tmp_path, folders):
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({"model": {"path": folders["v0"], "dtype": "float32"},
                                   "serve": {"max_batch_size": 4, "weight_version": "7"}}))
-    from drgrpo_jax.serve import load_config
+    from drgrpo_jax.serve.engine import load_config
     loaded = load_config(str(config), {"port": 0})
     assert (loaded.model, loaded.max_batch_size, loaded.weight_version, loaded.port) == (folders["v0"], 4, "7", 0)
     config.write_text(json.dumps({"serve": {"model": folders["v0"], "max_btch_size": 4}}))
@@ -303,8 +303,8 @@ def test_openapi_documents_400_not_422(server):
 
 def test_one_failing_request_does_not_fail_its_batch_mates(folders):
     """The engine, in process: a row that makes the sampler raise fails its own request; the other is answered."""
-    from drgrpo_jax.sampling import RowRequest, SamplingParams
-    from drgrpo_jax.serve import Engine, ServeConfig
+    from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+    from drgrpo_jax.serve.engine import Engine, ServeConfig
 
     engine = Engine(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))
     real = engine.run_batch

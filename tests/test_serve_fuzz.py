@@ -8,7 +8,7 @@ import hypothesis  # the dev extra installs it: a missing hypothesis is a failur
 import hypothesis.strategies as st
 import pytest
 
-from drgrpo_jax.rollout import LocalServer
+from drgrpo_jax.rollout.local_service import LocalServer
 
 from helpers import write_tiny_llama
 

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from drgrpo_jax.rollout import LocalServer
+from drgrpo_jax.rollout.local_service import LocalServer
 
 from helpers import write_tiny_llama
 

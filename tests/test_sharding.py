@@ -9,7 +9,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.models import DecoderConfig, Transformer, cache_shardings, from_pretrained, init_cache, save_pretrained
+from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.kv_cache import cache_shardings, init_cache
+from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import (
     MeshShape,
     ShardingRules,

@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from drgrpo_jax.config import load_config
+from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.hub import check_hub, push_folder
-from drgrpo_jax.outputs import RunLog
-from drgrpo_jax.trackers import MlflowTracker, check_trackers, mlflow_key, open_trackers, scalars
+from drgrpo_jax.train.hub import check_hub, push_folder
+from drgrpo_jax.train.run_log import RunLog
+from drgrpo_jax.train.trackers import MlflowTracker, check_trackers, mlflow_key, open_trackers, scalars
 
 from helpers import wandb_offline_run
 

@@ -10,15 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from drgrpo_jax.rollout_batch import (
-    HostCounters,
-    correct_mask,
-    host_share,
-    left_pad,
-    merge_host_rows,
-    response_stats,
-    step_seed,
-)
+from drgrpo_jax.rollout.record import HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats
+from drgrpo_jax.train.seeds import step_seed
 
 from helpers import REPO, start_trainer, trainer_overrides, wandb_offline_run
 
@@ -35,7 +28,7 @@ def test_step_seeds_depend_on_seed_step_and_purpose_only():
 def test_compile_memory_goes_back_to_the_os_only_while_training(monkeypatch):
     import jax
 
-    from drgrpo_jax import train
+    from drgrpo_jax.train.loop import train
 
     calls = []
     monkeypatch.setattr(train, "return_freed_memory", lambda: calls.append(1))
@@ -103,7 +96,7 @@ def test_host_shares_merge_back_into_the_one_host_rollout():
     (["rollout.service_batch_size=0"], "rollout.service_batch_size", "must be >= 1"),
 ])
 def test_multi_host_config_errors_name_the_key(overrides, key, reason):
-    from drgrpo_jax.config import load_config
+    from drgrpo_jax.config.load import load_config
     from drgrpo_jax.errors import ConfigError
 
     with pytest.raises(ConfigError, match=f"^{key}: {reason}"):
@@ -221,7 +214,7 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted, monkeypa
     with open(output_dir / "samples.jsonl") as f:
         samples = [json.loads(line) for line in f]
     assert {s["step"] for s in samples} == {2, 4} and len(samples) == 2 * 2 * 4
-    from drgrpo_jax.config import load_config
+    from drgrpo_jax.config.load import load_config
 
     assert load_config(output_dir / "config.yaml").train.steps == 4
     import transformers
@@ -378,8 +371,9 @@ def test_plot_run_overlays_runs_into_a_png(tmp_path):
 def test_weight_publisher_keeps_the_newest_versions_and_drops_stale_ones(tmp_path):
     from flax import nnx
 
-    from drgrpo_jax.models import DecoderConfig, Transformer
-    from drgrpo_jax.outputs import WeightPublisher
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.rollout.weight_push import WeightPublisher
 
     config = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)
@@ -397,8 +391,9 @@ def test_weight_publisher_mirrors_each_version_to_run_weights_dir(tmp_path):
     """run.weights_dir: each version is copied there (through etils.epath, as gs:// would be); that path is pushed."""
     from flax import nnx
 
-    from drgrpo_jax.models import DecoderConfig, Transformer
-    from drgrpo_jax.outputs import WeightPublisher
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.rollout.weight_push import WeightPublisher
 
     config = DecoderConfig(family="llama", vocab_size=16, hidden_size=8, intermediate_size=16, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=16)

@@ -11,17 +11,13 @@ import optax
 import pytest
 from flax import nnx
 
-from drgrpo_jax import LossConfig
 from drgrpo_jax.errors import FieldError
-from drgrpo_jax.models import Transformer
-from drgrpo_jax.train_step import (
-    StepConfig,
-    importance_weights,
-    init_state,
-    make_optimizer,
-    policy_logprobs,
-    train_step,
-)
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.transformer import Transformer
+from drgrpo_jax.step.batch import policy_logprobs
+from drgrpo_jax.step.config import StepConfig, importance_weights
+from drgrpo_jax.step.optimizer import make_optimizer
+from drgrpo_jax.step.train_step import init_state, train_step
 
 from helpers import STEP_RESPONSE, STEP_ROWS, assert_same, compiled_dots, make_step_batch, run_step, tiny_decoder_config
 from two_processes import run_two_processes

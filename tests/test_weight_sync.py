@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from drgrpo_jax import tensor_segment
-from drgrpo_jax.config import load_config
+from drgrpo_jax import named_tensors as tensor_segment
+from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError, RolloutError
-from drgrpo_jax.weight_sync import SegmentPusher, host_tensors, sync_mode
+from drgrpo_jax.rollout.weight_push import SegmentPusher, host_tensors, sync_mode
 
 pytestmark = pytest.mark.skipif(not tensor_segment.available(), reason="needs a writable /dev/shm")
 
@@ -103,7 +103,7 @@ class _Client:
 def tiny_state(tiny_model):
     from flax import nnx
 
-    from drgrpo_jax.models import from_pretrained
+    from drgrpo_jax.models.pretrained import from_pretrained
 
     return nnx.split(from_pretrained(tiny_model), nnx.Param)
 
@@ -138,10 +138,10 @@ def test_a_merged_lora_push_sends_what_export_merged_writes(tiny_model, tmp_path
     import jax
     from flax import nnx
 
-    from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.models.config import LoraSpec
     from drgrpo_jax.models.lora import add_adapters
-    from drgrpo_jax.outputs import WeightPublisher
+    from drgrpo_jax.models.pretrained import from_pretrained
+    from drgrpo_jax.rollout.weight_push import WeightPublisher
 
     model = add_adapters(from_pretrained(tiny_model), LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "down_proj")),
                          jax.random.key(1))
@@ -189,8 +189,9 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
     import jax
     from fastapi.testclient import TestClient
 
-    from drgrpo_jax.outputs import WeightPublisher
-    from drgrpo_jax.serve import Engine, ServeConfig, build_app
+    from drgrpo_jax.rollout.weight_push import WeightPublisher
+    from drgrpo_jax.serve.app import build_app
+    from drgrpo_jax.serve.engine import Engine, ServeConfig
 
     graphdef, params = tiny_state
     new = _perturbed(params, 1)
@@ -224,7 +225,8 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
 def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model, tiny_state):
     from fastapi.testclient import TestClient
 
-    from drgrpo_jax.serve import Engine, ServeConfig, build_app
+    from drgrpo_jax.serve.app import build_app
+    from drgrpo_jax.serve.engine import Engine, ServeConfig
 
     graphdef, params = tiny_state
     tensors = host_tensors(graphdef, params)
@@ -289,7 +291,8 @@ def test_a_child_restarted_after_a_shared_memory_push_reloads_the_segment(tiny_m
     import signal
     import time
 
-    from drgrpo_jax.rollout import LocalServer, RolloutClient
+    from drgrpo_jax.rollout.client import RolloutClient
+    from drgrpo_jax.rollout.local_service import LocalServer
 
     graphdef, params = tiny_state
     with LocalServer(tiny_model) as server, RolloutClient([server.url], local_server=server) as client, \
@@ -309,7 +312,7 @@ def test_a_child_restarted_after_a_shared_memory_push_reloads_the_segment(tiny_m
 def test_auto_falls_back_to_disk_and_shm_fails_by_name_when_shared_memory_is_too_small(monkeypatch, tiny_state):
     import jax
 
-    from drgrpo_jax.weight_sync import check_room
+    from drgrpo_jax.rollout.weight_push import check_room
 
     _, params = tiny_state
     size = sum(leaf.nbytes for leaf in jax.tree.leaves(params))

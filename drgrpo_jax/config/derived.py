@@ -8,15 +8,16 @@ library config refuses into the run-config key a user would edit.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
 from drgrpo_jax.config.schema import AlgorithmConfig, Config
 from drgrpo_jax.errors import ConfigError, FieldError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.config import LoraSpec
-from drgrpo_jax.train_step import StepConfig
+from drgrpo_jax.step.config import StepConfig
 
-__all__ = ["lora_base_dtype", "lora_spec", "one_window_per_rollout", "pack_length", "step_configs"]
+__all__ = ["lora_base_dtype", "lora_spec", "one_window_per_rollout", "optimizer_of", "pack_length", "step_configs"]
 
 # Where each field of the library's configs comes from in the run config: FieldError(owner, field) -> key.
 _LIBRARY_KEYS: dict[tuple[str, str], str] = {
@@ -109,3 +110,14 @@ def pack_length(config: Config) -> int:
     if not t.pack_rows:
         return t.pack_length
     return t.pack_length or r.max_prompt_tokens + r.max_new_tokens - 1
+
+
+def optimizer_of(config: Config) -> tuple[Any, Any]:
+    """(optax optimizer, learning-rate schedule) over every update of the run."""
+    from drgrpo_jax.step.optimizer import make_optimizer
+
+    o, a = config.optimizer, config.algorithm
+    updates = config.train.steps * a.ppo_epochs * a.minibatches_per_rollout
+    return make_optimizer(o.learning_rate, total_steps=updates, warmup_steps=o.warmup_steps, decay=o.decay,
+                          weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
+                          max_grad_norm=o.max_grad_norm or None)

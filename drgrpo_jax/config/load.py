@@ -17,10 +17,7 @@ from omegaconf.errors import (
 )
 
 from drgrpo_jax.config.rules import validate
-from drgrpo_jax.config.schema import (
-    Config,
-    LoraConfig,
-)
+from drgrpo_jax.config.schema import Config, LoraConfig
 from drgrpo_jax.errors import ConfigError
 
 __all__ = [

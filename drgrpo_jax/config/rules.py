@@ -17,7 +17,7 @@ from drgrpo_jax.config.schema import Config, RewardConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
-__all__ = ["TRACKERS", "component_names", "function_name", "validate"]
+__all__ = ["TRACKERS", "component_names", "function_name", "reward_weights", "validate"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation: cross-field rules OmegaConf's typing cannot express
@@ -296,3 +296,8 @@ def validate(config: Config) -> None:
     step_configs(config)
     _check_batches(config)
     _check_rest(config)
+
+
+def reward_weights(config: Config) -> tuple[float, ...]:
+    """reward.weights, or 1 for every component."""
+    return tuple(config.reward.weights) or (1.0,) * len(component_names(config.reward))

@@ -1,15 +1,19 @@
-"""`from_pretrained`: an HF folder or a .gguf file in, as a Transformer (placed on a mesh when one is given)."""
+"""An HF folder or a .gguf file in: the model as a Transformer (placed on a mesh when given) and its tokenizer."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.hf_io import load_hf
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules
+
+__all__ = ["from_pretrained", "load_tokenizer"]
 
 
 def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
@@ -26,3 +30,20 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
 
         return load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat, attention_impl=attention_impl)
     return load_hf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat, attention_impl=attention_impl)
+
+
+def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
+    """The HF tokenizer of an HF folder, of a .gguf file (read without torch), or of tokenizer_path."""
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer_path" if tokenizer_path else "model.path"
+    try:
+        if tokenizer_path:
+            return AutoTokenizer.from_pretrained(tokenizer_path)
+        if model_path.endswith(".gguf"):
+            from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(model_path)
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as error:  # OSError, ValueError, missing files: the message names the key
+        raise ConfigError(key, f"cannot load a tokenizer: {type(error).__name__}: {error}") from None

@@ -29,15 +29,8 @@ from typing import Any
 
 from drgrpo_jax.serve.api import BadRequest
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import (
-    Engine,
-    RowResult,
-    ServeConfig,
-    Weights,
-    check_compatible,
-    load_config,
-    load_weights,
-)
+from drgrpo_jax.serve.engine import Engine, RowResult, ServeConfig, load_config
+from drgrpo_jax.serve.weights import Weights, check_compatible, load_weights
 
 # The CLI's names resolve on first use: importing them here would load `__main__` as a plain module before
 # `python -m drgrpo_jax.serve` runs it (runpy then warns and executes a second copy).

@@ -15,8 +15,9 @@ from typing import Any
 
 import drgrpo_jax.serve
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import DTYPES, Engine, ServeConfig, load_config
+from drgrpo_jax.serve.engine import Engine, ServeConfig, load_config
 from drgrpo_jax.serve.security import read_keys
+from drgrpo_jax.serve.weights import DTYPES
 
 log = logging.getLogger("drgrpo_jax.serve")
 

@@ -18,15 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from drgrpo_jax.sampling import RowRequest, SamplingParams
-from drgrpo_jax.serve.engine import Engine, InvalidWeights, QueueFull, RowResult, check_newer
-from drgrpo_jax.serve.schemas import (
-    MAX_TEXT_CHARS,
-    GenerateRequest,
-    SamplingParamsIn,
-    UpdateWeightsRequest,
-)
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.serve.engine import Engine, QueueFull, RowResult
+from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, GenerateRequest, SamplingParamsIn, UpdateWeightsRequest
 from drgrpo_jax.serve.security import Guard, Keys, PathNotAllowed, confine_weight_path, normalize_roots
+from drgrpo_jax.serve.weights import InvalidWeights, check_newer
 
 CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there

@@ -18,10 +18,11 @@ from typing import Any
 import jax
 import yaml
 
-from drgrpo_jax import sampling
 from drgrpo_jax.models.lora import is_adapter_folder
+from drgrpo_jax.named_tensors import parse_index, read_segment
 from drgrpo_jax.paths import local_folder
-from drgrpo_jax.sampling import RowRequest
+from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.generate import RowRequest
 from drgrpo_jax.serve.security import is_loopback, normalize_roots
 from drgrpo_jax.serve.weights import (
     DTYPES,
@@ -34,11 +35,9 @@ from drgrpo_jax.serve.weights import (
     weights_from_tensors,
     with_adapter,
 )
-from drgrpo_jax.tensor_segment import parse_index, read_segment
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
-__all__ = ["DTYPES", "Engine", "InvalidWeights", "QueueFull", "RowResult", "ServeConfig", "Weights",
-           "check_compatible", "check_newer", "load_config", "load_weights"]
+__all__ = ["Engine", "QueueFull", "RowResult", "ServeConfig", "load_config"]
 
 
 @dataclasses.dataclass(frozen=True)

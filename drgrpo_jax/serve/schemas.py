@@ -88,7 +88,7 @@ class UpdateWeightsRequest(_Request):
 
 
 class TensorEntryIn(_Request):
-    """One tensor of a shared-memory segment (drgrpo_jax.tensor_segment): where it lies and what it holds."""
+    """One tensor of a shared-memory segment (drgrpo_jax.named_tensors): where it lies and what it holds."""
 
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
     dtype: Literal["float32", "bfloat16", "float16"]

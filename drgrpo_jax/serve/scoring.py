@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drgrpo_jax.sampling import batch_bucket, bucket
+from drgrpo_jax.sampler.generate import batch_bucket, bucket
 
 __all__ = ["ScoredSequence", "score_sequences"]
 

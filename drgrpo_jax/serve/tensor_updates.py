@@ -1,5 +1,5 @@
 """POST /update_weights_from_tensor: a whole model from a shared-memory segment, for the trainer that started
-this service (its push without a disk round trip; `drgrpo_jax.weight_sync`).
+this service (its push without a disk round trip; `drgrpo_jax.rollout.weight_push`).
 
 Named after SGLang's in-process update, but the body is this service's own: the segment's name and its index
 (`tensor_segment`), not serialized tensors. A segment lives on this machine only, so a service bound beyond
@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from drgrpo_jax.serve.api import _next_version, _service, _update_answer
-from drgrpo_jax.serve.engine import InvalidWeights, check_newer
 from drgrpo_jax.serve.schemas import UpdateWeightsFromTensorRequest
+from drgrpo_jax.serve.weights import InvalidWeights, check_newer
 
 __all__ = ["ROUTES"]
 

@@ -24,7 +24,11 @@ import os
 import sys
 from typing import Any
 
-from drgrpo_jax.activations import (
+from drgrpo_jax.config.load import load_config, resolve_model_path
+from drgrpo_jax.config.schema import Config
+from drgrpo_jax.errors import ConfigError, MissingValueError
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.plan.activations import (
     activation_bytes,
     activations_by_policy,
     choose_remat,
@@ -32,11 +36,9 @@ from drgrpo_jax.activations import (
     rows_per_device,
     stores_probabilities,
 )
-from drgrpo_jax.config import Config, load_config, resolve_model_path
-from drgrpo_jax.errors import ConfigError, MissingValueError
-from drgrpo_jax.models.config import DecoderConfig, from_hf_config
-from drgrpo_jax.plan_hardware import DEVICES, GIB, PRESETS, DeviceSpec, device_spec, preset_name
-from drgrpo_jax.plan_state import (
+from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, device_spec, preset_name
+from drgrpo_jax.plan.service import service_advice, service_memory, service_rows, total
+from drgrpo_jax.plan.state import (
     abstract_state,
     adapted_bytes,
     gradient_bytes,
@@ -45,10 +47,8 @@ from drgrpo_jax.plan_state import (
     trainer_memory,
     variables,
 )
-from drgrpo_jax.service_plan import service_advice, service_memory, service_rows, total
 
-__all__ = ["DEVICES", "PRESETS", "DeviceSpec", "auto_remat", "device_spec", "make_plan", "format_text",
-           "resolve_decoder_config", "resolve_remat", "main"]
+__all__ = ["auto_remat", "make_plan", "format_text", "resolve_decoder_config", "resolve_remat", "main"]
 
 HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
 
@@ -150,7 +150,7 @@ def auto_remat(config: Config, model: DecoderConfig, device: Any) -> str:
 
 def _try(config: Config, **changes: dict[str, Any]) -> Config | None:
     """The config with section changes applied, or None when it no longer validates."""
-    from drgrpo_jax.config import validate
+    from drgrpo_jax.config.rules import validate
 
     sections = {name: dataclasses.replace(getattr(config, name), **fields) for name, fields in changes.items()}
     candidate = dataclasses.replace(config, **sections)
@@ -369,7 +369,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(plan) if args.format == "json" else format_text(plan))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

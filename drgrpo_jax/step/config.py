@@ -1,6 +1,6 @@
 """What the training step computes (`StepConfig`), and the sampler/trainer importance weights it applies.
 
-Split from train_step.py (one concept per module); `drgrpo_jax.train_step` re-exports these names.
+Split from train_step.py (one concept per module); `drgrpo_jax.step.train_step` re-exports these names.
 """
 
 from __future__ import annotations

@@ -33,11 +33,11 @@ import httpx
 import numpy as np
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
-from drgrpo_jax.local_server import LocalServer
 from drgrpo_jax.paths import is_remote
+from drgrpo_jax.rollout.local_service import LocalServer
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["LocalServer", "Rollout", "RolloutClient", "check_versions", "prompt_seeds", "retryable"]
+__all__ = ["Rollout", "RolloutClient", "check_versions", "prompt_seeds", "retryable"]
 
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
@@ -288,7 +288,7 @@ class RolloutClient:
                                     rollback: bool = False) -> None:
         """Tells the trainer's own child service to load shared-memory segment `segment` (its index: `tensors`)
         as `weight_version`; RolloutError when it refuses. The segment must outlive the next push: a child
-        that dies is restarted and reloads it (`drgrpo_jax.weight_sync` keeps it until then).
+        that dies is restarted and reloads it (`drgrpo_jax.rollout.weight_push` keeps it until then).
         """
         if self.local_server is None or self.urls != (self.local_server.url,):
             raise RolloutError("update_weights_from_segment: only the trainer's own child service maps its memory")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from drgrpo_jax.errors import ConfigError
 
 if TYPE_CHECKING:
-    from drgrpo_jax.config import Config
+    from drgrpo_jax.config.schema import Config
 
 __all__ = ["MlflowTracker", "TensorBoardTracker", "Tracker", "WandbTracker", "check_trackers", "open_trackers",
            "scalars"]
@@ -191,7 +191,7 @@ def open_trackers(config: Config, output_dir: str, start_step: int) -> list[Trac
     """The trackers run.report_to lists, each given the resolved config."""
     from omegaconf import OmegaConf
 
-    from drgrpo_jax.config import dump_config
+    from drgrpo_jax.config.load import dump_config
 
     check_trackers(config)
     run = config.run

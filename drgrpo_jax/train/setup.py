@@ -11,33 +11,31 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from drgrpo_jax.config import (
-    Config,
-    check_paths,
-    dump_config,
-    lora_base_dtype,
-    lora_spec,
-    resolve_model_path,
-    step_configs,
-)
+from drgrpo_jax.config.derived import lora_base_dtype, lora_spec, optimizer_of, step_configs
+from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
+from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data import PromptDataset, PromptStream
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
-from drgrpo_jax.hub import check_hub
-from drgrpo_jax.outputs import RunLog, WeightPublisher
-from drgrpo_jax.trackers import check_trackers, open_trackers
+from drgrpo_jax.rollout.weight_push import WeightPublisher, publish_weights
+from drgrpo_jax.train.hub import check_hub
+from drgrpo_jax.train.run_log import RunLog
+from drgrpo_jax.train.seeds import lora_init_key
+from drgrpo_jax.train.trackers import check_trackers, open_trackers
 
 if TYPE_CHECKING:
     import jax
     from flax import nnx
 
     from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.reward_scorer import RewardScorer
-    from drgrpo_jax.rollout import LocalServer, RolloutClient
-    from drgrpo_jax.train_step import Batch, TrainState
-    from drgrpo_jax.weight_sync import SegmentPusher
+    from drgrpo_jax.rewards.scorer import RewardScorer
+    from drgrpo_jax.rollout.client import RolloutClient
+    from drgrpo_jax.rollout.local_service import LocalServer
+    from drgrpo_jax.rollout.weight_push import SegmentPusher
+    from drgrpo_jax.step.batch import Batch
+    from drgrpo_jax.step.train_step import TrainState
 
-__all__ = ["Run", "publish_weights", "setup"]
+__all__ = ["Run", "setup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,23 +60,6 @@ class Run:
     server: LocalServer | None = None  # the local child service (one process, no rollout.urls)
     pusher: SegmentPusher | None = None  # weight pushes to that child through shared memory (rollout.weight_sync)
     behaviour_params: nnx.State | None = None  # rollout.async resumed: the params that sample the pending round
-
-
-def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
-    """The HF tokenizer of an HF folder, of a .gguf file (read without torch), or of tokenizer_path."""
-    from transformers import AutoTokenizer
-
-    key = "model.tokenizer_path" if tokenizer_path else "model.path"
-    try:
-        if tokenizer_path:
-            return AutoTokenizer.from_pretrained(tokenizer_path)
-        if model_path.endswith(".gguf"):
-            from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
-
-            return load_gguf_tokenizer(model_path)
-        return AutoTokenizer.from_pretrained(model_path)
-    except Exception as error:  # OSError, ValueError, missing files: the message names the key
-        raise ConfigError(key, f"cannot load a tokenizer: {type(error).__name__}: {error}") from None
 
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
@@ -117,7 +98,7 @@ def api_key(config: Config) -> str | None:
 
 def connect_urls(config: Config) -> RolloutClient:
     """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
-    from drgrpo_jax.rollout import RolloutClient
+    from drgrpo_jax.rollout.client import RolloutClient
 
     client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s, api_key=api_key(config))
     for url, ok in zip(client.urls, client.healthy()):
@@ -142,30 +123,6 @@ def service_batch_size(config: Config) -> int:
     return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
 
 
-def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, params: nnx.State, version: int,
-                    *, rollback: bool = False, frozen: nnx.State | None = None,
-                    pusher: SegmentPusher | None = None) -> str:
-    """Exports version `version` (process 0 writes) and, given a client, pushes it to every URL (process 0);
-    given a `pusher` (the trainer's own child service, rollout.weight_sync), through shared memory instead.
-
-    With LoRA, `params` are the adapters and `frozen` the base (needed when model.lora.push is merged).
-
-    `rollback`: the services may hold a newer version (a resumed run's first push) and go back to this one.
-
-    Every process waits for it and raises with it if it fails anywhere, so no host samples before the
-    services hold the new weights.
-    """
-    import jax
-
-    with fail_together(f"publishing weight version {version}"):
-        if pusher is not None and client is not None:  # one process: no disk round trip
-            return pusher.push(client, params, version, rollback=rollback, frozen=frozen)
-        path = publisher.publish(params, version, frozen)  # every process joins its gather
-        if client is not None and jax.process_index() == 0:
-            client.update_weights(path, version, rollback=rollback)
-    return path
-
-
 def _initialize_distributed(config: Config) -> None:
     """jax.distributed.initialize when mesh.coordinator_address is set (before any device is touched)."""
     m = config.mesh
@@ -175,20 +132,6 @@ def _initialize_distributed(config: Config) -> None:
         jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
 
 
-_LORA_INIT_PURPOSE = 0x10A  # fold_in(key(run.seed), this): the adapters' initial A
-
-
-def optimizer_of(config: Config) -> tuple[Any, Any]:
-    """(optax optimizer, learning-rate schedule) over every update of the run."""
-    from drgrpo_jax.train_step import make_optimizer
-
-    o, a = config.optimizer, config.algorithm
-    updates = config.train.steps * a.ppo_epochs * a.minibatches_per_rollout
-    return make_optimizer(o.learning_rate, total_steps=updates, warmup_steps=o.warmup_steps, decay=o.decay,
-                          weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
-                          max_grad_norm=o.max_grad_norm or None)
-
-
 def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
     """(the run, the train state to start from): fresh, or the last checkpoint's when resuming."""
     _initialize_distributed(config)
@@ -196,13 +139,14 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
 
     from drgrpo_jax.checkpoint import Checkpointer
     from drgrpo_jax.data import load_dataset
-    from drgrpo_jax.models import from_pretrained
     from drgrpo_jax.models.precision import resolve_compute_dtype
-    from drgrpo_jax.reward_scorer import RewardScorer
-    from drgrpo_jax.rollout import LocalServer, RolloutClient
-    from drgrpo_jax.sharding import param_shardings
-    from drgrpo_jax.train_step import init_state, jit_policy_logprobs, jit_train_step, place, state_shardings
-    from drgrpo_jax.weight_sync import SegmentPusher, check_room, sync_mode
+    from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
+    from drgrpo_jax.rewards.scorer import RewardScorer
+    from drgrpo_jax.rollout.client import RolloutClient
+    from drgrpo_jax.rollout.local_service import LocalServer
+    from drgrpo_jax.rollout.weight_push import SegmentPusher, check_room, sync_mode
+    from drgrpo_jax.sharding import param_shardings, place
+    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 
     c, main_process = config, jax.process_index() == 0
     if jax.process_count() > 1 and not c.rollout.urls:
@@ -236,13 +180,13 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
                             attention_impl=c.model.attention_impl)
     if c.model.remat == "auto":  # the plan's pick for this device's memory (python -m drgrpo_jax.plan shows it)
-        from drgrpo_jax.plan import auto_remat
+        from drgrpo_jax.plan.planner import auto_remat
 
         model.config = dataclasses.replace(model.config, remat=auto_remat(c, model.config, jax.devices()[0]))
     if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
         from drgrpo_jax.models.lora import add_adapters, store_base
 
-        model = add_adapters(model, spec, jax.random.fold_in(jax.random.key(c.run.seed), _LORA_INIT_PURPOSE))
+        model = add_adapters(model, spec, lora_init_key(c.run.seed))
         model = store_base(model, stored_dtype)  # deterministic: a resumed run rebuilds the same stored base
     optimizer, schedule = optimizer_of(c)
     graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
@@ -256,7 +200,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     start_step, position, behaviour = 0, 0, None
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
-        # rollout.async also saves the params that sample the pending round (drgrpo_jax.async_rollout).
+        # rollout.async also saves the params that sample the pending round (drgrpo_jax.train.async_rollout).
         target = (state.checkpointed(), state.params) if c.rollout.async_ else state.checkpointed()
         restored = checkpointer.restore_latest(target)
         if restored is None:  # should_resume saw a checkpoint; none is left

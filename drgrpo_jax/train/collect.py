@@ -1,7 +1,7 @@
 """A training step's rollout: prompts drawn and templated, completions sampled from the generation service(s)
 (each process its contiguous share), scored, gathered onto every host in prompt order; dynamic sampling's
 extra rounds; and rollout.async's first round launched a step ahead (`prefetch`, `prime`; the timeline is in
-drgrpo_jax.async_rollout). Every random choice derives from (run.seed, step, purpose)."""
+drgrpo_jax.train.async_rollout). Every random choice derives from (run.seed, step, purpose)."""
 
 from __future__ import annotations
 
@@ -12,27 +12,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.async_rollout import PendingRound, Prefetcher
+from drgrpo_jax.algorithms import ALGORITHMS
+from drgrpo_jax.config.rules import reward_weights
 from drgrpo_jax.data import Example, tokenize_prompt
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
-from drgrpo_jax.rollout_batch import (
-    HostCounters,
-    ScoredRollout,
-    group_signal_P,
-    host_share,
-    merge_host_rows,
-    step_seed,
-)
-from drgrpo_jax.run import publish_weights
+from drgrpo_jax.rollout.record import HostCounters, ScoredRollout, host_share, merge_host_rows
+from drgrpo_jax.rollout.weight_push import publish_weights
+from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher
+from drgrpo_jax.train.seeds import rollout_seed
 
 if TYPE_CHECKING:
-    from drgrpo_jax.run import Run
-    from drgrpo_jax.train_step import TrainState
+    from drgrpo_jax.step.train_step import TrainState
+    from drgrpo_jax.train.setup import Run
 
 __all__ = ["collect_rollout", "prefetch", "prime", "prompt_ids", "sample", "stop_ids"]
-
-_RESAMPLE_PURPOSE = 1000  # step_seed purposes 1000 + r: dynamic sampling's extra rollouts (1 + epoch: minibatch order)
 
 
 def prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
@@ -113,7 +107,7 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
     """The step's P scored groups, bool [P] which carry a learning signal, every round's counters, sampling metrics.
 
     With rollout.dynamic_sampling, groups without a learning signal (the algorithm's own test,
-    `algorithms.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
+    `Algorithm.group_signal`) are dropped and up to rollout.max_resample_rounds more rollouts
     of P prompts are drawn until P groups have one; a batch still short is filled with dropped
     groups marked as padding (group_valid False: no loss, no whitening statistics), so the step
     keeps its static shapes. Every process takes the same decisions from the shared rewards. `pending`: the
@@ -127,11 +121,11 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
         first = pending if not rounds else None
         examples = first.examples if first is not None else next(run.stream)
         prompts = first.prompts if first is not None else prompt_ids(run, examples)
-        seed = step_seed(c.run.seed, step, _RESAMPLE_PURPOSE + len(rounds) if rounds else 0)
+        seed = rollout_seed(c.run.seed, step, len(rounds))
         rollout, counted = sample(run, step, examples, prompts, seed, first)
         rounds.append(rollout)
         counters.append(counted)
-        signals.append(group_signal_P(c, rollout))
+        signals.append(rollout.signal_P(ALGORITHMS[c.algorithm.name], reward_weights(c)))
         with_signal = int(sum(s.sum() for s in signals))
         if not r.dynamic_sampling or with_signal >= r.prompts_per_step or len(rounds) > r.max_resample_rounds:
             break
@@ -151,14 +145,14 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
 
 
 def prefetch(run: Run, prefetcher: Prefetcher, step: int) -> PendingRound:
-    """Step `step`'s first sampling round, launched in the background now (rollout.async; drgrpo_jax.async_rollout)."""
+    """Step `step`'s first sampling round, launched in the background now (rollout.async; see async_rollout)."""
     import jax
 
     position, examples = run.stream.state(), next(run.stream)
     prompts = prompt_ids(run, examples)
     start, stop = host_share(len(prompts), jax.process_count(), jax.process_index())
     return prefetcher.launch(step, examples, prompts, position, _sample_share, run, step, examples[start:stop],
-                             prompts[start:stop], step_seed(run.config.run.seed, step, 0), start)
+                             prompts[start:stop], rollout_seed(run.config.run.seed, step), start)
 
 
 def prime(run: Run, state: TrainState, prefetcher: Prefetcher) -> PendingRound:

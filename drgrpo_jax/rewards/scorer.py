@@ -25,10 +25,17 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import RewardConfig, component_names
+from drgrpo_jax.config.rules import component_names
+from drgrpo_jax.config.schema import RewardConfig
 from drgrpo_jax.data import Example
 from drgrpo_jax.errors import RewardError
-from drgrpo_jax.rewards import LENGTH_REWARDS, PRELOAD_MODULES, RewardResult, build_reward_fns, overlong_penalty
+from drgrpo_jax.rewards.functions import (
+    LENGTH_REWARDS,
+    PRELOAD_MODULES,
+    RewardResult,
+    build_reward_fns,
+    overlong_penalty,
+)
 
 __all__ = ["RewardScorer"]
 
@@ -89,7 +96,8 @@ def _worker_main(fd: int, parent_pid: int) -> None:
 
 # A fresh interpreter, not multiprocessing's spawn: spawn re-runs the parent's __main__ (the
 # trainer, a notebook, a script without a main guard), and fork would copy JAX's threads.
-_WORKER_COMMAND = "import sys; from drgrpo_jax.reward_scorer import _worker_main; _worker_main(*map(int, sys.argv[1:]))"
+_WORKER_COMMAND = ("import sys; from drgrpo_jax.rewards.scorer import _worker_main; "
+                   "_worker_main(*map(int, sys.argv[1:]))")
 
 
 @dataclasses.dataclass

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.eval_suites import Suite
-from drgrpo_jax.evaluation import EvalSamples, summarize
+from drgrpo_jax.evaluate.evaluation import EvalSamples, summarize
+from drgrpo_jax.evaluate.suites import Suite
 
 __all__ = ["markdown_table", "report_rows", "write_report"]
 

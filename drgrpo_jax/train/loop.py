@@ -1,6 +1,6 @@
 """The trainer: `python -m drgrpo_jax.train --config PATH [section.key=value ...]` and its host loop.
 
-The loop reads top to bottom: config -> set-up (`drgrpo_jax.run.setup`: data, model, state,
+The loop reads top to bottom: config -> set-up (`drgrpo_jax.train.setup`: data, model, state,
 services) -> per step: rollout -> rewards -> advantages -> update -> weight push -> checkpoint,
 each stage a call with typed inputs and outputs (`ScoredRollout`, `Batch`, `TrainState`); the
 train state is returned by each step, never changed in place.
@@ -8,12 +8,12 @@ train state is returned by each step, never changed in place.
 One step: draw P prompts; every process samples G completions of its contiguous share of them
 from the generation service(s) (a local child process unless rollout.urls is set; several hosts
 need rollout.urls) and scores them, then the hosts all-gather the rows so each holds the whole
-batch in prompt order (`drgrpo_jax.collect`); compute the algorithm's advantages;
+batch in prompt order (`drgrpo_jax.train.collect`); compute the algorithm's advantages;
 recompute the policy's log-probs ("old"); run ppo_epochs x minibatches_per_rollout jitted
-updates; push the new weights to every service (`drgrpo_jax.weight_sync`: the trainer's own child
+updates; push the new weights to every service (`drgrpo_jax.rollout.weight_push`: the trainer's own child
 maps them from shared memory; services at rollout.urls load run_dir/weights/v{step}, copied to
 run.weights_dir when set); log. With rollout.async the next step's rollout is sampled while the
-update runs, one version stale (`drgrpo_jax.async_rollout`).
+update runs, one version stale (`drgrpo_jax.train.async_rollout`).
 Every random choice derives from (run.seed, step), and the data position and weight version
 are checkpointed with the train state, so a resumed run reproduces an uninterrupted one.
 
@@ -27,37 +27,34 @@ time; train_tokens_per_second = (prompt + response) tokens x ppo_epochs / train 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import functools
 import os
-import resource
 import sys
 import time
-import traceback
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.async_rollout import PendingRound, Prefetcher, check_fresh, snapshot
-from drgrpo_jax.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
-from drgrpo_jax.config import Config, config_from_argv, one_window_per_rollout
-from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.evaluation import EvalSettings, eval_metrics, eval_summary
-from drgrpo_jax.hosts import fail_together
-from drgrpo_jax.hub import push_folder
-from drgrpo_jax.outputs import host_array
-from drgrpo_jax.rollout_batch import advantages_N, step_seed, window_advantages
-from drgrpo_jax.run import Run, publish_weights, setup
-from drgrpo_jax.step_rows import UpdateResult, sample_rows, step_metrics
+from drgrpo_jax.algorithms import ALGORITHMS
+from drgrpo_jax.config.derived import one_window_per_rollout
+from drgrpo_jax.config.rules import reward_weights
+from drgrpo_jax.config.schema import Config
+from drgrpo_jax.evaluate.evaluation import EvalSettings, eval_metrics, eval_summary
+from drgrpo_jax.hosts import fail_together, host_array
+from drgrpo_jax.rollout.weight_push import publish_weights
+from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher, check_fresh, snapshot
+from drgrpo_jax.train.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
+from drgrpo_jax.train.host_memory import peak_rss_gb, return_freed_memory, returning_compile_memory
+from drgrpo_jax.train.hub import push_folder
+from drgrpo_jax.train.metrics import UpdateResult, sample_rows, step_metrics
+from drgrpo_jax.train.seeds import eval_seed, minibatch_seed
+from drgrpo_jax.train.setup import Run, setup
 
 if TYPE_CHECKING:
-    from drgrpo_jax.train_step import Batch, TrainState
+    from drgrpo_jax.step.batch import Batch
+    from drgrpo_jax.step.train_step import TrainState
 
-__all__ = ["main", "train"]
-
-PROG = "python -m drgrpo_jax.train"
-_EVAL_PURPOSE = 999  # step_seed purpose of the evaluation's sampled completions
+__all__ = ["train", "train_one_step", "update"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,7 +68,7 @@ def _global_batch(batch: Batch, mesh: Any) -> Batch:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from drgrpo_jax.train_step import BATCH_AXES
+    from drgrpo_jax.step.train_step import BATCH_AXES
 
     rows = NamedSharding(mesh, P(BATCH_AXES))
     return jax.tree.map(lambda v: jax.make_array_from_callback(v.shape, rows, lambda index: v[index]), batch)
@@ -82,13 +79,12 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
     """Old log-probs (when several windows share the rollout), then ppo_epochs x minibatches_per_rollout
     optimizer windows: (new state, their report).
 
-    For gdpo each window is whitened on its own rows.
+    Each window's advantages pass the algorithm's window step (`Algorithm.window_advantages`) on its own rows.
     """
     import jax
 
-    from drgrpo_jax.algorithms import ALGORITHMS
-
     a = run.config.algorithm
+    algorithm = ALGORITHMS[a.name]
     start = time.perf_counter()
     if not one_window_per_rollout(a):  # else the step uses its own forward's log-probs (StepConfig.on_policy)
         old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh), state.frozen))
@@ -96,19 +92,18 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
     old_logprob_seconds = time.perf_counter() - start
     num = batch.row_valid.shape[0]
     size = num // a.minibatches_per_rollout
-    history, whitening = [], []
+    history, window_reports = [], []
     for epoch in range(a.ppo_epochs):
-        order = np.random.default_rng(step_seed(run.config.run.seed, step, 1 + epoch)).permutation(num)
+        order = np.random.default_rng(minibatch_seed(run.config.run.seed, step, epoch)).permutation(num)
         for m in range(a.minibatches_per_rollout):
             rows = order[m * size:(m + 1) * size]
             window = jax.tree.map(lambda v, rows=rows: v[rows], batch)
-            if ALGORITHMS[a.name].multi_reward:
-                advantages, mean, std = window_advantages(window.advantages, window.row_valid, signal_N[rows])
-                window = dataclasses.replace(window, advantages=advantages)
-                whitening.append((mean, std))
+            advantages, report = algorithm.window_advantages(window.advantages, window.row_valid, signal_N[rows])
+            window = dataclasses.replace(window, advantages=np.asarray(advantages, np.float32))
+            window_reports.append({k: float(v) for k, v in report.items()})
             state, metrics = run.train_fn(state, _global_batch(window, run.mesh))
             history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return state, UpdateResult(history, whitening, old_logprob_seconds)
+    return state, UpdateResult(history, window_reports, old_logprob_seconds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +128,10 @@ def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetche
     started = time.perf_counter()
     rollout, signal_P, counters, sampling = collect_rollout(run, step, pending)
     check_fresh(rollout.versions, step, c.rollout.max_staleness)  # never trains on a rollout older than allowed
-    batch = rollout.to_batch(advantages_N(c, rollout), c.rollout.max_prompt_tokens)
+    advantages_N = rollout.advantages_N(ALGORITHMS[c.algorithm.name], reward_weights(c),
+                                        scale_rewards=c.algorithm.scale_rewards,
+                                        whiten_advantages=c.algorithm.whiten_advantages)
+    batch = rollout.to_batch(advantages_N, c.rollout.max_prompt_tokens)
     signal_N = np.repeat(signal_P, rollout.group_size)
     ahead = None
     if prefetcher is not None:
@@ -175,11 +173,11 @@ def evaluate(run: Run, step: int) -> dict[str, Any] | None:
 
 
 def _evaluate(run: Run, step: int) -> dict[str, Any]:
-    """evaluate's work on process 0: greedy and train.eval_samples sampled completions (drgrpo_jax.evaluation)."""
+    """evaluate's work on process 0: greedy and train.eval_samples sampled completions (evaluate.evaluation)."""
     c = run.config
     start = time.perf_counter()
     settings = EvalSettings(max_new_tokens=c.rollout.max_new_tokens, samples=c.train.eval_samples,
-                            temperature=c.train.eval_temperature, seed=step_seed(c.run.seed, step, _EVAL_PURPOSE),
+                            temperature=c.train.eval_temperature, seed=eval_seed(c.run.seed, step),
                             chunk_prompts=max(len(run.dataset.eval), 1))
     row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, prompt_ids(run, run.dataset.eval),
                        settings, stop_token_ids=stop_ids(run), expected_version=step)
@@ -198,57 +196,6 @@ def _progress(run: Run) -> Any:
 
     return tqdm(total=run.config.train.steps, initial=run.start_step, desc="train", unit="step", dynamic_ncols=True,
                 disable=jax.process_index() != 0, file=sys.stderr)
-
-
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GiB (the trainer's own, not its child service's)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def return_freed_memory() -> None:
-    """Hands the C heap's freed pages back to the OS (glibc; a no-op elsewhere).
-
-    A checkpoint save or an evaluation frees hundreds of MB of small allocations that glibc keeps in its arenas,
-    so the next update's buffers came on top of them: the quickstart's second update peaked at 4.6 GB of RSS
-    after a save and 3.7 GB with this call after it.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):  # not glibc
-        pass
-
-
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event after each XLA compile
-_trimming_after_compiles = False
-
-
-def _trim_after_compile(event: str, duration: float, **kwargs: Any) -> None:
-    if _trimming_after_compiles and event == _BACKEND_COMPILE:
-        return_freed_memory()
-
-
-@contextlib.contextmanager
-def returning_compile_memory():
-    """Within it, what each XLA compile freed goes back to the OS before its program first runs.
-
-    glibc kept the ~0.3 GB that compiling the train step freed, and the first update's buffers came on top of it:
-    `benchmarks/train_step.py` at the quickstart's shape peaked at 3.11 GB of RSS, 2.83 GB with this.
-    """
-    global _trimming_after_compiles
-    import jax
-
-    _register_once(jax.monitoring.register_event_duration_secs_listener)
-    _trimming_after_compiles = True
-    try:
-        yield
-    finally:
-        _trimming_after_compiles = False
-
-
-@functools.cache
-def _register_once(register: Any) -> None:
-    register(_trim_after_compile)  # jax has no public way to take a listener off again: the flag turns it off
 
 
 def train(config: Config) -> str:
@@ -296,27 +243,3 @@ def train(config: Config) -> str:
         bar.write(f"done: {c.train.steps} steps; policy exported to {final}")
     return c.run.output_dir
 
-
-def main(argv: list[str] | None = None) -> int:
-    """The CLI: a bad config, path, task or URL exits 2 and a failed run exits 1, each with one line on stderr."""
-    config = config_from_argv(argv, prog=PROG)  # exits 2 itself on a bad config
-    try:
-        train(config)
-    except ConfigError as error:
-        print(f"{PROG}: config error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; resume with the same command (train.resume=true)", file=sys.stderr)
-        return 130
-    except Exception as error:  # noqa: BLE001 - one line here; the whole traceback goes to error.log
-        log_path = os.path.join(config.run.output_dir, "error.log")
-        with contextlib.suppress(OSError), open(log_path, "w") as f:
-            traceback.print_exc(file=f)
-        message = (str(error).strip().splitlines() or [""])[0][:500]  # e.g. a service's log tail stays in error.log
-        print(f"{PROG}: {type(error).__name__}: {message} (traceback in {log_path})", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,10 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
-from drgrpo_jax.optimizer import AdamW, in_float32, make_optimizer
-from drgrpo_jax.packing import PackSpec
-from drgrpo_jax.sharding import place
-from drgrpo_jax.step_batch import (
+from drgrpo_jax.step.batch import (
     Batch,
     merge_model,
     pack_demand,
@@ -47,11 +44,12 @@ from drgrpo_jax.step_batch import (
     response_logprobs,
     split_micro_batches,
 )
-from drgrpo_jax.step_config import StepConfig, importance_weights
+from drgrpo_jax.step.config import StepConfig, importance_weights
+from drgrpo_jax.step.optimizer import AdamW
+from drgrpo_jax.step.packing import PackSpec
 
-__all__ = ["Batch", "StepConfig", "TrainState", "data_shards", "importance_weights", "in_float32", "init_state",
-           "jit_policy_logprobs", "jit_train_step", "make_optimizer", "merge_model", "pack_demand", "pack_spec",
-           "place", "policy_logprobs", "response_logprobs", "shard_batch", "train_step"]
+__all__ = ["TrainState", "data_shards", "init_state", "jit_policy_logprobs", "jit_train_step", "shard_batch",
+           "train_step"]
 
 BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
 

@@ -2,7 +2,7 @@
 
 Shape letters (the README's glossary): N responses, U prompt positions (left-padded), T response positions
 (right-padded), S = U + T - 1 positions of one forward, D model dim.
-`drgrpo_jax.train_step` re-exports the public names.
+`drgrpo_jax.step.train_step` re-exports the public names.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from flax import nnx, struct
 from drgrpo_jax.models.grad_sums import into_sums
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype, matmul_weights_in
-from drgrpo_jax.packing import PackSpec, packed_hidden_states, window_rows_needed
-from drgrpo_jax.step_config import StepConfig
+from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.packing import PackSpec, packed_hidden_states, window_rows_needed
 
 __all__ = ["Batch", "join_micro_batches", "merge_model", "pack_demand", "pack_spec", "policy_logprobs",
            "response_logprobs", "split_micro_batches"]

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config import RewardConfig, function_name
+from drgrpo_jax.config.rules import function_name
+from drgrpo_jax.config.schema import RewardConfig
 from drgrpo_jax.data import Example
 from drgrpo_jax.errors import ConfigError
 

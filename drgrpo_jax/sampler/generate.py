@@ -37,14 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drgrpo_jax.draws import filter_top_k_top_p, row_keys, sample_inverse_cdf, sample_step
-from drgrpo_jax.models import KVCache, init_cache
-from drgrpo_jax.models.kv_cache import VALUE_ORDER, key_slot_axis, split_cache
+from drgrpo_jax.models.kv_cache import VALUE_ORDER, KVCache, init_cache, key_slot_axis, split_cache
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers
+from drgrpo_jax.sampler.draws import row_keys, sample_step
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
-           "batch_bucket", "bucket", "compiled_programs", "filter_top_k_top_p", "generate", "make_batch",
-           "row_keys", "sample_inverse_cdf", "sample_step", "span_schedule"]
+           "batch_bucket", "bucket", "compiled_programs", "generate", "make_batch", "span_schedule"]
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
 

@@ -4,7 +4,7 @@
 `update_or_keep`, the same update applied to params and state per leaf in one pass, written over the donated
 buffers in place: `update` then `apply_updates` then "keep the old where the window was skipped" holds the new
 moments beside the old ones, a temporary ~2x the params (the quickstart trainer's peak memory).
-Split from train_step.py (one concept per module); `drgrpo_jax.train_step` re-exports both names.
+Split from train_step.py (one concept per module); `drgrpo_jax.step.train_step` re-exports both names.
 """
 
 from __future__ import annotations

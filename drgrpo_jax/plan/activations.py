@@ -32,7 +32,7 @@ from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
 if TYPE_CHECKING:
-    from drgrpo_jax.config import Config
+    from drgrpo_jax.config.schema import Config
 
 __all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "logprob_chunk_bytes",
            "model_call", "rows_per_device", "stores_probabilities"]
@@ -49,7 +49,7 @@ def rows_per_device(config: Config) -> int:
 
 def model_call(config: Config) -> tuple[int, int]:
     """(rows b, tokens S) of one device's model call per micro-batch: padded responses, or the packed rows."""
-    from drgrpo_jax.config import pack_length
+    from drgrpo_jax.config.derived import pack_length
 
     if config.train.pack_rows:
         return config.train.pack_rows, pack_length(config)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from drgrpo_jax.activations import ITEMSIZE
 from drgrpo_jax.models.config import DecoderConfig
-from drgrpo_jax.plan_hardware import GIB
+from drgrpo_jax.plan.activations import ITEMSIZE
+from drgrpo_jax.plan.hardware import GIB
 
 if TYPE_CHECKING:
-    from drgrpo_jax.config import Config
+    from drgrpo_jax.config.schema import Config
 
 __all__ = ["bucket", "service_advice", "service_memory", "service_rows", "total"]
 

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.passk import sampled_report
-from drgrpo_jax.rollout_batch import correct_mask, response_stats
+from drgrpo_jax.evaluate.passk import sampled_report
+from drgrpo_jax.rollout.record import correct_mask, response_stats
 
 if TYPE_CHECKING:
     from drgrpo_jax.data import Example
-    from drgrpo_jax.reward_scorer import RewardScorer
-    from drgrpo_jax.rollout import RolloutClient
+    from drgrpo_jax.rewards.scorer import RewardScorer
+    from drgrpo_jax.rollout.client import RolloutClient
 
 __all__ = ["EvalSamples", "EvalSettings", "eval_metrics", "eval_summary", "evaluate_problems", "sample_and_score",
            "summarize"]

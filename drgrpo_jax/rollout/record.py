@@ -2,10 +2,9 @@
 
 `ScoredRollout` holds P groups of G responses with named per-row arrays (prompt-major: row
 p * G + g); `take(groups)` selects groups (dynamic sampling), `concat` joins rounds, `to_batch`
-builds the step's `Batch`. `HostCounters` holds what is not one per row (wall-clock, reward
-timeouts and errors) and adds up over rounds and hosts. Beside them: seeds per (run, step),
-each host's share of a rollout, correctness and length statistics, and the algorithm's
-advantages with the per-window whitening GDPO needs.
+builds the step's `Batch`, and the algorithm table says what its advantages and learning signal are.
+`HostCounters` holds what is not one per row (wall-clock, reward timeouts and errors) and adds up over
+rounds and hosts. Beside them: each host's share of a rollout, correctness and length statistics.
 """
 
 from __future__ import annotations
@@ -17,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from drgrpo_jax.config import Config
+    from drgrpo_jax.algorithms import Algorithm
     from drgrpo_jax.data import Example
-    from drgrpo_jax.train_step import Batch
+    from drgrpo_jax.step.batch import Batch
 
-__all__ = ["HostCounters", "ScoredRollout", "advantages_N", "correct_mask", "group_signal_P", "host_share",
-           "left_pad", "merge_host_rows", "reward_weights", "response_stats", "step_seed", "window_advantages"]
+__all__ = ["HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad", "merge_host_rows",
+           "response_stats"]
 
 _CORRECTNESS = ("math_verify", "task")  # components that say whether the answer is right
 
@@ -96,9 +95,31 @@ class ScoredRollout:
                                    **{name: np.concatenate([getattr(p, name) for p in parts])
                                       for name in first.ROW_FIELDS})
 
+    def components_PGK(self) -> np.ndarray:
+        """float32 [P, G, K]: the reward components by group."""
+        return self.components.reshape(len(self.examples), self.group_size, -1)
+
+    def valid_PG(self) -> np.ndarray:
+        """bool [P, G]: responses of real (not padding) groups."""
+        return np.repeat(self.group_valid[:, None], self.group_size, axis=1)
+
+    def advantages_N(self, algorithm: Algorithm, weights_K: Sequence[float], *, scale_rewards: bool = False,
+                     whiten_advantages: bool = False) -> np.ndarray:
+        """float32 [N]: the algorithm's group-stage advantages (`Algorithm.group_advantages`); padding groups get 0.
+
+        What comes after, per optimizer window, is `Algorithm.window_advantages`.
+        """
+        advantages = algorithm.group_advantages(self.components_PGK(), weights_K, self.valid_PG(),
+                                                scale_rewards=scale_rewards, whiten_advantages=whiten_advantages)
+        return np.asarray(advantages, np.float32).reshape(-1)
+
+    def signal_P(self, algorithm: Algorithm, weights_K: Sequence[float]) -> np.ndarray:
+        """bool [P]: valid groups with a learning signal, by the algorithm's own test."""
+        return np.asarray(algorithm.group_signal(self.components_PGK(), weights_K, self.valid_PG()), bool)
+
     def to_batch(self, advantages_N: np.ndarray, prompt_length: int) -> Batch[np.ndarray]:
         """The step's host batch (numpy): prompts left-padded to prompt_length; old log-probs still zero."""
-        from drgrpo_jax.train_step import Batch
+        from drgrpo_jax.step.batch import Batch
 
         prompt_ids, prompt_mask = left_pad(self.prompt_ids, prompt_length, self.group_size)
         return Batch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=self.response_ids,
@@ -140,7 +161,7 @@ class HostCounters:
 
     def metrics(self) -> dict[str, int]:
         """Per-function and total reward timeouts and errors, for metrics.jsonl."""
-        from drgrpo_jax.rewards import failure_metrics
+        from drgrpo_jax.rewards.functions import failure_metrics
 
         return failure_metrics(self.reward_functions, self.reward_timeouts_F, self.reward_errors_F)
 
@@ -152,11 +173,6 @@ def merge_host_rows(stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     shares are contiguous (`host_share`).
     """
     return {name: value.reshape(value.shape[0] * value.shape[1], *value.shape[2:]) for name, value in stacked.items()}
-
-
-def step_seed(seed: int, step: int, purpose: int) -> int:
-    """A uint32 seed for (run.seed, step, purpose): 0 = rollout sampling, 1 + epoch = minibatch order."""
-    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, step, purpose]).generate_state(1)[0])
 
 
 def host_share(num_prompts: int, num_hosts: int, host: int) -> tuple[int, int]:
@@ -200,74 +216,3 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, repeat: int) -> tupl
         ids[p * repeat:(p + 1) * repeat, length - len(prompt):] = prompt
     lengths = np.repeat([len(p) for p in prompts], repeat)
     return ids, np.arange(length)[None, :] >= length - lengths[:, None]
-
-
-def reward_weights(config: Config) -> tuple[float, ...]:
-    """reward.weights, or 1 for every component."""
-    from drgrpo_jax.config import component_names
-
-    return tuple(config.reward.weights) or (1.0,) * len(component_names(config.reward))
-
-
-def _group_rewards(config: Config, components_NK: np.ndarray, num_prompts: int) -> Any:
-    """[P, G, K] components (gdpo normalises each on its own) or [P, G] weighted scalar rewards."""
-    import jax.numpy as jnp
-
-    from drgrpo_jax.algorithms import ALGORITHMS
-
-    group = components_NK.shape[0] // num_prompts
-    if ALGORITHMS[config.algorithm.name].multi_reward:
-        return jnp.asarray(components_NK.reshape(num_prompts, group, -1))
-    weights = np.asarray(reward_weights(config), np.float32)
-    return jnp.asarray((components_NK @ weights).reshape(num_prompts, group))
-
-
-def group_signal_P(config: Config, rollout: ScoredRollout) -> np.ndarray:
-    """bool [P]: valid groups with a learning signal, by the algorithm's own test (`algorithms.group_signal`)."""
-    import jax.numpy as jnp
-
-    from drgrpo_jax.algorithms import group_signal
-
-    rewards = _group_rewards(config, rollout.components, len(rollout.examples))
-    valid = jnp.asarray(np.repeat(rollout.group_valid[:, None], rollout.group_size, axis=1))
-    weights = jnp.asarray(reward_weights(config), jnp.float32)
-    return np.asarray(group_signal(config.algorithm.name, rewards, valid, weights=weights), bool)
-
-
-def advantages_N(config: Config, rollout: ScoredRollout) -> np.ndarray:
-    """float32 [N] advantages of the rollout's prompt-major responses; padding groups get 0.
-
-    gdpo's advantages come back before the batch whitening: each optimizer window whitens
-    its own rows (`window_advantages`), never the concatenation of several windows.
-    """
-    import jax.numpy as jnp
-
-    from drgrpo_jax.advantages import gdpo_combined
-    from drgrpo_jax.algorithms import ALGORITHMS, compute_advantages
-
-    a = config.algorithm
-    rewards = _group_rewards(config, rollout.components, len(rollout.examples))
-    valid = jnp.asarray(np.repeat(rollout.group_valid[:, None], rollout.group_size, axis=1))
-    if ALGORITHMS[a.name].multi_reward:
-        result = gdpo_combined(rewards, jnp.asarray(reward_weights(config), jnp.float32), valid)
-    else:
-        result = compute_advantages(a.name, rewards, valid, scale_rewards=a.scale_rewards,
-                                    whiten_advantages=a.whiten_advantages)
-    return np.asarray(result, np.float32).reshape(-1)
-
-
-def window_advantages(advantages_N: np.ndarray, row_valid_N: np.ndarray,
-                      signal_N: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """GDPO's batch whitening of one optimizer window: (advantages, mean, std) over its valid rows.
-
-    Every process holds the whole window, so the statistics are the same on every shard
-    without a collective. Rows of groups with no signal stay exactly 0 (see advantages.gdpo).
-    """
-    import jax.numpy as jnp
-
-    from drgrpo_jax.advantages import whiten, whiten_stats
-
-    x, valid = jnp.asarray(advantages_N)[None, :], jnp.asarray(row_valid_N)[None, :]
-    mean, std = whiten_stats(x, valid)
-    whitened = np.asarray(whiten(x, valid, eps=1e-4), np.float32)[0]
-    return np.where(signal_N & row_valid_N, whitened, 0.0).astype(np.float32), float(mean), float(std)

@@ -22,7 +22,8 @@ import tempfile
 import time
 from typing import Any
 
-from drgrpo_jax.config import Config, DataConfig, RewardConfig, load_config, resolve_model_path
+from drgrpo_jax.config.load import load_config, resolve_model_path
+from drgrpo_jax.config.schema import Config, DataConfig, RewardConfig
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["ModelSource", "main", "resolve_model"]
@@ -80,10 +81,10 @@ def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> s
     import jax
 
     from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.models import from_pretrained
-    from drgrpo_jax.outputs import WeightPublisher
-    from drgrpo_jax.run import load_tokenizer, optimizer_of
-    from drgrpo_jax.train_step import init_state
+    from drgrpo_jax.config.derived import optimizer_of
+    from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
+    from drgrpo_jax.rollout.weight_push import WeightPublisher
+    from drgrpo_jax.step.train_step import init_state
 
     model_path = resolve_model_path(config.model.path, key=f"{run_dir}/config.yaml model.path")
     dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[config.model.dtype]
@@ -101,7 +102,7 @@ def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> s
 
 def _settings(args: argparse.Namespace, config: Config | None):
     """EvalSettings from the flags (the run's budget when --max-new-tokens is not given)."""
-    from drgrpo_jax.evaluation import EvalSettings
+    from drgrpo_jax.evaluate.evaluation import EvalSettings
 
     budget = args.max_new_tokens or (config.rollout.max_new_tokens if config else 512)
     try:
@@ -138,7 +139,7 @@ def _reward_config(args: argparse.Namespace, config: Config | None) -> RewardCon
 
 def _tokenizer(args: argparse.Namespace, source: ModelSource, client: Any) -> Any:
     """The tokenizer of the model (or --tokenizer); for URLs, the service's own when it is a local folder."""
-    from drgrpo_jax.run import load_tokenizer
+    from drgrpo_jax.models.pretrained import load_tokenizer
 
     if source.path is not None:
         return load_tokenizer(source.path, args.tokenizer)
@@ -153,11 +154,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from drgrpo_jax.data import tokenize_prompt
-    from drgrpo_jax.eval_report import markdown_table, report_rows, write_report
-    from drgrpo_jax.eval_suites import load_suite
-    from drgrpo_jax.evaluation import evaluate_problems
-    from drgrpo_jax.reward_scorer import RewardScorer
-    from drgrpo_jax.rollout import LocalServer, RolloutClient
+    from drgrpo_jax.evaluate.evaluation import evaluate_problems
+    from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
+    from drgrpo_jax.evaluate.suites import load_suite
+    from drgrpo_jax.rewards.scorer import RewardScorer
+    from drgrpo_jax.rollout.client import RolloutClient
+    from drgrpo_jax.rollout.local_service import LocalServer
 
     source = resolve_model(args.model, args.step)
     config = source.run_config
@@ -263,7 +265,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {type(error).__name__}: {message}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,10 +9,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from drgrpo_jax.activations import ITEMSIZE, batch_bytes, logprob_chunk_bytes
-from drgrpo_jax.config import Config, lora_base_dtype, lora_spec
+from drgrpo_jax.config.derived import lora_base_dtype, lora_spec
+from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.plan.activations import ITEMSIZE, batch_bytes, logprob_chunk_bytes
 
 __all__ = ["abstract_state", "adapted_bytes", "gradient_bytes", "mesh_sizes", "param_groups", "state_bytes",
            "trainer_memory", "variables"]
@@ -63,9 +64,9 @@ def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any, Any]
     import jax.numpy as jnp
     from flax import nnx
 
-    from drgrpo_jax.models import Transformer
     from drgrpo_jax.models.lora import add_adapters
-    from drgrpo_jax.train_step import make_optimizer
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.step.optimizer import make_optimizer
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.model.dtype]
     spec = lora_spec(config)
@@ -156,8 +157,8 @@ def stored_base_bytes(config: Config, model: DecoderConfig, sizes: dict[str, int
     import jax.numpy as jnp
     from flax import nnx
 
-    from drgrpo_jax.models import Transformer
     from drgrpo_jax.models.lora import store_base
+    from drgrpo_jax.models.transformer import Transformer
 
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.model.dtype]
     stored = nnx.eval_shape(lambda: store_base(Transformer(model, rngs=nnx.Rngs(0), dtype=dtype),

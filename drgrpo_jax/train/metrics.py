@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.config import Config, component_names
-from drgrpo_jax.rollout_batch import HostCounters, ScoredRollout, correct_mask, response_stats, reward_weights
+from drgrpo_jax.config.rules import component_names, reward_weights
+from drgrpo_jax.config.schema import Config
+from drgrpo_jax.rollout.record import HostCounters, ScoredRollout, correct_mask, response_stats
 
 if TYPE_CHECKING:
-    from drgrpo_jax.run import Run
-    from drgrpo_jax.train_step import Batch
+    from drgrpo_jax.step.batch import Batch
+    from drgrpo_jax.train.setup import Run
 
 __all__ = ["UpdateResult", "sample_rows", "step_metrics"]
 
@@ -22,7 +23,7 @@ class UpdateResult:
     """What the step's optimizer updates report."""
 
     metrics: list[dict[str, float]]  # one row per update (optimizer window)
-    whitening: list[tuple[float, float]]  # gdpo: each window's (mean, std) of the combined advantages
+    window_reports: list[dict[str, float]]  # one per window: what its algorithm's window step reports
     old_logprob_seconds: float = 0.0  # the old-logprob forward over the rollout (0: skipped, on-policy)
 
 
@@ -49,9 +50,8 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         "train_seconds": seconds["train"], "old_logprob_seconds": updates.old_logprob_seconds,
         "push_seconds": seconds["push"], "step_seconds": seconds["step"],
         "rollout_wait_seconds": seconds["wait"]}  # rollout.async: the wait for the next round after the update
-    if updates.whitening:  # gdpo: the batch whitening statistics, averaged over the step's windows
-        row["whiten_mean"] = float(np.mean([m for m, _ in updates.whitening]))
-        row["whiten_std"] = float(np.mean([sd for _, sd in updates.whitening]))
+    for key in updates.window_reports[0]:  # the window step's report (gdpo: whitening), averaged over windows
+        row[key] = float(np.mean([report[key] for report in updates.window_reports]))
     row.update({f"reward/{name}": float(components[:, k].mean()) for k, name in enumerate(names)})
     return row | counters.metrics()
 

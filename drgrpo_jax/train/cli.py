@@ -1,0 +1,38 @@
+"""`python -m drgrpo_jax.train --config PATH [section.key=value ...]`: exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+
+from drgrpo_jax.config.load import config_from_argv
+from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.train.loop import train
+
+__all__ = ["PROG", "main"]
+
+
+PROG = "python -m drgrpo_jax.train"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI: a bad config, path, task or URL exits 2 and a failed run exits 1, each with one line on stderr."""
+    config = config_from_argv(argv, prog=PROG)  # exits 2 itself on a bad config
+    try:
+        train(config)
+    except ConfigError as error:
+        print(f"{PROG}: config error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; resume with the same command (train.resume=true)", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - one line here; the whole traceback goes to error.log
+        log_path = os.path.join(config.run.output_dir, "error.log")
+        with contextlib.suppress(OSError), open(log_path, "w") as f:
+            traceback.print_exc(file=f)
+        message = (str(error).strip().splitlines() or [""])[0][:500]  # e.g. a service's log tail stays in error.log
+        print(f"{PROG}: {type(error).__name__}: {message} (traceback in {log_path})", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,96 @@
+"""The run directory's outputs: metrics.jsonl, the trackers (TensorBoard, W&B, MLflow), samples.jsonl and
+versioned HF weight exports.
+
+Only process 0 writes; every process joins the gathers (multi-host arrays are collected first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from drgrpo_jax.train.trackers import Tracker, close_all, scalars
+
+__all__ = ["RunLog"]
+
+
+def _json_value(value: Any) -> Any:
+    """numpy scalars to Python; NaN/inf to None (JSON has neither)."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: metrics.jsonl, TensorBoard, samples.jsonl (process 0 only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Drops rows written after `last_step` (by a run that died before its next checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+
+
+class RunLog:
+    """Appends metrics and samples as JSON lines and mirrors them to the experiment trackers.
+
+    `trackers`: the backends (drgrpo_jax.train.trackers; None = TensorBoard alone), opened by process 0 only.
+    """
+
+    def __init__(self, output_dir: str, start_step: int, enabled: bool, trackers: Sequence[Tracker] | None = None):
+        self.enabled = enabled
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
+        self.trackers: list[Tracker] = []
+        if enabled:
+            for path in (self.metrics_path, self.samples_path):
+                _truncate_jsonl(path, start_step)
+            from drgrpo_jax.train.trackers import TensorBoardTracker
+
+            self.trackers = list(trackers) if trackers is not None else [TensorBoardTracker(output_dir, start_step)]
+
+    def _append(self, path: str, row: dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        """One metrics.jsonl row; its finite numbers also go to every tracker."""
+        if not self.enabled:
+            return
+        self._append(self.metrics_path, row)
+        values = scalars(row)
+        for tracker in self.trackers:
+            tracker.metrics(values, int(row["step"]))
+
+    def samples(self, rows: list[dict[str, Any]]) -> None:
+        """Sample completions, one JSON line each, and one table per step in every tracker."""
+        if not self.enabled or not rows:
+            return
+        for row in rows:
+            self._append(self.samples_path, row)
+        for tracker in self.trackers:
+            tracker.samples(rows, int(rows[0]["step"]))
+
+    def close(self) -> None:
+        trackers, self.trackers = self.trackers, []
+        close_all(trackers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights out: versioned HF folders the service loads
+# ---------------------------------------------------------------------------------------------
+
+
