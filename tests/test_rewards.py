@@ -222,7 +222,7 @@ def test_works_from_a_script_without_main_guard(tmp_path):
 
     script = tmp_path / "score.py"
     script.write_text(
-        "from drgrpo_jax.config import RewardConfig\n"
+        "from drgrpo_jax.config.schema import RewardConfig\n"
         "from drgrpo_jax.data import Example\n"
         "from drgrpo_jax.rewards.scorer import RewardScorer\n"
         "with RewardScorer(RewardConfig(functions=('format',), num_workers=1)) as scorer:\n"
@@ -244,7 +244,7 @@ def test_hung_worker_dies_with_a_killed_parent(tmp_path):
     script.write_text(
         "import os, sys\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "from drgrpo_jax.config import RewardConfig\n"
+        "from drgrpo_jax.config.schema import RewardConfig\n"
         "from drgrpo_jax.data import Example\n"
         "from drgrpo_jax.rewards.scorer import RewardScorer\n"
         "scorer = RewardScorer(RewardConfig(functions=('test_rewards:user_reward',), num_workers=1, timeout_s=3600))\n"

@@ -323,7 +323,7 @@ def process_gone(pid: int, timeout_s: float = 30.0) -> bool:
 def test_the_service_exits_when_its_trainer_is_killed(model_dir):
     trainer = textwrap.dedent(f"""
         import os, signal, sys
-        from drgrpo_jax.rollout import LocalServer
+        from drgrpo_jax.rollout.local_service import LocalServer
         server = LocalServer({model_dir!r})
         server.start()
         print(server._process.pid, flush=True)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from drgrpo_jax.models.kv_cache import init_cache
 from drgrpo_jax.models.logprobs import sequence_logprobs
+from drgrpo_jax.sampler import draws
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 
@@ -169,12 +170,12 @@ def test_zero_budget_rows_and_padding_rows_generate_nothing(model):
 def test_inverse_cdf_draws_follow_the_distribution():
     logits_V = jnp.asarray([2.0, -jnp.inf, 0.5, 1.0, -1.0] + [-jnp.inf] * 300 + [1.5])  # spans two CDF chunks
     probs = np.asarray(jax.nn.softmax(logits_V))
-    draws = 40_000
-    uniform = jax.random.uniform(jax.random.key(0), (draws,))
-    tokens = np.asarray(sampling.sample_inverse_cdf(jnp.broadcast_to(logits_V, (draws, logits_V.shape[0])), uniform))
+    num = 40_000
+    uniform = jax.random.uniform(jax.random.key(0), (num,))
+    tokens = np.asarray(draws.sample_inverse_cdf(jnp.broadcast_to(logits_V, (num, logits_V.shape[0])), uniform))
     counts = np.bincount(tokens, minlength=logits_V.shape[0])
     assert counts[probs == 0].sum() == 0
-    expected = probs * draws
+    expected = probs * num
     nz = probs > 0
     # 5 standard deviations of a binomial count: fails on a biased sampler, not on noise.
     assert (np.abs(counts[nz] - expected[nz]) < 5 * np.sqrt(expected[nz] * (1 - probs[nz]))).all()
@@ -182,7 +183,7 @@ def test_inverse_cdf_draws_follow_the_distribution():
 
 def test_inverse_cdf_edges_pick_first_and_last_nonzero_tokens():
     logits_BV = jnp.asarray([[0.0, 0.0, -jnp.inf, 0.0, -jnp.inf]] * 2)
-    tokens = sampling.sample_inverse_cdf(logits_BV, jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))]))
+    tokens = draws.sample_inverse_cdf(logits_BV, jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))]))
     assert tokens.tolist() == [0, 3]
 
 
@@ -203,7 +204,7 @@ def reference_filter(logits_V: np.ndarray, top_k: int, top_p: float) -> np.ndarr
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.5), (10, 0.8), (1, 0.3), (500, 0.999)])
 def test_top_k_top_p_filter_matches_sort_based_oracle(top_k, top_p):
     logits_BV = np.asarray(jax.random.normal(jax.random.key(top_k), (4, 300)) * 2.0, np.float32)
-    got = np.asarray(sampling.filter_top_k_top_p(jnp.asarray(logits_BV), jnp.full((4,), top_k),
+    got = np.asarray(draws.filter_top_k_top_p(jnp.asarray(logits_BV), jnp.full((4,), top_k),
                                                  jnp.full((4,), top_p, jnp.float32)))
     for b in range(4):
         np.testing.assert_array_equal(got[b], reference_filter(logits_BV[b], top_k, top_p))

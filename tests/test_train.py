@@ -28,16 +28,16 @@ def test_step_seeds_depend_on_seed_step_and_purpose_only():
 def test_compile_memory_goes_back_to_the_os_only_while_training(monkeypatch):
     import jax
 
-    from drgrpo_jax.train.loop import train
+    from drgrpo_jax.train import host_memory
 
     calls = []
-    monkeypatch.setattr(train, "return_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(host_memory, "return_freed_memory", lambda: calls.append(1))
     fresh = float(time.time_ns() % 999_983)  # a constant of its own: a program no compile cache holds
 
     def compile_one(offset):
         jax.jit(lambda x: x * fresh + offset).lower(np.float32(0)).compile()
 
-    with train.returning_compile_memory():
+    with host_memory.returning_compile_memory():
         compile_one(1.0)
     assert calls == [1]
     compile_one(2.0)
