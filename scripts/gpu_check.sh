@@ -5,7 +5,7 @@
 # nothing is downloaded.
 #   1. benchmarks/long_context.py --device gpu (ours vs PyTorch, train step and sampler), recorded by
 #      benchmarks/record.py;
-#   2. pytest -m gpu tests/test_attention.py: cuDNN flash attention and our blockwise kernel against the float32
+#   2. pytest -m gpu tests/models/test_attention.py: cuDNN flash attention and our blockwise kernel against the float32
 #      reference (values and gradients; causal, left padding, packed segments, sliding windows), and `auto`
 #      picking cuDNN inside the models.
 #
@@ -42,6 +42,6 @@ for record in $(ls benchmarks/results); do
     grep -qx "$record" <<<"$before" || cp "benchmarks/results/$record" "$out/"
 done
 
-timeout 150 $python -m pytest -q -rs -m gpu tests/test_attention.py -p no:cacheprovider 2>&1 \
+timeout 150 $python -m pytest -q -rs -m gpu tests/models/test_attention.py -p no:cacheprovider 2>&1 \
     | tee "$out/gpu_tests.log" || status=1
 exit $status

@@ -93,7 +93,7 @@ def start_trainer(overrides: list[str], **env: str) -> subprocess.Popen:
 
 
 # ---------------------------------------------------------------------------------------------
-# The training step's tiny model and window (tests/test_train_step.py, tests/multihost_worker.py)
+# The training step's tiny model and window (tests/step/test_train_step.py, tests/multihost_worker.py)
 # ---------------------------------------------------------------------------------------------
 
 STEP_ROWS, STEP_PROMPT, STEP_RESPONSE = 16, 6, 12
@@ -154,7 +154,7 @@ def make_step_batch(seed=0, lengths=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# The sharded training step on the tiny model (tests/test_train_step.py, tests/test_packing.py)
+# The sharded training step on the tiny model (tests/step/test_train_step.py, tests/step/test_packing.py)
 # ---------------------------------------------------------------------------------------------
 
 COMPILES: list[str] = []  # one entry per program XLA compiled or took from the persistent cache (conftest)
@@ -330,7 +330,7 @@ def assert_same(actual, desired, what):
 
 
 # ---------------------------------------------------------------------------------------------
-# GDPO's reward components (tests/test_gdpo.py, tests/gdpo_two_process_worker.py)
+# GDPO's reward components (tests/math/test_gdpo.py, tests/gdpo_two_process_worker.py)
 # ---------------------------------------------------------------------------------------------
 
 GDPO_WEIGHTS = [1.0, 0.5, 2.0]
@@ -359,7 +359,7 @@ def eight_group_batch():
 
 
 # ---------------------------------------------------------------------------------------------
-# What an offline W&B run wrote (tests/test_trackers.py, tests/test_train.py)
+# What an offline W&B run wrote (tests/train/test_trackers.py, tests/train/test_train.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -410,7 +410,7 @@ def wandb_offline_run(wandb_dir: str, timeout_s: float = 60.0) -> tuple[dict, li
             history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                             for item in record.history.item})
     return config, history
-# The sampler's tiny model and the full-cache sampler it replaced (tests/test_sampling.py, test_sampler_phases.py)
+# The sampler's tiny model and the full-cache sampler it replaced (tests/sampler/)
 # ---------------------------------------------------------------------------------------------
 
 SAMPLER_VOCAB = 97

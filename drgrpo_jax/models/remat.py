@@ -10,8 +10,8 @@ Ordered from most memory (least recomputation) to least:
   the MLP but not the blockwise attention (the reference, cuDNN and splash attention are recomputed: their
   probabilities or kernel statistics carry no name);
 - `full`: only each layer's input; the backward reruns the whole layer.
-Every policy gives the same loss and gradients (tests/test_models.py); `drgrpo_jax.plan.activations` models the memory
-of each and `drgrpo_jax.plan` picks one for `model.remat: auto`.
+Every policy gives the same loss and gradients (tests/models/test_models.py); `drgrpo_jax.plan.activations`
+models the memory of each and `drgrpo_jax.plan` picks one for `model.remat: auto`.
 """
 
 from __future__ import annotations

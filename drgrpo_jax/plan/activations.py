@@ -18,7 +18,7 @@ Kept: L such layers; while one layer's backward runs, it also holds what it reco
 own). Live at once besides: the reference's float32 scores b * (Q/t) * S^2 * 4 and its two bool masks 2 * b * S^2, or a
 blockwise kernel's block temporaries 3 * b * (Q/t) * W * 2W * 4. Log-prob chunks: 3 * W * V/t * 4.
 Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
-cast: measured with memory_analysis() on CPU, 2.1-2.3x), hence the 2S. tests/test_plan.py checks every policy's
+cast: measured with memory_analysis() on CPU, 2.1-2.3x), hence the 2S. tests/plan/test_plan.py checks every policy's
 figure against XLA's own memory_analysis() of a small model's backward.
 """
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, trainer_overrides, write_prompts, write_tiny_llama
+from helpers import REPO, TESTS, trainer_overrides, write_prompts, write_tiny_llama
 
 pytestmark = pytest.mark.subprocess  # every test runs a launcher script
 
@@ -220,8 +220,7 @@ def _overrides_2p(inputs_dir, out, reward: str = "test_launchers:recorded_letter
 
 
 def _env_2p(**extra) -> dict[str, str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, here]), "HF_HUB_OFFLINE": "1", **extra}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, TESTS]), "HF_HUB_OFFLINE": "1", **extra}
     env.pop("XLA_FLAGS", None)
     return env
 

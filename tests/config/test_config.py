@@ -13,6 +13,8 @@ from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.step.config import StepConfig
 
+from helpers import REPO
+
 BASE = ["model.path=some/model"]  # the one field without a usable default
 
 
@@ -389,7 +391,7 @@ def test_long_quickstart_sets_the_long_context_options():
     from drgrpo_jax.plan.activations import model_call
     from drgrpo_jax.plan.planner import resolve_remat
 
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "long_quickstart.yaml")
+    path = os.path.join(REPO, "configs", "long_quickstart.yaml")
     config = load_config(path)
     assert config.rollout.max_new_tokens == 1024 and config.data.task == "gsm_symbolic"
     # auto, so each backend takes its own kernel; on a CPU its 1279-token rows get the memory-linear ones.

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.subprocess  # record.py runs the benchmark command and git
 
 

@@ -17,7 +17,7 @@ from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.plan import planner as plan
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_7B_V5P = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
 GIB = 2**30
 

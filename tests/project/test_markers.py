@@ -8,12 +8,12 @@ import pytest
 
 pytestmark = pytest.mark.subprocess  # pytest --collect-only in a child process
 
-LIGHT = "tests/test_models.py::test_unpadded_parity[llama]"
-HEAVY = "tests/test_models.py::test_causal_by_gradient[llama]"
+LIGHT = "tests/models/test_models.py::test_unpadded_parity[llama]"
+HEAVY = "tests/models/test_models.py::test_causal_by_gradient[llama]"
 
 
 def _collected(*marker_args: str) -> set[str]:
-    listing = subprocess.run([sys.executable, "-m", "pytest", "tests/test_models.py", "--collect-only", "-q",
+    listing = subprocess.run([sys.executable, "-m", "pytest", "tests/models/test_models.py", "--collect-only", "-q",
                               "-p", "no:cacheprovider", *marker_args], capture_output=True, text=True, check=True)
     return {line for line in listing.stdout.splitlines() if "::" in line}
 

@@ -27,7 +27,7 @@ from drgrpo_jax.losses import LossConfig, loss_fn
 
 pytestmark = pytest.mark.heavy  # the notebooks' claims run seeded toy trainings
 
-NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 FIGURES = {"length_bias": "length_bias.png", "difficulty_bias": "difficulty_bias.png",
            "compare_runs": "compare_runs.png"}
@@ -109,7 +109,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
         assert reward_row.split()[1:] == ["0.200", "0.500", "0.200", "0.500"], reward_row  # the stale row lost
 
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_grpo_drgrpo.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_grpo_drgrpo.sh"
 
 
 @pytest.mark.subprocess  # scripts/compare_grpo_drgrpo.sh

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 # script -> arguments small enough for a smoke run; every script in benchmarks/ but the helpers is here.
@@ -27,7 +27,7 @@ SMOKE_ARGS = {
                 "--dtypes", "float32"],
     "quickstart": ["train.steps=1", "train.eval_every=0", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"],
 }
-HELPERS = {"_common", "record"}  # shared code and the recorder (tests/test_benchmark_records.py)
+HELPERS = {"_common", "record"}  # shared code and the recorder (tests/project/test_benchmark_records.py)
 
 
 def test_every_benchmark_script_has_a_smoke_run():

@@ -133,7 +133,7 @@ def test_bfloat16_lora_step_matches_float32_within_bfloat16_precision():
     """model.compute_dtype=bfloat16 with LoRA: base and adapter GEMMs in bfloat16 accumulating in float32, on
     float32 adapter masters; the loss and the adapter gradients agree with float32's.
 
-    Stated tolerances, as the full fine-tuning test's (tests/test_train_step.py): the loss within 1e-3 absolute
+    Stated tolerances, as the full fine-tuning test's (tests/step/test_train_step.py): the loss within 1e-3 absolute
     (measured 1.9e-4), the adapters' gradient within 0.1 in relative L2 norm (measured 0.050; 0.038 before
     attention's GEMMs ran in bfloat16) and each adapter's within 0.15 (measured at most 0.063).
     """

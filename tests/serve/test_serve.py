@@ -283,7 +283,7 @@ def test_the_readme_curl_example_works_and_a_form_body_says_what_to_send(server)
     import re
     import subprocess
 
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
         readme = f.read()
     example = re.search(r"(curl -s localhost:30000/generate .*?\}\}')", readme, re.S).group(1)
     command = example.replace("localhost:30000", server.url.removeprefix("http://"))

@@ -3,7 +3,7 @@
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "drgrpo_jax"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "drgrpo_jax"
 
 
 def _module_name(path: pathlib.Path) -> str:
