@@ -1,18 +1,11 @@
-"""Self-attention of a full (cache-free) forward: the reference, a memory-linear blockwise kernel, and the dispatch
-that also picks cuDNN or TPU splash (`accelerator_attention`).
+"""Self-attention of a full (cache-free) forward: the reference (float32 [B, C, R, T, S] scores, memory quadratic
+in length: the test oracle), a memory-linear blockwise kernel (online softmax; a FlashAttention-2 backward that
+recomputes each block from the saved log-sum-exp), and the dispatch that also picks cuDNN or TPU splash.
 
 Shape letters (the README's glossary): B rows, T query positions, S key positions, Q query heads, C key/value
 heads, R query heads per kv head (Q = C * R), H head dim, J query blocks of W positions, key blocks of V = K * W.
-
-Visibility is one rule (`self_attention_mask`): key s is visible to query t when both carry the same non-zero
-segment id, s <= t by index (causal), and, with a window, q_pos - k_pos < window (Gemma 3's sliding layers).
-Segment id 0 marks padding: a padding query sees nothing (the reference gives it the mean of the values, the
-others give 0; nothing downstream reads it) and a padding key is seen by nobody.
-
-`reference_attention` materialises [B, C, R, T, S] float32 scores and probabilities, and autodiff keeps them for
-the backward: memory quadratic in length, the test oracle. `blockwise_attention` runs an online softmax over
-key blocks and a custom backward that recomputes each block's probabilities from the saved log-sum-exp
-(FlashAttention-2), so it keeps O(B * T * Q) statistics instead of O(B * Q * T * S) probabilities.
+Visibility is one rule for all (`self_attention_mask`); segment id 0 marks padding, which nobody sees and whose
+own outputs nothing downstream reads.
 """
 
 from __future__ import annotations
@@ -37,16 +30,12 @@ _F32 = jnp.float32
 # Finite, so rows with no visible key (padding) give a uniform softmax instead of NaN.
 MASKED = -1e30
 # 128 query positions per block, against key blocks KEY_BLOCK_FACTOR = 2 times as wide: fewer loop trips and
-# wider score GEMMs. Forward+backward at SmolLM2's heads, B=2, S=2048, float32, one process per shape, AVX2 EPYC,
-# 2026-12-03 (torch SDPA took 0.31-0.32 s beside each): query x key blocks 128 x 128 took 0.58 s, 128 x 256 0.43 s,
-# 256 x 256 0.49 s, 256 x 512 0.68 s, 128 x 512 0.61 s, 64 x 256 0.63 s. The block's [B, C, R, W, 2W] float32
-# temporaries stay in cache.
+# wider score GEMMs, while the block's [B, C, R, W, 2W] float32 temporaries still fit in cache (wider blocks
+# fall out of it, narrower ones pay more loop trips; `benchmarks/attention.py --blocks` compares sizes).
 DEFAULT_BLOCK_SIZE = 128
 KEY_BLOCK_FACTOR = 2
-# "auto" on CPU below this length keeps the reference. Measured with benchmarks/attention.py (Q=9, C=3, H=64,
-# B=2, float32, forward+backward, same run, busy machine): reference vs blockwise 1.3 vs 1.2 ms at S=32,
-# 2.0 vs 3.1 ms at S=64, 19 vs 19 ms at S=192, 38 vs 24 ms at S=256, 0.43 vs 0.09 s at S=512,
-# 9.0 vs 0.68 s at S=2048 (temporaries 1.22 vs 0.03 GB), 34 vs 2.0 s at S=4096 (4.85 vs 0.06 GB).
+# "auto" on CPU below this length keeps the reference: short rows' quadratic scores are small and one GEMM beats
+# the block loop's overhead; from here on blockwise is faster and its memory stays linear (benchmarks/attention.py).
 BLOCKWISE_MIN_LENGTH = 256
 
 
@@ -219,8 +208,8 @@ def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, ls
 def _key_grad(x_BCRWV, y_BCRWH) -> jax.Array:
     """float32 [B, C, V, H]: sum over (R, W) of x[.., v] y[.., h], the gradient of keys or values.
 
-    Through row-major copies (`mm_tn`) in float32 too: the einsum's transposed operand cost ~10% of the kernel's
-    forward+backward (2x2048, SmolLM2's heads, AVX2 EPYC: 0.41 vs 0.45 s).
+    Through row-major copies (`mm_tn`) in float32 too: XLA's CPU GEMM is slower on the einsum's transposed operand
+    than the copy costs.
     """
     B, C, R, W, V = x_BCRWV.shape
     return mm_tn(x_BCRWV.reshape(B, C, R * W, V), y_BCRWH.reshape(B, C, R * W, -1))
