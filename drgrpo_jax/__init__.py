@@ -21,4 +21,4 @@ __all__ = [
     "loss_fn",
     "window_stats",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
