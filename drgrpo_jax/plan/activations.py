@@ -1,25 +1,8 @@
 """The trainer's activation memory per device, per rematerialisation policy: estimates the plan adds to exact state.
 
-Letters: capitals as in the README's shape-letter glossary (D, I, Q, C, H, L, V from the model), S tokens per row
-of one model call (prompt + budget - 1, or train.pack_length when packing), b rows per device per micro-batch
-(responses, or train.pack_rows when packing), a activation bytes (the parameter dtype), t tensor ways, W the
-blockwise attention's query block (128; its key blocks are 2W wide) and log-prob chunk tokens. Per layer and row,
-kept for the backward pass:
-
-  none                 2S * (4D + (2Q + 2C)H/t + 3I/t) * a + A    (norm inputs, q/k/v/o, MLP gate/up/product)
-  dots_saveable        S * (3D + (Q + 2C)H/t + 2I/t) * a + O      (layer input, every projection's output)
-  save_attention_out   S * D * a + O                              (layer input, attention output)
-  full                 S * D * a                                  (layer input)
-
-where A is the attention's own state: the reference keeps float32 scores and probabilities 2 * (Q/t) * S^2 * 4, the
-memory-linear kernels (blockwise, cuDNN, splash) the float32 log-sum-exp (Q/t) * S * 4; O is the attention output
-S * QH/t * a, plus, for a memory-linear kernel, its own copy and log-sum-exp S * QH/t * a + (Q/t) * S * 4.
-Kept: L such layers; while one layer's backward runs, it also holds what it recomputed (the none figure less its
-own). Live at once besides: the reference's float32 scores b * (Q/t) * S^2 * 4 and its two bool masks 2 * b * S^2, or a
-blockwise kernel's block temporaries 3 * b * (Q/t) * W * 2W * 4. Log-prob chunks: 3 * W * V/t * 4.
-Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
-cast: measured with memory_analysis() on CPU, 2.1-2.3x), hence the 2S. tests/plan/test_plan.py checks every policy's
-figure against XLA's own memory_analysis() of a small model's backward.
+`_per_layer` has each policy's per-layer formula and `activation_bytes` the sum over layers, recompute and
+temporaries; tests/plan/test_plan.py checks every policy's figure against XLA's own memory_analysis() of a small
+model's backward.
 """
 
 from __future__ import annotations
@@ -48,7 +31,8 @@ def rows_per_device(config: Config) -> int:
 
 
 def model_call(config: Config) -> tuple[int, int]:
-    """(rows b, tokens S) of one device's model call per micro-batch: padded responses, or the packed rows."""
+    """(rows b, tokens S) of one device's model call per micro-batch: padded responses (prompt + budget - 1
+    tokens), or the packed rows (train.pack_rows of train.pack_length)."""
     from drgrpo_jax.config.derived import pack_length
 
     if config.train.pack_rows:
@@ -64,7 +48,22 @@ def stores_probabilities(attention_impl: str, seq_len: int, backend: str) -> boo
 
 
 def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool) -> dict[str, int]:
-    """Bytes one row keeps per layer under each policy (the module's table)."""
+    """Bytes one row keeps per layer for the backward pass under each policy.
+
+    Letters: capitals as in the README's shape-letter glossary (D, I, Q, C, H from the model), S tokens per row of
+    one model call, a activation bytes (the parameter dtype), t tensor ways:
+
+      none                 2S * (4D + (2Q + 2C)H/t + 3I/t) * a + A    (norm inputs, q/k/v/o, MLP gate/up/product)
+      dots_saveable        S * (3D + (Q + 2C)H/t + 2I/t) * a + O      (layer input, every projection's output)
+      save_attention_out   S * D * a + O                              (layer input, attention output)
+      full                 S * D * a                                  (layer input)
+
+    A is the attention's own state: the reference keeps float32 scores and probabilities 2 * (Q/t) * S^2 * 4, the
+    memory-linear kernels (blockwise, cuDNN, splash) the float32 log-sum-exp (Q/t) * S * 4; O is the attention
+    output S * QH/t * a, plus, for a memory-linear kernel, its own copy and log-sum-exp S * QH/t * a + (Q/t) * S * 4.
+    Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
+    cast), hence the 2S.
+    """
     a, t = ITEMSIZE[config.model.dtype], config.mesh.tensor
     D, I, Q, C, H = model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads, model.head_dim
     heads = Q // t
@@ -76,7 +75,13 @@ def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool
 
 
 def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend: str = "cpu") -> int:
-    """Activations one device holds in the backward pass of one micro-batch under `policy` (the module's formula)."""
+    """Activations one device holds in the backward pass of one micro-batch under `policy`.
+
+    L layers of `_per_layer` for b rows of S tokens (`model_call`), plus what one layer's backward recomputes beside
+    them (the none figure less its own), plus what is live at once: the reference's float32 scores
+    b * (Q/t) * S^2 * 4 and its two bool masks 2 * b * S^2, or a blockwise kernel's block temporaries
+    3 * b * (Q/t) * W * 2W * 4 (W its query block, `block_widths`).
+    """
     b, S = model_call(config)
     probabilities = stores_probabilities(config.model.attention_impl, S, backend)
     layer = _per_layer(config, model, S, probabilities)
@@ -101,7 +106,7 @@ def choose_remat(by_policy: dict[str, int], budget: int) -> str:
 
 
 def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = DEFAULT_CHUNK_SIZE) -> int:
-    """One chunk's float32 logits, probabilities and their gradient on one device."""
+    """One chunk's float32 logits, probabilities and their gradient on one device: 3 * W * V/t * 4 for W tokens."""
     tokens = min(chunk, rows_per_device(config) * config.rollout.max_new_tokens)
     return 3 * tokens * (model.vocab_size // config.mesh.tensor) * 4
 

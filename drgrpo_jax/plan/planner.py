@@ -4,14 +4,10 @@
                               [--model-config NAME|PATH] [--serve-batch-size ROWS] [--serve-tensor N]
                               [--format text|json]
 
---serve-batch-size defaults to rollout.service_batch_size (the services' --max-batch-size).
-
-Parameters and optimizer state are exact: their shapes come from `jax.eval_shape` of the real model
-and optax chain, split by the same logical-axis rules the trainer uses. Activations (per rematerialisation
-policy, for the attention the target device runs: drgrpo_jax/activations.py), log-prob chunks and the generation
-service (drgrpo_jax/service_plan.py) are estimates (docs/scaling_out.md). `model.remat: auto` takes the first
-policy, least recomputation first, whose activations fit the device beside everything else (`resolve_remat`);
-the trainer asks the same question of its own device (`auto_remat`).
+Parameters and optimizer state are exact (`jax.eval_shape` of the real model and optax chain, split by the
+trainer's logical-axis rules); activations, log-prob chunks and the generation service are estimates
+(plan/activations.py, plan/service.py, docs/scaling_out.md). `model.remat: auto` is resolved here for the plan
+(`resolve_remat`) and for the trainer's own device (`auto_remat`).
 """
 
 from __future__ import annotations
@@ -82,7 +78,7 @@ def resolve_decoder_config(config: Config, model_config: str | None = None) -> t
 
 
 # ---------------------------------------------------------------------------------------------
-# Estimates (drgrpo_jax/activations.py, drgrpo_jax/service_plan.py) and the remat policy
+# Estimates (plan/activations.py, plan/service.py) and the remat policy
 # ---------------------------------------------------------------------------------------------
 
 
@@ -94,13 +90,10 @@ def device_backend(device: DeviceSpec | None) -> str:
 
 
 # On a CPU the backward that recomputes each layer is no slower than one that keeps its activations (the saved
-# tensors' memory traffic costs what the recompute does), at half the memory: benchmarks/results/
-# train_step-20261201T104758Z.json and -104918Z.json, the quickstart's micro-batch, remat none vs full: 238 vs
-# 244 tok/s, 7.6 vs 3.5 GB. So auto takes full on a CPU, except from CPU_KEEP_ATTENTION_FROM tokens a row, where
-# rerunning the attention's forward (quadratic) starts to cost more than keeping its output: save_attention_out
-# made the bf16 step at 2x2048 and 1x8192 16% and 23% faster for 0.6 and 1.1 GB more peak RSS; at 8x512 and
-# 4x1024 it was as fast as full for 0.54 GB more XLA temp (unrecorded long_context.py / train_step.py pairs,
-# Zen 4, 2026-12-02; long_context-20261202T182039Z.json is the step with it).
+# tensors' memory traffic costs what the recompute does), at half the memory (benchmarks/results/train_step-*:
+# remat none vs full). So auto takes full on a CPU, except from CPU_KEEP_ATTENTION_FROM tokens a row, where
+# rerunning the attention's forward (quadratic) costs more than keeping its output; shorter rows gain nothing
+# from keeping it but the memory it takes.
 CPU_AUTO_REMAT = "full"
 CPU_LONG_AUTO_REMAT = "save_attention_out"
 CPU_KEEP_ATTENTION_FROM = 2048

@@ -1,7 +1,7 @@
 """Exact per-device state figures for drgrpo_jax.plan: shapes from jax.eval_shape, split by the logical-axis rules.
 
 Parameters, adapters, optimizer state and gradients of the real model and optax chain, as `train_step.init_state`
-splits them; with the activation and log-prob estimates of drgrpo_jax/activations.py, the trainer's figures.
+splits them; with the activation and log-prob estimates of plan/activations.py, the trainer's figures.
 """
 
 from __future__ import annotations
