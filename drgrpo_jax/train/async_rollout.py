@@ -1,20 +1,12 @@
-"""One-step-off rollouts (rollout.async=true): step s+1's first sampling round is generated in a background
-thread (HTTP to the generation service, another process, then scoring) while step s's update runs.
+"""One-step-off rollouts (rollout.async=true): step s+1's first sampling round runs in a background thread (the
+HTTP call and the scoring; the hosts' collectives stay on the main thread) while step s's update runs:
 
-Timeline of step s, with versions counted in pushes (version v = the policy after v updates):
-    collect R_s (its first round pending since step s-1) -> launch R_{s+1} (the service holds version s)
-    -> update (version s+1) -> wait for R_{s+1} -> push version s+1 -> checkpoint
-So R_{s+1} comes wholly from version s and is trained at step s+1: one version stale (R_0 is on-policy). The
-push waits for the round, so no batch of it can sample a newer version: which version sampled what is fixed,
-never a race. The update's importance weight exp(old - behaviour), capped (algorithm.tis_cap) or masked
-(mis_high), corrects the lag with the service's behaviour log-probs; a rollout more than rollout.max_staleness
-versions old is never trained on (`check_fresh`). Everything about the window is unchanged.
+    collect R_s (pending since step s-1) -> launch R_{s+1} (the service holds version s = the policy after s
+    updates) -> update (version s+1) -> wait for R_{s+1} -> push version s+1 -> checkpoint
 
-Exact resume: a checkpoint after step s holds, besides the state, the params of version s that sample the
-pending round, and the data position before its prompts; the round itself is not saved. `prime` regenerates
-it on resume (push version s back, sample with the same prompts and seed, push version s+1), so a killed run
-continues exactly as an uninterrupted one. Dynamic sampling's extra rounds, when needed, run at the step itself.
-Only the HTTP call and the scoring run in the background thread; the hosts' collectives stay on the main thread.
+The push waits for the round, so R_{s+1} comes wholly from version s: one version stale, never a race, corrected
+by the capped or masked importance weight (algorithm.tis_cap, mis_high) and bounded by `check_fresh`. A
+checkpoint keeps the round's sampler params and data position, and `collect.prime` regenerates it on resume.
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ __all__ = ["PendingRound", "Prefetcher", "check_fresh", "snapshot"]
 
 @dataclasses.dataclass(frozen=True)
 class PendingRound:
-    """A step's first sampling round, launched ahead of its step."""
+    """A step's first sampling round, launched ahead of its step (dynamic sampling's extra rounds run at the step)."""
 
     step: int  # the step (0-based) that trains on it
     examples: tuple[Example, ...]

@@ -21,9 +21,8 @@ def peak_rss_gb() -> float:
 def return_freed_memory() -> None:
     """Hands the C heap's freed pages back to the OS (glibc; a no-op elsewhere).
 
-    A checkpoint save or an evaluation frees hundreds of MB of small allocations that glibc keeps in its arenas,
-    so the next update's buffers came on top of them: the quickstart's second update peaked at 4.6 GB of RSS
-    after a save and 3.7 GB with this call after it.
+    A checkpoint save or an evaluation frees many small allocations that glibc keeps in its arenas, so without
+    this the next update's buffers come on top of them and raise the trainer's peak memory.
     """
     try:
         ctypes.CDLL(None).malloc_trim(0)
@@ -46,8 +45,8 @@ def _trim_after_compile(event: str, duration: float, **kwargs: Any) -> None:
 def returning_compile_memory():
     """Within it, what each XLA compile freed goes back to the OS before its program first runs.
 
-    glibc kept the ~0.3 GB that compiling the train step freed, and the first update's buffers came on top of it:
-    `benchmarks/train_step.py` at the quickstart's shape peaked at 3.11 GB of RSS, 2.83 GB with this.
+    glibc keeps what compiling the train step freed, and the first update's buffers would come on top of it
+    (`benchmarks/train_step.py` reports the peak RSS).
     """
     global _trimming_after_compiles
     import jax

@@ -1,27 +1,10 @@
-"""The trainer: `python -m drgrpo_jax.train --config PATH [section.key=value ...]` and its host loop.
+"""The trainer's host loop (`python -m drgrpo_jax.train --config PATH [section.key=value ...]`).
 
-The loop reads top to bottom: config -> set-up (`drgrpo_jax.train.setup`: data, model, state,
-services) -> per step: rollout -> rewards -> advantages -> update -> weight push -> checkpoint,
-each stage a call with typed inputs and outputs (`ScoredRollout`, `Batch`, `TrainState`); the
-train state is returned by each step, never changed in place.
-
-One step: draw P prompts; every process samples G completions of its contiguous share of them
-from the generation service(s) (a local child process unless rollout.urls is set; several hosts
-need rollout.urls) and scores them, then the hosts all-gather the rows so each holds the whole
-batch in prompt order (`drgrpo_jax.train.collect`); compute the algorithm's advantages;
-recompute the policy's log-probs ("old"); run ppo_epochs x minibatches_per_rollout jitted
-updates; push the new weights to every service (`drgrpo_jax.rollout.weight_push`: the trainer's own child
-maps them from shared memory; services at rollout.urls load run_dir/weights/v{step}, copied to
-run.weights_dir when set); log. With rollout.async the next step's rollout is sampled while the
-update runs, one version stale (`drgrpo_jax.train.async_rollout`).
-Every random choice derives from (run.seed, step), and the data position and weight version
-are checkpointed with the train state, so a resumed run reproduces an uninterrupted one.
-
-Run directory: config.yaml (resolved), metrics.jsonl (one row per step; eval rows carry
-`eval/*` keys instead of `loss`), samples.jsonl, tensorboard/, checkpoints/, weights/,
-serve.log, final/ (HF folder of the last policy; with LoRA a PEFT adapter folder). Throughput in
-metrics: tokens_per_second = generated tokens / whole step time; rollout_tokens_per_second = generated tokens / rollout
-time; train_tokens_per_second = (prompt + response) tokens x ppo_epochs / train time.
+It reads top to bottom: config -> set-up (`drgrpo_jax.train.setup`) -> per step: rollout -> rewards ->
+advantages -> update -> weight push -> checkpoint, each stage a call with typed inputs and outputs
+(`ScoredRollout`, `Batch`, `TrainState`); the train state is returned by each step, never changed in place.
+Every random choice derives from (run.seed, step), and the data position and weight version are checkpointed
+with the train state, so a resumed run reproduces an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -123,7 +106,14 @@ class Ahead:
 def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetcher | None = None,
                    pending: PendingRound | None = None) -> tuple[TrainState, dict[str, Any], Ahead | None]:
     """Step `step` (0-based): rollout -> rewards -> advantages -> update -> weight push; (new state, metrics row,
-    with a `prefetcher` (rollout.async) the next step's round, sampled while the update ran)."""
+    with a `prefetcher` (rollout.async) the next step's round, sampled while the update ran).
+
+    Every process samples G completions of its contiguous share of the P prompts from the generation service(s)
+    (the local child unless rollout.urls is set; several hosts need rollout.urls) and scores them, and the hosts
+    all-gather the rows in prompt order (`train.collect`); the old log-probs are recomputed, ppo_epochs x
+    minibatches_per_rollout jitted updates run, and the new weights go to every service (`rollout.weight_push`).
+    With rollout.async the next step's rollout is sampled during the update, one version stale (`async_rollout`).
+    """
     c = run.config
     started = time.perf_counter()
     rollout, signal_P, counters, sampling = collect_rollout(run, step, pending)
@@ -199,7 +189,12 @@ def _progress(run: Run) -> Any:
 
 
 def train(config: Config) -> str:
-    """Runs (or resumes) the configured training; returns the run directory."""
+    """Runs (or resumes) the configured training; returns the run directory.
+
+    It holds config.yaml (resolved), metrics.jsonl (one row per step; eval rows carry `eval/*` keys instead of
+    `loss`), samples.jsonl, tensorboard/, checkpoints/, weights/, serve.log and final/ (an HF folder of the last
+    policy; with LoRA a PEFT adapter folder).
+    """
     with contextlib.ExitStack() as stack:
         stack.enter_context(returning_compile_memory())
         run, state = setup(config, stack)

@@ -1,4 +1,4 @@
-"""metrics.jsonl's row of a training step and samples.jsonl's rows: what the host loop logs (train.py)."""
+"""metrics.jsonl's row of a training step and samples.jsonl's rows: what the host loop logs (train/loop.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ class UpdateResult:
 
 def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch, counters: HostCounters,
                  updates: UpdateResult, seconds: dict[str, float]) -> dict[str, Any]:
-    """metrics.jsonl's row for step `step` (1-based): losses, rewards, lengths, staleness, throughput, seconds."""
+    """metrics.jsonl's row for step `step` (1-based): losses, rewards, lengths, staleness, throughput, seconds.
+
+    Throughput: tokens_per_second = generated tokens / whole step time; rollout_tokens_per_second = generated
+    tokens / rollout time; train_tokens_per_second = (prompt + response) tokens x ppo_epochs / train time.
+    """
     names, valid = component_names(config.reward), rollout.row_valid
     components = rollout.components[valid]  # the trained responses (padding groups left out)
     total = components @ np.asarray(reward_weights(config), np.float32)
