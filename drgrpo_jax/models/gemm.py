@@ -1,21 +1,10 @@
 """GEMMs in a compute dtype accumulating in float32, whose backward GEMMs run in that dtype too.
 
 Shape letters (the README's glossary): M rows (flattened tokens, or query positions), X the contracted axis and
-Y the output columns of the forward GEMM; a batched GEMM's leading axes ("...", attention's [B, C]) are
-shared by both operands.
-
-Mixed precision (`StepConfig.compute_dtype="bfloat16"`) hands these float32 operands and a bfloat16 `dtype`:
-each GEMM rounds its operands to bfloat16 and accumulates in float32, and its backward does the same with the
-float32 cotangent rounded to bfloat16 (as torch.autocast does). JAX's own transpose of such a dot
-(`preferred_element_type=float32`) would multiply the float32 cotangent by the operand converted back to
-float32: float32 GEMMs, ~5x slower than bfloat16's on a CPU with AMX. Gradients come back in the operands'
-own dtypes straight from the float32 accumulator (a float32 master weight's gradient is never rounded).
-
-Operands are laid out for XLA's CPU backend: it hands a bfloat16 dot to YNNPACK only when the left operand is
-row-major with the contracted axis minor and the result is not transposed. A dot into which XLA folded a
-transpose (attention's head-major q, k, v; a weight gradient's transpose) it silently upcasts to float32
-(~5x slower), or, with a transposed result, refuses ("Unsupported element type for DotThunk"). So `row_major`
-and `transposed` materialise bf16 operands behind barriers, and barriers keep transposed results apart.
+Y the output columns of the forward GEMM; a batched GEMM's leading axes ("...", attention's [B, C]) are shared by
+both operands. Under mixed precision the backward rounds the float32 cotangent to bfloat16 too, as torch.autocast
+does (JAX's own transpose of a dot with a float32 result would run float32 GEMMs), and gradients come back in the
+operands' own dtypes from the float32 accumulator. Operands are laid out for XLA's CPU bf16 GEMM (`row_major`).
 """
 
 from __future__ import annotations
@@ -39,9 +28,8 @@ def transposed(x_MX: jax.Array) -> jax.Array:
     """x with its last two axes swapped, materialised: the barrier stops XLA folding the transpose into the next
     dot and choosing its own layout.
 
-    A 16-bit x goes through a flat reshape, which forces a row-major copy: XLA's CPU bf16 dot runs ~150
-    GFLOP/s on a column-major (transposed-layout) operand and ~1000 on a row-major one (XNNPACK), so the
-    backward's bf16 GEMMs were slower than float32's without it.
+    A 16-bit x goes through a flat reshape, which forces a row-major copy: XLA's CPU bf16 dot is fast (XNNPACK)
+    only on a row-major operand, and without it the backward's bf16 GEMMs were slower than float32's.
     """
     x_XM = jnp.swapaxes(x_MX, -1, -2)
     if not is_half(x_MX.dtype):
@@ -76,8 +64,8 @@ def _dense_fwd(x_MX: jax.Array, w_XY: jax.Array, low, w_dtype):
 def _dense_bwd(low, w_dtype, residuals, dy_MY: jax.Array):
     """(dx, dw), the weight gradient transposing the narrower of x and dy: one copy of [M, min(X, Y)]."""
     # Left to itself, XLA's CPU layout assignment transposed the wider operand (the [M, I] MLP activations)
-    # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop: ~25% of
-    # the layers' backward time in a profile of SmolLM2 shapes, as much as the largest GEMMs.
+    # inside the layer scan, fused with the stacked residual's dynamic-slice into a strided loop that cost as
+    # much as the largest GEMMs.
     x_MX, w_XY = residuals  # in the compute dtype; dy in x's original dtype, which dx takes
     w_YX = transposed(w_XY) if is_half(low) else w_XY.T
     dx_MX = jnp.dot(dy_MY.astype(low), w_YX, preferred_element_type=_F32).astype(dy_MY.dtype)
@@ -100,9 +88,10 @@ _dense.defvjp(_dense_fwd, _dense_bwd)
 def row_major(x: jax.Array) -> jax.Array:
     """A 16-bit x materialised row-major as it stands (others unchanged).
 
-    Without the barrier XLA folds the transposes that made an operand (attention's head-major q, k, v) into
-    the dot's dimension numbers; its CPU backend then no longer hands the bf16 dot to YNNPACK but upcasts it
-    to a float32 dot (measured ~60 GFLOP/s on attention's shapes, against ~300 in bf16).
+    XLA's CPU backend hands a bf16 dot to YNNPACK only when its left operand is row-major with the contracted axis
+    minor and its result is not transposed. Without the barrier XLA folds the transposes that made an operand
+    (attention's head-major q, k, v) into the dot's dimension numbers, and its CPU backend then silently upcasts
+    the dot to a much slower float32 one (or, with a transposed result, refuses it: see `mm_tn`).
     """
     if not is_half(x.dtype):
         return x

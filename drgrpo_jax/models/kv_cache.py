@@ -88,9 +88,8 @@ def key_order(dtype) -> tuple[int, ...]:
     """A split cache's keys, as a permutation of [B, S, C, H]: [B, C, H, S] in 32-bit floats, [B, C, S, H] in 16-bit.
 
     Transposed keys give the score dot its big operand as [contracted, kept], which XLA's CPU GEMMs read
-    fastest at decode's few query rows: a SmolLM2 decode step at 16 rows x 1088 slots took 137 instead of
-    207 ms in float32 (AMX Xeon VM, one-off timings). A 16-bit write into the minor slot axis is not done in
-    place (XLA copied every layer's keys every step: 156 instead of 127 ms), so bfloat16 keeps [B, C, S, H].
+    fastest at decode's few query rows. A 16-bit write into the minor slot axis is not done in place (XLA
+    copied every layer's keys every step, which cost more than the layout saves), so bfloat16 keeps [B, C, S, H].
     """
     return VALUE_ORDER if is_half(dtype) else (0, 2, 3, 1)
 

@@ -101,7 +101,7 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
         return logprobs_JW.reshape(-1)[:M].reshape(B, T), entropy_JW.reshape(-1)[:M].reshape(B, T)
 
     # Mixed precision: the table is cast once, outside the chunk loop, as [V, D] (a tied embedding's own
-    # layout); cast per chunk, XLA transposed it every time, 0.1-0.15 s a chunk at SmolLM2's 256 x 49152.
+    # layout); cast per chunk, XLA transposed the whole table again for every chunk.
     low_VD = None if compute_dtype is None else jax.lax.stop_gradient(row_major(unembed_DV.T.astype(compute_dtype)))
 
     @jax.checkpoint  # recompute each chunk's logits in the backward pass instead of storing them

@@ -1,21 +1,11 @@
 """Mixed precision: which dtype the model's GEMMs run in, apart from the dtype its parameters are kept in.
 
-`compute_dtype="bfloat16"` with float32 parameters is the usual mixed-precision recipe: the step sets the
-model's `DecoderConfig.compute_dtype`, every GEMM rounds its operands to bfloat16 and accumulates in float32
-(models/gemm.py: each layer casts its float32 weights inside the layer scan, so their gradients come straight
-from float32 accumulators), and the residual stream, norms, softmax, log-probs, loss, gradients and optimizer
-state stay float32. On CPU XLA's bfloat16 GEMM is only fast with a float32 accumulator, which is what these
-paths ask for.
-
-With LoRA the float32 adapters compute the same way (gradients and Adam stay on the float32 masters); the
-frozen base is cast once up front (`matmul_weights_in`: it has no gradient), unless model.lora.base_dtype
-already stores it in bfloat16 or as int8 (dequantised per layer in bfloat16).
-
-`"auto"` picks bfloat16 where the hardware multiplies it natively (`native_bfloat16`): TPUs, NVIDIA from
-Ampere on, and x86 CPUs with bfloat16 dot instructions (AMX-BF16 or AVX512-BF16). On 2-core VMs of both CPU
-kinds bfloat16 ran the SmolLM2 train step at 1.7x (Zen 4, AVX512-BF16, 2026-12-02) to 2.1-2.2x (Xeon, AMX,
-2026-12-01) float32's tokens/s, and the sampler at 1.8x (Zen 4). Other CPUs get float32;
-`model.compute_dtype=float32` or `bfloat16` overrides it anywhere.
+`compute_dtype="bfloat16"` with float32 parameters is the usual recipe: every GEMM rounds its operands to bfloat16
+and accumulates in float32 (models/gemm.py; XLA's CPU bfloat16 GEMM is only fast with a float32 accumulator), and
+the residual stream, norms, softmax, log-probs, loss, gradients and optimizer state stay float32; LoRA's float32
+adapters compute the same way, the frozen base cast once (`matmul_weights_in`). "auto" picks bfloat16 where the
+hardware multiplies it natively (`native_bfloat16`: TPUs, NVIDIA from Ampere on, x86 CPUs with AMX-BF16 or
+AVX512-BF16), float32 elsewhere; `model.compute_dtype=float32` or `bfloat16` overrides it anywhere.
 """
 
 from __future__ import annotations
