@@ -1,14 +1,11 @@
 """Gradients added into a running float32 sum where they are made, for accumulation over micro-batches.
 
-`sums + grad(micro_loss)(params)` holds a whole second gradient beside the sum: XLA writes the layer scan's
-backward into a fresh stacked buffer and adds it afterwards. Here the sum itself takes the gradient: a micro-batch
-returns `d/d(sums) = sums + d/d(params)`, and params get none (their gradient is in the sum).
-- `scan_layers` with `sums`: under `full` rematerialisation the backward reruns each layer anyway, so its
-  backward loop carries the sum and adds each layer's weight gradient into that layer's slice, in place;
-- `summing_into`: the same for weights outside the layer stack (embeddings, final norm), added once;
-- `token_logprobs(unembed_sum=...)` (models/logprobs.py): the output table's gradient added chunk by chunk into
-  its sum, the backward's carry, rather than summed over chunks apart and then added.
-It is Megatron's gradient-accumulation fusion for a scanned JAX model: one stacked gradient buffer, not two.
+`sums + grad(micro_loss)(params)` holds a whole second gradient beside the sum (XLA writes the layer scan's
+backward into a fresh stacked buffer and adds it afterwards). Here the sum itself takes the gradient, a micro-batch
+returning `d/d(sums) = sums + d/d(params)` and params none: `scan_layers`' backward loop adds each layer's weight
+gradient into that layer's slice (full remat reruns each layer anyway), `summing_into` the weights outside the
+stack, `token_logprobs(unembed_sum=...)` the output table's chunk by chunk. It is Megatron's gradient-accumulation
+fusion for a scanned JAX model: one stacked gradient buffer, not two.
 """
 
 from __future__ import annotations

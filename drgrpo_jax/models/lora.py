@@ -1,24 +1,12 @@
 """LoRA: stacked low-rank adapters on the decoder's projections, PEFT adapter folders out and in, merging.
 
-Shape letters (the README's glossary): L layers, X and Y a projection's input and output features (several
-axes for the head-shaped ones: q_proj [D, Q, H], o_proj [Q, H, D]), and Z the adapter rank r.
-
-Each targeted projection W [L, *X, *Y] gets A [L, *X, Z] (random) and B [L, Z, *Y] (zeros, so a fresh adapter
-leaves the model unchanged) as `nnx.LoRAParam`s beside it in `Blocks`; `transformer._project` adds
-(alpha / r) * dropout(x) A B to x W. The base weights stay `nnx.Param`s: `nnx.split(model, nnx.LoRAParam,
-nnx.Param)` separates what trains from what stays frozen.
-
-Why not a library: qwix's LoRA intercepts `dot_general`/`einsum` in modules matched by path and needs the
-weight operand to be that module's parameter, and `nnx.LoRA`/`LoRALinear` wrap per-layer `Linear` modules;
-here every layer's weights are stacked in one module and sliced inside `lax.scan` into a custom-VJP GEMM, so
-neither sees them, and this file is the explicit low-rank term instead.
-
-PEFT's layout (what `peft.PeftModel.from_pretrained` loads onto the transformers model): per layer i and
-module m, `base_model.model.model.layers.{i}.{m}.lora_A.weight` [r, in] and `...lora_B.weight` [out, r],
-in and out flattened in HF order, which is ours flattened (q_proj's outputs are (Q, H) head-major in both).
-
-The frozen base may be stored narrower than model.dtype (`store_base`, model.lora.base_dtype): its projections
-in bfloat16, or int8 with per-output-channel scales (models/quant.py, dequantised inside each layer's GEMM).
+Shape letters (the README's glossary): L layers, X and Y a projection's input and output features (several axes
+for the head-shaped ones: q_proj [D, Q, H], o_proj [Q, H, D]), and Z the adapter rank r. Each targeted projection
+W [L, *X, *Y] gets A [L, *X, Z] (random) and B [L, Z, *Y] (zeros: a fresh adapter leaves the model unchanged) as
+`nnx.LoRAParam`s beside it in `Blocks`; `transformer._project` adds (alpha / r) * dropout(x) A B to x W, and
+`nnx.split(model, nnx.LoRAParam, nnx.Param)` separates what trains from the frozen base. Not qwix's LoRA nor
+`nnx.LoRA`: our stacked weights, sliced inside `lax.scan` into a custom-VJP GEMM, are neither a matched module's
+own dot operand nor per-layer `Linear`s.
 """
 
 from __future__ import annotations
@@ -162,6 +150,8 @@ def merged_model(model: Transformer) -> Transformer:
 
 
 def _peft_name(target: str, layer: int, matrix: str) -> str:
+    """PEFT's tensor name (what `peft.PeftModel.from_pretrained` loads): lora_A [r, in], lora_B [out, r], in and
+    out flattened in HF order, which is ours flattened (q_proj's outputs are (Q, H) head-major in both)."""
     return f"{_PEFT_PREFIX}model.layers.{layer}.{HF_MODULES[target]}.lora_{matrix}.weight"
 
 

@@ -1,22 +1,10 @@
 """Weights-only int8: per-output-channel symmetric quantisation of a frozen projection, dequantised in its GEMM.
 
 Shape letters (the README's glossary): L layers, X and Y a projection's input and output features (several
-axes for the head-shaped ones, e.g. o_proj [Q, H, D]).
-
-A stacked weight w [L, *X, *Y] is kept as int8 values q [L, *X, *Y] and float32 scales s [L, *Y], one per
-layer and output channel: s = max |w| over X / 127, q = round(w / s), w ~ q * s. Each scale is rounded UP
-to a bfloat16-representable value: no |w / s| exceeds 127, and q * s (7 + 8 significant bits) is exact in
-float32, so dequantising on bfloat16 scales (`precision.matmul_weights_in`) rounds once, to the same value
-as the float32 dequantised weight cast to bfloat16.
-
-Inside the layer scan a layer's q [*X, *Y] and s [*Y] broadcast over the trailing Y axes, so `dequantize`
-makes one layer's weight at a time: the stacked float copy never exists.
-
-Why not qwix (Google's JAX quantisation library, on PyPI): its PTQ provider intercepts `dot_general` in
-modules matched by path, on the module's own parameter; our stacked weights are sliced inside `lax.scan`
-into a custom-VJP GEMM (the reason models/lora.py gives), so it never sees them. Its array-level
-quantize/dequantize would replace the two functions below with a dependency (and opt_einsum, absl-py), and
-the bfloat16-exact scales need its private quantize-with-a-given-scale anyway.
+axes for the head-shaped ones, e.g. o_proj [Q, H, D]). Inside the layer scan `dequantize` makes one layer's weight
+at a time, so the stacked float copy never exists. Not qwix: its PTQ intercepts `dot_general` on a module's own
+parameter, and our stacked weights are sliced inside `lax.scan` into a custom-VJP GEMM (as models/lora.py says), so
+it never sees them; its array-level functions would add a dependency and still lack the bfloat16-exact scales.
 """
 
 from __future__ import annotations
@@ -39,7 +27,10 @@ def _round_up_to_bfloat16(x: jax.Array) -> jax.Array:
 def quantize(w: jax.Array, in_dims: int) -> tuple[jax.Array, jax.Array]:
     """(int8 q [L, *X, *Y], float32 scales [L, *Y]) of a stacked weight whose `in_dims` axes after L are X.
 
-    An all-zero channel gets scale 1 (q = 0), never a division by zero.
+    s = max |w| over X / 127, q = round(w / s), w ~ q * s, one scale per layer and output channel. Each scale is
+    rounded UP to a bfloat16-representable value: no |w / s| exceeds 127, and q * s (7 + 8 significant bits) is
+    exact in float32, so dequantising on bfloat16 scales (`precision.matmul_weights_in`) rounds once, to the same
+    value as the float32 dequantised weight cast to bfloat16. An all-zero channel gets scale 1 (q = 0).
     """
     w32 = w.astype(jnp.float32)
     absmax_LY = jnp.max(jnp.abs(w32), axis=tuple(range(1, 1 + in_dims)))

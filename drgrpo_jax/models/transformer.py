@@ -6,10 +6,8 @@ Shape letters (the README's "Shape letters" glossary):
   H head dim (h = H / 2, the rotary pairs; n = Q or C where queries and keys share code), V vocab,
   M flattened tokens (B * T), X and Y the input and output features of a projection, Z a LoRA adapter's rank.
 
-Layers are stored stacked ([L, ...]); a full forward (training, log-probs) runs them with
-`lax.scan`, so a 30-layer model compiles one block. Cached decoding runs them unrolled over
-per-layer weights and a per-layer cache in attention order (`kv_cache.split_cache`), which a decode
-loop updates in place. The parameters' layout is in params.py, the cache's in kv_cache.py.
+Layers are stored stacked ([L, ...], params.py): a full forward scans one compiled block; cached decoding runs
+them unrolled over per-layer weights and a per-layer cache that a decode loop updates in place (kv_cache.py).
 """
 
 from __future__ import annotations
@@ -160,7 +158,7 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
     """Output projection and residual, then the MLP block and its residual.
 
     `f32_gate` (inference) applies the gate nonlinearity to the GEMMs' float32 outputs and rounds once:
-    in bf16, XLA on CPU emulates the activation op by op, rounding after each (3x slower at decode).
+    in bf16, XLA on CPU emulates the activation op by op, rounding after each (much slower at decode).
     """
     eps, plus_one = config.rms_norm_eps, config.gemma_norms
     a_BTD = _project(config, p, "o_proj", o_BTQH, in_dims=2, key=key)
@@ -355,7 +353,7 @@ class Transformer(nnx.Module):
         way the layers run unrolled over per-layer weights and slots. A decode loop hoists two things out of
         its body: `layers` (`layer_params` of the blocks; else split here) and `rope`
         (`rope_for_layers(config, positions_BT)`; else computed here: XLA fuses cos/sin into every layer's
-        rope and recomputes them 30 times per step, ~2 ms at batch 32).
+        rope and recomputes them in each layer of each step).
         """
         T = input_ids_BT.shape[1]
         positions_BT = positions_BT.astype(jnp.int32)
