@@ -43,7 +43,7 @@ def _largest_threshold(keys_BV: jax.Array, enough: Callable[[jax.Array], jax.Arr
 def filter_top_k_top_p(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
     """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf (ties kept).
 
-    No sort: on CPU a [32, 49152] sort costs ~20x a decode step's sampling, so the k-th largest
+    No sort: on CPU a sort over the vocabulary costs many times a decode step's sampling, so the k-th largest
     value and the nucleus threshold are found by bisection over the float bits instead.
     """
     keys_BV = _ordered_int32(scaled_BV)
@@ -62,7 +62,7 @@ def filter_top_k_top_p(scaled_BV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Ar
 
 
 def _inclusive_cumsum(x: jax.Array) -> jax.Array:
-    """Cumulative sum over the last axis as a triangular matmul (XLA CPU's cumsum is ~10x slower)."""
+    """Cumulative sum over the last axis as a triangular matmul (XLA CPU's cumsum is much slower)."""
     size = x.shape[-1]
     upper_WW = jnp.triu(jnp.ones((size, size), x.dtype))
     return jnp.einsum("...i,ij->...j", x, upper_WW, precision=jax.lax.Precision.HIGHEST)
@@ -72,8 +72,8 @@ def sample_inverse_cdf(logits_BV: jax.Array, uniform_B: jax.Array) -> jax.Array:
     """Draws one token per row from softmax(logits_BV) by inverting its CDF at uniform_B in [0, 1).
 
     Two levels (chunk masses, then the chosen chunk) so the work is one pass over V and the
-    randomness is one number per row (a Gumbel draw needs V random numbers: ~40 ms per step at
-    [32, 49152] on CPU). Tokens of zero probability are never drawn.
+    randomness is one number per row (a Gumbel draw needs V random numbers per row, a costly pass of its own
+    on CPU). Tokens of zero probability are never drawn.
     """
     return _sample_weights(jnp.exp(logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)), uniform_B)
 
@@ -122,7 +122,7 @@ def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temper
         needs_filter,
         lambda: sample_inverse_cdf(filter_top_k_top_p(scaled_BV, top_k_B, top_p_B), uniform_B),
         lambda: _sample_weights(weights_BV, uniform_B))
-    # The argmax is a pass over [B, V] (~1 ms of a 16-row SmolLM2 step on CPU): skipped when no row is greedy.
+    # The argmax is one more pass over [B, V]: skipped when no row is greedy.
     argmax_B = jax.lax.cond(jnp.any(greedy_B), lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32),
                             lambda: jnp.zeros_like(sampled_B))
     tokens_B = jnp.where(greedy_B, argmax_B, sampled_B)

@@ -4,24 +4,11 @@ Shape letters (the README's glossary): P distinct prompts (padded to a bucket), 
 (bucketed), B rows (prompt x sample, padded to a bucket), T new-token budget (bucketed), S cache slots,
 V vocab, E stop (end) ids per row.
 
-`generate` runs a few compiled programs from the host:
-- `_prefill` runs the P distinct prompts of the batch (rows with identical prompt ids, such as the n
-  samples of one prompt, share one prompt row), gives every row a copy of its prompt's keys and values
-  and samples each row's first token: a prompt's KV is computed once, not once per sample.
-- `_decode_phase` is a `lax.while_loop` that decodes one token per live row per iteration over a cache
-  of S slots, and stops when every row has finished, the budget is spent or the slots are full. The
-  cache is an explicit pytree that the loop carries (XLA updates it in place) and the phase donates.
-- Between phases `_regrow` pads the cache to the next span of `span_schedule` (powers of two above U,
-  then U + T - 1), so a step attends over at most twice the slots in use instead of the whole budget;
-  when at most half the rows are still live it also drops the finished ones (the batch shrinks to the
-  live rows' bucket), so finished rows stop costing.
-
-Weights and cache are split per layer, and each phase's RoPE tables computed before its loop, so the
-loop body (30 unrolled layers for SmolLM2) reads weights and cache in place (see `Transformer.decode`).
-Every per-request knob (temperature, top-k, top-p, budget, stop ids, seed) is a per-row array, so
-requests with different settings share a batch and a program; only shapes are static and each is a
-bucket, so a long run compiles a bounded set of programs. A row's draws depend only on its (seed,
-stream, sample) and the step (`draws.row_keys`), never on the phases or on its batch-mates.
+`generate` runs a few compiled programs from the host: `_prefill`, `_decode_phase` (a while_loop over a cache it
+carries and updates in place) and between phases `_regrow` (the next span, dropping finished rows). Every
+per-request knob is a per-row array and every shape a bucket, so requests with different settings share a batch
+and a long run compiles a bounded set of programs. A row's draws depend only on its (seed, stream, sample) and
+the step (`draws.row_keys`), never on the phases or on its batch-mates.
 """
 
 from __future__ import annotations
@@ -137,7 +124,8 @@ def batch_bucket(n: int) -> int:
 
 
 def span_schedule(prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
-    """Cache slots of each decode phase: the powers of two above prompt_len, then U + T - 1.
+    """Cache slots of each decode phase: the powers of two above prompt_len, then U + T - 1, so a step attends
+    over at most twice the slots in use instead of the whole budget.
 
     The last sampled token is never fed back, so U + T - 1 slots hold everything attended to; no phase
     is needed when the prefill's token is the whole budget. A power of two that U + T - 1 exceeds by less
@@ -291,7 +279,11 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.A
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("decoding",))
 def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding) -> _Decoding:
-    """Decodes until every row is done, the budget is spent or the cache's slots are full (one loop per shape)."""
+    """Decodes until every row is done, the budget is spent or the cache's slots are full (one loop per shape).
+
+    Weights and cache come split per layer and the RoPE tables are made before the loop, so its body reads them
+    in place (`Transformer.decode`); the cache is the loop's carry, updated in place and donated.
+    """
     model = nnx.merge(graphdef, state)
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
     num_slots = decoding.cache.positions_BS.shape[1]
