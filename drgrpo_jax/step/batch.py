@@ -2,7 +2,6 @@
 
 Shape letters (the README's glossary): N responses, U prompt positions (left-padded), T response positions
 (right-padded), S = U + T - 1 positions of one forward, D model dim.
-`drgrpo_jax.step.train_step` re-exports the public names.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from flax import nnx, struct
 
 from drgrpo_jax.models.grad_sums import into_sums
 from drgrpo_jax.models.logprobs import token_logprobs
-from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype, matmul_weights_in
+from drgrpo_jax.models.precision import DTYPES, DtypeName, matmul_weights_in
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.packing import PackSpec, packed_hidden_states, window_rows_needed
 
@@ -54,7 +53,7 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 
 
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
-                      response_mask, *, temperature: float, chunk: int, compute_dtype: ComputeDtype = "float32",
+                      response_mask, *, temperature: float, chunk: int, compute_dtype: DtypeName = "float32",
                       frozen: nnx.State | None = None, lora_key: jax.Array | None = None,
                       packing: PackSpec | None = None, row_valid=None, grad_sums: nnx.State | None = None
                       ) -> tuple[jax.Array, jax.Array]:
@@ -65,11 +64,11 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
     layer so their gradients come straight from float32 accumulators; the log-softmax, log-probs and entropies
     stay float32. With LoRA (`frozen`: the base weights; `lora_key`: the adapters' dropout, training only) the
     frozen base is cast once up front (`matmul_weights_in`), the adapters like full weights.
-    `packing`: the model runs on packed rows (drgrpo_jax/packing.py; padding rows, `row_valid` False, are left
+    `packing`: the model runs on packed rows (step/packing.py; padding rows, `row_valid` False, are left
     out), with the same values at every response token.
     `grad_sums` (float32 like params; remat `full`, no LoRA) take the gradient, sums + d/d(params) (grad_sums.py).
     """
-    low = None if compute_dtype == "float32" else COMPUTE_DTYPES[compute_dtype]
+    low = None if compute_dtype == "float32" else DTYPES[compute_dtype]
     if low is not None and frozen is not None:
         frozen = matmul_weights_in(frozen, low)  # no gradient: one cast for every layer and micro-batch
     layer_sums = unembed = None

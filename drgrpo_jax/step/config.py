@@ -1,7 +1,4 @@
-"""What the training step computes (`StepConfig`), and the sampler/trainer importance weights it applies.
-
-Split from train_step.py (one concept per module); `drgrpo_jax.step.train_step` re-exports these names.
-"""
+"""What the training step computes (`StepConfig`), and the sampler/trainer importance weights it applies."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import jax.numpy as jnp
 from drgrpo_jax.errors import FieldError, FieldTypeError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
-from drgrpo_jax.models.precision import COMPUTE_DTYPES, ComputeDtype
+from drgrpo_jax.models.precision import DTYPES, DtypeName
 
 __all__ = ["ImportanceLevel", "StepConfig", "importance_weights"]
 
@@ -39,8 +36,8 @@ class StepConfig:
     on_policy: bool = False
     # Mixed precision: "bfloat16" runs the model's GEMMs on a bfloat16 copy of the projection and unembedding
     # weights (float32 accumulation) while params, gradients, optimizer state, log-probs and the loss stay float32.
-    compute_dtype: ComputeDtype = "float32"
-    # Packing (drgrpo_jax/packing.py): each data shard packs its responses of a micro-batch, each with its prompt,
+    compute_dtype: DtypeName = "float32"
+    # Packing (step/packing.py): each data shard packs its responses of a micro-batch, each with its prompt,
     # into pack_rows rows of pack_length tokens, so padding is not computed; 0 = off (the padded layout).
     pack_rows: int = 0
     pack_length: int = 0
@@ -70,9 +67,9 @@ class StepConfig:
                 raise FieldError("StepConfig", name, f"must be an int >= 0 (0 = no packing), got {getattr(self, name)}")
         if self.pack_rows and self.pack_length < 1:
             raise FieldError("StepConfig", "pack_length", f"must be >= 1 with pack_rows = {self.pack_rows}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
+        if self.compute_dtype not in DTYPES:
             raise FieldError("StepConfig", "compute_dtype", f"unknown {self.compute_dtype!r}; choose one of "
-                                                            f"{sorted(COMPUTE_DTYPES)}")
+                                                            f"{sorted(DTYPES)}")
 
     def _check_masked_is(self):
         if self.tis_level not in get_args(ImportanceLevel):

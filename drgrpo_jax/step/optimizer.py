@@ -2,9 +2,8 @@
 
 `make_optimizer` returns optax's transformation (`init`, `update`: any optax code takes it) that also offers
 `update_or_keep`, the same update applied to params and state per leaf in one pass, written over the donated
-buffers in place: `update` then `apply_updates` then "keep the old where the window was skipped" holds the new
-moments beside the old ones, a temporary ~2x the params (the quickstart trainer's peak memory).
-Split from train_step.py (one concept per module); `drgrpo_jax.step.train_step` re-exports both names.
+buffers in place: `update` then `apply_updates` then "keep the old where the window was skipped" would hold the
+new moments beside the old ones, two more params-sized arrays at the point where the trainer's memory peaks.
 """
 
 from __future__ import annotations

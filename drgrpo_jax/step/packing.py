@@ -4,13 +4,10 @@ Shape letters (the README's glossary): N responses, U prompt positions (left-pad
 (right-padded), B packed rows and S tokens per packed row (the rows and length of the model call), D model dim,
 O data-parallel shards (each packs its own responses, so the gathers back stay on its device).
 
-The padded layout runs the model on [N, U + T - 1]: prompt padding, response padding and the rows of empty or
-padding responses are all computed. Packed, a response needs only its prompt and its response but the last
-token (`sequence_lengths`); a greedy first-fit puts each into the first row with room, with its own segment id
-and positions 0, 1, ... (the model's attention never crosses segments), and the hidden state before each response
-token is gathered back to the [N, T] layout, so log-probs, the loss and its gradient are those of the padded
-layout. Shapes are static (`PackSpec`); a shard whose responses need more rows than `rows` overflows: the step
-reports it (`rows_needed`) and the jitted step refuses the window before running (`errors.PackingError`).
+Unlike the padded [N, U + T - 1] layout, no padding is computed: a greedy first-fit (`first_fit`) puts each
+response into the first row with room as its own segment, and the hidden states come back to [N, T], so log-probs,
+the loss and its gradient are the padded layout's. Shapes are static (`PackSpec`); a window a shard overflows is
+refused before the jitted step runs (`rows_needed`, `errors.PackingError`).
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ def pack_cell(ids_NS: jax.Array, prompt_len_N: jax.Array, lengths_N: jax.Array, 
     """One shard's packed (tokens, positions, segment ids) [B, S] and each response's (row, start) [N].
 
     `ids_NS` is the padded layout's input (prompt left-padded to `prompt_width`, then the response): response n's
-    inputs are the `lengths_N[n]` columns from prompt_width - prompt_len_N[n] on. Segment n + 1 marks response n;
-    0 is padding (seen by nobody).
+    inputs are the `lengths_N[n]` columns from prompt_width - prompt_len_N[n] on. Segment n + 1 marks response n,
+    its positions counting from 0 as in the padded layout; 0 is padding (seen by nobody).
     """
     N, S_padded = ids_NS.shape
     row_N, start_N, _ = first_fit(lengths_N, rows, length)

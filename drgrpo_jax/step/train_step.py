@@ -4,18 +4,9 @@ Shape letters (the README's glossary): N responses in the window, U prompt posit
 T response positions (right-padded, T = the generation budget), S = U + T - 1 positions of one forward
 (prompt and response but the last token), D model dim.
 
-`train_step(state, batch)` first takes the window's statistics (N_w, T_w; global over the
-mesh because the arrays are global), then scans over micro-batches, each computing the
-policy's log-probs with the model (chunked, never full float32 logits), the reference's when KL is on,
-and `loss_fn` with the window's statistics, accumulating gradients (under full remat the layer scan's
-backward adds into the sum in place: models/grad_sums.py); then one optax update. The micro-batch shares
-sum to the window's loss, so the update depends neither on the number of micro-batches nor on the mesh.
-An empty window (T_w = 0) leaves parameters and optimizer state untouched, counts the step and sets `skipped`.
-With LoRA adapters (`TrainState.frozen` holds the base) the gradients, the optimizer state and the update cover
-the adapters alone, and the reference is the base with the adapters off. With `StepConfig.pack_rows` the model
-runs on packed rows (drgrpo_jax/packing.py) and the log-probs come back to [N, T], so nothing else changes.
-`StepConfig` and the importance weights live in step_config.py, the optimizer in optimizer.py, the policy's
-Batch, its micro-batch split and the policy's log-probs of it in step_batch.py.
+`train_step` takes the window's global statistics (N_w, T_w), scans over micro-batches (the policy's chunked
+log-probs, the reference's when KL is on, `loss_fn`, gradients accumulated), then makes one optax update. With
+LoRA (`TrainState.frozen` holds the base) only the adapters train, against the base with the adapters off.
 """
 
 from __future__ import annotations
@@ -154,6 +145,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
                config: StepConfig, state: TrainState, batch: Batch[jax.Array], *, shards: int = 1
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer window: accumulate micro-batch gradients, then one update (pure).
+
+    The micro-batch shares sum to the window's loss, so the update depends neither on the number of micro-batches
+    nor on the mesh. An empty window (T_w = 0) leaves parameters and optimizer state untouched, counts the step
+    and sets `skipped`.
 
     `shards`: the batch's data-parallel shards (packing: each packs its own responses). A window that overflows the
     packed rows is skipped and counted (`pack_overflow`); `jit_train_step` refuses it before running instead.
