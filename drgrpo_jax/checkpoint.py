@@ -3,8 +3,8 @@
 Each save is atomic: orbax writes into a temporary folder and renames it when complete, so a
 crash mid-save leaves the previous checkpoint as the latest loadable one (tested by SIGKILL).
 Arrays are stored uncompressed: orbax's zstd held a compressed copy of the whole state in memory until the
-write (+1.4 GB of RSS for the quickstart's 1.6 GB of weights and Adam moments, the trainer's peak) and float
-weights barely compress. Checkpoints written compressed by earlier versions restore as before.
+write, which set the trainer's peak memory, and float weights barely compress. Checkpoints written compressed by
+earlier versions restore as before.
 """
 
 from __future__ import annotations
