@@ -3,26 +3,8 @@
 Shape letters (the README's glossary): N responses (rows), T token positions. The *window*
 is everything one optimizer step consumes (all data-parallel shards, all micro-batches).
 Each aggregation divides a sum over tokens by a fact of the window, so slices of a window
-and shards of a mesh add up to exactly the window's loss:
-
-  fixed_budget         sum(l * mask) / (N_w * budget)             Dr.GRPO
-  token_mean           sum(l * mask) / T_w                        DAPO
-  seq_mean_token_mean  sum_i(sum_t l * mask / max(1, len_i)) / N_w  original GRPO
-  seq_mean_token_sum   sum(l * mask) / N_w
-
-N_w counts valid rows (a fully masked valid row counts; padding rows do not); T_w is the
-number of response tokens in the window.
-
-The policy-gradient term (`LossConfig.policy_loss`), with r_it = pi/pi_old per token and
-s_i = exp(mean_t log r_it) the geometric mean over response i (a fact of one row, so every
-micro-batch split by rows and every mesh keeps it exact):
-
-  ppo_clip    -min(r_it A, clip(r_it) A)                        PPO / GRPO / Dr.GRPO / DAPO
-  gspo        -min(s_i A, clip(s_i) A) on every token of row i   GSPO (Zheng et al. 2025)
-  gspo_token  as gspo, ratio sg(s_i) * r_it / sg(r_it): value s_i, gradient per token   GSPO-token
-  cispo       -sg(clip(r_it)) A log pi_it (value -sg(clip(r_it)) A r_it / sg(r_it))   CISPO (MiniMax-M1)
-
-Clipping has derivative 1 on the bounds themselves (torch.clamp's convention, as TRL and verl).
+and shards of a mesh add up to exactly the window's loss. `LossConfig` tables the
+aggregations and the policy-gradient surrogates.
 """
 
 from __future__ import annotations
@@ -56,9 +38,28 @@ def _is_number(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """How per-token losses are formed and aggregated; validated at construction (FieldError naming the field)."""
+    """How per-token losses are formed and aggregated; validated at construction (FieldError naming the field).
 
-    aggregation: Aggregation = "fixed_budget"  # see the module docstring
+    `aggregation`, with N_w the window's valid rows (a fully masked valid row counts; padding rows do not) and
+    T_w its response tokens:
+
+      fixed_budget         sum(l * mask) / (N_w * budget)             Dr.GRPO
+      token_mean           sum(l * mask) / T_w                        DAPO
+      seq_mean_token_mean  sum_i(sum_t l * mask / max(1, len_i)) / N_w  original GRPO
+      seq_mean_token_sum   sum(l * mask) / N_w
+
+    `policy_loss`, with r_it = pi/pi_old per token and s_i = exp(mean_t log r_it) the geometric mean over
+    response i (a fact of one row, so every micro-batch split by rows and every mesh keeps it exact):
+
+      ppo_clip    -min(r_it A, clip(r_it) A)                        PPO / GRPO / Dr.GRPO / DAPO
+      gspo        -min(s_i A, clip(s_i) A) on every token of row i   GSPO (Zheng et al. 2025)
+      gspo_token  as gspo, ratio sg(s_i) * r_it / sg(r_it): value s_i, gradient per token   GSPO-token
+      cispo       -sg(clip(r_it)) A log pi_it (value -sg(clip(r_it)) A r_it / sg(r_it))   CISPO (MiniMax-M1)
+
+    Clipping has derivative 1 on the bounds themselves (torch.clamp's convention, as TRL and verl).
+    """
+
+    aggregation: Aggregation = "fixed_budget"  # see the class docstring
     budget: int | None = None  # generation budget B (max response tokens); fixed_budget needs it
     clip_low: float = 0.2  # ratio clipped below at 1 - clip_low
     clip_high: float | None = None  # ratio clipped above at 1 + clip_high; None = clip_low
@@ -66,7 +67,7 @@ class LossConfig:
     kl_coef: float = 0.0  # weight of KL(policy || reference) in the loss
     kl_estimator: KLEstimator = "k3"  # Schulman's k1, k2 or k3
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-    policy_loss: PolicyLoss = "ppo_clip"  # the policy-gradient surrogate; see the module docstring
+    policy_loss: PolicyLoss = "ppo_clip"  # the policy-gradient surrogate; see the class docstring
 
     def __post_init__(self):
         def bad(name: str, reason: str, kind: type[FieldError] = FieldError) -> FieldError:
