@@ -2,19 +2,9 @@
 
 Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve`, a real SGLang or
 SGLang-JAX server alike. Several URLs form a data-parallel fleet: each gets a contiguous share of
-the prompts (whole groups), and a URL that keeps failing hands its share to the others.
-
-Failover is decided on the HTTP status (`retryable`), never on a message: no answer (connection
-errors, timeouts), 5xx, 408 (request timeout) and 429 (too many requests) say the server cannot
-serve now, so the request is retried on the same URL with exponential backoff and jitter, then
-fails over to the next URL; any other 4xx says the request itself is bad, which every server
-would refuse, so it raises at once (no retry, no failover). `LocalServer` runs the service as a
-child process on a free loopback port and stops it when the trainer exits, normally or not; a client
-given that `local_server` restarts it when it dies (killed, OOM), loads the weights last pushed and
-redoes the request (`service_restarts` counts it). A 429 or 503 with `Retry-After` is retried no
-sooner than the service asked. With `api_key` every request carries `Authorization: Bearer <key>`.
-`LocalServer` lives in local_server.py. Weight pushes go by folder (`update_weights`, SGLang's
-/update_weights_from_disk) or, to the trainer's own child, by shared-memory segment (`update_weights_from_segment`).
+the prompts (whole groups), and a URL that keeps failing hands its share to the others (`retryable`).
+Weight pushes go by folder (`update_weights`, SGLang's /update_weights_from_disk) or, to the trainer's
+own child (rollout/local_service.py), by shared-memory segment (`update_weights_from_segment`).
 """
 
 from __future__ import annotations
@@ -43,7 +33,13 @@ _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not
 
 
 def retryable(status: int | None) -> bool:
-    """Whether a request that failed with HTTP `status` (None = no answer) may succeed elsewhere or later."""
+    """Whether a request that failed with HTTP `status` (None = no answer) may succeed elsewhere or later.
+
+    Decided on the status, never on a message: no answer (connection errors, timeouts), 5xx, 408 and 429 say the
+    server cannot serve now, so the request is retried on the same URL with exponential backoff and jitter (no
+    sooner than a 429/503's Retry-After asks), then fails over to the next URL; any other 4xx says the request
+    itself is bad, which every server would refuse, so it raises at once.
+    """
     return status is None or status >= 500 or status in _BUSY_4XX
 
 
@@ -95,7 +91,12 @@ def check_versions(versions: Sequence[str | None], expected: str | int, max_stal
 
 
 class RolloutClient:
-    """Sends rollouts to one or more generation services and gathers them in prompt order."""
+    """Sends rollouts to one or more generation services and gathers them in prompt order.
+
+    `api_key`: every request carries `Authorization: Bearer <key>`. `local_server` (the trainer's own child,
+    `LocalServer`): when it dies (killed, OOM) the client restarts it, loads the weights last pushed and redoes
+    the request (`service_restarts` counts it, up to `max_restarts`).
+    """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
