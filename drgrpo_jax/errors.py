@@ -1,18 +1,8 @@
 """The error types of drgrpo_jax, raised where the failure is known and caught by type, never by message.
 
 Imports nothing else of ours, so the math (losses, algorithms), the step and the host code can all
-raise them.
-
-- `FieldError` / `FieldTypeError`: a library value (`LossConfig`, `StepConfig`, an algorithm option)
-  refused at construction; `.owner` and `.field` name it as the library does, so the run config
-  maps it to its own dotted key without reading the message.
-- `ConfigError`: a bad run config value, `dotted.key: reason` on one line (`MissingValueError`
-  when a required value is not set; `PackingError` when a window's responses do not fit the packed rows).
-- `RewardError`: a reward that cannot be trusted or a worker that cannot start.
-- `RolloutError`: the generation service failed; `.status` is the HTTP status when one answered
-  (None: no answer, or not an HTTP failure) and `.url` the service. `StaleWeightsError` when the
-  completions came from other weights.
-- `HostFailure`: work failed on another process of a multi-host run.
+raise them: library values refused at construction (`FieldError`), run config values (`ConfigError`),
+rewards (`RewardError`), the generation service (`RolloutError`) and other hosts (`HostFailure`).
 """
 
 from __future__ import annotations
@@ -35,7 +25,11 @@ def _one_line(text: object) -> str:
 
 
 class FieldError(ValueError):
-    """A library value refused at construction: `owner.field: reason` (e.g. `LossConfig.clip_low: ...`)."""
+    """A library value refused at construction: `owner.field: reason` (e.g. `LossConfig.clip_low: ...`).
+
+    `.owner` and `.field` name it as the library does, so the run config maps it to its own dotted key without
+    reading the message.
+    """
 
     def __init__(self, owner: str, field: str, reason: str):
         self.owner, self.field, self.reason = owner, field, _one_line(reason)
@@ -74,7 +68,8 @@ class RewardError(RuntimeError):
 
 
 class RolloutError(RuntimeError):
-    """The generation service could not produce the rollout; `status`: its HTTP status, when it answered one."""
+    """The generation service could not produce the rollout; `status`: its HTTP status, when it answered one
+    (None: no answer, or not an HTTP failure); `url`: the service."""
 
     def __init__(self, message: str, *, status: int | None = None, url: str | None = None):
         self.status, self.url = status, url

@@ -3,12 +3,7 @@
 Samples one greedy and k sampled completions per problem through the generation service (a local child
 service on the model, or the given URLs), scores them with the training reward functions, and prints and
 writes accuracy (greedy), avg@k, unbiased pass@k, response lengths of correct and incorrect answers and the
-truncation rate (results.json, results.md, completions.jsonl under --output).
-
---model: a run directory (its final/ policy, or weights/vN with --step N; its config.yaml gives the prompt
-template, rewards and budget), a run's orbax checkpoint (RUN/checkpoints/N), an HF folder, a .gguf file,
-pkg:PACKAGE, or http(s)://HOST:PORT (repeat --model for several services; --tokenizer then names the
-tokenizer unless the service reports a local one).
+truncation rate (results.json, results.md, completions.jsonl under --output). --model: see `resolve_model`.
 """
 
 from __future__ import annotations
@@ -53,7 +48,13 @@ def _run_config(run_dir: str) -> Config:
 
 
 def resolve_model(specs: list[str], step: int | None = None) -> ModelSource:
-    """--model given once (a local model) or as one or more URLs; ConfigError naming --model otherwise."""
+    """--model given once (a local model) or as one or more URLs; ConfigError naming --model otherwise.
+
+    A run directory (its final/ policy, or weights/vN with --step N; its config.yaml gives the prompt template,
+    rewards and budget), a run's orbax checkpoint (RUN/checkpoints/N), an HF folder, a .gguf file, pkg:PACKAGE,
+    or http(s)://HOST:PORT (repeat --model for several services; --tokenizer then names the tokenizer unless the
+    service reports a local one).
+    """
     if any(_is_url(s) for s in specs):
         if not all(_is_url(s) for s in specs):
             raise ConfigError("--model", "give either one local model or only http(s):// service URLs")

@@ -4,9 +4,7 @@ Shape letters (the README's glossary): P problems, G samples per problem.
 
 pass@k is the probability that at least one of k completions drawn without replacement from a
 problem's n samples is correct, averaged over problems (Chen et al. 2021, "Evaluating Large Language
-Models Trained on Code", eq. 1): `1 - C(n - c, k) / C(n, k)` for c correct of n. It is computed as a
-product, `1 - prod_{i = n - c + 1}^{n} (1 - k / i)`, which never forms the huge binomials.
-avg@k is the mean correctness of all n samples (the estimate of pass@1 with the same samples).
+Models Trained on Code", eq. 1); avg@k is the mean correctness of all n samples (pass@1's estimate).
 """
 
 from __future__ import annotations
@@ -19,7 +17,11 @@ __all__ = ["avg_at_k", "pass_at_k", "pass_at_k_P", "report_ks", "sampled_report"
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k of one problem with `num_correct` of `num_samples` completions correct."""
+    """Unbiased pass@k of one problem with `num_correct` of `num_samples` completions correct.
+
+    `1 - C(n - c, k) / C(n, k)` for c correct of n, computed as the product `1 - prod_{i = n - c + 1}^{n} (1 - k / i)`,
+    which never forms the huge binomials.
+    """
     if not 1 <= k <= num_samples:
         raise ValueError(f"k: must be in [1, num_samples = {num_samples}], got {k}")
     if not 0 <= num_correct <= num_samples:

@@ -4,9 +4,6 @@ math-verify times itself out with `signal.alarm`, which only works in a process'
 and user functions may hang or crash: every call therefore runs in a worker process; a call
 past `reward.timeout_s` gets its worker killed and replaced, scores 0 and is counted, as is
 a call that raises or kills its worker. A NaN or infinite reward stops the run (RewardError).
-
-A missing or non-numeric component stops the run naming the prompt id and the component, unless the call
-that should have given it timed out or failed: that is already counted, and scores 0.
 """
 
 from __future__ import annotations
@@ -153,6 +150,9 @@ class RewardScorer:
     def score(self, completions: Sequence[str], examples: Sequence[Example],
               lengths: Sequence[int] | np.ndarray | None = None) -> RewardResult:
         """Scores completion i against examples[i] with every function; raises RewardError on a bad component.
+
+        A missing or non-numeric component stops the run naming the prompt id and the component, unless the call
+        that should have given it timed out or failed: that is already counted, and scores 0.
 
         `lengths`: each completion's length in tokens, needed by the length rewards (overlong).
         """
