@@ -1,13 +1,9 @@
 """The run configuration: frozen typed sections, YAML + dotted overrides, validation with one-line errors.
 
-OmegaConf structured configs do the typed merge (wrong types, unknown keys, Literal choices);
-`validate` adds the cross-field rules (batch/mesh divisibility, rewards, hosts) so a bad config
-fails before anything is compiled. The rules of the library's own configs live in them alone:
-`validate` builds the algorithm's options, `LossConfig` and `StepConfig` from the config
-(`step_configs`) and names the config key of any field they refuse (`_LIBRARY_KEYS`).
-
-Sections and their fields: `schema.py`; loading and the command line: `load.py`; cross-field rules: `rules.py`;
-the library's configs built from the run config: `derived.py`.
+OmegaConf structured configs do the typed merge (wrong types, unknown keys, Literal choices); `validate`
+(`rules.py`) adds the cross-field rules so a bad config fails before anything compiles, and leaves the library's
+own rules to its configs: it builds them (`derived.step_configs`) and names the config key of any field they refuse
+(`_LIBRARY_KEYS`). Sections and their fields: `schema.py`; loading and the command line: `load.py`.
 """
 
 from drgrpo_jax.config.derived import lora_base_dtype, lora_spec, one_window_per_rollout, pack_length, step_configs
