@@ -9,43 +9,27 @@ weight update (`/update_weights_from_disk`, or `/update_weights_from_tensor` fro
 memory) swaps atomically between batches: batches in flight finish on the old weights, and every
 completion reports the `weight_version` it was sampled with.
 
-Layout (imports point one way, security, weights <- engine <- api <- tensor_updates, openai_routes <- app <-
-__main__; schemas <- api):
+Layout (imports point one way: security, weights <- engine <- service <- native_routes, openai_routes <- app
+<- cli; schemas and scoring beside them):
     security.py       keys (Bearer, constant time), the Host and body-size guard, weight-path roots
     weights.py        Weights: loading (folder, adapter, shared-memory tensors), the compatibility check
     engine.py         ServeConfig and its YAML loading, the weights' hot swap, the batching Engine
     schemas.py        the request bodies, every field bounded to what the engine can hold
-    api.py            the SGLang-native route handlers and the checks every route shares; build_app's core
-    tensor_updates.py /update_weights_from_tensor: the trainer's push through a shared-memory segment
+    service.py        what every route shares: Service, BadRequest, request checks, tokenize/decode, running rows
+    native_routes.py  SGLang's /generate, /health, /get_model_info, /update_weights_from_disk|_from_tensor, ...
     scoring.py        log-probs of given sequences (OpenAI's echo, logprobs and top_logprobs)
     openai_routes.py  /v1/models, /v1/completions (stop strings, logprobs, echo), /v1/chat/completions
-    app.py            build_app: every route behind the guard
-    __main__.py       the CLI: flags, tokenizer, socket, parent watch, uvicorn
+    app.py            build_app: every route behind the guard, errors in OpenAI's shape
+    cli.py            the CLI (`__main__.py` runs it): flags, tokenizer, socket, parent watch, uvicorn
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-from drgrpo_jax.serve.api import BadRequest
 from drgrpo_jax.serve.app import build_app
+from drgrpo_jax.serve.cli import bind_socket, main, parse_args, served_tokenizer
 from drgrpo_jax.serve.engine import Engine, RowResult, ServeConfig, load_config
+from drgrpo_jax.serve.service import BadRequest
 from drgrpo_jax.serve.weights import Weights, check_compatible, load_weights
 
-# The CLI's names resolve on first use: importing them here would load `__main__` as a plain module before
-# `python -m drgrpo_jax.serve` runs it (runpy then warns and executes a second copy).
-_CLI_NAMES = ("bind_socket", "load_tokenizer", "main", "parse_args")
-
-
-def __getattr__(name: str) -> Any:
-    """`drgrpo_jax.serve.main` and the other CLI names, imported lazily (see _CLI_NAMES)."""
-    if name in _CLI_NAMES:
-        from drgrpo_jax.serve import __main__ as cli
-        return getattr(cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [  # the CLI names among them resolve lazily (_CLI_NAMES)
+__all__ = [
     "BadRequest",
     "Engine",
     "RowResult",
@@ -55,8 +39,8 @@ __all__ = [  # the CLI names among them resolve lazily (_CLI_NAMES)
     "build_app",
     "check_compatible",
     "load_config",
-    "load_tokenizer",
     "load_weights",
     "main",
     "parse_args",
+    "served_tokenizer",
 ]

@@ -1,14 +1,5 @@
 """OpenAI-compatible routes: `/v1/models`, `/v1/completions` (with `stop`, `logprobs`, `echo`) and
-`/v1/chat/completions` (the tokenizer's chat template), for ordinary clients and lm-evaluation-harness.
-
-Stop strings: the sampler stops on tokens, so a completion runs to its budget, EOS or a stop token, and is
-then cut before the earliest stop string in its decoded text (OpenAI leaves the stop string out; as vLLM,
-`token_ids` keep the tokens through the one that completed it). Log-probs: with `logprobs` (and for the
-prompt with `echo`), every reported log-prob and top entry comes from one forward pass over prompt +
-completion at the request's temperature (1 for greedy, as the sampler reports), so a token's log-prob
-equals its top entry exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree
-to ~1e-4.
-"""
+`/v1/chat/completions` (the tokenizer's chat template), for ordinary clients and lm-evaluation-harness."""
 
 from __future__ import annotations
 
@@ -21,20 +12,20 @@ from typing import Any
 import numpy as np
 from fastapi import HTTPException, Request
 
-from drgrpo_jax.serve.api import (
-    BadRequest,
-    Service,
-    _check_request,
-    _decode,
-    _prompts,
-    _rows,
-    _run,
-    _service,
-    _tokenize,
-)
 from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
 from drgrpo_jax.serve.scoring import ScoredSequence, score_sequences
+from drgrpo_jax.serve.service import (
+    BadRequest,
+    Service,
+    check_request,
+    decode,
+    prompt_ids,
+    run_rows,
+    sampler_rows,
+    service_of,
+    tokenize,
+)
 
 __all__ = ["ROUTES", "Choice", "apply_stop", "chat_completions", "completions", "first_stop", "models"]
 
@@ -63,7 +54,7 @@ def _tokens_covering(tokenizer: Any, ids: list[int], num_chars: int) -> int:
     low, high = 1, len(ids)
     while low < high:
         middle = (low + high) // 2
-        if len(_decode(tokenizer, ids[:middle])) >= num_chars:
+        if len(decode(tokenizer, ids[:middle])) >= num_chars:
             high = middle
         else:
             low = middle + 1
@@ -71,8 +62,13 @@ def _tokens_covering(tokenizer: Any, ids: list[int], num_chars: int) -> int:
 
 
 def apply_stop(result: RowResult, tokenizer: Any, stops: list[str]) -> Choice:
-    """The completion cut before its earliest stop string (unchanged when none occurs)."""
-    text = _decode(tokenizer, result.output_ids)
+    """The completion cut before its earliest stop string (unchanged when none occurs).
+
+    The sampler stops on tokens, so a completion runs to its budget, EOS or a stop token before it is cut
+    here. As OpenAI, the text leaves the stop string out; as vLLM, `token_ids` keep the tokens through the
+    one that completed it.
+    """
+    text = decode(tokenizer, result.output_ids)
     reason = "stop" if result.stopped else "length"
     found = first_stop(text, stops) if stops else None
     if found is None:
@@ -91,7 +87,12 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
 
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
                  choices: list[Choice]) -> list[ScoredSequence]:
-    """Log-probs of each sequence under the weights that sampled it (503 when they were swapped meanwhile)."""
+    """Log-probs of each sequence under the weights that sampled it (503 when they were swapped meanwhile).
+
+    Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
+    request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
+    exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree to ~1e-4.
+    """
     weights = service.engine.weights
     if any(c.weight_version != weights.version for c in choices):
         raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
@@ -101,7 +102,7 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     """Each token's own text (special tokens included), or `token_id:N` without a tokenizer."""
-    return [_decode(tokenizer, [t], False) if tokenizer is not None else f"token_id:{t}" for t in ids]
+    return [decode(tokenizer, [t], False) if tokenizer is not None else f"token_id:{t}" for t in ids]
 
 
 def _token_names(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -113,7 +114,7 @@ def _token_names(tokenizer: Any, ids: list[int]) -> list[str]:
 
 async def models(request: Request) -> dict:
     """GET /v1/models: the one served model."""
-    service = _service(request)
+    service = service_of(request)
     return {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "drgrpo_jax",
                                         "max_model_len": service.engine.max_context}]}
 
@@ -122,7 +123,7 @@ def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) ->
     """Token-id prompts from OpenAI's `prompt`: a text, texts, token ids or lists of token ids."""
     text = prompt if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)) else None
     ids = None if text is not None or isinstance(prompt, str) else prompt
-    prompts, _ = _prompts(text, ids, tokenizer, "prompt", max_context)
+    prompts, _ = prompt_ids(text, ids, tokenizer, "prompt", max_context)
     return prompts
 
 
@@ -154,7 +155,7 @@ def _echo_prefix(prompt: str | list, index: int, ids: list[int], tokenizer: Any)
         return prompt
     if prompt and isinstance(prompt[0], str):
         return str(prompt[index])
-    return _decode(tokenizer, ids, False)
+    return decode(tokenizer, ids, False)
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
@@ -167,14 +168,14 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
 
 async def completions(body: CompletionRequest, request: Request) -> dict:
     """POST /v1/completions: every prompt gets the same settings, and n completions each."""
-    service = _service(request)
+    service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
     prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
     params = _params(body, 16 if body.max_tokens is None else body.max_tokens)
-    _check_request(engine, prompts, [params] * len(prompts), "prompt", "")
-    results = await _run(engine, _rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size),
-                         request)
+    check_request(engine, prompts, [params] * len(prompts), "prompt", "")
+    rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
+    results = await run_rows(engine, rows, request)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
     prompt_of = [i for i in range(len(prompts)) for _ in range(body.n)]
     sequences = [prompts[p] + c.token_ids for p, c in zip(prompt_of, choices)]
@@ -214,7 +215,7 @@ def _chat_prompt(messages: list[ChatMessage], tokenizer: Any, max_context: int) 
     except Exception as error:  # noqa: BLE001 - templates raise their own errors on conversations they refuse
         raise BadRequest(f"messages: the chat template refuses this conversation: {error}") from None
     # The template writes its special tokens (BOS included) itself: none are added when tokenizing.
-    ids = _tokenize([text], _NoSpecialTokens(tokenizer), "messages", max_context)[0]
+    ids = tokenize([text], _NoSpecialTokens(tokenizer), "messages", max_context)[0]
     if not ids:
         raise BadRequest("messages: the chat template rendered an empty prompt")
     return ids
@@ -245,14 +246,15 @@ def _chat_logprobs(tokenizer: Any, sequence: list[int], scored: ScoredSequence, 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
     """POST /v1/chat/completions: n assistant replies to one conversation."""
-    service = _service(request)
+    service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
     prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
     budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _params(body, max(engine.max_context - len(prompt), 0) if budget is None else budget)
-    _check_request(engine, [prompt], [params], "messages", "")
-    results = await _run(engine, _rows([prompt], [params], True, engine.weights.config.vocab_size), request)
+    check_request(engine, [prompt], [params], "messages", "")
+    results = await run_rows(engine, sampler_rows([prompt], [params], True, engine.weights.config.vocab_size),
+                             request)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
     top = body.top_logprobs or 0
     if top and not body.logprobs:

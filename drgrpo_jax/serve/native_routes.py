@@ -1,0 +1,190 @@
+"""SGLang's native routes: `/generate`, `/health`, `/get_model_info`, `/get_weight_version`, and the weight
+updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the trainer's push through shared memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from drgrpo_jax.sampler.generate import RowRequest
+from drgrpo_jax.serve.engine import RowResult
+from drgrpo_jax.serve.schemas import (
+    GenerateRequest,
+    SamplingParamsIn,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightsRequest,
+)
+from drgrpo_jax.serve.security import PathNotAllowed, confine_weight_path
+from drgrpo_jax.serve.service import (
+    BadRequest,
+    check_request,
+    decode,
+    error_response,
+    prompt_ids,
+    run_rows,
+    sampler_rows,
+    service_of,
+)
+from drgrpo_jax.serve.weights import InvalidWeights, check_newer
+
+__all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
+           "weight_version"]
+
+
+# ---------------------------------------------------------------- the service's state
+
+async def health(request: Request) -> JSONResponse:
+    """GET /health: ok and the weight version while the sampler worker runs, else 503."""
+    engine = service_of(request).engine
+    if not engine.alive:
+        return error_response(503, "sampler worker has stopped")
+    return JSONResponse({"status": "ok", "weight_version": engine.weights.version})
+
+
+async def model_info(request: Request) -> dict:
+    """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue and LoRA adapter
+    (null, or the merged adapter's path, rank, alpha and targets) of this service."""
+    engine = service_of(request).engine
+    w = engine.weights
+    return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
+            "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
+            "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
+            "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
+            "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
+            "rows_dropped": engine.rows_dropped, "adapter": w.adapter}
+
+
+async def weight_version(request: Request) -> dict:
+    """GET /get_weight_version: the version new batches sample with."""
+    return {"weight_version": service_of(request).engine.weights.version}
+
+
+# ---------------------------------------------------------------- weight updates
+
+def _next_version(current: str) -> str:
+    """Default version of an update that names none."""
+    return str(int(current) + 1) if current.isdigit() else f"{current}+1"
+
+
+def _update_answer(status: int, message: str, version: str) -> JSONResponse:
+    """SGLang's update answer (`success`, `message`, the version now served)."""
+    return JSONResponse({"success": status == 200, "message": message, "weight_version": version},
+                        status_code=status)
+
+
+async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
+    """POST /update_weights_from_disk: confine, load, check, swap; on failure 403/400 and the old weights serve on.
+
+    The path is an HF model folder or a PEFT LoRA adapter folder (merged into the current base weights).
+    The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards
+    unless the body says allow_rollback (a trainer resuming from a checkpoint); a
+    load failure says only that the folder is not a valid model (the service's log has the detail).
+    """
+    service = service_of(request)
+    engine = service.engine
+    version = str(body.weight_version) if body.weight_version is not None else _next_version(
+        engine.weights.version)
+    try:
+        path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
+        if not body.allow_rollback:
+            check_newer(engine.weights.version, version)
+        weights = await asyncio.to_thread(engine.update_weights, path, version, shown_path=body.model_path,
+                                          allow_rollback=body.allow_rollback)
+    except PathNotAllowed as error:
+        return _update_answer(403, str(error), engine.weights.version)
+    except InvalidWeights as error:
+        return _update_answer(400, str(error), engine.weights.version)
+    return _update_answer(200, "Succeeded to update model weights.", weights.version)
+
+
+async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, request: Request) -> JSONResponse:
+    """POST /update_weights_from_tensor: a whole model from a shared-memory segment (`drgrpo_jax.rollout.weight_push`),
+    checked as a disk update is.
+
+    Named after SGLang's in-process update, but the body is this service's own: the segment's name and its
+    index (`tensor_segment`), not serialized tensors. A segment lives on this machine only, so a service bound
+    beyond loopback refuses the route (403); the admin key guards it like /update_weights_from_disk.
+    """
+    engine = service_of(request).engine
+    if not engine.config.loopback:
+        return _update_answer(403, "segment: shared-memory updates are served on loopback only",
+                              engine.weights.version)
+    version = str(body.weight_version) if body.weight_version is not None else _next_version(engine.weights.version)
+    index = [entry.model_dump() for entry in body.tensors]
+    try:
+        if not body.allow_rollback:
+            check_newer(engine.weights.version, version)
+        weights = await asyncio.to_thread(engine.update_weights_from_segment, body.segment, index, version,
+                                          allow_rollback=body.allow_rollback)
+    except (InvalidWeights, ValueError) as error:
+        return _update_answer(400, str(error), engine.weights.version)
+    return _update_answer(200, "Succeeded to update model weights.", weights.version)
+
+
+# ---------------------------------------------------------------- /generate
+
+def _per_prompt(params: SamplingParamsIn | list[SamplingParamsIn], num_prompts: int) -> list[SamplingParamsIn]:
+    """One SamplingParamsIn per prompt: a list gives each prompt its own, a single one is shared."""
+    per_prompt = params if isinstance(params, list) else [params] * num_prompts
+    if len(per_prompt) != num_prompts:
+        raise BadRequest(f"sampling_params: {len(per_prompt)} entries for {num_prompts} prompts")
+    return per_prompt
+
+
+def _finish_reason(result: RowResult) -> dict:
+    """SGLang's finish_reason: the stop token that ended the completion, or the length it ran to."""
+    if result.stopped:
+        return {"type": "stop", "matched": result.output_ids[-1]}
+    return {"type": "length", "length": len(result.output_ids)}
+
+
+def _generated(result: RowResult, row: RowRequest, rid: str, text: str, latency: float, return_logprob: bool
+               ) -> dict:
+    """One completion in SGLang's /generate shape."""
+    meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(result.output_ids),
+            "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
+            "e2e_latency": latency}
+    if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
+    return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    """POST /generate: completions prompt-major, a single object when one prompt asked for one."""
+    service = service_of(request)
+    engine = service.engine
+    field = "input_ids" if body.text is None else "text"
+    # Off the event loop: tokenizing long texts must not stall /health and every other client.
+    prompts, is_batch = await asyncio.to_thread(prompt_ids, body.text, body.input_ids, service.tokenizer, field,
+                                                engine.max_context)
+    params = body.sampling_params or SamplingParamsIn()
+    per_prompt = _per_prompt(params, len(prompts))
+    check_request(engine, prompts, per_prompt, field, "sampling_params.")
+    if isinstance(body.rid, list) and len(body.rid) != len(prompts):
+        raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts")
+    rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
+    rows = sampler_rows(prompts, per_prompt, not isinstance(params, list), engine.weights.config.vocab_size)
+    start = time.perf_counter()
+    results = await run_rows(engine, rows, request)
+    latency = time.perf_counter() - start
+    prompt_of_row = [i for i, p in enumerate(per_prompt) for _ in range(p.n)]
+    out = [_generated(result, row, rids[i], decode(service.tokenizer, result.output_ids,
+                                                   per_prompt[i].skip_special_tokens),
+                      latency, body.return_logprob)
+           for row, result, i in zip(rows, results, prompt_of_row)]
+    return out if is_batch or len(out) > 1 else out[0]
+
+
+ROUTES = (  # (method, path, handler), wired by serve/app.py
+    ("GET", "/health", health),
+    ("GET", "/get_model_info", model_info),
+    ("GET", "/get_weight_version", weight_version),
+    ("POST", "/update_weights_from_disk", update_weights),
+    ("POST", "/generate", generate),
+    ("POST", "/update_weights_from_tensor", update_weights_from_tensor),
+)

@@ -1,0 +1,146 @@
+"""What every route shares: the Service state stored on the app, the error body, the checks a request passes
+before anything is queued, tokenizing and decoding, and running rows on the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+from typing import Any
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.serve.engine import Engine, RowResult
+from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
+
+__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "BadRequest", "ClientGone", "Service", "check_request", "decode",
+           "error_response", "prompt_ids", "run_rows", "sampler_rows", "service_of", "tokenize"]
+
+CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+
+
+class BadRequest(Exception):
+    """A request the service refuses (HTTP 400); the message names the field and the reason."""
+
+
+class ClientGone(Exception):
+    """The client disconnected while its rows were queued or running (nobody reads the answer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """What every route handler reads, stored on the app by build_app."""
+
+    engine: Engine
+    tokenizer: Any  # a transformers tokenizer, or None: only token-id prompts are served
+    name: str  # the model's name in OpenAI responses
+    weights_roots: tuple[str, ...] = ()  # normalized --weights-root folders and gs:// prefixes
+
+
+def service_of(request: Request) -> Service:
+    """The Service of the app this request came to."""
+    return request.app.state.service
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI-style error body (the openai client reads error.message)."""
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def tokenize(texts: list[str], tokenizer: Any, field: str, max_context: int) -> list[list[int]]:
+    """Token ids of each text; a text that cannot fit the context is refused before tokenizing it."""
+    limit = min(max_context * CHARS_PER_TOKEN, MAX_TEXT_CHARS)
+    prompts = []
+    for i, text in enumerate(texts):
+        if len(text) > limit:
+            raise BadRequest(f"{field}[{i}]: {len(text)} characters cannot fit the context of {max_context} tokens")
+        try:
+            prompts.append([int(t) for t in tokenizer(text)["input_ids"]])
+        except Exception:  # noqa: BLE001 - whatever the tokenizer chokes on is the request's fault
+            raise BadRequest(f"{field}[{i}]: the tokenizer cannot encode this text") from None
+    return prompts
+
+
+def prompt_ids(text: str | list[str] | None, input_ids: list | None, tokenizer: Any, field: str, max_context: int
+               ) -> tuple[list[list[int]], bool]:
+    """(token-id prompts, was it a batch) from text or ids; exactly one of them must be given."""
+    if (text is None) == (input_ids is None):
+        raise BadRequest(f"{field}: give exactly one of text or input_ids")
+    if text is not None:
+        if tokenizer is None:
+            raise BadRequest(f"{field}: this server has no tokenizer; send token ids")
+        texts = [text] if isinstance(text, str) else text
+        return tokenize(texts, tokenizer, field, max_context), not isinstance(text, str)
+    assert input_ids is not None  # exactly one of the two was given (checked above)
+    is_batch = bool(input_ids) and isinstance(input_ids[0], list)
+    return (input_ids if is_batch else [input_ids]), is_batch
+
+
+def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of `ids`, or "" without a tokenizer (such a server's clients read the token ids)."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
+
+
+def check_request(engine: Engine, prompts: list[list[int]], params: list[SamplingParamsIn], field: str,
+                  params_field: str) -> None:
+    """Refuses empty prompts, ids outside the vocabulary, prompts + budgets beyond the context, and requests
+    over the row or token budget; all before anything is queued."""
+    if not prompts:
+        raise BadRequest(f"{field}: no prompts")
+    vocab, limits = engine.weights.config.vocab_size, engine.config
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if not prompt:
+            raise BadRequest(f"{field}[{i}]: empty prompt")
+        if max(prompt) >= vocab:
+            raise BadRequest(f"{field}[{i}]: token id {max(prompt)} is outside the vocabulary of {vocab}")
+        if len(prompt) + p.max_new_tokens > engine.max_context:
+            raise BadRequest(f"{field}[{i}]: prompt of {len(prompt)} tokens + {p.max_new_tokens} new tokens exceeds "
+                             f"the context of {engine.max_context}")
+        if p.stop_token_ids and max(p.stop_token_ids) >= vocab:
+            raise BadRequest(f"{params_field}stop_token_ids: token id {max(p.stop_token_ids)} is outside the "
+                             f"vocabulary of {vocab}")
+    rows = sum(p.n for p in params)
+    if rows > limits.max_rows_per_request:
+        raise BadRequest(f"n: {rows} completions exceed max_rows_per_request={limits.max_rows_per_request}")
+    tokens = sum(p.n * (len(prompt) + p.max_new_tokens) for prompt, p in zip(prompts, params))
+    if tokens > limits.max_request_tokens:
+        raise BadRequest(f"n: prompts x n x (prompt + new tokens) = {tokens} tokens exceed "
+                         f"max_request_tokens={limits.max_request_tokens}")
+
+
+def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed: bool, vocab: int
+                 ) -> list[RowRequest]:
+    """Rows prompt-major (prompt 0's n samples first); each row gets its own random stream."""
+    request_seed = secrets.randbits(32)
+    rows = []
+    for index, (prompt, p) in enumerate(zip(prompts, params)):
+        settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+                                  top_k=min(p.top_k, vocab), stop_token_ids=tuple(p.stop_token_ids or ()),
+                                  ignore_eos=p.ignore_eos)
+        # One shared seed: prompts are told apart by `stream`; per-prompt seeds are used as given.
+        seed = p.seed if p.seed is not None else (request_seed if shared_seed else secrets.randbits(32))
+        rows += [RowRequest(tuple(prompt), settings, seed, index if shared_seed else 0, j) for j in range(p.n)]
+    return rows
+
+
+async def run_rows(engine: Engine, rows: list[RowRequest], request: Request) -> list[RowResult]:
+    """The rows' results; a failed batch answers HTTP 500 and the service keeps running.
+
+    While waiting, the client is checked every DISCONNECT_POLL_S: once it is gone its rows are dropped
+    at the next batch boundary (QueueFull, raised by submit, answers 429).
+    """
+    future = engine.submit(rows)
+    waiter = asyncio.wrap_future(future)
+    while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            future.cancel()
+            raise ClientGone
+    try:
+        return waiter.result()
+    except Exception as error:
+        raise HTTPException(500, f"generation failed: {type(error).__name__}: {error}") from error
