@@ -164,7 +164,12 @@ class _Job:
 
 
 class Engine:
-    """Owns the weights, the request queue and the one worker thread that runs the sampler."""
+    """Owns the weights, the request queue and the one worker thread that runs the sampler.
+
+    Requests from concurrent clients are cut into batches (rows = prompts x n); each batch runs on the weights
+    current when it starts, so a weight update swaps atomically between batches: batches in flight finish on
+    the old weights, and every completion reports the `weight_version` it was sampled with.
+    """
 
     def __init__(self, config: ServeConfig):
         self.config = config

@@ -1,8 +1,6 @@
-"""The request bodies: every field bounded on arrival to what the engine can hold (int32, float32, sizes).
-
-Bounds that depend on the served model (vocabulary, context) or the service's limits are checked in
-api.py once the body has parsed; these are the static ones, so no value can overflow a worker array.
-"""
+"""The request bodies: every field bounded on arrival to what the engine can hold (int32, float32, sizes), so no
+value can overflow a worker array; bounds that depend on the served model (vocabulary, context) or the service's
+limits are service.check_request's, once the body has parsed."""
 
 from __future__ import annotations
 

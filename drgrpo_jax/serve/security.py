@@ -1,10 +1,5 @@
-"""What the service trusts: API keys (Bearer, constant-time), the Host header, body sizes and weight-path roots.
-
-`Guard` is one ASGI middleware in front of every route: it answers 401 without a valid key (every route
-but `GET /health`), 400 for a non-loopback `Host` on a loopback-bound service (DNS rebinding), and 413
-for a body over the limit, before any handler runs. `confine_weight_path` decides, without touching
-the model files, whether a weight push may be loaded at all.
-"""
+"""What the service trusts: API keys (Bearer, constant-time), the Host header, body sizes and weight-path roots,
+checked by `Guard` before any route runs and by `confine_weight_path` before a weight push is loaded."""
 
 from __future__ import annotations
 
@@ -90,7 +85,11 @@ class _TooLarge(Exception):
 
 
 class Guard:
-    """ASGI middleware: key, Host and body-size checks before any route runs."""
+    """ASGI middleware: key, Host and body-size checks before any route runs.
+
+    It answers 401 without a valid key (every route but `GET /health`), 400 for a non-loopback `Host` on a
+    loopback-bound service (DNS rebinding), and 413 for a body over the limit.
+    """
 
     def __init__(self, app: Any, *, keys: Keys, max_body_bytes: int, loopback_only: bool):
         self.app, self.keys, self.max_body_bytes, self.loopback_only = app, keys, max_body_bytes, loopback_only
@@ -177,7 +176,8 @@ def normalize_roots(roots: Sequence[str]) -> tuple[str, ...]:
 def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> str:
     """The path to load (symlinks resolved) when `path` lies under one of `roots` (normalized); else PathNotAllowed.
 
-    With no roots: refused when `required` (a service beyond loopback), else any path, as it is.
+    Decided without touching the model files. With no roots: refused when `required` (a service beyond
+    loopback), else any path, as it is.
     """
     if not roots:
         if required:
