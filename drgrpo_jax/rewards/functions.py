@@ -1,7 +1,7 @@
 """Reward functions: the built-in components, the `RewardSpec`s built from a RewardConfig, and the result type.
 
 A function returns a number (the component of its own name) or a dict of named components
-(`reward.components` lists the ones the trainer uses; other keys are ignored). reward_scorer.py runs them in
+(`reward.components` lists the ones the trainer uses; other keys are ignored). rewards/scorer.py runs them in
 time-limited worker processes.
 
 `overlong` (DAPO's soft overlong punishment) is a function of the response's length in tokens, not
