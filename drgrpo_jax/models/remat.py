@@ -1,15 +1,6 @@
 """Rematerialisation policies of the decoder layers: what each layer keeps for the backward pass.
 
-Ordered from most memory (least recomputation) to least:
-- `none`: everything the backward needs is kept;
-- `dots_saveable`: every projection's output (the names `PROJECTION`) and the attention's output and softmax
-  statistics (`ATTENTION`); the backward recomputes the elementwise work (norms, RoPE, the gate) and, for the
-  reference attention, its scores. JAX's own `dots_saveable` would also keep the reference's [S, S] score matmuls;
-  this one saves by name and never does;
-- `save_attention_out`: the attention's output and softmax statistics; the backward recomputes the projections and
-  the MLP but not the blockwise attention (the reference, cuDNN and splash attention are recomputed: their
-  probabilities or kernel statistics carry no name);
-- `full`: only each layer's input; the backward reruns the whole layer.
+`REMAT_POLICIES` runs from most memory (least recomputation) to least; `remat_block` says what each keeps.
 Every policy gives the same loss and gradients (tests/models/test_models.py); `drgrpo_jax.plan.activations`
 models the memory of each and `drgrpo_jax.plan` picks one for `model.remat: auto`.
 """
@@ -54,7 +45,18 @@ _SAVED_NAMES = {"dots_saveable": (PROJECTION, ATTENTION), "save_attention_out": 
 
 
 def remat_block(block: Callable, policy: bool | str) -> Callable:
-    """`block` (one scanned decoder layer) under the rematerialisation `policy`."""
+    """`block` (one scanned decoder layer) under the rematerialisation `policy`, which keeps for the backward:
+
+    - `none`: everything the backward needs;
+    - `dots_saveable`: every projection's output (the names `PROJECTION`) and the attention's output and softmax
+      statistics (`ATTENTION`); the backward recomputes the elementwise work (norms, RoPE, the gate) and, for the
+      reference attention, its scores. JAX's own `dots_saveable` would also keep the reference's [S, S] score
+      matmuls; this one saves by name and never does;
+    - `save_attention_out`: the attention's output and softmax statistics; the backward recomputes the projections
+      and the MLP but not the blockwise attention (the reference, cuDNN and splash attention are recomputed: their
+      probabilities or kernel statistics carry no name);
+    - `full`: only each layer's input; the backward reruns the whole layer.
+    """
     policy = normalise_remat(policy)
     if policy == "none":
         return block
