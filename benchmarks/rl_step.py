@@ -214,7 +214,7 @@ def trl_child(args) -> None:
         epsilon=0.2, num_iterations=1, use_vllm=False, learning_rate=3e-5, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, max_steps=args.steps, shuffle_dataset=False, seed=0,
         logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0,
-        gradient_checkpointing=False)  # TRL turns it on by default; ours runs without remat (model.remat=false)
+        gradient_checkpointing=False)  # TRL turns it on by default; ours runs without remat (model.remat=none)
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     trainer = GRPOTrainer(model=args.model_dir, reward_funcs=[math_verify], args=config, train_dataset=dataset,
                           processing_class=tokenizer)

@@ -27,6 +27,8 @@ SEGMENT_DIR = "/dev/shm"
 _PREFIX = "drgrpo_weights_"
 _NAME = re.compile(r"^drgrpo_weights_(\d+)_[A-Za-z0-9._+:-]{1,64}$")  # the pid, then the weight version
 _ALIGN = 64
+# The segment's wire format, not models.precision.DTYPES (a layer above, and only the dtypes a run names): the
+# numpy types a reader maps without JAX, float16 included.
 _DTYPES: dict[str, Any] = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 MAX_DIMS = 8
 

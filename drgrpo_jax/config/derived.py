@@ -17,7 +17,8 @@ from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.config import LoraSpec
 from drgrpo_jax.step.config import StepConfig
 
-__all__ = ["lora_base_dtype", "lora_spec", "one_window_per_rollout", "optimizer_of", "pack_length", "step_configs"]
+__all__ = ["child_service_batch_size", "lora_base_dtype", "lora_spec", "one_window_per_rollout", "optimizer_of",
+           "pack_length", "step_configs"]
 
 # Where each field of the library's configs comes from in the run config: FieldError(owner, field) -> key.
 _LIBRARY_KEYS: dict[tuple[str, str], str] = {
@@ -102,6 +103,13 @@ def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[Step
     logprob = dataclasses.replace(train, micro_batches=config.train.micro_batches * a.minibatches_per_rollout,
                                   on_policy=False)
     return train, logprob
+
+
+def child_service_batch_size(config: Config) -> int:
+    """--max-batch-size of the trainer's own child service: rollout.service_batch_size, else a whole rollout or
+    the eval set, whichever is larger (it serves this trainer alone)."""
+    r = config.rollout
+    return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
 
 
 def pack_length(config: Config) -> int:

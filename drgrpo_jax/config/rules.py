@@ -13,7 +13,7 @@ import re
 import numpy as np
 
 from drgrpo_jax.config.derived import lora_spec, pack_length, step_configs
-from drgrpo_jax.config.schema import Config, RewardConfig, RunConfig
+from drgrpo_jax.config.schema import BUILTIN_REWARDS, Config, RewardConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
@@ -23,7 +23,6 @@ __all__ = ["TRACKERS", "component_names", "function_name", "reward_weights", "va
 # Validation: cross-field rules OmegaConf's typing cannot express
 # ---------------------------------------------------------------------------------------------
 
-_BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -168,20 +167,21 @@ def _check_rest(config: Config) -> None:
     if c.data.source == "reasoning_gym" and c.data.size < 1:
         raise ConfigError("data.size", f"reasoning-gym needs at least 1 example, got {c.data.size}")
     if c.model.remat not in ("auto", *REMAT_POLICIES):
-        raise ConfigError("model.remat", f"{c.model.remat!r} is not a policy: auto, {', '.join(REMAT_POLICIES)} (or "
-                                         "true/false for full/none)")
+        # YAML's true/false reach this str field as 'True'/'False': say what they used to mean.
+        was = {"true": "; true is now full", "false": "; false is now none"}.get(c.model.remat.lower(), "")
+        raise ConfigError("model.remat", f"{c.model.remat!r} is not a policy: auto, {', '.join(REMAT_POLICIES)}{was}")
     if c.model.compute_dtype == "float32" and c.model.dtype == "bfloat16":
         raise ConfigError("model.compute_dtype", "float32 needs model.dtype=float32 (bfloat16 parameters compute in "
                                                  "bfloat16; set model.compute_dtype=auto or bfloat16)")
     if not c.reward.functions:
         raise ConfigError("reward.functions", "needs at least one reward function")
     for i, name in enumerate(c.reward.functions):
-        if name not in _BUILTIN_REWARDS and not _IMPORT_PATH.match(name):
-            close = difflib.get_close_matches(name, _BUILTIN_REWARDS, n=1)
+        if name not in BUILTIN_REWARDS and not _IMPORT_PATH.match(name):
+            close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise ConfigError(
                 f"reward.functions[{i}]",
-                f"{name!r} is neither a built-in ({', '.join(_BUILTIN_REWARDS)}) nor 'package.module:function'{hint}",
+                f"{name!r} is neither a built-in ({', '.join(BUILTIN_REWARDS)}) nor 'package.module:function'{hint}",
             )
         if name == "task" and c.data.source != "reasoning_gym":
             raise ConfigError(

@@ -8,13 +8,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.models.config import LORA_TARGETS
-from drgrpo_jax.models.remat import REMAT_ALIASES
+from drgrpo_jax.models.precision import DtypeName
+from drgrpo_jax.models.remat import REMAT_POLICIES
 
 __all__ = [
-    "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OptimizerConfig",
-    "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig"
+    "BUILTIN_REWARDS", "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig",
+    "OptimizerConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig"
 ]
+
+# The reward functions reward.functions may name without an import path (drgrpo_jax/rewards/functions.py
+# implements them; tests/rewards checks the two agree).
+BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -60,7 +66,7 @@ class LoraConfig:
     push: Literal["adapter", "merged"] = _f(
         "adapter", "what each weight push sends the services: the PEFT adapter folder (a few MB; drgrpo_jax.serve "
                    "merges it into its base) or the merged HF model (for servers that cannot load an adapter)")
-    base_dtype: Literal["model", "float32", "bfloat16", "int8"] = _f(
+    base_dtype: Literal["model", DtypeName, "int8"] = _f(
         "model", "how the trainer stores the frozen base's decoder projections: model (in model.dtype), float32, "
                  "bfloat16, or int8 (per-output-channel scales, dequantised in each GEMM: QLoRA-style memory); "
                  "embeddings and norms keep model.dtype; the services load the base from model.path as before")
@@ -73,29 +79,23 @@ class ModelConfig:
     path: str = _f(
         "", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)"
     )
-    dtype: Literal["float32", "bfloat16"] = _f("float32", "parameter dtype; log-probs and losses stay float32")
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = _f(
+    dtype: DtypeName = _f("float32", "parameter dtype; log-probs and losses stay float32")
+    compute_dtype: Literal["auto", DtypeName] = _f(
         "auto", "dtype of the GEMMs in the train step and the trainer's own generation service (float32 "
                    "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
                    "TPUs, Ampere+ GPUs and CPUs with AMX-BF16 or AVX512-BF16, float32 elsewhere")
     tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
     remat: str = _f(
-        "auto", "what each decoder layer keeps for the backward pass: none, dots_saveable, save_attention_out or full "
-                "(most memory and least recomputation first; models/remat.py); true/false = full/none; auto = the "
-                "first that fits the device; on a CPU full (as fast there, half the memory), save_attention_out "
-                "from 2048 tokens a row where it fits (python -m drgrpo_jax.plan shows each policy's activations)")
+        "auto", f"what each decoder layer keeps for the backward pass: {', '.join(REMAT_POLICIES)} (most memory "
+                "and least recomputation first; models/remat.py); auto = the first that fits the device; on a CPU "
+                "full (as fast there, half the memory), save_attention_out from 2048 tokens a row where it fits "
+                "(python -m drgrpo_jax.plan shows each policy's activations)")
     attention_impl: Literal["auto", "reference", "blockwise", "cudnn", "splash"] = _f(
         "auto", "self-attention of the training forward: auto (by backend and length), reference (quadratic memory), "
                 "blockwise (flash-style, memory linear in length), cudnn (GPU), splash (TPU)"
     )
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig, metadata={
         "help": "LoRA: train low-rank adapters on the frozen base (rank 0 = off)"})
-
-    def __post_init__(self):
-        # YAML true/false (the former bool flag) arrive as strings: stored as the policies they stand for.
-        alias = REMAT_ALIASES.get(str(self.remat).lower())
-        if alias is not None:
-            object.__setattr__(self, "remat", alias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +168,9 @@ class RolloutConfig:
 class AlgorithmConfig:
     """The advantage estimator and the loss."""
 
-    name: Literal["dr_grpo", "grpo", "dapo", "rloo", "gdpo", "gspo", "gspo_token", "cispo"] = _f(
-        "dr_grpo", "algorithm (see drgrpo_jax.algorithms); gspo's paper clips at clip_low=3e-4, clip_high=4e-4")
+    # A name of the ALGORITHMS table: validation refuses any other with the table's own choices (config/derived.py).
+    name: str = _f("dr_grpo", f"algorithm: {', '.join(ALGORITHMS)} (drgrpo_jax.algorithms); gspo's paper clips at "
+                              "clip_low=3e-4, clip_high=4e-4")
     scale_rewards: bool = _f(False, "divide advantages by the group std (GRPO's; Dr.GRPO forbids it)")
     whiten_advantages: bool = _f(False, "whiten advantages over the batch (Dr.GRPO forbids it)")
     kl_in_reward: bool = _f(False, "put the KL penalty in the reward instead of the loss (Dr.GRPO forbids it)")
@@ -195,7 +196,7 @@ class RewardConfig:
     """Reward components: each function is one named component, or returns a dict of named ones."""
 
     functions: tuple[str, ...] = _f(
-        ("math_verify",), "built-ins (math_verify, format, task, overlong) or 'package.module:function' import paths"
+        ("math_verify",), f"built-ins ({', '.join(BUILTIN_REWARDS)}) or 'package.module:function' import paths"
     )
     components: tuple[str, ...] = _f(
         (), "component names: a function's name (it returns a number) or a key of the dict a function "

@@ -20,10 +20,15 @@ from typing import Any
 from drgrpo_jax.config.load import load_config, resolve_model_path
 from drgrpo_jax.config.schema import Config, DataConfig, RewardConfig
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.models.precision import DTYPES
 
 __all__ = ["ModelSource", "main", "resolve_model"]
 
 PROG = "python -m drgrpo_jax.evaluate"
+# Problems per request, and the rows of the evaluator's own child service, so that one request's greedy
+# completions are one sampler call. Not drgrpo_jax.serve's default (serve/engine.py DEFAULT_MAX_BATCH_SIZE): this
+# child serves the evaluation alone, its batches sized to the evaluation's requests.
+BATCH_PROMPTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +93,7 @@ def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> s
     from drgrpo_jax.step.train_step import init_state
 
     model_path = resolve_model_path(config.model.path, key=f"{run_dir}/config.yaml model.path")
-    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[config.model.dtype]
+    dtype = DTYPES[config.model.dtype]
     optimizer, _ = optimizer_of(config)
     graphdef, state = init_state(from_pretrained(model_path, dtype=dtype), optimizer, jax.random.key(0),
                                  with_reference=config.algorithm.kl_coef > 0)
@@ -243,9 +248,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                  "else question)")
     p.add_argument("--answer-field", dest="answer_field", default="answer")
     p.add_argument("--tokenizer", help="tokenizer folder (needed with URLs unless the service's is local)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the local service's dtype")
-    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=64, help="the local service's rows")
-    p.add_argument("--batch-prompts", dest="batch_prompts", type=int, default=64, help="problems per request")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the local service's dtype")
+    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=BATCH_PROMPTS,
+                   help="the local service's rows")
+    p.add_argument("--batch-prompts", dest="batch_prompts", type=int, default=BATCH_PROMPTS,
+                   help="problems per request")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for one request")
     p.add_argument("--api-key-env", dest="api_key_env", default="", metavar="NAME",
                    help="environment variable holding the services' API key")

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from drgrpo_jax.errors import FieldError
+from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import normalise_remat
 
 Family = Literal["llama", "qwen2", "qwen3", "gemma3"]
@@ -142,7 +143,7 @@ class DecoderConfig:
     bos_token_id: int | None = None  # beginning-of-sequence token
     eos_token_ids: tuple[int, ...] = ()  # every token that ends a generation
     pad_token_id: int | None = None  # padding token, if the checkpoint names one
-    remat: bool | str = "none"  # runtime option: a policy of models/remat.py (true/false: full/none)
+    remat: str = "none"  # runtime option: a policy of models/remat.py
     attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
     lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
     compute_dtype: str | None = None  # runtime option: the full forward's GEMM operands (None: the weights' dtype)
@@ -164,8 +165,8 @@ class DecoderConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"attention_impl: {self.attention_impl!r} is not supported (supported: {ATTENTION_IMPLS})")
-        if self.compute_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"compute_dtype: {self.compute_dtype!r} is not supported (None, float32 or bfloat16)")
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype: {self.compute_dtype!r} is not supported (None, {' or '.join(DTYPES)})")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: {self.activation!r} is not supported (supported: {ACTIVATIONS})")
         if self.layer_types:

@@ -135,7 +135,7 @@ class GGUFIndex:
 
 
 def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
-              remat: bool | str = False, attention_impl: str = "auto") -> Transformer:
+              remat: str = "none", attention_impl: str = "auto") -> Transformer:
     """A Transformer from a GGUF file (any quantisation the gguf package can dequantise)."""
     reader = gguf.GGUFReader(path)
     config = dataclasses.replace(from_hf_config(gguf_hf_config(reader)), remat=remat, attention_impl=attention_impl)

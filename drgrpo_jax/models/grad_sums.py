@@ -54,7 +54,7 @@ def into_sums(params: Any, sums: Any, *, unembed_by_caller: bool = False
 Block = Callable[[jax.Array, Any], jax.Array]  # (x, (params of one layer, its extras)) -> x
 
 
-def scan_layers(block: Block, x: jax.Array, params: dict[str, jax.Array], extras: Any, policy: bool | str,
+def scan_layers(block: Block, x: jax.Array, params: dict[str, jax.Array], extras: Any, policy: str,
                 sums: dict[str, jax.Array] | None = None) -> jax.Array:
     """x after `block` of every layer: params (stacked arrays) and extras have the layer axis leading.
 

@@ -246,7 +246,7 @@ def load_hf_config(folder: str) -> DecoderConfig:
 
 
 def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-            rules: ShardingRules = ShardingRules(), remat: bool | str = False,
+            rules: ShardingRules = ShardingRules(), remat: str = "none",
             attention_impl: str = "auto") -> Transformer:
     """A Transformer from an HF folder (config.json + safetensors)."""
     if not os.path.isdir(folder):

@@ -11,7 +11,7 @@ AVX512-BF16), float32 elsewhere; `model.compute_dtype=float32` or `bfloat16` ove
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +19,10 @@ from flax import nnx
 
 from drgrpo_jax.models.quant import SCALE_SUFFIX
 
-ComputeDtype = Literal["float32", "bfloat16"]
-COMPUTE_DTYPES: dict[str, jnp.dtype] = {"float32": jnp.dtype(jnp.float32), "bfloat16": jnp.dtype(jnp.bfloat16)}
+# The floating dtypes a run names (model.dtype, model.compute_dtype, the service's --dtype) and what each is:
+# the one table the config, the step, the service and the plan read (itemsize: DTYPES[name].itemsize).
+DtypeName = Literal["float32", "bfloat16"]
+DTYPES: dict[str, jnp.dtype] = {name: jnp.dtype(name) for name in get_args(DtypeName)}
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 bfloat16 dot-product instructions
 
 
@@ -69,7 +71,7 @@ def native_bfloat16(device: jax.Device, cpu_flags: frozenset[str] | None = None)
 
 
 def resolve_compute_dtype(setting: str, param_dtype: str, device: jax.Device,
-                          cpu_flags: frozenset[str] | None = None) -> ComputeDtype:
+                          cpu_flags: frozenset[str] | None = None) -> DtypeName:
     """`setting` ("auto", "float32", "bfloat16") made concrete for `device` and parameters of `param_dtype`.
 
     bfloat16 parameters always compute in bfloat16 (there is nothing to cast); "auto" is bfloat16 where
@@ -79,6 +81,6 @@ def resolve_compute_dtype(setting: str, param_dtype: str, device: jax.Device,
         return "bfloat16"
     if setting == "auto":
         return "bfloat16" if native_bfloat16(device, cpu_flags) else "float32"
-    if setting not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype: unknown {setting!r}; choose auto, float32 or bfloat16")
+    if setting not in DTYPES:
+        raise ValueError(f"compute_dtype: unknown {setting!r}; choose auto, {' or '.join(DTYPES)}")
     return setting  # type: ignore[return-value]  # checked just above

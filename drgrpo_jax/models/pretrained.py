@@ -17,11 +17,11 @@ __all__ = ["from_pretrained", "load_tokenizer"]
 
 
 def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                    rules: ShardingRules = ShardingRules(), remat: bool | str = False,
+                    rules: ShardingRules = ShardingRules(), remat: str = "none",
                     attention_impl: str = "auto") -> Transformer:
     """Load an HF folder (config.json + safetensors) or a .gguf file as a Transformer.
 
-    `remat` (a policy of models/remat.py, or true/false) and `attention_impl` are runtime options of its
+    `remat` (a policy of models/remat.py) and `attention_impl` are runtime options of its
     DecoderConfig (the training forward's memory).
     """
     path = os.fspath(path)

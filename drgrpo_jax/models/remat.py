@@ -12,23 +12,19 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["ATTENTION", "PROJECTION", "REMAT_ALIASES", "REMAT_POLICIES", "name_attention", "name_projection",
-           "normalise_remat", "remat_block"]
+__all__ = ["ATTENTION", "PROJECTION", "REMAT_POLICIES", "name_attention", "name_projection", "normalise_remat",
+           "remat_block"]
 
 REMAT_POLICIES = ("none", "dots_saveable", "save_attention_out", "full")  # most memory first
-REMAT_ALIASES: dict[bool | str, str] = {True: "full", False: "none", "true": "full", "false": "none"}  # the old bool
 PROJECTION = "projection"  # checkpoint name of each projection's output (models/transformer.py)
 ATTENTION = "attention"  # checkpoint name of the attention output and the blockwise kernel's statistics
 
 
-def normalise_remat(value: bool | str) -> str:
-    """A policy name from a policy or its alias (true = full, false = none); ValueError naming the choices."""
-    key: bool | str = value.lower() if isinstance(value, str) else value
-    policy = REMAT_ALIASES.get(key, key)
-    if not isinstance(policy, str) or policy not in REMAT_POLICIES:
-        raise ValueError(f"remat: {value!r} is not a policy (choose one of {', '.join(REMAT_POLICIES)}, or "
-                         "true/false for full/none)")
-    return policy
+def normalise_remat(value: str) -> str:
+    """The policy `value` names, in lower case; ValueError naming the choices (a bool is no policy)."""
+    if not isinstance(value, str) or value.lower() not in REMAT_POLICIES:
+        raise ValueError(f"remat: {value!r} is not a policy (choose one of {', '.join(REMAT_POLICIES)})")
+    return value.lower()
 
 
 def name_projection(x: jax.Array) -> jax.Array:
@@ -44,7 +40,7 @@ def name_attention(x: jax.Array) -> jax.Array:
 _SAVED_NAMES = {"dots_saveable": (PROJECTION, ATTENTION), "save_attention_out": (ATTENTION,), "full": ()}
 
 
-def remat_block(block: Callable, policy: bool | str) -> Callable:
+def remat_block(block: Callable, policy: str) -> Callable:
     """`block` (one scanned decoder layer) under the rematerialisation `policy`, which keeps for the backward:
 
     - `none`: everything the backward needs;

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from drgrpo_jax.models.attention import BLOCKWISE_MIN_LENGTH, block_widths
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
+from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
 if TYPE_CHECKING:
@@ -19,9 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "logprob_chunk_bytes",
            "model_call", "rows_per_device", "stores_probabilities"]
-
-ITEMSIZE = {"float32": 4, "bfloat16": 2}
-
 
 def rows_per_device(config: Config) -> int:
     """Responses one device holds in one micro-batch."""
@@ -64,7 +62,7 @@ def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool
     Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
     cast), hence the 2S.
     """
-    a, t = ITEMSIZE[config.model.dtype], config.mesh.tensor
+    a, t = DTYPES[config.model.dtype].itemsize, config.mesh.tensor
     D, I, Q, C, H = model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads, model.head_dim
     heads = Q // t
     attention_state = 2 * heads * S * S * 4 if probabilities else heads * S * 4

@@ -10,14 +10,16 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from drgrpo_jax.config.derived import child_service_batch_size
 from drgrpo_jax.models.config import DecoderConfig
-from drgrpo_jax.plan.activations import ITEMSIZE
+from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.plan.hardware import GIB
+from drgrpo_jax.sampler.generate import batch_bucket, bucket
 
 if TYPE_CHECKING:
     from drgrpo_jax.config.schema import Config
 
-__all__ = ["bucket", "service_advice", "service_memory", "service_rows", "total"]
+__all__ = ["service_advice", "service_memory", "service_rows", "total"]
 
 
 def total(figures: dict[str, int]) -> int:
@@ -25,31 +27,26 @@ def total(figures: dict[str, int]) -> int:
     return sum(v for k, v in figures.items() if not k.startswith("_"))
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """The service's static size for n (sampling.bucket: powers of two from `minimum`)."""
-    return 1 << (max(int(n), minimum, 1) - 1).bit_length()
-
-
 def service_rows(config: Config, serve_batch_size: int | None) -> int:
     """Rows one service samples at once: --serve-batch-size, else rollout.service_batch_size, else the default.
 
-    The default: the trainer's child takes a whole rollout (or the eval set); URLs split a rollout.
+    The default: the trainer's child takes what the trainer starts it with; URLs split a rollout.
     """
+    from drgrpo_jax.serve.engine import DEFAULT_MAX_BATCH_SIZE
+
     r = config.rollout
-    rollout_rows = r.prompts_per_step * r.group_size
-    serve_batch_size = serve_batch_size or r.service_batch_size
-    if serve_batch_size is None:
-        if r.urls:  # each service gets its share, capped by drgrpo_jax.serve's default --max-batch-size (32)
-            return bucket(min(math.ceil(rollout_rows / len(r.urls)), 32), minimum=1)
-        return bucket(max(rollout_rows, config.data.eval_size), minimum=1)
-    return bucket(serve_batch_size, minimum=1)
+    if not serve_batch_size and r.service_batch_size is None and r.urls:
+        # each service gets its share, capped by drgrpo_jax.serve's default --max-batch-size
+        share = math.ceil(r.prompts_per_step * r.group_size / len(r.urls))
+        return batch_bucket(min(share, DEFAULT_MAX_BATCH_SIZE))
+    return batch_bucket(serve_batch_size or child_service_batch_size(config))
 
 
 def service_memory(config: Config, model: DecoderConfig, weights_bytes: int, rows: int,
                    merge_bytes: int = 0) -> dict[str, int]:
     """One generation-service device: weights, KV cache, the prefill's attention scores and, with LoRA, the
     base copy of the adapted projections kept to merge each new adapter into (`merge_bytes`)."""
-    a, r = ITEMSIZE[config.model.dtype], config.rollout
+    a, r = DTYPES[config.model.dtype].itemsize, config.rollout
     prompt, new = bucket(r.max_prompt_tokens), bucket(r.max_new_tokens)
     slots = prompt + new - 1
     kv = 2 * model.num_layers * rows * slots * model.num_kv_heads * model.head_dim * a + rows * slots * 4

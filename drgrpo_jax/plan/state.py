@@ -13,7 +13,8 @@ from drgrpo_jax.config.derived import lora_base_dtype, lora_spec
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.config import DecoderConfig
-from drgrpo_jax.plan.activations import ITEMSIZE, batch_bytes, logprob_chunk_bytes
+from drgrpo_jax.models.precision import DTYPES
+from drgrpo_jax.plan.activations import batch_bytes, logprob_chunk_bytes
 
 __all__ = ["abstract_state", "adapted_bytes", "gradient_bytes", "mesh_sizes", "param_groups", "state_bytes",
            "trainer_memory", "variables"]
@@ -61,14 +62,13 @@ def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any, Any]
     """(trainable params, optimizer state, frozen LoRA base or None) as abstract trees: the real model, its
     adapters (model.lora) and optax chain under eval_shape, split as `train_step.init_state` splits them."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from drgrpo_jax.models.lora import add_adapters
     from drgrpo_jax.models.transformer import Transformer
     from drgrpo_jax.step.optimizer import make_optimizer
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.model.dtype]
+    dtype = DTYPES[config.model.dtype]
     spec = lora_spec(config)
 
     def build():
@@ -148,19 +148,18 @@ def gradient_bytes(config: Config, model: DecoderConfig, params: Any, frozen: An
     if frozen is None and policy == "full":
         layers = state_bytes(params["blocks"], sizes)[0]
         held = trainable - layers + layers // model.num_layers
-    trainable_itemsize = 4 if frozen is not None else ITEMSIZE[config.model.dtype]
+    trainable_itemsize = 4 if frozen is not None else DTYPES[config.model.dtype].itemsize
     return trainable * 4 // trainable_itemsize + held
 
 
 def stored_base_bytes(config: Config, model: DecoderConfig, sizes: dict[str, int]) -> int:
     """Per-device bytes of the frozen LoRA base as the trainer stores it (model.lora.base_dtype: `lora.store_base`)."""
-    import jax.numpy as jnp
     from flax import nnx
 
     from drgrpo_jax.models.lora import store_base
     from drgrpo_jax.models.transformer import Transformer
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[config.model.dtype]
+    dtype = DTYPES[config.model.dtype]
     stored = nnx.eval_shape(lambda: store_base(Transformer(model, rngs=nnx.Rngs(0), dtype=dtype),
                                                lora_base_dtype(config)))
     return state_bytes(nnx.state(stored, nnx.Param), sizes)[0]

@@ -24,7 +24,8 @@ from drgrpo_jax.config.schema import RewardConfig
 from drgrpo_jax.data import Example
 from drgrpo_jax.errors import ConfigError
 
-__all__ = ["RewardResult", "RewardSpec", "build_reward_fns", "extract_answer", "overlong_penalty"]
+__all__ = ["CORRECTNESS_REWARDS", "RewardResult", "RewardSpec", "build_reward_fns", "extract_answer",
+           "overlong_penalty"]
 
 RewardFn = Callable[[str, Example], "float | dict[str, float]"]  # (completion, example) -> reward(s)
 
@@ -163,6 +164,7 @@ _BUILTINS: dict[str, Callable[..., float]] = {
     "task": task_reward,
 }
 PRELOAD_MODULES = {"math_verify": "math_verify", "task": "reasoning_gym"}  # imported before a worker says ready
+CORRECTNESS_REWARDS = ("math_verify", "task")  # built-ins that score 1 exactly when the final answer is right
 
 
 def _import_fn(path: str, key: str) -> RewardFn:

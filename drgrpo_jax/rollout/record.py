@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from drgrpo_jax.rewards.functions import CORRECTNESS_REWARDS
+
 if TYPE_CHECKING:
     from drgrpo_jax.algorithms import Algorithm
     from drgrpo_jax.data import Example
@@ -22,8 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad", "merge_host_rows",
            "response_stats"]
-
-_CORRECTNESS = ("math_verify", "task")  # components that say whether the answer is right
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +187,7 @@ def host_share(num_prompts: int, num_hosts: int, host: int) -> tuple[int, int]:
 
 def correct_mask(names: tuple[str, ...], components_NK: np.ndarray) -> np.ndarray:
     """bool [N]: full credit on a correctness component (math_verify/task) if any, else a positive reward."""
-    columns = [k for k, name in enumerate(names) if name in _CORRECTNESS]
+    columns = [k for k, name in enumerate(names) if name in CORRECTNESS_REWARDS]
     if columns:
         return np.asarray((components_NK[:, columns] >= 1.0).any(axis=1))
     return components_NK.sum(axis=1) > 0

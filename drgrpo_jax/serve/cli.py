@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.pretrained import load_tokenizer
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.engine import Engine, ServeConfig, load_config
 from drgrpo_jax.serve.security import read_keys
-from drgrpo_jax.serve.weights import DTYPES
 
 __all__ = ["bind_socket", "main", "parse_args", "served_tokenizer"]
 

@@ -19,13 +19,13 @@ import jax
 import yaml
 
 from drgrpo_jax.models.lora import is_adapter_folder
+from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
 from drgrpo_jax.paths import local_folder
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest
 from drgrpo_jax.serve.security import is_loopback, normalize_roots
 from drgrpo_jax.serve.weights import (
-    DTYPES,
     InvalidWeights,
     Weights,
     check_compatible,
@@ -37,7 +37,9 @@ from drgrpo_jax.serve.weights import (
 )
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
-__all__ = ["Engine", "QueueFull", "RowResult", "ServeConfig", "load_config"]
+__all__ = ["DEFAULT_MAX_BATCH_SIZE", "Engine", "QueueFull", "RowResult", "ServeConfig", "load_config"]
+
+DEFAULT_MAX_BATCH_SIZE = 32  # --max-batch-size unless given (the plan assumes it for rollout.urls' services)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,7 @@ class ServeConfig:
     port_file: str = ""  # write the bound port here once serving (for parents that asked for port 0)
     dtype: str = "float32"  # parameter and KV-cache dtype: float32 | bfloat16
     weight_version: str = "0"  # version reported until the first update
-    max_batch_size: int = 32  # rows (prompts x n) per sampler call
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # rows (prompts x n) per sampler call
     batch_wait_ms: float = 5.0  # after the first request, wait this long for more to batch with it
     max_context: int = 0  # prompt + new tokens limit; 0 = the model's max_position_embeddings
     max_rows_per_request: int = 4096  # prompts x n accepted in one request

@@ -15,9 +15,8 @@ from flax import nnx
 
 from drgrpo_jax.models.hf_io import build_model
 from drgrpo_jax.models.lora import is_adapter_folder, load_adapter, merge_adapters, read_adapter_config
+from drgrpo_jax.models.precision import DTYPES  # ServeConfig.dtype -> parameter and KV-cache dtype
 from drgrpo_jax.models.pretrained import from_pretrained
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # ServeConfig.dtype -> parameter and KV-cache dtype
 
 
 @dataclasses.dataclass(frozen=True)

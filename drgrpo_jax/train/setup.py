@@ -11,7 +11,13 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from drgrpo_jax.config.derived import lora_base_dtype, lora_spec, optimizer_of, step_configs
+from drgrpo_jax.config.derived import (
+    child_service_batch_size,
+    lora_base_dtype,
+    lora_spec,
+    optimizer_of,
+    step_configs,
+)
 from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data import PromptDataset, PromptStream
@@ -117,12 +123,6 @@ def weights_roots(config: Config) -> list[str]:
     return roots
 
 
-def service_batch_size(config: Config) -> int:
-    """--max-batch-size of the local child service: rollout.service_batch_size, else a whole rollout (or eval)."""
-    r = config.rollout
-    return r.service_batch_size or max(r.prompts_per_step * r.group_size, config.data.eval_size)
-
-
 def _initialize_distributed(config: Config) -> None:
     """jax.distributed.initialize when mesh.coordinator_address is set (before any device is touched)."""
     m = config.mesh
@@ -139,7 +139,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
 
     from drgrpo_jax.checkpoint import Checkpointer
     from drgrpo_jax.data import load_dataset
-    from drgrpo_jax.models.precision import resolve_compute_dtype
+    from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
     from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
     from drgrpo_jax.rewards.scorer import RewardScorer
     from drgrpo_jax.rollout.client import RolloutClient
@@ -174,7 +174,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
 
     mesh = build_mesh(c)
-    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[c.model.dtype]
+    dtype = DTYPES[c.model.dtype]
     check_attention_backend(c.model.attention_impl, jax.default_backend())
     fixed_remat = "none" if c.model.remat == "auto" else c.model.remat
     model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
@@ -222,7 +222,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     if client is None:  # one process (checked above): its own child service
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
-            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(service_batch_size(c))],
+            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(child_service_batch_size(c))],
             api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c)))
         if server.url is None:  # entering the context waits until the service answers at its URL
             raise RuntimeError("the local generation service started without a URL")

@@ -1,16 +1,22 @@
 """Config loading: YAML + dotted overrides, and one test per validation rule (one line, naming the key)."""
 
 import dataclasses
+import glob
+import os
 import textwrap
+import typing
 
 import pytest
 
+from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import step_configs
 from drgrpo_jax.config.load import check_paths, config_from_argv, describe_config, dump_config, load_config
 from drgrpo_jax.config.rules import validate
-from drgrpo_jax.config.schema import Config
+from drgrpo_jax.config.schema import Config, LoraConfig, ModelConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.precision import DTYPES
+from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.step.config import StepConfig
 
 from helpers import REPO
@@ -101,7 +107,6 @@ def test_every_field_has_a_description():
         (["train.steps=abc"], "train.steps", "Integer"),
         (["rollout.max_new_tokens=1.5"], "rollout.max_new_tokens", "Integer"),
         (["train.resume=maybe"], "train.resume", "bool"),
-        (["algorithm.name=ppo"], "algorithm.name", "expected one of"),
         (["model.dtype=float16"], "model.dtype", "expected one of"),
         (["model.attention_impl=flash"], "model.attention_impl", "expected one of"),
         (["data.source=csv"], "data.source", "expected one of"),
@@ -111,6 +116,23 @@ def test_every_field_has_a_description():
 )
 def test_typed_merge_errors(overrides, key, fragment):
     _assert_one_line(_error(overrides), key, fragment)
+
+
+def test_the_algorithm_choices_are_the_tables():
+    """algorithm.name takes the names of drgrpo_jax.algorithms.ALGORITHMS, and an unknown one is refused
+    before anything compiles, on one line naming the key and every name of the table (--help lists them too)."""
+    for name in ALGORITHMS:
+        assert load_config(None, [*BASE, f"algorithm.name={name}"]).algorithm.name == name
+    _assert_one_line(_error(["algorithm.name=ppo"]), "algorithm.name", "'ppo'", *ALGORITHMS)
+    assert ", ".join(ALGORITHMS) in describe_config()
+
+
+def test_the_dtype_choices_are_the_precision_table():
+    """model.dtype, model.compute_dtype and model.lora.base_dtype take the names of models.precision.DTYPES."""
+    model, lora = typing.get_type_hints(ModelConfig), typing.get_type_hints(LoraConfig)
+    assert typing.get_args(model["dtype"]) == tuple(DTYPES)
+    assert typing.get_args(model["compute_dtype"]) == ("auto", *DTYPES)
+    assert typing.get_args(lora["base_dtype"]) == ("model", *DTYPES, "int8")
 
 
 def test_unknown_key_in_yaml_names_file(tmp_path):
@@ -412,10 +434,26 @@ def test_packing_and_remat_errors_name_the_key(overrides, key, fragment):
     _assert_one_line(_error(overrides), key, fragment)
 
 
+@pytest.mark.parametrize("flag, now", [("true", "full"), ("false", "none"), ("True", "full")])
+def test_the_former_boolean_remat_is_refused_naming_the_policies(flag, now):
+    """model.remat takes a policy name only: the old true/false fail validation, naming every policy and the
+    one the boolean meant."""
+    _assert_one_line(_error([f"model.remat={flag}"]), "model.remat", "is not a policy", "auto", *REMAT_POLICIES,
+                     f"is now {now}")
+
+
+def test_every_shipped_config_validates():
+    """configs/*.yaml load as written (each run supplies its model and data paths)."""
+    paths = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+    assert paths
+    for path in paths:
+        load_config(path, ["model.path=some/model", "data.path=some/data.jsonl"])
+
+
 def test_packing_and_remat_reach_the_step_and_the_model():
     train, logprob = step_configs(load_config(None, [*BASE, "train.pack_rows=8"]))
     assert (train.pack_rows, train.pack_length) == (logprob.pack_rows, logprob.pack_length) == (8, 256 + 256 - 1)
     assert step_configs(load_config(None, BASE))[0].pack_rows == 0  # packing is opt-in
     assert load_config(None, BASE).model.remat == "auto"
-    for given, policy in [("true", "full"), ("false", "none"), ("True", "full"), ("dots_saveable", "dots_saveable")]:
-        assert load_config(None, [*BASE, f"model.remat={given}"]).model.remat == policy
+    for policy in REMAT_POLICIES:
+        assert load_config(None, [*BASE, f"model.remat={policy}"]).model.remat == policy

@@ -102,10 +102,10 @@ def test_shard_model_and_sharded_decode(saved):
     assert int(cache.length) == 5
 
 
-def test_remat_flag_through_from_pretrained(saved):
+def test_remat_policy_through_from_pretrained(saved):
     _, folder = saved
-    model = from_pretrained(folder, remat=True)
-    assert model.config == dataclasses.replace(CONFIG, remat=True)
+    model = from_pretrained(folder, remat="full")
+    assert model.config == dataclasses.replace(CONFIG, remat="full")
 
 
 def test_save_pretrained_from_a_sharded_model(saved, tmp_path):

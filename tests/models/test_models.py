@@ -274,8 +274,9 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(impl, monkeypatch)
         np.testing.assert_allclose(value, results["none"][0], rtol=1e-6, err_msg=policy)
         jax.tree.map(lambda a, b, p=policy: np.testing.assert_allclose(a, b, atol=1e-6, err_msg=p), grads,
                      results["none"][1])
-    assert dataclasses.replace(config, remat=True).remat == "full"  # the former bool flag, as an alias
-    assert dataclasses.replace(config, remat=False).remat == "none"
+    for former_flag in (True, False):  # the old boolean is no policy
+        with pytest.raises(ValueError, match="is not a policy"):
+            dataclasses.replace(config, remat=former_flag)
     with pytest.raises(ValueError, match="remat: 'some' is not a policy"):
         dataclasses.replace(config, remat="some")
 

@@ -50,7 +50,7 @@ def test_7b_plan_matches_the_hand_calculation():
 
     # 128 prompts x 8 / 8 minibatches = 128 responses per update, 1 micro-batch, 32 devices: b = 4 rows of
     # S = 1024 + 3000 - 1 tokens; on a TPU the attention is memory-linear (no S x S probabilities, a float32
-    # log-sum-exp); remat=true (full) keeps each layer's input and recomputes one layer in the backward pass.
+    # log-sum-exp); remat full keeps each layer's input and recomputes one layer in the backward pass.
     b, S = 128 // 1 // 32, 1024 + 3000 - 1
     # Without remat XLA keeps about twice the layer's listed tensors (drgrpo_jax/activations.py): 2S.
     one_layer = b * (2 * S * (4 * D + (2 * N + 2 * K) * H + 3 * F) * 2 + N * S * 4)
@@ -109,20 +109,42 @@ def test_presets_have_the_published_sizes():
     assert sizes == {"Qwen2.5-Math-1.5B": 1_543_714_304, "Qwen2.5-Math-7B": 7_615_616_512}
 
 
+def test_service_rows_are_what_the_services_are_started_with():
+    """The plan's service batch: the trainer's child takes what train/setup.py starts it with; a service of
+    rollout.urls gets its share of a rollout, capped by drgrpo_jax.serve's own default; shapes bucket as the
+    sampler's."""
+    from drgrpo_jax.config.derived import child_service_batch_size
+    from drgrpo_jax.plan.service import service_rows
+    from drgrpo_jax.sampler.generate import batch_bucket
+    from drgrpo_jax.serve.engine import DEFAULT_MAX_BATCH_SIZE, ServeConfig
+
+    assert ServeConfig().max_batch_size == DEFAULT_MAX_BATCH_SIZE
+    big = ["model.path=x", "rollout.prompts_per_step=16", "rollout.group_size=8", "data.eval_size=100"]
+    child = load_config(None, big)
+    assert service_rows(child, None) == batch_bucket(child_service_batch_size(child)) == 128
+    assert service_rows(load_config(None, [*big, "rollout.service_batch_size=20"]), None) == 32
+    assert service_rows(child, 5) == 8  # --serve-batch-size first
+    shared = load_config(None, [*big, "rollout.urls=[http://a:1,http://b:2]"])
+    assert service_rows(shared, None) == DEFAULT_MAX_BATCH_SIZE  # 64 rows each, capped
+    few = load_config(None, ["model.path=x", "rollout.prompts_per_step=2", "rollout.group_size=3",
+                             "rollout.urls=[http://a:1,http://b:2]"])
+    assert service_rows(few, None) == 4  # 3 rows each, bucketed
+
+
 def test_advice_names_values_that_make_it_fit():
     """Without remat the 1.5B trainer overflows a v5e chip; the advised values, applied, fit."""
     base = os.path.join(REPO, "configs", "qwen2.5_math_1.5b_dr_grpo_v5e8.yaml")
     v5e = plan.device_spec("tpu-v5e")
-    broken = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=false", "train.micro_batches=2"], device=v5e,
+    broken = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=none", "train.micro_batches=2"], device=v5e,
                    serve_batch_size=64)
     assert broken["fits"] == {"trainer": False, "service": False}
     changes = sorted({m for line in broken["advice"] for m in re.findall(r"\b[a-z_]+\.[a-z_]+=[^\s,;:)]+", line)})
     assert "model.remat=full" in changes and any(c.startswith("train.micro_batches=") for c in changes), broken
     batch = int(re.search(r"--max-batch-size (\d+)", " ".join(broken["advice"])).group(1))
-    fixed = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=false", "train.micro_batches=2", *changes], device=v5e,
+    fixed = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=none", "train.micro_batches=2", *changes], device=v5e,
                   serve_batch_size=batch)
     assert fixed["fits"] == {"trainer": True, "service": True}
-    assert not _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=false", "train.micro_batches=2", *changes],
+    assert not _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=none", "train.micro_batches=2", *changes],
                      device=v5e, serve_batch_size=batch * 2)["fits"]["service"]
 
 
@@ -274,5 +296,5 @@ def test_the_trainer_resolves_auto_on_its_own_device():
     assert plan.resolve_remat(load_config(None, long), by_policy, budget=1) == "full"
     assert plan.resolve_remat(load_config(None, [*long[:2], "rollout.max_new_tokens=1792"]), by_policy, 2) == "full"
     assert plan.resolve_remat(load_config(None, [*long, "model.attention_impl=reference"]), by_policy, 2) == "full"
-    fixed = load_config(None, ["model.path=tiny", "model.remat=true"])
+    fixed = load_config(None, ["model.path=tiny", "model.remat=full"])
     assert plan.resolve_remat(fixed, {}, budget=0) == "full"  # a set policy is kept whatever the budget

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from drgrpo_jax.config.schema import DataConfig, RewardConfig
+from drgrpo_jax.config.schema import BUILTIN_REWARDS, DataConfig, RewardConfig
 from drgrpo_jax.data import Example, load_dataset
 from drgrpo_jax.errors import ConfigError, RewardError
 from drgrpo_jax.rewards.functions import build_reward_fns, extract_answer, overlong_penalty
@@ -152,6 +152,17 @@ def test_close_stops_every_worker():
 def test_functions_are_named_after_the_builtin_or_the_imported_function():
     specs = build_reward_fns(RewardConfig(functions=("math_verify", "test_rewards:user_reward")))
     assert [s.name for s in specs] == ["math_verify", "user_reward"]
+
+
+def test_the_config_names_exactly_the_implemented_builtins():
+    """reward.functions' built-in names (config/schema.py) are what rewards/functions.py implements, no more, no
+    less; the correctness components (rollout/record.py reads them) are built-ins."""
+    from drgrpo_jax.rewards import functions
+
+    specs = build_reward_fns(RewardConfig(functions=BUILTIN_REWARDS))
+    assert tuple(s.name for s in specs) == BUILTIN_REWARDS
+    assert set(functions._BUILTINS) | set(functions.LENGTH_REWARDS) == set(BUILTIN_REWARDS)
+    assert set(functions.CORRECTNESS_REWARDS) <= set(BUILTIN_REWARDS)
 
 
 def user_dict_reward(completion: str, example: Example) -> dict:
