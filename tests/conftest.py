@@ -35,7 +35,8 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
-from helpers import write_prompts, write_tiny_llama  # noqa: E402
+from support.tiny_models import write_tiny_llama  # noqa: E402
+from support.trainer_runs import write_prompts  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Shared inputs, built once per session
@@ -44,13 +45,13 @@ from helpers import write_prompts, write_tiny_llama  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    """The folder of helpers.write_tiny_llama's default model (seed 0, vocab 51): read-only for tests."""
+    """The folder of support.tiny_models.write_tiny_llama's default model (seed 0, vocab 51): read-only for tests."""
     return write_tiny_llama(str(tmp_path_factory.mktemp("tiny_model") / "model"))
 
 
 @pytest.fixture(scope="session")
 def prompts_file(tmp_path_factory) -> str:
-    """40 arithmetic prompts as JSONL (helpers.write_prompts): read-only for tests."""
+    """40 arithmetic prompts as JSONL (support.trainer_runs.write_prompts): read-only for tests."""
     return write_prompts(str(tmp_path_factory.mktemp("prompts") / "prompts.jsonl"), 40)
 
 

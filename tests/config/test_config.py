@@ -19,7 +19,7 @@ from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.step.config import StepConfig
 
-from helpers import REPO
+from support.paths import REPO
 
 BASE = ["model.path=some/model"]  # the one field without a usable default
 

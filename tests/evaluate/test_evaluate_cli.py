@@ -11,7 +11,9 @@ import pytest
 
 from drgrpo_jax.evaluate.passk import pass_at_k
 
-from helpers import REPO, trainer_env, wandb_offline_run
+from support.paths import REPO
+from support.trainer_runs import trainer_env
+from support.wandb_offline import wandb_offline_run
 
 pytestmark = pytest.mark.subprocess  # the evaluation CLI and its generation service
 
@@ -46,12 +48,13 @@ def test_evaluate_a_jsonl_suite_on_the_tiny_model(tiny_model, tmp_path):
     suite = tmp_path / "sums.jsonl"
     suite.write_text("".join(json.dumps({"problem": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(6)))
     output = tmp_path / "report"
+    reward = "support.reward_functions:has_letter_a"
     done = evaluate_cli("--model", tiny_model, "--suite", str(suite), "--k", "4", "--temperature", "1.0",
-                        "--max-new-tokens", "8", "--reward", "helpers:has_letter_a", "--template", "{question}",
+                        "--max-new-tokens", "8", "--reward", reward, "--template", "{question}",
                         "-o", str(output))
     assert done.returncode == 0, done.stderr[-3000:]
     results = _check_report(str(output), k=4)
-    assert results["suite"] == "sums" and results["k"] == 4 and results["rewards"] == ["helpers:has_letter_a"]
+    assert results["suite"] == "sums" and results["k"] == 4 and results["rewards"] == [reward]
     table = done.stdout.strip().splitlines()
     assert table[0].startswith("| task | problems | accuracy (greedy) | avg@4 | pass@1 | pass@2 | pass@4 |")
     assert table[-1].startswith("| all | 6 |")

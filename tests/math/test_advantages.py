@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax import advantages
 from drgrpo_jax.algorithms import compute_advantages
 
-import oracles
+from support import oracles
 
 
 def _cases():

@@ -14,8 +14,9 @@ from drgrpo_jax.algorithms import ALGORITHMS, group_signal
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
 
-from helpers import GDPO_WEIGHTS as WEIGHTS
-from helpers import eight_group_batch, mixed_batch, start_trainer, trainer_overrides
+from support.gdpo_batches import GDPO_WEIGHTS as WEIGHTS
+from support.gdpo_batches import eight_group_batch, mixed_batch
+from support.trainer_runs import start_trainer, trainer_overrides
 
 
 def oracle_combined(components, weights, valid, eps=1e-4):
@@ -134,7 +135,7 @@ def test_sharded_batch_gives_the_same_advantages(devices):
 @pytest.mark.subprocess  # two jax.distributed processes
 def test_two_processes_each_feeding_half_give_the_same_advantages(tmp_path):
     """jax.distributed on loopback: each process holds 4 of the 8 groups; the whitening spans both."""
-    from two_processes import run_two_processes
+    from support.two_processes import run_two_processes
 
     components, valid = eight_group_batch()
     two_processes = run_two_processes("gdpo_two_process_worker.py", tmp_path / "out.npz")["advantages"]
@@ -185,11 +186,6 @@ def test_equal_weights_are_fine_and_other_algorithms_may_repeat_a_float32_value(
 # ---------------------------------------------------------------------------------------------
 
 
-def letters(completion: str, example) -> dict[str, float]:
-    """Three components from one reward call; the trainer uses two of them (reward.components)."""
-    return {"has_letter_a": float("a" in completion), "count_b": float(completion.count("b")), "unused": 1.0}
-
-
 @pytest.mark.subprocess  # the trainer CLI and its generation service
 @pytest.mark.slow  # a trainer run with its service child process: 47 s measured on 2 busy cores
 def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path, tiny_model, prompts_file):
@@ -198,7 +194,7 @@ def test_gdpo_trains_end_to_end_with_dynamic_sampling(tmp_path, tiny_model, prom
 
     output_dir = tmp_path / "gdpo"
     overrides = trainer_overrides(tiny_model, prompts_file, output_dir, steps=2) + [
-        "algorithm.name=gdpo", "reward.functions=[test_gdpo:letters,format]",
+        "algorithm.name=gdpo", "reward.functions=[support.reward_functions:letters,format]",
         "reward.components=[has_letter_a,count_b,format]", "reward.weights=[1.0,0.25,0.5]", "train.eval_every=0",
         "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=2"]
     process = start_trainer(overrides)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax.errors import FieldError
 from drgrpo_jax.losses import LossConfig, loss_fn, window_stats
 
-import oracles
+from support import oracles
 
 BUDGET = 256
 NEW_LOSSES = ["gspo", "gspo_token", "cispo"]

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax.errors import FieldError
 from drgrpo_jax.losses import LossConfig, loss_fn, window_stats
 
-import oracles
+from support import oracles
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 BUDGET = 1024

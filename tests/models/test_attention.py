@@ -19,7 +19,7 @@ from drgrpo_jax.step.batch import Batch
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_train_step, state_shardings
 
-from helpers import compiled_dots
+from support.compiled import compiled_dots
 
 F32_TOL = 1e-5
 # bf16 inputs: both sides round probabilities to bf16 before the value product, at different points

@@ -13,7 +13,7 @@ from drgrpo_jax.models.grad_sums import into_sums, scan_layers, summing_into
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.transformer import Transformer
 
-from helpers import tiny_decoder_config
+from support.tiny_models import tiny_decoder_config
 
 pytestmark = pytest.mark.heavy  # compiles the model's forward and backward
 

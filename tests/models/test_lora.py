@@ -24,7 +24,10 @@ from drgrpo_jax.models.lora import adapter_arrays, adapter_specs, add_adapters, 
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import Transformer
 
-from helpers import REPO, kill_and_resume, lora_step_fn, start_trainer, tiny_decoder_config, trainer_overrides
+from support.paths import REPO
+from support.tiny_models import tiny_decoder_config
+from support.tiny_step import lora_step_fn
+from support.trainer_runs import kill_and_resume, start_trainer, trainer_overrides
 
 TINY = tiny_decoder_config()
 SPEC = LoraSpec(rank=4, alpha=8.0)

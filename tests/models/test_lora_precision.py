@@ -22,7 +22,8 @@ from drgrpo_jax.models.lora import add_adapters, merged_model, store_base
 from drgrpo_jax.models.quant import dequantize, quantize, weight
 from drgrpo_jax.models.transformer import Transformer, project
 
-from helpers import STEP_RESPONSE, lora_step_fn, make_step_batch, tiny_decoder_config
+from support.tiny_models import tiny_decoder_config
+from support.tiny_step import STEP_RESPONSE, lora_step_fn, make_step_batch
 
 TINY = tiny_decoder_config()
 RANK = 3  # no other axis of the tiny model or the step batch is 3: the HLO check below finds the adapters' GEMMs by it
@@ -311,7 +312,7 @@ def test_trainer_runs_lora_on_an_int8_base_in_bfloat16_and_pushes_merged_models(
     from drgrpo_jax.models.lora import load_adapter
     from drgrpo_jax.models.pretrained import from_pretrained
 
-    from helpers import start_trainer, trainer_overrides
+    from support.trainer_runs import start_trainer, trainer_overrides
 
     output_dir = tmp_path / "run"
     process = start_trainer(trainer_overrides(tiny_model, prompts_file, output_dir, steps=2) + [

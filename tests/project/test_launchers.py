@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
-from helpers import REPO, TESTS, trainer_overrides, write_prompts, write_tiny_llama
+from support.paths import REPO, TESTS
+from support.tiny_models import write_tiny_llama
+from support.trainer_runs import trainer_overrides, write_prompts
 
 pytestmark = pytest.mark.subprocess  # every test runs a launcher script
 
@@ -198,21 +200,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def recorded_letter_a(completion: str, example) -> float:
-    """helpers.has_letter_a, recording which trainer process (the reward worker's parent) scored what."""
-    folder = os.environ.get("REWARD_RECORD_DIR")
-    if folder:
-        with open(os.path.join(folder, f"{os.getppid()}.txt"), "a") as f:
-            f.write(f"{example.prompt_id}\n")
-    return 1.0 if "a" in completion else 0.0
-
-
-def nan_on_flagged_host(completion: str, example) -> float:
-    """A reward that stops the run (NaN) on the host whose environment sets FAIL_REWARD, and only there."""
-    return float("nan") if os.environ.get("FAIL_REWARD") else 1.0
-
-
-def _overrides_2p(inputs_dir, out, reward: str = "test_launchers:recorded_letter_a") -> list[str]:
+def _overrides_2p(inputs_dir, out, reward: str = "support.reward_functions:recorded_letter_a") -> list[str]:
     """The tiny 2-step trainer run (4 prompts x 4), without eval, on 2 data-parallel devices."""
     overrides = [o for o in trainer_overrides(str(inputs_dir / "model"), str(inputs_dir / "prompts.jsonl"), out, 2)
                  if not o.startswith(("train.eval_every", "mesh.data", "reward.functions"))]
@@ -286,7 +274,7 @@ def test_a_reward_failure_on_process_1_stops_both(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
     with LocalServer(str(tmp_path / "model"), log_path=str(tmp_path / "serve.log"),
                      env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}) as server:
-        overrides = _overrides_2p(tmp_path, tmp_path / "run", reward="test_launchers:nan_on_flagged_host")
+        overrides = _overrides_2p(tmp_path, tmp_path / "run", reward="support.reward_functions:nan_on_flagged_host")
         processes = []
         for i in range(2):
             env = _env_2p(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",

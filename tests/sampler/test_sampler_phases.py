@@ -11,7 +11,8 @@ from drgrpo_jax.models.logprobs import sequence_logprobs
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 
-from helpers import full_cache_sample, tiny_sampler_model
+from support.full_cache_sampler import full_cache_sample
+from support.tiny_models import tiny_sampler_model
 
 SHORT, LONG = (5, 17, 3), (40, 2, 9, 11, 60, 7, 8)
 

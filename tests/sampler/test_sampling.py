@@ -14,7 +14,7 @@ from drgrpo_jax.sampler import draws
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 
-from helpers import tiny_sampler_model
+from support.tiny_models import tiny_sampler_model
 
 pytestmark = pytest.mark.heavy  # the sampler compiled per batch shape and filter
 

@@ -12,7 +12,7 @@ import pytest
 
 from drgrpo_jax.rollout.local_service import LocalServer
 
-from helpers import write_tiny_llama
+from support.tiny_models import write_tiny_llama
 
 VOCAB = 64
 EOS = 2

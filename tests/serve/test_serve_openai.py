@@ -13,7 +13,7 @@ import pytest
 
 from drgrpo_jax.rollout.local_service import LocalServer
 
-from helpers import write_tiny_llama
+from support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.subprocess  # the service runs as a child process
 

@@ -18,15 +18,8 @@ from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.packing import first_fit, pack_cell, sequence_lengths
 from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_policy_logprobs, train_step
 
-from helpers import (
-    STEP_PROMPT,
-    STEP_RESPONSE,
-    assert_same,
-    initial_old_logprobs,
-    make_step_batch,
-    run_step,
-    tiny_decoder_config,
-)
+from support.tiny_models import tiny_decoder_config
+from support.tiny_step import STEP_PROMPT, STEP_RESPONSE, assert_same, initial_old_logprobs, make_step_batch, run_step
 
 AGGREGATIONS = ["fixed_budget", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 PACK_LENGTH = STEP_PROMPT + STEP_RESPONSE + 2  # room for the longest sequence (prompt + response - 1) and more

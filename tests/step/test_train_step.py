@@ -19,8 +19,10 @@ from drgrpo_jax.step.config import StepConfig, importance_weights
 from drgrpo_jax.step.optimizer import make_optimizer
 from drgrpo_jax.step.train_step import init_state, train_step
 
-from helpers import STEP_RESPONSE, STEP_ROWS, assert_same, compiled_dots, make_step_batch, run_step, tiny_decoder_config
-from two_processes import run_two_processes
+from support.compiled import compiled_dots
+from support.tiny_models import tiny_decoder_config
+from support.tiny_step import STEP_RESPONSE, STEP_ROWS, assert_same, make_step_batch, run_step
+from support.two_processes import run_two_processes
 
 pytestmark = pytest.mark.heavy  # the sharded training step compiled on several meshes
 

@@ -14,7 +14,7 @@ from drgrpo_jax.config.load import dump_config, load_config
 from drgrpo_jax.errors import ConfigError, StaleWeightsError
 from drgrpo_jax.train.async_rollout import Prefetcher, check_fresh
 
-from helpers import kill_and_resume, start_trainer, trainer_overrides
+from support.trainer_runs import kill_and_resume, start_trainer, trainer_overrides
 
 BASE = ["model.path=m", "data.source=jsonl", "data.path=p.jsonl"]
 ASYNC = ["rollout.async=true", "rollout.max_staleness=1", "algorithm.tis_cap=2.0"]

@@ -11,7 +11,7 @@ from drgrpo_jax.train.hub import check_hub, push_folder
 from drgrpo_jax.train.run_log import RunLog
 from drgrpo_jax.train.trackers import MlflowTracker, check_trackers, mlflow_key, open_trackers, scalars
 
-from helpers import wandb_offline_run
+from support.wandb_offline import wandb_offline_run
 
 ROWS = [{"step": 1, "loss": 0.5, "reward_mean": 0.25, "pass@4": 0.75, "response_length_correct": None,
          "truncated": True, "nan": float("nan")},

@@ -13,7 +13,9 @@ import pytest
 from drgrpo_jax.rollout.record import HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats
 from drgrpo_jax.train.seeds import step_seed
 
-from helpers import REPO, start_trainer, trainer_overrides, wandb_offline_run
+from support.paths import REPO
+from support.trainer_runs import start_trainer, trainer_overrides
+from support.wandb_offline import wandb_offline_run
 
 # ---------------------------------------------------------------------------------------------
 # Pure helpers

@@ -10,7 +10,7 @@ import numpy as np
 
 
 def run_two_processes(script: str, out: pathlib.Path, timeout_s: float = 240) -> dict[str, np.ndarray]:
-    """`python tests/SCRIPT PROCESS_ID PORT OUT.npz` for process ids 0 and 1; what process 0 saved in OUT."""
+    """`python tests/support/SCRIPT PROCESS_ID PORT OUT.npz` for process ids 0 and 1; what process 0 saved in OUT."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,6 +1,6 @@
 """One process of a two-process `jax.distributed` GDPO run on loopback (gloo CPU collectives).
 
-    python tests/gdpo_two_process_worker.py PROCESS_ID PORT OUT.npz
+    python tests/support/gdpo_two_process_worker.py PROCESS_ID PORT OUT.npz
 
 Each process owns 4 fake CPU devices and feeds only its own half of the batch's groups; the
 advantages are computed over the 8-device mesh with the whitening statistics psum-reduced
@@ -12,6 +12,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
 
 import jax  # noqa: E402
 
@@ -29,7 +30,7 @@ def main(process_id: int, port: int, out: str) -> None:
 
     from drgrpo_jax import advantages
 
-    from helpers import GDPO_WEIGHTS, eight_group_batch
+    from support.gdpo_batches import GDPO_WEIGHTS, eight_group_batch
 
     components, valid = eight_group_batch()
     mine = slice(4 * process_id, 4 * process_id + 4)  # this host's groups only

@@ -1,6 +1,6 @@
 """One process of a two-process `jax.distributed` run on loopback (gloo CPU collectives).
 
-    python tests/multihost_worker.py PROCESS_ID PORT OUT.npz
+    python tests/support/multihost_worker.py PROCESS_ID PORT OUT.npz
 
 Each process owns 4 fake CPU devices and feeds its own half of the window's rows; process 0
 writes the updated parameters and metrics for the test to compare with a one-process run.
@@ -11,6 +11,7 @@ import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `support`
 
 import jax  # noqa: E402
 
@@ -28,14 +29,14 @@ def main(process_id: int, port: int, out: str) -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    sys.path.insert(0, os.path.dirname(__file__))
     from drgrpo_jax.losses import LossConfig
     from drgrpo_jax.models.transformer import Transformer
     from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, place
     from drgrpo_jax.step.config import StepConfig
     from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, shard_batch, state_shardings
 
-    from helpers import STEP_RESPONSE, make_step_batch, tiny_decoder_config
+    from support.tiny_models import tiny_decoder_config
+    from support.tiny_step import STEP_RESPONSE, make_step_batch
 
     assert jax.process_count() == 2 and jax.device_count() == 8
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))

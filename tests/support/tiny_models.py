@@ -1,0 +1,79 @@
+"""The tests' tiny random models: a transformers Llama saved offline with a character-level tokenizer (the
+service, trainer and conversion tests load it from disk), the step tests' DecoderConfig and the sampler's
+in-memory Transformer."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------
+# The tiny random Llama (transformers, saved offline) with a character-level tokenizer
+# ---------------------------------------------------------------------------------------------
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()ABCDEFGHIJKLMNOPQRSTU"
+TINY_VOCAB = 3 + 48  # <unk>, <s>, </s>, then lowercase, digits, space and punctuation
+
+
+def save_char_tokenizer(path: str, chars: str) -> dict[str, int]:
+    """Saves a HF tokenizer, built offline, with <unk>=0, <s>=1, </s>=2 and one id per character; returns its
+    vocabulary."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(chars)}}
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(path)
+    return vocab
+
+
+def write_tiny_llama(path: str, seed: int = 0, *, vocab_size: int = TINY_VOCAB, hidden_size: int = 32,
+                     initializer_range: float = 0.3, max_position_embeddings: int = 128) -> str:
+    """A random 2-layer Llama saved by transformers, with a character-level tokenizer of the first
+    vocab_size - 3 characters of CHARS; <s> = 1, </s> = 2 (EOS). A larger initializer_range gives
+    peaked, seed-dependent continuations."""
+    import torch
+    import transformers
+
+    vocab = save_char_tokenizer(path, CHARS[:vocab_size - 3])
+    assert len(vocab) == vocab_size, (len(vocab), vocab_size)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=initializer_range)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory tiny Transformers: the training step's and the sampler's
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_decoder_config():
+    """The step tests' 2-layer Llama-shaped DecoderConfig (vocab 64)."""
+    from drgrpo_jax.models.config import DecoderConfig
+
+    return DecoderConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+SAMPLER_VOCAB = 97
+
+
+def tiny_sampler_model():
+    """A tiny random Llama-family Transformer (GQA, untied head, EOS = vocab - 1); weights scaled up x10 so
+    logits are peaked and continuations differ by prompt."""
+    import jax
+    from flax import nnx
+
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
+
+    config = DecoderConfig(family="llama", vocab_size=SAMPLER_VOCAB, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128,
+                           eos_token_ids=(SAMPLER_VOCAB - 1,))
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x * 10.0 if x.ndim > 1 else x, state))
