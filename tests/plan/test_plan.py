@@ -52,7 +52,7 @@ def test_7b_plan_matches_the_hand_calculation():
     # S = 1024 + 3000 - 1 tokens; on a TPU the attention is memory-linear (no S x S probabilities, a float32
     # log-sum-exp); remat full keeps each layer's input and recomputes one layer in the backward pass.
     b, S = 128 // 1 // 32, 1024 + 3000 - 1
-    # Without remat XLA keeps about twice the layer's listed tensors (drgrpo_jax/activations.py): 2S.
+    # Without remat XLA keeps about twice the layer's listed tensors (drgrpo_jax/plan/activations.py): 2S.
     one_layer = b * (2 * S * (4 * D + (2 * N + 2 * K) * H + 3 * F) * 2 + N * S * 4)
     blocks = 3 * b * N * 128 * 128 * 4  # the blockwise kernel's temporaries
     assert trainer["rows_per_device"] == b and not trainer["attention_probabilities"]
@@ -238,7 +238,7 @@ def test_auto_remat_saves_only_where_the_7b_configs_do_not_fit(name, device):
     assert f"remat auto -> {tight['model']['remat_policy']}" in text and "activations by model.remat" in text
 
 
-# The factor the activation formulas (drgrpo_jax/activations.py) stay within of XLA's own figure: they count what
+# The factor the activation formulas (drgrpo_jax/plan/activations.py) stay within of XLA's own figure: they count what
 # the backward keeps by hand, XLA also holds gradients in flight and buffers of its own choosing (measured
 # 2026-12-01, float32 on CPU: 0.93-1.23 of XLA's figure over the four policies and both attentions).
 FORMULA_FACTOR = 1.5
