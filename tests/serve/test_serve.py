@@ -487,3 +487,19 @@ def test_non_loopback_refusal_is_one_line(tmp_path):
                              "0.0.0.0", "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "host: 0.0.0.0 is reachable from other machines" in result.stderr.splitlines()[-1]
+
+
+def test_the_tokenizer_comes_from_the_projects_loader_and_none_means_token_ids_only(tmp_path, caplog):
+    from drgrpo_jax.serve import ServeConfig, served_tokenizer
+
+    from support.tiny_models import save_char_tokenizer
+
+    with_tokenizer, without = tmp_path / "with", tmp_path / "without"
+    save_char_tokenizer(str(with_tokenizer), "ab")
+    without.mkdir()
+    assert served_tokenizer(ServeConfig(model=str(with_tokenizer)))("ab")["input_ids"][-2:] == [3, 4]
+    assert served_tokenizer(ServeConfig(model="gs://bucket/model", tokenizer=str(with_tokenizer))) is not None
+    with caplog.at_level("WARNING", logger="drgrpo_jax.serve"):
+        assert served_tokenizer(ServeConfig(model=str(without))) is None
+        assert served_tokenizer(ServeConfig(model="gs://bucket/model")) is None
+    assert [r.getMessage().endswith("text prompts will be refused") for r in caplog.records] == [True, True]
