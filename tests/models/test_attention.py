@@ -294,7 +294,8 @@ def test_model_forward_and_gradients_blockwise_equal_reference(family, monkeypat
     outputs = []
     for impl in ("reference", "blockwise"):
         # Gemma's blockwise side also rematerialises: its layer-kind cond inside a checkpointed scan body.
-        config = dataclasses.replace(_family_config(family, impl), remat="full" if impl == "blockwise" and family == "gemma3" else "none")
+        remat = "full" if impl == "blockwise" and family == "gemma3" else "none"
+        config = dataclasses.replace(_family_config(family, impl), remat=remat)
         graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
 
         def loss(state, graphdef=graphdef):
