@@ -147,7 +147,7 @@ def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetche
     return state, row, ahead
 
 
-def evaluate(run: Run, step: int) -> dict[str, Any] | None:
+def periodic_eval(run: Run, step: int) -> dict[str, Any] | None:
     """Greedy accuracy, avg@k and pass@k on the held-out split after `step` steps: process 0 evaluates (None elsewhere).
 
     The other processes wait for it (and raise with it if it fails), so none runs ahead into the
@@ -158,12 +158,12 @@ def evaluate(run: Run, step: int) -> dict[str, Any] | None:
     row = None
     with fail_together(f"evaluation after step {step}"):
         if jax.process_index() == 0 and run.dataset.eval:
-            row = _evaluate(run, step)
+            row = _periodic_eval(run, step)
     return row
 
 
-def _evaluate(run: Run, step: int) -> dict[str, Any]:
-    """evaluate's work on process 0: greedy and train.eval_samples sampled completions (evaluate.evaluation)."""
+def _periodic_eval(run: Run, step: int) -> dict[str, Any]:
+    """periodic_eval's work on process 0: greedy and train.eval_samples sampled completions (evaluate.evaluation)."""
     c = run.config
     start = time.perf_counter()
     settings = EvalSettings(max_new_tokens=c.rollout.max_new_tokens, samples=c.train.eval_samples,
@@ -204,7 +204,7 @@ def train(config: Config) -> str:
             print(f"model.compute_dtype: {run.compute_dtype} (GEMMs of the train step and the local service)",
                   file=sys.stderr, flush=True)
         if c.train.eval_every and run.start_step == 0:
-            if (row := evaluate(run, 0)) is not None:
+            if (row := periodic_eval(run, 0)) is not None:
                 run.log.metrics(row)
         return_freed_memory()  # what loading and dequantising the weights freed
         prefetcher = stack.enter_context(Prefetcher()) if c.rollout.async_ else None
@@ -220,7 +220,7 @@ def train(config: Config) -> str:
                           f"accuracy {row['accuracy']:.3f} loss {row['loss']:.4g} kl {row['kl']:.3g} "
                           f"length {row['response_length_mean']:.1f} {row['tokens_per_second']:.0f} tok/s")
             if c.train.eval_every and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
-                if (eval_row := evaluate(run, step + 1)) is not None:
+                if (eval_row := periodic_eval(run, step + 1)) is not None:
                     run.log.metrics(eval_row)
                     bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
             host = {"step": step + 1, "data_position": run.stream.state() if ahead is None else ahead.data_position,
