@@ -12,6 +12,7 @@ import re
 
 import numpy as np
 
+from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import lora_spec, pack_length, step_configs
 from drgrpo_jax.config.schema import BUILTIN_REWARDS, Config, RewardConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
@@ -241,7 +242,8 @@ def component_names(reward: RewardConfig) -> tuple[str, ...]:
 
 
 def _check_float32_weights(config: Config) -> None:
-    """The trainer multiplies in float32: a weight must survive the cast, and GDPO's must stay apart."""
+    """The trainer multiplies in float32: a weight must survive the cast, and a multi-reward algorithm's (GDPO's),
+    which weights each component's own advantages, must stay apart and not all be 0."""
     weights = config.reward.weights
     with np.errstate(over="ignore"):  # an overflow is reported below, naming the weight
         cast = np.asarray(weights, np.float64).astype(np.float32) if weights else np.zeros(0, np.float32)
@@ -251,7 +253,8 @@ def _check_float32_weights(config: Config) -> None:
             raise ConfigError(f"reward.weights[{i}]", f"{weight} overflows float32 (|w| must be < {limit:.4g})")
         if weight != 0 and value == 0:
             raise ConfigError(f"reward.weights[{i}]", f"{weight} underflows to 0 in float32")
-    if config.algorithm.name != "gdpo":
+    name = config.algorithm.name
+    if not ALGORITHMS[name].multi_reward:
         return
     for j in range(len(weights)):
         for i in range(j):
@@ -260,10 +263,10 @@ def _check_float32_weights(config: Config) -> None:
                     f"reward.weights[{j}]",
                     f"{weights[j]} and reward.weights[{i}] = {weights[i]} collapse to one float32 value "
                     f"{float(cast[i])!r}; "
-                    "gdpo would weight the two components the same",
+                    f"{name} would weight the two components the same",
                 )
     if weights and not np.any(cast):
-        raise ConfigError("reward.weights", "gdpo needs at least one nonzero weight (all are 0: no learning signal)")
+        raise ConfigError("reward.weights", f"{name} needs at least one nonzero weight (all are 0: no learning signal)")
 
 
 def _check_rollout_modes(config: Config) -> None:
