@@ -53,3 +53,22 @@ def test_readme_command_2_runs_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert _checks(command_2) == _checks(ci) == ["ruff check .", "mypy", "mkdocs build --strict",
                                                  "python -m pytest -n 2"]
+
+
+def test_the_reference_pages_algorithm_table_is_the_table_the_trainer_runs():
+    """docs/hooks/algorithm_table.py writes one row per ALGORITHMS entry at build time, where the page asks for it."""
+    import importlib.util
+
+    from drgrpo_jax.algorithms import ALGORITHMS
+
+    spec = importlib.util.spec_from_file_location("algorithm_table", ROOT / "docs" / "hooks" / "algorithm_table.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    rows = hook.algorithm_table().splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [f"| `{name}`" for name in ALGORITHMS]
+    gdpo = rows[list(ALGORITHMS).index("gdpo")]
+    assert gdpo == ("| `gdpo` | `gdpo_combined`, then whitened per optimizer window | `token_mean` | `ppo_clip` | "
+                    "`kl_in_reward`, `scale_rewards`, `whiten_advantages` |")
+    page = (ROOT / "docs" / "reference.md").read_text()
+    assert hook.MARKER in page
+    assert hook.on_page_markdown(page).count("| `dr_grpo` | `dr_grpo` | `fixed_budget` |") == 1
