@@ -7,7 +7,7 @@ command, the git commit (and whether the tree had uncommitted changes; or the on
 date, `nproc`, the CPU model and its relevant flags, the GPUs `nvidia-smi` lists (if any), and the 1-minute
 load average before and after. Refuses to start when the load is already >= --max-load (a busy machine halves
 some figures), unless --force.
-`scripts/benchmark_table.py` turns the newest record of each script into the README's table.
+`scripts/benchmark_table.py --write` turns the records into docs/benchmarks.md's tables and the README's curve.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Policy-gradient loss with window-exact aggregation: the heart of Dr.GRPO.
 
-Shape letters (the README's glossary): N responses (rows), T token positions. The *window*
+Shape letters (docs/shape_letters.md): N responses (rows), T token positions. The *window*
 is everything one optimizer step consumes (all data-parallel shards, all micro-batches).
 Each aggregation divides a sum over tokens by a fact of the window, so slices of a window
 and shards of a mesh add up to exactly the window's loss. `LossConfig` tables the

@@ -1,10 +1,12 @@
-"""The README's benchmark table, generated from the newest committed record of each benchmark.
+"""The benchmark tables of docs/benchmarks.md and the README's quickstart curve, generated from the committed records.
 
-    python scripts/benchmark_table.py                 # print the Markdown table
-    python scripts/benchmark_table.py --write README.md   # replace the table between its markers
+    python scripts/benchmark_table.py            # print the tables
+    python scripts/benchmark_table.py --write    # replace the generated blocks of README.md and docs/benchmarks.md
+    python scripts/benchmark_table.py --write FILE.md ...   # of these files only
 
 Each row leads with the same-run ratio against the peer, then the absolute figures, then where
-the record came from (date, commit, load). Records are written by `benchmarks/record.py`.
+the record came from (date, commit, load). Records are written by `benchmarks/record.py`; they name the config
+path of their day, shown here as it is now (configs/quickstarts/, configs/recipes/).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- benchmark-table:begin -->", "<!-- benchmark-table:end -->"
+CURVE_BEGIN, CURVE_END = "<!-- quickstart-curve:begin -->", "<!-- quickstart-curve:end -->"
+DEFAULT_FILES = ("README.md", "docs/benchmarks.md")  # where the generated blocks live
 README_CONFIG = "configs/quickstart.yaml"  # README command 1's job: its row comes first
 
 
@@ -70,8 +74,19 @@ def _sampler(r: dict) -> tuple[str, str]:
     return what, "; ".join(parts) or "-"
 
 
+def current_config(path: str) -> str:
+    """A config path as a record names it, moved to where the file is now (configs/quickstarts/ or
+    configs/recipes/) when only that exists; otherwise unchanged (records are history)."""
+    if (ROOT / path).exists():
+        return path
+    name = pathlib.PurePosixPath(path).name
+    moved = [f"configs/{folder}/{name}" for folder in ("quickstarts", "recipes")
+             if (ROOT / "configs" / folder / name).exists()]
+    return moved[0] if moved else path
+
+
 def _quickstart(r: dict) -> tuple[str, str]:
-    command = f"`{r['config']}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
+    command = f"`{current_config(r['config'])}`{' ' + ' '.join(r['overrides']) if r['overrides'] else ''}"
     dtype = _quickstart_dtype(r) + (" (`auto` here)" if "compute_dtype" in r and not r["overrides"] else "")
     what = f"README command 1 ({command})" if _is_readme_job(r) else command
     what += f", {dtype}, whole job"
@@ -212,9 +227,7 @@ def newest_records() -> dict[tuple[str, str], list[dict]]:
     By code, then date: a record of older code taken later (the code before a change, measured beside it) does
     not replace the row of the code after it."""
     by_row: dict[tuple[str, str], list[dict]] = {}
-    for path in sorted(RESULTS.glob("*.json")):
-        record = json.loads(path.read_text())
-        record["file"] = path.relative_to(ROOT).as_posix()
+    for record in all_records():
         by_row.setdefault(_row_key(record), []).append(record)
     newest = {}
     for key, records in by_row.items():
@@ -234,38 +247,107 @@ def _spread(script: str, records: list[dict]) -> str:
     return f"; {label} over {len(values)} runs of this code: {values[0]:.2f}{unit}-{values[-1]:.2f}{unit}"
 
 
-def table(records: dict[tuple[str, str], list[dict]]) -> str:
+def _source(record: dict, link: bool = True) -> str:
+    """Where a record came from: its date (a link to the file, or the file's name where links to the repository
+    do not resolve, as on the docs site), commit, cores, machine kind and load."""
+    m = record["machine"]
+    cited = (f"[{record['date'][:10]}]({record['file']})" if link
+             else f"{record['date'][:10]} (`{pathlib.PurePosixPath(record['file']).stem}`)")
+    return (f"{cited}, {record['commit'][:7]}{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores "
+            f"{machine_kind(m)}, load {record['load_before']} -> {record['load_after']}")
+
+
+TITLES = {"quickstart": "Whole training jobs (`benchmarks/quickstart.py`)",
+          "rl_step": "One RL step against TRL (`benchmarks/rl_step.py`)",
+          "train_step": "The train step against PyTorch (`benchmarks/train_step.py`)",
+          "sampler": "The sampler against transformers `generate` (`benchmarks/sampler.py`)",
+          "long_context": "Long context (`benchmarks/long_context.py`)",
+          "attention": "Attention alone (`benchmarks/attention.py`)"}
+
+
+def table(records: dict[tuple[str, str], list[dict]], scripts: tuple[str, ...] = tuple(FORMATS),
+          link: bool = True) -> str:
+    """One Markdown table of the newest records of `scripts`, citing each record by a link relative to the
+    repository root (`link`) or by its name."""
     rows = ["| benchmark | same-run ratio, then absolute figures | record |", "|---|---|---|"]
-    keys = sorted((key for key in records if key[0] in FORMATS),
+    keys = sorted((key for key in records if key[0] in scripts),
                   key=lambda key: (list(FORMATS).index(key[0]),
                                    not _is_readme_job(records[key][0]["results"][-1]), key[1]))
     for script, variant in keys:
         record = records[script, variant][0]
         what, figures = FORMATS[script](record["results"][-1])
         figures += _spread(script, records[script, variant])
-        m = record["machine"]
-        source = (f"[{record['date'][:10]}]({record['file']}), {record['commit'][:7]}"
-                  f"{' (dirty tree)' if record['dirty'] else ''}, {m['nproc']} cores {machine_kind(m)}, load "
-                  f"{record['load_before']} -> {record['load_after']}")
-        rows.append(f"| {what} | {figures} | {source} |")
+        rows.append(f"| {what} | {figures} | {_source(record, link)} |")
     return "\n".join(rows)
+
+
+def tables(records: dict[tuple[str, str], list[dict]]) -> str:
+    """docs/benchmarks.md's block: a titled table per benchmark script that has records, citing records by name
+    (the docs site holds no records to link to)."""
+    present = [script for script in FORMATS if any(key[0] == script for key in records)]
+    return "\n\n".join(f"## {TITLES[script]}\n\n{table(records, (script,), link=False)}" for script in present)
+
+
+def all_records() -> list[dict]:
+    """Every committed record, each with its repository-relative `file`."""
+    loaded = []
+    for path in sorted(RESULTS.glob("*.json")):
+        record = json.loads(path.read_text())
+        record["file"] = path.relative_to(ROOT).as_posix()
+        loaded.append(record)
+    return loaded
+
+
+def quickstart_curve(records: list[dict]) -> str:
+    """The README's expected curve: README command 1's newest record, step by step, and what the run took."""
+    jobs = [r for r in records if r["script"] == "quickstart" and _is_readme_job(r["results"][-1])]
+    if not jobs:
+        raise SystemExit(f"benchmark_table.py: no record of README command 1 ({README_CONFIG}) in {RESULTS}")
+    record = max(jobs, key=lambda r: r["date"])
+    r = record["results"][-1]
+    rewards, accuracy = r["reward_mean_by_step"], r["eval_accuracy_by_step"]
+    steps = range(len(rewards) + 1)
+    rows = ["| step | " + " | ".join(str(s) for s in steps) + " |", "|---" * (len(steps) + 1) + "|",
+            "| training reward (mean of the step's samples) | - | " + " | ".join(f"{v:.2f}" for v in rewards) + " |",
+            "| greedy accuracy on the held-out sums | "
+            + " | ".join(f"{accuracy[str(s)]:.2f}" if str(s) in accuracy else "" for s in steps) + " |"]
+    m = record["machine"]
+    took = (f"The run took {r['wall_s'] / 60:.1f} min for {r['steps']} steps (a step after the first "
+            f"{r['step_s_median_after_first']:.1f} s) with the trainer process at "
+            f"{r.get('trainer_peak_rss_gb', r['peak_rss_gb']):.1f} GB peak memory, on {m['nproc']} CPU cores with "
+            f"{machine_kind(m)} in {r['compute_dtype']} ([the record]({record['file']})). One seed: read it as "
+            "\"it learns\", not as exact figures.")
+    return "\n".join(rows) + "\n\n" + took
+
+
+def replace_block(document: str, begin: str, end: str, text: str) -> str:
+    """`document` with the text between `begin` and `end` replaced by `text` (the markers kept)."""
+    head, rest = document.split(begin, 1)
+    return f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", metavar="MARKDOWN", help="replace the table between its markers in this file")
+    parser.add_argument("--write", metavar="MARKDOWN", nargs="*",
+                        help=f"replace the generated blocks between their markers in these files (default: "
+                             f"{' '.join(DEFAULT_FILES)})")
     args = parser.parse_args(argv)
-    text = table(newest_records())
-    if not args.write:
-        print(text)
+    if args.write is None:
+        print(tables(newest_records()))
         return 0
-    path = pathlib.Path(args.write)
-    document = path.read_text()
-    if BEGIN not in document or END not in document:
-        print(f"benchmark_table.py: {path} has no {BEGIN} ... {END} markers", file=sys.stderr)
-        return 2
-    head, rest = document.split(BEGIN, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    blocks = {(BEGIN, END): lambda: tables(newest_records()),
+              (CURVE_BEGIN, CURVE_END): lambda: quickstart_curve(all_records())}
+    for name in args.write or [str(ROOT / f) for f in DEFAULT_FILES]:
+        path = pathlib.Path(name)
+        document = path.read_text()
+        found = [(begin, end) for begin, end in blocks if begin in document and end in document]
+        if not found:
+            print(f"benchmark_table.py: {path} has none of the markers {[begin for begin, _ in blocks]}",
+                  file=sys.stderr)
+            return 2
+        for begin, end in found:
+            document = replace_block(document, begin, end, blocks[begin, end]())
+        path.write_text(document)
     return 0
 
 

@@ -2,7 +2,7 @@
 training rewards, summarised as accuracy, avg@k and unbiased pass@k. One code path serves the trainer's
 periodic evaluation (`train.eval_every`) and `python -m drgrpo_jax.evaluate`.
 
-Shape letters (the README's glossary): P problems, G samples per problem, N = P * G completions.
+Shape letters (docs/shape_letters.md): P problems, G samples per problem, N = P * G completions.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sampled-evaluation statistics: avg@k and the unbiased pass@k estimator (pure numpy).
 
-Shape letters (the README's glossary): P problems, G samples per problem.
+Shape letters (docs/shape_letters.md): P problems, G samples per problem.
 
 pass@k is the probability that at least one of k completions drawn without replacement from a
 problem's n samples is correct, averaged over problems (Chen et al. 2021, "Evaluating Large Language

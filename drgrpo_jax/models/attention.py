@@ -2,7 +2,7 @@
 in length: the test oracle), a memory-linear blockwise kernel (online softmax; a FlashAttention-2 backward that
 recomputes each block from the saved log-sum-exp), and the dispatch that also picks cuDNN or TPU splash.
 
-Shape letters (the README's glossary): B rows, T query positions, S key positions, Q query heads, C key/value
+Shape letters (docs/shape_letters.md): B rows, T query positions, S key positions, Q query heads, C key/value
 heads, R query heads per kv head (Q = C * R), H head dim, J query blocks of W positions, key blocks of V = K * W.
 Visibility is one rule for all (`self_attention_mask`); segment id 0 marks padding, which nobody sees and whose
 own outputs nothing downstream reads.

@@ -1,6 +1,6 @@
 """GEMMs in a compute dtype accumulating in float32, whose backward GEMMs run in that dtype too.
 
-Shape letters (the README's glossary): M rows (flattened tokens, or query positions), X the contracted axis and
+Shape letters (docs/shape_letters.md): M rows (flattened tokens, or query positions), X the contracted axis and
 Y the output columns of the forward GEMM; a batched GEMM's leading axes ("...", attention's [B, C]) are shared by
 both operands. Under mixed precision the backward rounds the float32 cotangent to bfloat16 too, as torch.autocast
 does (JAX's own transpose of a dot with a float32 result would run float32 GEMMs), and gradients come back in the

@@ -1,6 +1,6 @@
 """The decode-time KV cache: its layout, sharding, slot writes and the attention that reads it.
 
-Shape letters as in transformer.py (the README's glossary). `init_cache` makes the stacked [L, B, S, C, H]
+Shape letters as in transformer.py (docs/shape_letters.md). `init_cache` makes the stacked [L, B, S, C, H]
 form that shards like the params; a decode loop carries the per-layer form (`split_cache`): values [B, C, S, H],
 keys [B, C, H, S] in 32-bit floats and [B, C, S, H] in 16-bit ones (`key_order`), whose slots each step
 writes in place (`write_keys`, `write_values`) and attention reads without a transpose (`attend_slots`).

@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropies without materialising all [B, T, V] float32 logits at once.
 
-Shape letters (the README's glossary): B batch rows, T positions, D model dim, V vocab, M flattened tokens
+Shape letters (docs/shape_letters.md): B batch rows, T positions, D model dim, V vocab, M flattened tokens
 (B * T), J chunks, W tokens per chunk.
 
 Tokens are cut into chunks of W; each chunk's [W, V] logits exist only inside a `jax.checkpoint`ed scan

@@ -1,6 +1,6 @@
 """LoRA: stacked low-rank adapters on the decoder's projections, PEFT adapter folders out and in, merging.
 
-Shape letters (the README's glossary): L layers, X and Y a projection's input and output features (several axes
+Shape letters (docs/shape_letters.md): L layers, X and Y a projection's input and output features (several axes
 for the head-shaped ones: q_proj [D, Q, H], o_proj [Q, H, D]), and Z the adapter rank r. Each targeted projection
 W [L, *X, *Y] gets A [L, *X, Z] (random) and B [L, Z, *Y] (zeros: a fresh adapter leaves the model unchanged) as
 `nnx.LoRAParam`s beside it in `Blocks`; `transformer._project` adds (alpha / r) * dropout(x) A B to x W, and

@@ -1,6 +1,6 @@
 """The decoder's parameters: every array's shape, logical axes and initial value, and the stacked `Blocks`.
 
-Shape letters as in transformer.py (the README's glossary). Layers are stacked along a leading L axis, so a
+Shape letters as in transformer.py (docs/shape_letters.md). Layers are stacked along a leading L axis, so a
 full forward scans one compiled block; `param_specs` is what sharding, LoRA and the plan read.
 """
 

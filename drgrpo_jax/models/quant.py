@@ -1,6 +1,6 @@
 """Weights-only int8: per-output-channel symmetric quantisation of a frozen projection, dequantised in its GEMM.
 
-Shape letters (the README's glossary): L layers, X and Y a projection's input and output features (several
+Shape letters (docs/shape_letters.md): L layers, X and Y a projection's input and output features (several
 axes for the head-shaped ones, e.g. o_proj [Q, H, D]). Inside the layer scan `dequantize` makes one layer's weight
 at a time, so the stacked float copy never exists. Not qwix: its PTQ intercepts `dot_general` on a module's own
 parameter, and our stacked weights are sliced inside `lax.scan` into a custom-VJP GEMM (as models/lora.py says), so

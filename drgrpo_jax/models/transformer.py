@@ -1,6 +1,6 @@
 """Decoder-only transformer (Llama, Qwen2, Qwen3, Gemma 3 text) as a Flax NNX module, with a KV cache.
 
-Shape letters (the README's "Shape letters" glossary):
+Shape letters (docs/shape_letters.md):
   B batch rows, T query positions, S key positions (cache slots), L layers, D model dim,
   I MLP hidden, Q query heads, C key/value heads, R query heads per kv head (Q = C * R),
   H head dim (h = H / 2, the rotary pairs; n = Q or C where queries and keys share code), V vocab,

@@ -48,7 +48,7 @@ def stores_probabilities(attention_impl: str, seq_len: int, backend: str) -> boo
 def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool) -> dict[str, int]:
     """Bytes one row keeps per layer for the backward pass under each policy.
 
-    Letters: capitals as in the README's shape-letter glossary (D, I, Q, C, H from the model), S tokens per row of
+    Letters: capitals as in docs/shape_letters.md (D, I, Q, C, H from the model), S tokens per row of
     one model call, a activation bytes (the parameter dtype), t tensor ways:
 
       none                 2S * (4D + (2Q + 2C)H/t + 3I/t) * a + A    (norm inputs, q/k/v/o, MLP gate/up/product)

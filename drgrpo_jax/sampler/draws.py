@@ -1,6 +1,6 @@
 """Per-row token draws: temperature, top-k/top-p filtering and inverse-CDF sampling (pure, jittable).
 
-Shape letters (the README's glossary): B rows, V vocab, J vocab chunks, W vocab ids per chunk.
+Shape letters (docs/shape_letters.md): B rows, V vocab, J vocab chunks, W vocab ids per chunk.
 
 Log-probabilities are those of the sampled token under softmax(logits / temperature) over the
 whole vocabulary (before top-k/top-p truncation): the definition the trainer's

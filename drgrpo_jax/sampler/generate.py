@@ -1,6 +1,6 @@
 """KV-cache sampling: each distinct prompt prefilled once, then decode phases over a growing cache (pure, jitted).
 
-Shape letters (the README's glossary): P distinct prompts (padded to a bucket), U prompt positions
+Shape letters (docs/shape_letters.md): P distinct prompts (padded to a bucket), U prompt positions
 (bucketed), B rows (prompt x sample, padded to a bucket), T new-token budget (bucketed), S cache slots,
 V vocab, E stop (end) ids per row.
 

@@ -2,7 +2,7 @@
 tokens, as lm-evaluation-harness's loglikelihood requests ask) and `top_logprobs` (the k likeliest tokens at
 each position). One full forward per sequence batch, jitted on bucketed shapes.
 
-Shape letters (the README's glossary): B rows (bucketed), S positions of a whole sequence (bucketed),
+Shape letters (docs/shape_letters.md): B rows (bucketed), S positions of a whole sequence (bucketed),
 V vocab, K the top entries asked for (bucketed).
 """
 

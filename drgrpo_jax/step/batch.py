@@ -1,6 +1,6 @@
 """A training batch: its fields, its split into micro-batches, and the policy's log-probs of it.
 
-Shape letters (the README's glossary): N responses, U prompt positions (left-padded), T response positions
+Shape letters (docs/shape_letters.md): N responses, U prompt positions (left-padded), T response positions
 (right-padded), S = U + T - 1 positions of one forward, D model dim.
 """
 

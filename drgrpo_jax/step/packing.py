@@ -1,6 +1,6 @@
 """Packed training rows: a micro-batch's responses, each with its prompt, in fixed [B, S] token rows.
 
-Shape letters (the README's glossary): N responses, U prompt positions (left-padded), T response positions
+Shape letters (docs/shape_letters.md): N responses, U prompt positions (left-padded), T response positions
 (right-padded), B packed rows and S tokens per packed row (the rows and length of the model call), D model dim,
 O data-parallel shards (each packs its own responses, so the gathers back stay on its device).
 

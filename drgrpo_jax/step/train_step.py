@@ -1,6 +1,6 @@
 """The pure training step: one optimizer window in, updated state and global metrics out.
 
-Shape letters (the README's glossary): N responses in the window, U prompt positions (left-padded),
+Shape letters (docs/shape_letters.md): N responses in the window, U prompt positions (left-padded),
 T response positions (right-padded, T = the generation budget), S = U + T - 1 positions of one forward
 (prompt and response but the last token), D model dim.
 

@@ -413,7 +413,7 @@ def test_long_quickstart_sets_the_long_context_options():
     from drgrpo_jax.plan.activations import model_call
     from drgrpo_jax.plan.planner import resolve_remat
 
-    path = os.path.join(REPO, "configs", "long_quickstart.yaml")
+    path = os.path.join(REPO, "configs", "quickstarts", "long_quickstart.yaml")
     config = load_config(path)
     assert config.rollout.max_new_tokens == 1024 and config.data.task == "gsm_symbolic"
     # auto, so each backend takes its own kernel; on a CPU its 1279-token rows get the memory-linear ones.
@@ -443,8 +443,8 @@ def test_the_former_boolean_remat_is_refused_naming_the_policies(flag, now):
 
 
 def test_every_shipped_config_validates():
-    """configs/*.yaml load as written (each run supplies its model and data paths)."""
-    paths = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+    """configs/**/*.yaml load as written (each run supplies its model and data paths)."""
+    paths = sorted(glob.glob(os.path.join(REPO, "configs", "**", "*.yaml"), recursive=True))
     assert paths
     for path in paths:
         load_config(path, ["model.path=some/model", "data.path=some/data.jsonl"])

@@ -330,7 +330,7 @@ def test_plan_counts_base_adapters_and_optimizer_for_lora():
 def test_7b_lora_configs_fit_their_hardware_as_their_headers_say(name, device):
     from drgrpo_jax.plan import planner as plan
 
-    path = os.path.join(REPO, "configs", name)
+    path = os.path.join(REPO, "configs", "recipes", name)
     header = open(path).read()
     config, _ = plan._load(path, [])
     tensor = int(found.group(1)) if (found := re.search(r"--serve-tensor (\d+)", header)) else 1

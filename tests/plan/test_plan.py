@@ -18,7 +18,7 @@ from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.plan import planner as plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG_7B_V5P = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
+CONFIG_7B_V5P = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
 GIB = 2**30
 
 
@@ -133,7 +133,7 @@ def test_service_rows_are_what_the_services_are_started_with():
 
 def test_advice_names_values_that_make_it_fit():
     """Without remat the 1.5B trainer overflows a v5e chip; the advised values, applied, fit."""
-    base = os.path.join(REPO, "configs", "qwen2.5_math_1.5b_dr_grpo_v5e8.yaml")
+    base = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_1.5b_dr_grpo_v5e8.yaml")
     v5e = plan.device_spec("tpu-v5e")
     broken = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=none", "train.micro_batches=2"], device=v5e,
                    serve_batch_size=64)
@@ -154,7 +154,7 @@ def test_advice_names_values_that_make_it_fit():
     ("qwen2.5_math_7b_dr_grpo_8xh100.yaml", "Qwen2.5-Math-7B", "h100", 32),
 ])
 def test_config_headers_state_the_planned_memory(name, model, device, rows):
-    path = os.path.join(REPO, "configs", name)
+    path = os.path.join(REPO, "configs", "recipes", name)
     header = open(path).read()
     stated = re.search(r"-> trainer ([\d.]+) GiB.*\n#\s+service ([\d.]+) GiB", header)
     assert stated, f"{name}: no plan line in the header"
@@ -224,7 +224,7 @@ def _fits_first(result) -> None:
                                           ("qwen2.5_math_7b_dr_grpo_8xh100.yaml", "h100")])
 def test_auto_remat_saves_only_where_the_7b_configs_do_not_fit(name, device):
     """remat=auto: none where everything fits (one response per device), a saving policy where it does not."""
-    path = os.path.join(REPO, "configs", name)
+    path = os.path.join(REPO, "configs", "recipes", name)
     spec = plan.device_spec(device)
     tight = _plan(path, "Qwen2.5-Math-7B", ["model.remat=auto"], device=spec)
     _fits_first(tight)

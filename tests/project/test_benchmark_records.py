@@ -1,4 +1,4 @@
-"""Benchmark records: what record.py stores with a figure, and the README table built from the records."""
+"""Benchmark records: what record.py stores with a figure, and the tables and curve built from the records."""
 
 from __future__ import annotations
 
@@ -56,10 +56,15 @@ def test_the_table_leads_with_the_same_run_ratio_and_cites_the_record(tmp_path, 
     assert "**0.90x** torch: 124 vs 141 tok/s" in text and "5.00x" not in text and "7.00x" not in text  # newest code
     assert "ratio over 2 runs of this code: 0.80x-0.90x" in text  # its reproduction, not older code
     assert "2026-12-01" in text and "load 0.2 -> 1.1" in text
-    readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{table.BEGIN}\nold\n{table.END}\nafter\n")
-    assert table.main(["--write", str(readme)]) == 0
-    assert readme.read_text() == f"before\n{table.BEGIN}\n{text}\n{table.END}\nafter\n"
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"before\n{table.BEGIN}\nold\n{table.END}\nafter\n")
+    assert table.main(["--write", str(page)]) == 0
+    tables = table.tables(table.newest_records())
+    cited_by_name = text.replace("[2026-12-01](train_step-2026-12-01.json)", "2026-12-01 (`train_step-2026-12-01`)")
+    assert tables == f"## {table.TITLES['train_step']}\n\n{cited_by_name}"  # the docs site has no records to link
+    assert page.read_text() == f"before\n{table.BEGIN}\n{tables}\n{table.END}\nafter\n"
+    page.write_text("no markers")
+    assert table.main(["--write", str(page)]) == 2
 
 
 def test_each_machine_kind_keeps_its_own_row(tmp_path, monkeypatch):
@@ -161,10 +166,47 @@ def test_one_quickstart_row_per_config_and_the_rl_step_row(tmp_path, monkeypatch
     assert row.startswith("float32: **1.50x** TRL (20.0 vs 30.0 s/step; generate 2.00x, update 1.20x")
 
 
-def test_the_readme_states_what_the_committed_records_say():
+def test_the_readme_curve_is_the_newest_record_of_command_1(tmp_path, monkeypatch):
+    """The README's expected curve: README command 1's newest record (not a newer record of another config), every
+    step's reward and the greedy accuracy where it was evaluated, and the record it came from."""
+    table = _load("scripts/benchmark_table.py")
+    monkeypatch.setattr(table, "RESULTS", tmp_path)
+    monkeypatch.setattr(table, "ROOT", tmp_path)
+    result = {"config": "configs/quickstart.yaml", "overrides": [], "compute_dtype": "float32", "wall_s": 120.0,
+              "steps": 2, "step_s_median_after_first": 50.0, "reward_mean_by_step": [0.25, 0.5],
+              "eval_accuracy_by_step": {"0": 0.4, "2": 0.6}, "peak_rss_gb": 3.5, "trainer_peak_rss_gb": 2.5}
+    runs = [("01", result), ("02", dict(result, reward_mean_by_step=[0.1, 0.9])),
+            ("03", dict(result, config="configs/quickstarts/grpo_quickstart.yaml"))]
+    for day, res in runs:
+        record = {"script": "quickstart", "date": f"2026-12-{day}T00:00:00+00:00", "commit": day * 20, "dirty": False,
+                  "load_before": 0.2, "load_after": 1.1, "machine": {"nproc": 2, "cpu_flags": ["avx2"]},
+                  "results": [res]}
+        (tmp_path / f"quickstart-{day}.json").write_text(json.dumps(record))
+    curve = table.quickstart_curve(table.all_records()).splitlines()
+    assert curve[0] == "| step | 0 | 1 | 2 |"
+    assert curve[2] == "| training reward (mean of the step's samples) | - | 0.10 | 0.90 |"  # day 02's
+    assert curve[3] == "| greedy accuracy on the held-out sums | 0.40 |  | 0.60 |"
+    assert "2.0 min for 2 steps" in curve[5] and "2.5 GB" in curve[5] and "AVX2 in float32" in curve[5]
+    assert "([the record](quickstart-02.json))" in curve[5]  # a link, no date in the README's text
+
+
+def test_records_name_configs_where_they_are_now():
+    """Records keep the config path of their day; the tables show where that config lives now."""
+    table = _load("scripts/benchmark_table.py")
+    assert table.current_config("configs/lora_quickstart.yaml") == "configs/quickstarts/lora_quickstart.yaml"
+    assert table.current_config("configs/qwen2.5_math_7b_dr_grpo_v5p64.yaml") == \
+        "configs/recipes/qwen2.5_math_7b_dr_grpo_v5p64.yaml"
+    assert table.current_config("configs/quickstart.yaml") == "configs/quickstart.yaml"
+    assert table.current_config("configs/gone.yaml") == "configs/gone.yaml"
+
+
+RECORD_NAME = r"\b(?:quickstart|rl_step|train_step|sampler|long_context|attention)-\d{8}T\d{6}Z\b"
+
+
+def test_the_docs_state_what_the_committed_records_say():
     """Every record names a commit of this history (a record of code that never landed cannot be checked), every
-    record the README cites is committed, and its table is the one the records make (regenerate it with
-    `python scripts/benchmark_table.py --write README.md`)."""
+    record the README, the docs pages and the configs cite is committed, and the generated blocks are what the
+    records make (regenerate them with `python scripts/benchmark_table.py --write`)."""
     shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True)
     if shallow.stdout.strip() != "false":
         pytest.skip("needs the whole git history (a full clone)")
@@ -173,11 +215,15 @@ def test_the_readme_states_what_the_committed_records_say():
     orphans = [path.name for path in sorted(table.RESULTS.glob("*.json"))
                if json.loads(path.read_text())["commit"] not in history]
     assert not orphans, f"records of commits not in this branch's history: {orphans}"
+    citing = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md")),
+              *sorted((ROOT / "configs").rglob("*.yaml")), *sorted((ROOT / "configs").rglob("*.md"))]
+    cited = {name for path in citing for name in re.findall(RECORD_NAME, path.read_text())}
+    assert cited and not [name for name in sorted(cited) if not (table.RESULTS / f"{name}.json").exists()]
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert page.split(table.BEGIN, 1)[1].split(table.END, 1)[0].strip() == table.tables(table.newest_records())
     readme = (ROOT / "README.md").read_text()
-    cited = set(re.findall(r"benchmarks/results/[\w.-]+\.json", readme))
-    assert cited and not [p for p in sorted(cited) if not (ROOT / p).exists()]
-    stated = readme.split(table.BEGIN, 1)[1].split(table.END, 1)[0].strip()
-    assert stated == table.table(table.newest_records())
+    stated = readme.split(table.CURVE_BEGIN, 1)[1].split(table.CURVE_END, 1)[0].strip()
+    assert stated == table.quickstart_curve(table.all_records())
 
 
 def test_a_worker_reports_its_own_peak_memory_not_its_parents():

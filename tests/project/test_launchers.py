@@ -66,7 +66,7 @@ def test_tpu_dry_run_prints_the_exact_gcloud_commands_for_a_4_worker_slice(tmp_p
 
 
 def test_tpu_services_on_a_separate_slice_and_on_spare_chips():
-    config = os.path.join(REPO, "configs", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
+    config = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
     result = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "8", "--coordinator",
                     "10.0.0.2", "--serve-tpu", "gen", "--serve-ips", "10.0.1.5,10.0.1.6", "--serve-chips", "2",
                     "--serve-batch-size", "32", "--api-key-env", "GEN_KEY", "--dry-run",
