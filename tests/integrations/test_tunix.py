@@ -189,13 +189,19 @@ def test_names_are_registered_for_every_algorithm():
 PROMPTS = ["hello world", "My name", "hello there", "input string"]
 
 
-def learner_run(config, steps=3):
-    """`steps` GRPOLearner steps of a toy model from the same initial weights; (losses, final params, lengths)."""
+def learner_run(config, steps=3, train_micro_batch_size=None):
+    """`steps` GRPOLearner steps of a toy model from the same initial weights; (losses, final params, lengths).
+
+    Two prompts a step, sampled and scored together whatever the training micro-batch, so every run sees the same
+    completions.
+    """
     model, reference = toy_model(), toy_model()
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)  # the toy model's layers expect Auto
     training = rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(0.2), eval_every_n_steps=1000,
-                                               max_steps=steps)
+                                               max_steps=steps, mini_batch_size=2,
+                                               train_micro_batch_size=train_micro_batch_size,
+                                               rollout_micro_batch_size=2, compute_logps_micro_batch_size=2)
     rollout = base_rollout.RolloutConfig(max_tokens_to_generate=8, max_prompt_length=4, kv_cache_size=32)
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
     cluster = rl_cluster_lib.RLCluster(
@@ -231,3 +237,20 @@ def test_grpo_learner_with_our_dr_grpo_equals_tunix_dr_grpo():
     assert moved > 1e-3
     for a, b in zip(jax.tree.leaves(our_params), jax.tree.leaves(their_params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.heavy
+def test_under_tunix_gradient_accumulation_fixed_budget_stays_exact_and_token_mean_does_not():
+    # Tunix averages the gradients of its equal micro-batches (optax.MultiSteps); a registered loss sees one.
+    def final_params(algorithm, micro):
+        config = grpo_learner.GRPOConfig(num_generations=2, beta=0.0, policy_loss_fn="drgrpo_jax/" + algorithm,
+                                         advantage_estimator="drgrpo_jax/" + algorithm)
+        return jax.tree.leaves(learner_run(config, steps=1, train_micro_batch_size=micro)[1])
+
+    def largest_difference(a, b):
+        return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+    whole, accumulated = final_params("dr_grpo", None), final_params("dr_grpo", 1)
+    assert largest_difference(whole, accumulated) < 1e-5
+    whole, accumulated = final_params("dapo", None), final_params("dapo", 1)
+    assert largest_difference(whole, accumulated) > 1e-4  # the documented limit: the mean of two token means
