@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple, get_args
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from drgrpo_jax.errors import FieldError, FieldTypeError
 
@@ -28,12 +29,28 @@ PolicyLoss = Literal["ppo_clip", "gspo", "gspo_token", "cispo"]
 AxisName = str | Sequence[str] | None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _python_number(value: object, *, integer: bool) -> int | float:
+    """`value` as a Python int (integer) or number: a foreign trainer's config hands over numpy and JAX scalars.
 
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    Python numbers keep `LossConfig` hashable and equal by value, so it stays a static jit argument. Raises
+    TypeError with the reason for booleans (a flag is not a number), arrays, traced values and, for an integer,
+    any float (a budget of 8.0 is a mistake somewhere upstream, not a count).
+    """
+    wanted = "an int" if integer else "a number"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"must be {wanted}, got the boolean {value!r}")
+    if isinstance(value, int) or (isinstance(value, float) and not integer):
+        return value
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"must be {wanted} known before tracing (LossConfig is a static argument), got a traced value")
+    if not isinstance(value, (np.generic, np.ndarray, jax.Array)):
+        raise TypeError(f"must be {wanted}, got {type(value).__name__} {value!r}")
+    if np.shape(value) != ():
+        raise TypeError(f"must be {wanted}, got an array of shape {np.shape(value)}")
+    kinds = "iu" if integer else "iuf"
+    if np.dtype(value.dtype).kind not in kinds:
+        raise TypeError(f"must be {wanted}, got a {value.dtype} scalar {value!r}")
+    return value.item()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +96,14 @@ class LossConfig:
             raise bad("policy_loss", f"unknown {self.policy_loss!r}; choose one of {get_args(PolicyLoss)}")
         if self.kl_estimator not in get_args(KLEstimator):
             raise bad("kl_estimator", f"unknown {self.kl_estimator!r}; choose one of {get_args(KLEstimator)}")
-        if self.budget is not None and not _is_int(self.budget):
-            raise bad("budget", f"must be a positive int, got {type(self.budget).__name__} {self.budget!r}",
-                      FieldTypeError)
+        for name in ("budget", "clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if value is None and name in ("budget", "clip_high", "dual_clip"):
+                continue
+            try:
+                object.__setattr__(self, name, _python_number(value, integer=name == "budget"))
+            except TypeError as error:
+                raise bad(name, str(error), FieldTypeError) from None
         if self.budget is not None and self.budget <= 0:
             raise bad("budget", f"must be a positive int, got {self.budget}")
         if self.aggregation == "fixed_budget" and self.budget is None:
@@ -90,8 +112,6 @@ class LossConfig:
             value = getattr(self, name)
             if value is None and name in ("clip_high", "dual_clip"):
                 continue
-            if not _is_number(value):
-                raise bad(name, f"must be a number, got {type(value).__name__} {value!r}", FieldTypeError)
             if not value >= 0 or value == float("inf"):
                 raise bad(name, f"must be finite and >= 0, got {value}")
         if self.dual_clip is not None and self.dual_clip <= 1:
@@ -106,7 +126,11 @@ class LossConfig:
 
 
 class WindowStats(NamedTuple):
-    """Facts of one optimizer window: valid responses N_w and response tokens T_w (float32)."""
+    """Facts of one optimizer window: valid responses N_w and response tokens T_w (float32).
+
+    Scalars, or (`window_stats(..., per_row=True)`) the same two numbers repeated on every row [N], as columns
+    a host trainer splits into micro-batches with the rest of the batch.
+    """
 
     num_responses: jax.Array
     num_tokens: jax.Array
@@ -123,15 +147,24 @@ def _row_valid_or_ones(mask_NT: jax.Array, row_valid_N: jax.Array | None) -> jax
     return jnp.asarray(row_valid_N, bool)
 
 
-def window_stats(mask: jax.Array, row_valid: jax.Array | None = None, *, axis_name: AxisName = None) -> WindowStats:
-    """Counts valid rows and masked tokens, psum-reduced over `axis_name` when given."""
+def window_stats(mask: jax.Array, row_valid: jax.Array | None = None, *, axis_name: AxisName = None,
+                 per_row: bool = False) -> WindowStats:
+    """Counts valid rows and masked tokens, psum-reduced over `axis_name` when given.
+
+    `per_row=True` gives each count as a column [N] (the window's number on every row), for a host trainer that
+    cuts micro-batches itself: compute them on the whole window, put them in the batch beside the advantages, and
+    pass each micro-batch's rows back as `window=WindowStats(*columns)`.
+    """
     chex.assert_rank(mask, 2)
     row_valid = _row_valid_or_ones(mask, row_valid)
     tokens = jnp.where(row_valid[:, None], jnp.asarray(mask, bool), False)
-    return WindowStats(
+    stats = WindowStats(
         num_responses=_psum(row_valid.sum(dtype=jnp.float32), axis_name),
         num_tokens=_psum(tokens.sum(dtype=jnp.float32), axis_name),
     )
+    if not per_row:
+        return stats
+    return WindowStats(*(jnp.broadcast_to(count, mask.shape[:1]) for count in stats))
 
 
 def kl_divergence(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: KLEstimator) -> jax.Array:
@@ -182,13 +215,24 @@ def _policy_gradient(log_ratio_NT, adv_NT, tok_NT, config: LossConfig) -> tuple[
     return pg_NT, ((ratio < low) & (adv_NT < 0)) | ((ratio > high) & (adv_NT > 0))
 
 
+def _share(numerator_N: jax.Array, denominator: jax.Array, axis_name: AxisName) -> jax.Array:
+    """sum(numerator_N) / denominator over the slice's rows (global over `axis_name`).
+
+    A per-row denominator (the window's counts as columns) divides row by row: its rows all hold the same number,
+    so the sum is the same, and a micro-batch cut from the rows carries its own denominator.
+    """
+    if denominator.ndim == 0:
+        return _safe_divide(_psum(numerator_N.sum(), axis_name), denominator)
+    return _psum(_safe_divide(numerator_N, denominator).sum(), axis_name)
+
+
 def _aggregate(loss_NT, mask_NT, config: LossConfig, window: WindowStats, axis_name: AxisName) -> jax.Array:
     """This slice's share of the window's aggregated loss (global over `axis_name`)."""
     if config.aggregation == "seq_mean_token_mean":
         lengths = mask_NT.sum(axis=1)
-        numerator = (loss_NT.sum(axis=1) / jnp.maximum(lengths, 1.0)).sum()
+        numerator_N = loss_NT.sum(axis=1) / jnp.maximum(lengths, 1.0)
     else:
-        numerator = loss_NT.sum()
+        numerator_N = loss_NT.sum(axis=1)
     def fixed_budget() -> jax.Array:
         if config.budget is None:  # LossConfig already refuses this; the check narrows budget to int
             raise FieldError("LossConfig", "budget", "fixed_budget needs the generation budget (max response tokens)")
@@ -202,7 +246,7 @@ def _aggregate(loss_NT, mask_NT, config: LossConfig, window: WindowStats, axis_n
     }[config.aggregation]()
     # No response token anywhere: the loss is exactly 0 whatever the aggregation.
     denominator = jnp.where(window.num_tokens > 0, denominator, 0.0)
-    return _safe_divide(_psum(numerator, axis_name), denominator)
+    return _share(numerator_N, denominator, axis_name)
 
 
 def loss_fn(
@@ -217,16 +261,28 @@ def loss_fn(
     window: WindowStats | None = None,
     row_valid: jax.Array | None = None,
     axis_name: AxisName = None,
+    averaged_over: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped policy-gradient loss of one slice of an optimizer window.
 
     logprobs, old_logprobs, ref_logprobs, entropy, mask: [N, T]; advantages: [N] or [N, T];
     row_valid: [N] (False = padding row). With `window=None` this batch is the window; with
-    a window given, the result is this slice's share (slices sum to the window's loss).
+    a window given (scalars, or `window_stats(..., per_row=True)` columns cut with the rows),
+    the result is this slice's share (slices sum to the window's loss).
+    `averaged_over=k`: the host trainer averages the gradients of k slices (optax.MultiSteps,
+    Tunix's gradient accumulation), so each share is multiplied by k and the mean of the k
+    results is the window's loss and gradient; it needs the window.
     With `axis_name`, sums are psum-reduced and the loss is the global value on every shard.
-    Metrics are token means over the window (the slice's share likewise), one definition
-    for every aggregation so runs with different aggregations compare.
+    Metrics are token means over the window (the slice's share likewise, times k), one
+    definition for every aggregation so runs with different aggregations compare.
     """
+    if isinstance(averaged_over, bool) or not isinstance(averaged_over, int) or averaged_over < 1:
+        raise ValueError(f"loss_fn: averaged_over must be a positive int (slices the host averages), "
+                         f"got {averaged_over!r}")
+    if averaged_over > 1 and window is None:
+        raise ValueError("loss_fn: averaged_over > 1 needs the window's stats (window=window_stats(..., "
+                         "per_row=True) on the whole window, its columns cut with the rows); without them "
+                         "each slice is taken for the whole window")
     chex.assert_rank([logprobs, old_logprobs, mask], 2)
     chex.assert_equal_shape([logprobs, old_logprobs, mask])
     chex.assert_type([logprobs, old_logprobs], float)
@@ -244,6 +300,9 @@ def loss_fn(
     token = jnp.asarray(mask, bool) & row_valid[:, None]
     if window is None:
         window = window_stats(mask, row_valid, axis_name=axis_name)
+    for count in window:
+        if jnp.ndim(count) != 0:
+            chex.assert_shape(count, mask.shape[:1])
 
     # Sanitise masked slots first so padding garbage (inf, NaN) cannot reach a gradient.
     def clean(x):
@@ -264,10 +323,10 @@ def loss_fn(
     entropy_NT = jnp.zeros_like(logprobs) if entropy is None else clean(entropy)
     loss_NT = pg_NT + config.kl_coef * kl_NT - config.entropy_coef * entropy_NT
 
-    loss = _aggregate(loss_NT * tok, tok, config, window, axis_name)
+    loss = averaged_over * _aggregate(loss_NT * tok, tok, config, window, axis_name)
 
     def token_mean(x_NT):
-        return _safe_divide(_psum((x_NT * tok).sum(), axis_name), window.num_tokens)
+        return averaged_over * _share((x_NT * tok).sum(axis=1), window.num_tokens, axis_name)
 
     metrics = {
         "pg_loss": token_mean(pg_NT),

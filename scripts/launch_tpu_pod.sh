@@ -31,7 +31,7 @@ set -euo pipefail
 
 tpu="" zone="" project="" config="" workers="" coordinator="" chips=4 serve_tpu="" serve_ips="" serve_chips=0
 serve_batch="" serve_port=30000 coord_port=8476 log_dir=launch_logs dry_run=0 key_env="" open_service=0
-install="python3 -m pip install -q -e ~/drgrpo_jax 'jax[tpu]'"
+install="python3 -m pip install -q -e ~/drgrpo_jax'[train]' 'jax[tpu]'"  # the trainer: the train extra
 serve_urls=() overrides=()
 die() { echo "launch_tpu_pod.sh: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do

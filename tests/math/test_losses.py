@@ -273,6 +273,17 @@ def test_bfloat16_inputs_compute_in_float32():
         (dict(budget=4, kl_coef=float("nan")), ValueError, "LossConfig.kl_coef"),
         (dict(budget=4, entropy_coef="0.1"), TypeError, "LossConfig.entropy_coef"),
         (dict(budget=4, dual_clip=0.5), ValueError, "LossConfig.dual_clip"),
+        # what a foreign trainer's config may hand over: numpy and JAX values that are not numbers of the field
+        (dict(budget=np.bool_(True)), TypeError, "LossConfig.budget"),
+        (dict(budget=np.float64(8.0)), TypeError, "LossConfig.budget"),
+        (dict(budget=jnp.float32(8)), TypeError, "LossConfig.budget"),
+        (dict(budget=np.array([8])), TypeError, "LossConfig.budget"),
+        (dict(budget=np.int64(0)), ValueError, "LossConfig.budget"),
+        (dict(budget=4, clip_low=np.array([0.2, 0.3])), TypeError, "LossConfig.clip_low"),
+        (dict(budget=4, clip_high=jnp.array(True)), TypeError, "LossConfig.clip_high"),
+        (dict(budget=4, kl_coef=np.float32("nan")), ValueError, "LossConfig.kl_coef"),
+        (dict(budget=4, entropy_coef=jnp.float32(float("inf"))), ValueError, "LossConfig.entropy_coef"),
+        (dict(budget=4, dual_clip=np.complex64(2)), TypeError, "LossConfig.dual_clip"),
     ],
 )
 def test_bad_configs_name_the_field(kwargs, error, field):
@@ -293,3 +304,21 @@ def test_missing_inputs_and_bad_shapes_are_errors():
         loss_fn(x, x, np.zeros(3), x, config=LossConfig(budget=3))
     with pytest.raises(AssertionError):
         loss_fn(x, np.zeros((2, 4), np.float32), np.zeros(2), x, config=LossConfig(budget=3))
+
+
+def test_numpy_and_jax_scalars_are_taken_as_python_numbers():
+    config = LossConfig(budget=np.int64(8), clip_low=np.float32(0.25), clip_high=jnp.float32(0.5),
+                        kl_coef=jnp.float32(0), entropy_coef=np.array(0.01), dual_clip=np.int32(3))
+    assert config == LossConfig(budget=8, clip_low=0.25, clip_high=0.5, kl_coef=0.0, entropy_coef=0.01, dual_clip=3)
+    for name in ("budget", "clip_low", "clip_high", "kl_coef", "entropy_coef", "dual_clip"):
+        assert type(getattr(config, name)) in (int, float), name
+    assert type(config.budget) is int
+    hash(config)  # a static jit argument
+
+
+def test_a_traced_value_is_refused_naming_the_field():
+    def build(kl_coef):
+        return LossConfig(budget=4, kl_coef=kl_coef)
+
+    with pytest.raises(TypeError, match=r"^LossConfig.kl_coef: .*traced"):
+        jax.jit(build)(0.1)

@@ -71,6 +71,7 @@ LAYERS = (
     ("rollout",),
     ("plan",), ("evaluate",),
     ("train",),
+    ("integrations",),  # adapters for other trainers: only the public math (test_integrations_use_only_the_math)
 )
 RANK = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
 
@@ -105,6 +106,14 @@ def test_the_math_imports_nothing_but_itself():
     assert not graph["drgrpo_jax.errors"], "errors.py is the leaf every layer may import"
     for name in math:
         assert graph[name] <= math, f"{name} imports {sorted(graph[name] - math)}"
+
+
+def test_integrations_use_only_the_math():
+    # An adapter hands the library's math to another trainer: it must not pull the trainer, service or models in.
+    math = {"drgrpo_jax.errors", "drgrpo_jax.advantages", "drgrpo_jax.losses", "drgrpo_jax.algorithms"}
+    for name, deps in import_graph().items():
+        if name.startswith("drgrpo_jax.integrations."):
+            assert deps <= math, f"{name} imports {sorted(deps - math)}"
 
 
 def _defined_names(tree: ast.Module) -> set[str]:

@@ -54,7 +54,7 @@ def test_tpu_dry_run_prints_the_exact_gcloud_commands_for_a_4_worker_slice(tmp_p
          "--worker=all", *scope],
         ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", "--worker=all", *scope,
          "--command=rm -rf ~/drgrpo_jax && mkdir -p ~/drgrpo_jax && tar -xzf ~/drgrpo_jax-src.tar.gz -C ~/drgrpo_jax "
-         "&& cp ~/run.yaml ~/drgrpo_run.yaml && python3 -m pip install -q -e ~/drgrpo_jax 'jax[tpu]'"],
+         "&& cp ~/run.yaml ~/drgrpo_run.yaml && python3 -m pip install -q -e ~/drgrpo_jax'[train]' 'jax[tpu]'"],
     ]
     for i in range(4):
         expected.append(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", f"--worker={i}", *scope,

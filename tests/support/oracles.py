@@ -140,3 +140,22 @@ def policy_gradient(logprobs, old, adv, mask, clip_low, clip_high, policy_loss, 
             flows = not ((ratio > high and a > 0) or (ratio < low and a < 0))
             grad[i, t] = -a * ratio if flows else 0.0
     return loss, grad
+
+
+def aggregation_weights(mask, aggregation, budget=None):
+    """d(window loss) / d(per-token loss) [N, T] in float64: the weight `aggregate` gives each token."""
+    mask = np.asarray(mask, bool)
+    n_valid, t_valid = mask.shape[0], mask.sum()
+    weights = np.zeros(mask.shape)
+    if t_valid == 0:
+        return weights
+    for i, t in zip(*np.nonzero(mask)):
+        if aggregation == "fixed_budget":
+            weights[i, t] = 1 / (n_valid * budget)
+        elif aggregation == "token_mean":
+            weights[i, t] = 1 / t_valid
+        elif aggregation == "seq_mean_token_sum":
+            weights[i, t] = 1 / n_valid
+        else:
+            weights[i, t] = 1 / (n_valid * mask[i].sum())
+    return weights
