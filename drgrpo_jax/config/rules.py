@@ -158,8 +158,8 @@ def _check_rest(config: Config) -> None:
     """Model, data, reward and multi-host rules."""
     c = config
     if not c.model.path:
-        raise MissingValueError("model.path", "must be set (a local Hugging Face model folder, a .gguf file or "
-                                              "pkg:PACKAGE)")
+        raise MissingValueError("model.path", "must be set (a local Hugging Face model folder, a .gguf file, "
+                                              "pkg:PACKAGE or a Hub id org/name[@revision])")
     if c.data.source != "reasoning_gym" and not c.data.path:
         raise MissingValueError("data.path", f"must be set when data.source={c.data.source}")
     if "{question}" not in c.data.template:

@@ -159,7 +159,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the evaluation the flags describe; returns results.json's content."""
     from tqdm.auto import tqdm
 
-    from drgrpo_jax.data import tokenize_prompt
+    from drgrpo_jax.data.prompts import tokenize_prompt
     from drgrpo_jax.evaluate.evaluation import evaluate_problems
     from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
     from drgrpo_jax.evaluate.suites import load_suite
