@@ -18,7 +18,7 @@ from drgrpo_jax.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILES", "MODEL_FILES", "TOKENIZER_FILES", "HubId", "download_command", "hub_id", "local_model",
-    "not_cached", "snapshot"
+    "not_cached", "offline", "snapshot"
 ]
 
 # org/name, each part as the Hub allows it; @revision: a branch, tag or commit sha (branches may hold '/').
@@ -65,16 +65,16 @@ def download_command(hub: HubId, repo_type: str = "model") -> str:
     return " ".join(parts)
 
 
-def _offline() -> bool:
+def offline() -> bool:
+    """Whether HF_HUB_OFFLINE is set (read at each call: huggingface_hub reads it once, at import)."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def not_cached(key: str, hub: HubId, repo_type: str, why: str) -> ConfigError:
     """The one-line error for an id that cannot be read: the key, the id, what to run."""
     what = "dataset" if repo_type == "dataset" else "model"
-    where = "HF_HUB_OFFLINE is set" if _offline() else why
     return ConfigError(key, f"no local path {str(hub)!r} and the Hub {what} {hub} is not in the Hugging Face cache "
-                            f"({where}); fetch it with: {download_command(hub, repo_type)}")
+                            f"({why}); fetch it with: {download_command(hub, repo_type)}")
 
 
 def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str, ...] | None = None) -> str:
@@ -96,7 +96,8 @@ def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str
         folder = snapshot_download(hub.repo_id, repo_type=repo_type, revision=hub.revision,
                                    allow_patterns=list(files) if files else None)
     except LocalEntryNotFoundError:  # offline, or the Hub unreachable, and nothing (complete) cached
-        raise not_cached(key, hub, repo_type, "the Hub could not be reached") from None
+        why = "HF_HUB_OFFLINE is set" if offline() else "the Hub could not be reached"
+        raise not_cached(key, hub, repo_type, why) from None
     except GatedRepoError:
         raise ConfigError(key, f"the Hub {repo_type} {hub} is gated: accept its terms on huggingface.co, then log in "
                                "(hf auth login) or set HF_TOKEN") from None
@@ -108,7 +109,7 @@ def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str
     except (HfHubHTTPError, OSError) as error:
         raise ConfigError(key, f"cannot fetch the Hub {repo_type} {hub}: {type(error).__name__}: {error}") from None
     if files and not _has_any(folder, files[0]):
-        raise not_cached(key, hub, repo_type, f"the cached snapshot {folder} has no {files[0]}")
+        raise not_cached(key, hub, repo_type, f"its cached snapshot {folder} has no {files[0]}")
     return folder
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.data.examples import Example, PromptDataset
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.hub_ids import HubId, hub_id, snapshot
+from drgrpo_jax.hub_ids import HubId, hub_id, offline, snapshot
 
 __all__ = ["load_dataset", "read_rows"]
 
@@ -101,7 +101,7 @@ def _hub_rows(hub: HubId, subset: str, split: str, keys: tuple[str, str]) -> lis
     """A Hub dataset's split: through `datasets` online (only the files that split needs), else the cached snapshot."""
     from datasets.exceptions import DatasetNotFoundError
 
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() not in ("1", "true", "yes", "on"):
+    if not offline():
         try:
             return _split_rows(hub.repo_id, hub.revision, subset, split, keys)
         except DatasetNotFoundError as error:

@@ -23,6 +23,7 @@ from typing import Any
 from drgrpo_jax.config.load import load_config, resolve_model_path
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError, MissingValueError
+from drgrpo_jax.hub_ids import CONFIG_FILES, hub_id, snapshot
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 from drgrpo_jax.plan.activations import (
     activation_bytes,
@@ -50,7 +51,8 @@ HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; lau
 
 
 def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
-    """(architecture, where from): --model-config, then model.path's config.json or GGUF header, then a preset."""
+    """(architecture, where from): --model-config, then model.path: a local config.json or GGUF header, a preset
+    of that name, or a Hub id's config.json (the snapshot's config.json alone is fetched)."""
     from drgrpo_jax.models.hf_io import load_hf_config
 
     for key, spec in [("--model-config", model_config), ("model.path", config.model.path)]:
@@ -68,11 +70,15 @@ def resolve_decoder_config(config: Config, model_config: str | None = None) -> t
         if spec.endswith(".json") and os.path.isfile(spec):
             with open(spec) as f:
                 return from_hf_config(json.load(f)), spec
-        if (preset := preset_name(spec)) is not None:
+        hub = hub_id(spec)
+        if (preset := preset_name(spec)) is not None and (hub is None or hub.revision is None):
             return from_hf_config(PRESETS[preset]), f"preset {preset} (public HF config.json)"
+        if hub is not None:  # the architecture alone: config.json of the snapshot (fetched when online)
+            folder = snapshot(hub, key, files=CONFIG_FILES)
+            return load_hf_config(folder), f"{hub} config.json ({folder})"
         if key == "--model-config":
-            raise ConfigError(key, f"{spec!r} is neither a folder with config.json, a .json file, nor a preset "
-                                   f"({', '.join(PRESETS)})")
+            raise ConfigError(key, f"{spec!r} is neither a folder with config.json, a .json file, a Hub id "
+                                   f"org/name[@revision], nor a preset ({', '.join(PRESETS)})")
     raise ConfigError("model.path", f"no config.json at {config.model.path!r} and no preset of that name; pass "
                                     f"--model-config (a folder, a config.json or one of {', '.join(PRESETS)})")
 
@@ -331,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--device", help=f"target device: {', '.join(DEVICES)}")
     target.add_argument("--device-memory", type=float, help="target device memory in GiB")
-    parser.add_argument("--model-config", help=f"HF folder, config.json or preset ({', '.join(PRESETS)})")
+    parser.add_argument("--model-config", help=f"the architecture: an HF folder, a config.json, a Hub id "
+                                               f"org/name[@revision] (its config.json alone is fetched) or a preset "
+                                               f"({', '.join(PRESETS)}); default: model.path's")
     parser.add_argument("--serve-batch-size", type=int,
                         help="rows one generation service samples at once (default: rollout.service_batch_size)")
     parser.add_argument("--serve-tensor", type=int, default=1,
