@@ -21,7 +21,7 @@ from drgrpo_jax.data.examples import Example, PromptDataset
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import HubId, hub_id, offline, snapshot
 
-__all__ = ["load_dataset", "read_rows"]
+__all__ = ["DATA_KEYS", "Keys", "load_dataset", "read_rows"]
 
 
 def _reasoning_gym(config: DataConfig, seed: int) -> PromptDataset:
@@ -64,25 +64,29 @@ def _jsonl_rows(path: str, key: str) -> list[Mapping[str, Any]]:
     return rows
 
 
-def _split_rows(target: str, revision: str | None, subset: str, split: str, keys: tuple[str, str]
-                ) -> list[Mapping[str, Any]]:
+# The config keys (or flags) errors name: the path, its split and its subset.
+Keys = tuple[str, str, str]
+DATA_KEYS: Keys = ("data.path", "data.split", "data.subset")
+
+
+def _split_rows(target: str, revision: str | None, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """The rows of one split of an HF dataset (a folder or a Hub id), the subset and split checked by name first."""
     import datasets
 
     what = target if revision is None else f"{target}@{revision}"
     configs = datasets.get_dataset_config_names(target, revision=revision)
     if subset and subset not in configs:
-        raise ConfigError("data.subset", f"{subset!r} is not a configuration of {what} (configurations: "
-                                         f"{', '.join(configs)})")
+        raise ConfigError(keys[2], f"{subset!r} is not a configuration of {what} (configurations: "
+                                   f"{', '.join(configs)})")
     if not subset and len(configs) > 1 and "default" not in configs:
-        raise ConfigError("data.subset", f"{what} has several configurations; name one: {', '.join(configs)}")
+        raise ConfigError(keys[2], f"{what} has several configurations; name one: {', '.join(configs)}")
     splits = datasets.get_dataset_split_names(target, subset or None, revision=revision)
     if split not in splits:
         raise ConfigError(keys[1], f"{split!r} not in {what} (splits: {', '.join(splits)})")
     return list(datasets.load_dataset(target, name=subset or None, split=split, revision=revision))
 
 
-def _local_hf_rows(path: str, subset: str, split: str, keys: tuple[str, str]) -> list[Mapping[str, Any]]:
+def _local_hf_rows(path: str, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """A save_to_disk folder, else a dataset folder (data files, or a Hub snapshot with its README configs)."""
     import datasets
 
@@ -97,7 +101,7 @@ def _local_hf_rows(path: str, subset: str, split: str, keys: tuple[str, str]) ->
     return list(loaded)
 
 
-def _hub_rows(hub: HubId, subset: str, split: str, keys: tuple[str, str]) -> list[Mapping[str, Any]]:
+def _hub_rows(hub: HubId, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """A Hub dataset's split: through `datasets` online (only the files that split needs), else the cached snapshot."""
     from datasets.exceptions import DatasetNotFoundError
 
@@ -112,11 +116,11 @@ def _hub_rows(hub: HubId, subset: str, split: str, keys: tuple[str, str]) -> lis
 
 
 def read_rows(path: str, source: str, *, subset: str = "", split: str = "train",
-              keys: tuple[str, str] = ("data.path", "data.split")) -> list[Mapping[str, Any]]:
+              keys: Keys = DATA_KEYS) -> list[Mapping[str, Any]]:
     """All rows of a local JSONL file, Parquet file or HF dataset (`source`), or of a Hub dataset id's split.
 
-    A local path that exists wins over a Hub id of the same spelling. `keys`: the config keys of the path and
-    of the split, named by the errors.
+    A local path that exists wins over a Hub id of the same spelling. `keys`: the config keys (or flags) of the
+    path, the split and the subset, named by the errors.
     """
     if os.path.exists(path):
         if source == "jsonl":
@@ -163,7 +167,7 @@ def _name(path: str) -> str:
     return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
 
 
-def _held_out(config: DataConfig) -> tuple[str, str, tuple[str, str]] | None:
+def _held_out(config: DataConfig) -> tuple[str, str, Keys] | None:
     """(path, split, their keys) of a separate held-out set, or None when it is held out of data.path's rows."""
     if not (config.eval_path or config.eval_split):
         return None
@@ -172,7 +176,7 @@ def _held_out(config: DataConfig) -> tuple[str, str, tuple[str, str]] | None:
     split_key = "data.eval_split" if config.eval_split else "data.split"
     if not config.eval_path and os.path.isfile(config.path):
         raise ConfigError("data.eval_split", f"{config.path} is one file without splits; set data.eval_path")
-    return path, config.eval_split or config.split, (path_key, split_key)
+    return path, config.eval_split or config.split, (path_key, split_key, "data.subset")
 
 
 def _from_files(config: DataConfig, seed: int) -> PromptDataset:

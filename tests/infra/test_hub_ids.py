@@ -3,15 +3,12 @@ writes it (models--org--name/ and datasets--org--name/ with blobs/, refs/ and sn
 blobs/): a tiny random model saved by transformers on two branches, and a tiny dataset with two subsets and two
 splits. An id that is not cached is a one-line error naming the key, the id and the `hf download` command."""
 
-import hashlib
 import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from drgrpo_jax.config.load import check_paths, load_config, resolve_model_path
@@ -20,36 +17,11 @@ from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import CONFIG_FILES, HubId, download_command, hub_id, local_model
 
+from support.hf_cache import commit, read_only_offline, write_parquet_dataset
 from support.tiny_models import write_tiny_llama
 
 MAIN, DEV = "1" * 40, "2" * 40  # commit shas: refs/main -> MAIN, refs/dev -> DEV
 DATA_COMMIT = "3" * 40
-
-
-def _commit(cache: pathlib.Path, repo_type: str, repo_id: str, sha: str, refs: tuple[str, ...], write) -> str:
-    """Writes one commit of a repo into the cache: `write(folder)` fills a staging folder, whose files become
-    blobs/<sha256> with snapshots/<sha>/<path> symlinks to them, and each ref names the commit."""
-    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
-    staging = repo / "staging" / sha
-    staging.mkdir(parents=True)
-    write(str(staging))
-    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        blob.write_bytes(data)
-        link = repo / "snapshots" / sha / path.relative_to(staging)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (repo / "refs").mkdir(exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(sha)
-    for path in sorted(staging.rglob("*"), reverse=True):
-        path.unlink() if path.is_file() else path.rmdir()
-    staging.rmdir()
-    (repo / "staging").rmdir()
-    return str(repo / "snapshots" / sha)
-
 
 ROWS = {  # subset -> split -> rows
     "main": {"train": [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}
@@ -58,18 +30,6 @@ ROWS = {  # subset -> split -> rows
                                                                               "answer": "#### 9"}]},
     "other": {"train": [{"question": "2 - 1?", "answer": "#### 1"}]},
 }
-
-
-def _write_dataset(folder: str) -> None:
-    """Parquet files per subset and split, and the README's `configs:` that the Hub and `datasets` read."""
-    card = ["---", "configs:"]
-    for subset, splits in ROWS.items():
-        card += [f"- config_name: {subset}", "  data_files:"]
-        for split, rows in splits.items():
-            os.makedirs(os.path.join(folder, subset), exist_ok=True)
-            pq.write_table(pa.Table.from_pylist(rows), os.path.join(folder, subset, f"{split}-00000-of-00001.parquet"))
-            card += [f"  - split: {split}", f"    path: {subset}/{split}-*"]
-    pathlib.Path(folder, "README.md").write_text("\n".join(card + ["---", ""]))
 
 
 def _write_config(folder: str) -> None:
@@ -88,28 +48,17 @@ def cache(tmp_path_factory) -> dict[str, str]:
     hub = home / "hub"
     return {
         "home": str(home),
-        "main": _commit(hub, "model", "org/tiny", MAIN, ("main",), lambda f: write_tiny_llama(f, seed=0)),
-        "dev": _commit(hub, "model", "org/tiny", DEV, ("dev",), lambda f: write_tiny_llama(f, seed=1)),
-        "config_only": _commit(hub, "model", "org/config-only", MAIN, ("main",), _write_config),
-        "dataset": _commit(hub, "dataset", "org/tiny-math", DATA_COMMIT, ("main",), _write_dataset),
+        "main": commit(hub, "model", "org/tiny", MAIN, ("main",), lambda f: write_tiny_llama(f, seed=0)),
+        "dev": commit(hub, "model", "org/tiny", DEV, ("dev",), lambda f: write_tiny_llama(f, seed=1)),
+        "config_only": commit(hub, "model", "org/config-only", MAIN, ("main",), _write_config),
+        "dataset": commit(hub, "dataset", "org/tiny-math", DATA_COMMIT, ("main",),
+                          lambda f: write_parquet_dataset(f, ROWS)),
     }
 
 
 @pytest.fixture
 def offline(cache, monkeypatch):
-    """This process reads only the temporary cache, offline (huggingface_hub and datasets read their settings
-    at import, so their constants are set too)."""
-    import datasets.config
-    import huggingface_hub.constants
-
-    hub = os.path.join(cache["home"], "hub")
-    for name, value in [("HF_HOME", cache["home"]), ("HF_HUB_CACHE", hub), ("HF_HUB_OFFLINE", "1"),
-                        ("HF_DATASETS_CACHE", os.path.join(cache["home"], "datasets"))]:
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", hub)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", pathlib.Path(cache["home"], "datasets"))
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    read_only_offline(monkeypatch, cache["home"])
     return cache
 
 
