@@ -24,7 +24,7 @@ def check_hub(repo_id: str | None) -> None:
     import importlib.util
 
     if importlib.util.find_spec("huggingface_hub") is None:
-        raise ConfigError("run.push_to_hub", "huggingface_hub is not installed: pip install -e '.[hub]'")
+        raise ConfigError("run.push_to_hub", "huggingface_hub is not installed: pip install 'huggingface_hub>=0.34'")
 
 
 def push_folder(folder: str, repo_id: str, *, private: bool = True, commit_message: str = "", api: Any = None
