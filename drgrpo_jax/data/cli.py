@@ -37,8 +37,13 @@ def prepare(name: str, output: str, source: str | None, subset: str | None, spli
     if subset is None:  # the recipe's subset for its own dataset at any revision; a copy's only one otherwise
         subset = recipe.subset if hub is not None and hub.repo_id == recipe.hub_id else ""
     split = split or recipe.split
-    rows = read_rows(source, _source_format(source), subset=subset, split=split,
-                     keys=("--source", "--split", "--subset"))
+    try:
+        rows = read_rows(source, _source_format(source), subset=subset, split=split,
+                         keys=("--source", "--split", "--subset"))
+    except ConfigError:
+        raise
+    except (OSError, ValueError, KeyError) as error:  # a file that is no dataset: unreadable Parquet, bad folder
+        raise ConfigError("--source", f"cannot read {source}: {type(error).__name__}: {error}") from None
     if limit:
         rows = rows[:limit]
     prepared = prepare_rows(recipe, rows)

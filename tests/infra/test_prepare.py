@@ -160,6 +160,9 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path, monkeypatch, capsys):
     assert "--source: row 0 has no 'question' field" in capsys.readouterr().err
     assert main(["prepare", "aime24", str(tmp_path / "o.jsonl"), "--source", str(tmp_path / "a.csv")]) == 2
     assert "--source: no such file" in capsys.readouterr().err
+    (tmp_path / "broken.parquet").write_text("not parquet")
+    assert main(["prepare", "aime24", str(tmp_path / "o.jsonl"), "--source", str(tmp_path / "broken.parquet")]) == 2
+    assert "--source: cannot read" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
     with pytest.raises(SystemExit):
         main(["prepare", "math13k", str(tmp_path / "out.jsonl")])  # argparse names the choices
