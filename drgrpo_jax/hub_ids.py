@@ -18,7 +18,7 @@ from drgrpo_jax.errors import ConfigError
 
 __all__ = [
     "CONFIG_FILES", "MODEL_FILES", "TOKENIZER_FILES", "HubId", "download_command", "hub_id", "local_model",
-    "not_cached", "offline", "snapshot"
+    "local_model_and_tokenizer", "not_cached", "offline", "snapshot"
 ]
 
 # org/name, each part as the Hub allows it; @revision: a branch, tag or commit sha (branches may hold '/').
@@ -126,3 +126,12 @@ def local_model(spec: str, key: str, files: tuple[str, ...] = MODEL_FILES) -> st
     """
     hub = hub_id(spec)
     return spec if hub is None else snapshot(hub, key, files=files)
+
+
+def local_model_and_tokenizer(model: str, tokenizer: str = "", keys: tuple[str, str] = ("--model", "--tokenizer")
+                              ) -> tuple[str, str]:
+    """(model, tokenizer) as local paths for a command that takes both (python -m drgrpo_jax.serve): a Hub id
+    becomes its snapshot folder (the model's weights and tokenizer; the tokenizer's files), anything else is
+    returned unchanged for the command's own checks. A PEFT adapter repo resolves the same way; its base, named
+    in adapter_config.json, is resolved when loaded (models/pretrained.py)."""
+    return local_model(model, keys[0]), local_model(tokenizer, keys[1], TOKENIZER_FILES) if tokenizer else tokenizer

@@ -15,7 +15,14 @@ from drgrpo_jax.config.load import check_paths, load_config, resolve_model_path
 from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.hub_ids import CONFIG_FILES, HubId, download_command, hub_id, local_model
+from drgrpo_jax.hub_ids import (
+    CONFIG_FILES,
+    HubId,
+    download_command,
+    hub_id,
+    local_model,
+    local_model_and_tokenizer,
+)
 
 from support.hf_cache import commit, read_only_offline, write_parquet_dataset
 from support.tiny_models import write_tiny_llama
@@ -81,6 +88,9 @@ def test_model_ids_resolve_by_branch_and_commit(offline):
     assert local_model("org/tiny@dev", "model.path") == offline["dev"]
     assert local_model(f"org/tiny@{DEV}", "model.path") == offline["dev"]
     assert resolve_model_path("org/tiny@dev") == offline["dev"]
+    # The generation service's --model and --tokenizer (serve/cli.py calls this once).
+    assert local_model_and_tokenizer("org/tiny", "org/tiny@dev") == (offline["main"], offline["dev"])
+    assert local_model_and_tokenizer("/local/model.gguf") == ("/local/model.gguf", "")
     config = load_config(None, ["model.path=org/tiny", "model.tokenizer_path=org/tiny@dev"])
     check_paths(config)
 
