@@ -104,8 +104,8 @@ def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str
     except RevisionNotFoundError:
         raise ConfigError(key, f"the Hub {repo_type} {hub.repo_id} has no revision {hub.revision!r}") from None
     except RepositoryNotFoundError:
-        raise ConfigError(key, f"no Hub {repo_type} {hub.repo_id} (or it is private: hf auth login, or set "
-                               "HF_TOKEN)") from None
+        raise ConfigError(key, f"no local path {str(hub)!r} and no Hub {repo_type} {hub.repo_id} (or it is private: "
+                               "hf auth login, or set HF_TOKEN)") from None
     except (HfHubHTTPError, OSError) as error:
         raise ConfigError(key, f"cannot fetch the Hub {repo_type} {hub}: {type(error).__name__}: {error}") from None
     if files and not _has_any(folder, files[0]):
