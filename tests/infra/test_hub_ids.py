@@ -178,6 +178,8 @@ def test_dataset_id_errors_name_the_key(offline):
                     "hf download org/absent --repo-type dataset")
     _one_line_error(lambda: load_dataset(_data(eval_path="org/absent-eval"), 0), "data.eval_path",
                     "hf download org/absent-eval --repo-type dataset")
+    _one_line_error(lambda: load_config(None, ["model.path=org/tiny", "data.eval_split=test"]), "data.eval_split",
+                    "data.source=reasoning_gym generates")
     _one_line_error(lambda: check_paths(load_config(None, ["model.path=org/tiny", "data.source=jsonl",
                                                            "data.path=data/missing.jsonl"])), "data.path",
                     "no such file")
