@@ -198,3 +198,14 @@ def test_the_clis_say_it_in_one_line_and_exit_2(offline, tmp_path, command):
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1 and "hf download org/missing --revision v2" in lines[0], done.stderr
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache(offline, monkeypatch):
+    """HF_HUB_OFFLINE unset but the Hub unreachable (here: the libraries' own offline switches): `datasets` cannot
+    reach it, and the cached snapshot is read instead."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    dataset = load_dataset(_data(eval_split="test"), seed=0)
+    assert [e.answer for e in dataset.eval] == ["11", "9"]
+    message = _one_line_error(lambda: load_dataset(_data(path="org/absent"), 0), "data.path",
+                              "hf download org/absent --repo-type dataset")
+    assert "HF_HUB_OFFLINE" not in message
