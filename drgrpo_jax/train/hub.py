@@ -34,13 +34,15 @@ def check_hub(repo_id: str | None) -> None:
 
 def push_folder(folder: str, repo_id: str, *, private: bool = True, commit_message: str = "", card: str = "",
                 api: Any = None) -> str:
-    """Creates `repo_id` if needed and uploads `folder` as one commit; returns the commit's URL.
+    """Creates `repo_id` if needed and uploads `folder` (an HF model, or with LoRA a PEFT adapter) as one commit;
+    returns the commit's URL.
 
     `card`: the model card, written as the folder's README.md first (empty = none). `api`: an
     `huggingface_hub.HfApi` (None = a default one; tests pass a stand-in with the same methods).
     """
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"push_folder: {folder!r} is not an HF model folder (no config.json)")
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "adapter_config.json")):
+        raise ValueError(f"push_folder: {folder!r} is neither an HF model folder (config.json) nor a PEFT adapter "
+                         "folder (adapter_config.json)")
     if card:
         with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as file:
             file.write(card)

@@ -89,3 +89,15 @@ def test_the_push_uploads_the_card_as_readme(tmp_path):
     uploaded = tmp_path / "hub" / "me" / "policy"
     assert sorted(os.listdir(uploaded)) == ["README.md", "config.json", "model.safetensors"]
     assert (uploaded / "README.md").read_text() == card
+
+
+def test_a_lora_run_pushes_its_adapter_folder(tmp_path):
+    """With LoRA, final/ is a PEFT adapter folder (adapter_config.json, no config.json): it is pushed, card and all."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "adapter_config.json").write_text("{}")
+    (final / "adapter_model.safetensors").write_bytes(b"adapters")
+    card = model_card(load_config(None, ["model.path=Qwen/Qwen2.5-Math-7B", "model.lora.rank=64"]), command=COMMAND)
+    push_folder(str(final), "me/adapter", card=card, api=StandInHub(str(tmp_path / "hub")))
+    assert sorted(os.listdir(tmp_path / "hub" / "me" / "adapter")) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors"]
