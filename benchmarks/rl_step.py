@@ -72,7 +72,9 @@ def write_inputs(args, workdir: str) -> tuple[str, str]:
     import jax.numpy as jnp
 
     from drgrpo_jax.config.load import load_config
-    from drgrpo_jax.data import PromptStream, load_dataset, render_prompt, tokenize_prompt
+    from drgrpo_jax.data.order import PromptStream
+    from drgrpo_jax.data.prompts import render_prompt, tokenize_prompt
+    from drgrpo_jax.data.sources import load_dataset
     from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
     from drgrpo_jax.models.hf_io import save_pretrained
     from drgrpo_jax.models.pretrained import from_pretrained
@@ -193,7 +195,7 @@ def trl_child(args) -> None:
     import trl as trl_package
     from trl import GRPOConfig, GRPOTrainer
 
-    from drgrpo_jax.data import Example
+    from drgrpo_jax.data.examples import Example
     from drgrpo_jax.rewards.functions import math_verify_reward
 
     torch.set_num_threads(os.cpu_count() or 1)

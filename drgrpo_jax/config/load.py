@@ -19,6 +19,7 @@ from omegaconf.errors import (
 from drgrpo_jax.config.rules import validate
 from drgrpo_jax.config.schema import Config, LoraConfig
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.hub_ids import TOKENIZER_FILES, hub_id, local_model
 
 __all__ = [
     "check_paths", "config_from_argv", "describe_config", "dump_config", "load_config", "resolve_model_path"
@@ -169,11 +170,14 @@ def _describe_fields(prefix: str, cls: type) -> list[str]:
 
 
 def resolve_model_path(spec: str, key: str = "model.path") -> str:
-    """An HF folder or .gguf file as given, or `pkg:NAME` -> the one .gguf inside installed package NAME."""
+    """A local HF folder or .gguf file as given, a Hub id `org/name[@revision]` -> its snapshot folder in the HF
+    cache (downloaded when online), or `pkg:NAME` -> the one .gguf inside installed package NAME."""
     if not spec.startswith("pkg:"):
+        spec = local_model(spec, key)
         if os.path.isdir(spec) or (spec.endswith(".gguf") and os.path.isfile(spec)):
             return spec
-        raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder or a .gguf file)")
+        raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder, a .gguf file, a Hub id "
+                               "org/name[@revision] or pkg:PACKAGE)")
     import importlib.util
 
     package = spec[len("pkg:"):]
@@ -192,17 +196,19 @@ def resolve_model_path(spec: str, key: str = "model.path") -> str:
 
 
 def check_paths(config: Config) -> None:
-    """Raises ConfigError when a local path the run reads (model, tokenizer, data) does not exist."""
+    """Raises ConfigError when a path the run reads (model, tokenizer, data) is neither local nor a Hub id that
+    resolves (models and tokenizers are fetched into the HF cache here; datasets when they are loaded)."""
     c = config
     resolve_model_path(c.model.path)
-    if c.model.tokenizer_path and not os.path.isdir(c.model.tokenizer_path):
-        raise ConfigError(
-            "model.tokenizer_path", f"no such folder {c.model.tokenizer_path!r} (a local tokenizer folder)"
-        )
+    if c.model.tokenizer_path:
+        tokenizer = local_model(c.model.tokenizer_path, "model.tokenizer_path", TOKENIZER_FILES)
+        if not os.path.isdir(tokenizer):
+            raise ConfigError("model.tokenizer_path", f"no such folder {tokenizer!r} (a local tokenizer folder or a "
+                                                      "Hub id org/name[@revision])")
     if c.data.source != "reasoning_gym":
         for key, path in [("data.path", c.data.path), ("data.eval_path", c.data.eval_path)]:
-            if path and not os.path.exists(path):
-                raise ConfigError(key, f"no such file or folder {path!r}")
+            if path and not os.path.exists(path) and hub_id(path) is None:
+                raise ConfigError(key, f"no such file or folder {path!r} (nor a Hub dataset id org/name[@revision])")
 
 
 def config_from_argv(argv: list[str] | None = None, prog: str = "drgrpo_jax") -> Config:

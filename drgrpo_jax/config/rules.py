@@ -159,12 +159,16 @@ def _check_rest(config: Config) -> None:
     """Model, data, reward and multi-host rules."""
     c = config
     if not c.model.path:
-        raise MissingValueError("model.path", "must be set (a local Hugging Face model folder, a .gguf file or "
-                                              "pkg:PACKAGE)")
+        raise MissingValueError("model.path", "must be set (a local Hugging Face model folder, a .gguf file, "
+                                              "pkg:PACKAGE or a Hub id org/name[@revision])")
     if c.data.source != "reasoning_gym" and not c.data.path:
         raise MissingValueError("data.path", f"must be set when data.source={c.data.source}")
     if "{question}" not in c.data.template:
         raise ConfigError("data.template", "must contain the {question} placeholder")
+    for key, value in [("data.subset", c.data.subset), ("data.eval_split", c.data.eval_split)]:
+        if value and c.data.source == "reasoning_gym":
+            raise ConfigError(key, f"{value!r} names part of an HF dataset (data.path); data.source=reasoning_gym "
+                                   "generates its problems")
     if c.data.source == "reasoning_gym" and c.data.size < 1:
         raise ConfigError("data.size", f"reasoning-gym needs at least 1 example, got {c.data.size}")
     if c.model.remat not in ("auto", *REMAT_POLICIES):

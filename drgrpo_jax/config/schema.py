@@ -77,14 +77,16 @@ class ModelConfig:
     """The policy checkpoint."""
 
     path: str = _f(
-        "", "the policy: a local HF folder (config.json + safetensors), a .gguf file, or pkg:PACKAGE (its one .gguf)"
+        "", "the policy: a local HF folder (config.json + safetensors), a .gguf file, pkg:PACKAGE (its one .gguf), or "
+            "a Hub id org/name[@revision] (fetched into the HF cache; a local path of that name wins)"
     )
     dtype: DtypeName = _f("float32", "parameter dtype; log-probs and losses stay float32")
     compute_dtype: Literal["auto", DtypeName] = _f(
         "auto", "dtype of the GEMMs in the train step and the trainer's own generation service (float32 "
                    "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
                    "TPUs, Ampere+ GPUs and CPUs with AMX-BF16 or AVX512-BF16, float32 elsewhere")
-    tokenizer_path: str | None = _f(None, "tokenizer folder when it differs from model.path (null = model.path)")
+    tokenizer_path: str | None = _f(None, "tokenizer folder or Hub id org/name[@revision] when it differs from "
+                                          "model.path (null = model.path)")
     remat: str = _f(
         "auto", f"what each decoder layer keeps for the backward pass: {', '.join(REMAT_POLICIES)} (most memory "
                 "and least recomputation first; models/remat.py); auto = the first that fits the device; on a CPU "
@@ -103,15 +105,23 @@ class DataConfig:
     """Prompts and reference answers."""
 
     source: Literal["reasoning_gym", "jsonl", "parquet", "hf_datasets"] = _f(
-        "reasoning_gym", "where prompts come from: a reasoning-gym task, a local file, or a local HF dataset"
+        "reasoning_gym", "where prompts come from: a reasoning-gym task, or the format of data.path: a JSONL or "
+                         "Parquet file, or an HF dataset (a save_to_disk folder or a dataset folder); a Hub dataset id "
+                         "in data.path is read through `datasets` with any of the three"
     )
     task: str = _f("basic_arithmetic", "reasoning-gym task name (source=reasoning_gym)")
     task_options: dict[str, Any] = dataclasses.field(
         default_factory=dict, metadata={"help": "extra keyword arguments of the reasoning-gym task config"}
     )
-    path: str = _f("", "file or folder of the dataset (source=jsonl|parquet|hf_datasets)")
-    eval_path: str = _f("", "separate held-out file/folder; empty = hold out data.eval_size rows of data.path")
-    split: str = _f("train", "split to read from a Hugging Face dataset")
+    path: str = _f("", "file or folder of the dataset, or a Hub dataset id org/name[@revision] (a local path of that "
+                       "name wins; python -m drgrpo_jax.data prepare writes the math sets as JSONL)")
+    eval_path: str = _f("", "separate held-out file/folder or Hub dataset id; empty = the held-out rows come from "
+                            "data.path (data.eval_split, else data.eval_size rows held out of data.split)")
+    subset: str = _f("", "the dataset's configuration (subset) of an HF dataset or Hub id, e.g. main for openai/gsm8k; "
+                         "empty = its only or default one")
+    split: str = _f("train", "split of an HF dataset or Hub id to train on")
+    eval_split: str = _f("", "split of data.eval_path (else of data.path) to evaluate on; empty = data.split of "
+                             "data.eval_path, or rows held out of data.path")
     prompt_field: str = _f("question", "field holding the question in file/HF rows")
     answer_field: str = _f("answer", "field holding the reference answer in file/HF rows")
     answer_after: str = _f("####", "keep only the text after the last occurrence of this marker (GSM8K); empty = off")

@@ -20,6 +20,7 @@ from typing import Any
 from drgrpo_jax.config.load import load_config, resolve_model_path
 from drgrpo_jax.config.schema import Config, DataConfig, RewardConfig
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.models.precision import DTYPES
 
 __all__ = ["ModelSource", "main", "resolve_model"]
@@ -57,8 +58,8 @@ def resolve_model(specs: list[str], step: int | None = None) -> ModelSource:
 
     A run directory (its final/ policy, or weights/vN with --step N; its config.yaml gives the prompt template,
     rewards and budget), a run's orbax checkpoint (RUN/checkpoints/N), an HF folder, a .gguf file, pkg:PACKAGE,
-    or http(s)://HOST:PORT (repeat --model for several services; --tokenizer then names the tokenizer unless the
-    service reports a local one).
+    a Hub id org/name[@revision] (fetched into the HF cache), or http(s)://HOST:PORT (repeat --model for several
+    services; --tokenizer then names the tokenizer unless the service reports a local one).
     """
     if any(_is_url(s) for s in specs):
         if not all(_is_url(s) for s in specs):
@@ -150,8 +151,9 @@ def _tokenizer(args: argparse.Namespace, source: ModelSource, client: Any) -> An
     if source.path is not None:
         return load_tokenizer(source.path, args.tokenizer)
     path = args.tokenizer or client.model_info().get("tokenizer_path") or ""
-    if not (os.path.isdir(path) or path.endswith(".gguf")):
-        raise ConfigError("--tokenizer", "needed with service URLs: a local tokenizer folder (or the model's .gguf)")
+    if not (os.path.isdir(path) or path.endswith(".gguf") or hub_id(path) is not None):
+        raise ConfigError("--tokenizer", "needed with service URLs: a local tokenizer folder, a Hub id "
+                                         "org/name[@revision] or the model's .gguf")
     return load_tokenizer(path, None) if path.endswith(".gguf") else load_tokenizer("", path)
 
 
@@ -159,7 +161,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the evaluation the flags describe; returns results.json's content."""
     from tqdm.auto import tqdm
 
-    from drgrpo_jax.data import tokenize_prompt
+    from drgrpo_jax.data.prompts import tokenize_prompt
     from drgrpo_jax.evaluate.evaluation import evaluate_problems
     from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
     from drgrpo_jax.evaluate.suites import load_suite
@@ -226,13 +228,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", action="append", required=True, help="run dir, checkpoint, HF folder, .gguf, pkg:NAME "
-                                                                   "or service URL (repeat for several URLs)")
+    p.add_argument("--model", action="append", required=True,
+                   help="run dir, checkpoint, HF folder, .gguf, pkg:NAME, Hub id org/name[@revision] or service URL "
+                        "(repeat for several URLs)")
     p.add_argument("--suite", required=True, help="a named mix (chain_sum_1digit, arithmetic), rg:TASK[,TASK...] or a "
                                                   ".jsonl file with problem/answer")
     p.add_argument("--k", type=int, default=8, help="sampled completions per problem (0 = greedy only)")
     p.add_argument("--temperature", type=float, default=0.6, help="temperature of the k samples")
-    p.add_argument("--top-p", dest="top_p", type=float, default=1.0)
+    p.add_argument("--top-p", dest="top_p", type=float, default=1.0,
+                   help="nucleus sampling mass of the k samples, in (0, 1]; 1 = off")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=0,
                    help="generation budget (default: the run's rollout.max_new_tokens, else 512)")
     p.add_argument("--no-greedy", dest="greedy", action="store_false", help="skip the greedy completion")
@@ -240,14 +244,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234, help="seed of the generated problems and of the samples")
     p.add_argument("--step", type=int, help="with a run directory: evaluate weights/vSTEP instead of final/")
     p.add_argument("--reward", action="append", help="reward functions (default: the run's, else math_verify)")
-    p.add_argument("--reward-workers", dest="reward_workers", type=int, default=2)
+    p.add_argument("--reward-workers", dest="reward_workers", type=int, default=2,
+                   help="reward worker processes (each call is time-limited, as in training)")
     p.add_argument("--template", help="prompt template with {question} (default: the run's, else the trainer's)")
-    p.add_argument("--system-prompt", dest="system_prompt")
-    p.add_argument("--no-chat-template", dest="no_chat_template", action="store_true")
+    p.add_argument("--system-prompt", dest="system_prompt",
+                   help="system message (chat template) or prefix line (default: the run's, else none)")
+    p.add_argument("--no-chat-template", dest="no_chat_template", action="store_true",
+                   help="send the template as plain text, not inside the tokenizer's chat template")
     p.add_argument("--problem-field", dest="problem_field", help="JSONL field of the problem (default problem, "
                                                                  "else question)")
-    p.add_argument("--answer-field", dest="answer_field", default="answer")
-    p.add_argument("--tokenizer", help="tokenizer folder (needed with URLs unless the service's is local)")
+    p.add_argument("--answer-field", dest="answer_field", default="answer",
+                   help="JSONL field of the reference answer (text after a #### marker is kept)")
+    p.add_argument("--tokenizer", help="tokenizer folder or Hub id org/name[@revision] (needed with URLs unless the "
+                                       "service's is local)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the local service's dtype")
     p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=BATCH_PROMPTS,
                    help="the local service's rows")

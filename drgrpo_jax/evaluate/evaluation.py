@@ -18,7 +18,7 @@ from drgrpo_jax.evaluate.passk import sampled_report
 from drgrpo_jax.rollout.record import correct_mask, response_stats
 
 if TYPE_CHECKING:
-    from drgrpo_jax.data import Example
+    from drgrpo_jax.data.examples import Example
     from drgrpo_jax.rewards.scorer import RewardScorer
     from drgrpo_jax.rollout.client import RolloutClient
 

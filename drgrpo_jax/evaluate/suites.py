@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from drgrpo_jax.data import Example
+from drgrpo_jax.data.examples import Example
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["SUITES", "Suite", "load_suite"]

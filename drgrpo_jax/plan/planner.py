@@ -23,6 +23,7 @@ from typing import Any
 from drgrpo_jax.config.load import load_config, resolve_model_path
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError, MissingValueError
+from drgrpo_jax.hub_ids import CONFIG_FILES, hub_id, snapshot
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 from drgrpo_jax.plan.activations import (
     activation_bytes,
@@ -49,30 +50,50 @@ __all__ = ["auto_remat", "make_plan", "format_text", "resolve_decoder_config", "
 HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
 
 
-def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
-    """(architecture, where from): --model-config, then model.path's config.json or GGUF header, then a preset."""
+def _architecture(key: str, spec: str) -> tuple[DecoderConfig, str] | None:
+    """(architecture, where from) of one spec, or None when it names none (a preset or a local file missing)."""
     from drgrpo_jax.models.hf_io import load_hf_config
 
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
+        return load_hf_config(spec), f"{spec}/config.json"
+    if spec.startswith("pkg:") or spec.endswith(".gguf"):  # the architecture from the GGUF's header
+        import gguf
+
+        from drgrpo_jax.models.gguf_io import gguf_hf_config
+
+        path = resolve_model_path(spec, key)
+        return from_hf_config(gguf_hf_config(gguf.GGUFReader(path))), path
+    if spec.endswith(".json") and os.path.isfile(spec):
+        with open(spec) as f:
+            return from_hf_config(json.load(f)), spec
+    hub = hub_id(spec)
+    if (preset := preset_name(spec)) is not None and (hub is None or hub.revision is None):
+        return from_hf_config(PRESETS[preset]), f"preset {preset} (public HF config.json)"
+    if hub is not None:  # the architecture alone: config.json of the snapshot (fetched when online)
+        folder = snapshot(hub, key, files=CONFIG_FILES)
+        return load_hf_config(folder), f"{hub} config.json ({folder})"
+    return None
+
+
+def resolve_decoder_config(config: Config, model_config: str | None = None) -> tuple[DecoderConfig, str]:
+    """(architecture, where from): --model-config, then model.path: a local config.json or GGUF header, a preset
+    of that name, or a Hub id's config.json (the snapshot's config.json alone is fetched). A file that cannot be
+    read as an architecture is a ConfigError naming the key."""
     for key, spec in [("--model-config", model_config), ("model.path", config.model.path)]:
         if not spec:
             continue
-        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
-            return load_hf_config(spec), f"{spec}/config.json"
-        if spec.startswith("pkg:") or spec.endswith(".gguf"):  # the architecture from the GGUF's header
-            import gguf
-
-            from drgrpo_jax.models.gguf_io import gguf_hf_config
-
-            path = resolve_model_path(spec, key)
-            return from_hf_config(gguf_hf_config(gguf.GGUFReader(path))), path
-        if spec.endswith(".json") and os.path.isfile(spec):
-            with open(spec) as f:
-                return from_hf_config(json.load(f)), spec
-        if (preset := preset_name(spec)) is not None:
-            return from_hf_config(PRESETS[preset]), f"preset {preset} (public HF config.json)"
+        try:
+            found = _architecture(key, spec)
+        except ConfigError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as error:  # unreadable JSON, a config missing fields
+            raise ConfigError(key, f"cannot read an architecture from {spec!r}: {type(error).__name__}: "
+                                   f"{error}") from None
+        if found is not None:
+            return found
         if key == "--model-config":
-            raise ConfigError(key, f"{spec!r} is neither a folder with config.json, a .json file, nor a preset "
-                                   f"({', '.join(PRESETS)})")
+            raise ConfigError(key, f"{spec!r} is neither a folder with config.json, a .json file, a Hub id "
+                                   f"org/name[@revision], nor a preset ({', '.join(PRESETS)})")
     raise ConfigError("model.path", f"no config.json at {config.model.path!r} and no preset of that name; pass "
                                     f"--model-config (a folder, a config.json or one of {', '.join(PRESETS)})")
 
@@ -331,13 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--device", help=f"target device: {', '.join(DEVICES)}")
     target.add_argument("--device-memory", type=float, help="target device memory in GiB")
-    parser.add_argument("--model-config", help=f"HF folder, config.json or preset ({', '.join(PRESETS)})")
+    parser.add_argument("--model-config", help=f"the architecture: an HF folder, a config.json, a Hub id "
+                                               f"org/name[@revision] (its config.json alone is fetched) or a preset "
+                                               f"({', '.join(PRESETS)}); default: model.path's")
     parser.add_argument("--serve-batch-size", type=int,
                         help="rows one generation service samples at once (default: rollout.service_batch_size)")
     parser.add_argument("--serve-tensor", type=int, default=1,
                         help="devices one generation service splits the model over (an external tensor-parallel "
                              "server such as SGLang-JAX --tp N; drgrpo_jax.serve uses 1)")
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: the plan as a table with advice (default); json: the same as one JSON object")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # eval_shape needs no accelerator
     try:

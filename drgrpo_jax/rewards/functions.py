@@ -21,7 +21,7 @@ import numpy as np
 
 from drgrpo_jax.config.rules import function_name
 from drgrpo_jax.config.schema import RewardConfig
-from drgrpo_jax.data import Example
+from drgrpo_jax.data.examples import Example
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["CORRECTNESS_REWARDS", "RewardResult", "RewardSpec", "build_reward_fns", "extract_answer",

@@ -24,7 +24,7 @@ import numpy as np
 
 from drgrpo_jax.config.rules import component_names
 from drgrpo_jax.config.schema import RewardConfig
-from drgrpo_jax.data import Example
+from drgrpo_jax.data.examples import Example
 from drgrpo_jax.errors import RewardError
 from drgrpo_jax.rewards.functions import (
     LENGTH_REWARDS,

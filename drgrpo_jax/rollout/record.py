@@ -19,7 +19,7 @@ from drgrpo_jax.rewards.functions import CORRECTNESS_REWARDS
 
 if TYPE_CHECKING:
     from drgrpo_jax.algorithms import Algorithm
-    from drgrpo_jax.data import Example
+    from drgrpo_jax.data.examples import Example
     from drgrpo_jax.step.batch import Batch
 
 __all__ = ["HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad", "merge_host_rows",

@@ -21,7 +21,7 @@ import numpy as np
 from drgrpo_jax.errors import StaleWeightsError
 
 if TYPE_CHECKING:
-    from drgrpo_jax.data import Example
+    from drgrpo_jax.data.examples import Example
 
 __all__ = ["PendingRound", "Prefetcher", "check_fresh", "snapshot"]
 

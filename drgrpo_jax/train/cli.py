@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import sys
 import traceback
 
@@ -20,8 +21,9 @@ PROG = "python -m drgrpo_jax.train"
 def main(argv: list[str] | None = None) -> int:
     """The CLI: a bad config, path, task or URL exits 2 and a failed run exits 1, each with one line on stderr."""
     config = config_from_argv(argv, prog=PROG)  # exits 2 itself on a bad config
+    command = shlex.join([*PROG.split(), *(sys.argv[1:] if argv is None else argv)])  # for the model card
     try:
-        train(config)
+        train(config, command)
     except ConfigError as error:
         print(f"{PROG}: config error: {error}", file=sys.stderr)
         return 2

@@ -14,7 +14,8 @@ import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.rules import reward_weights
-from drgrpo_jax.data import Example, tokenize_prompt
+from drgrpo_jax.data.examples import Example
+from drgrpo_jax.data.prompts import tokenize_prompt
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.rollout.record import HostCounters, ScoredRollout, host_share, merge_host_rows

@@ -28,7 +28,7 @@ from drgrpo_jax.rollout.weight_push import publish_weights
 from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher, check_fresh, snapshot
 from drgrpo_jax.train.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
 from drgrpo_jax.train.host_memory import peak_rss_gb, return_freed_memory, returning_compile_memory
-from drgrpo_jax.train.hub import push_folder
+from drgrpo_jax.train.hub import model_card, push_folder
 from drgrpo_jax.train.metrics import UpdateResult, sample_rows, step_metrics
 from drgrpo_jax.train.seeds import eval_seed, minibatch_seed
 from drgrpo_jax.train.setup import Run, setup
@@ -188,8 +188,9 @@ def _progress(run: Run) -> Any:
                 disable=jax.process_index() != 0, file=sys.stderr)
 
 
-def train(config: Config) -> str:
-    """Runs (or resumes) the configured training; returns the run directory.
+def train(config: Config, command: str = "") -> str:
+    """Runs (or resumes) the configured training; returns the run directory. `command`: the command line that
+    started it, for the model card of run.push_to_hub.
 
     It holds config.yaml (resolved), metrics.jsonl (one row per step; eval rows carry `eval/*` keys instead of
     `loss`), samples.jsonl, tensorboard/, checkpoints/, weights/, serve.log and final/ (an HF folder of the last
@@ -203,9 +204,11 @@ def train(config: Config) -> str:
         if run.log.enabled:  # process 0; beside the progress bar on stderr
             print(f"model.compute_dtype: {run.compute_dtype} (GEMMs of the train step and the local service)",
                   file=sys.stderr, flush=True)
+        last_eval = None  # the model card's evaluation table
         if c.train.eval_every and run.start_step == 0:
             if (row := periodic_eval(run, 0)) is not None:
                 run.log.metrics(row)
+                last_eval = row
         return_freed_memory()  # what loading and dequantising the weights freed
         prefetcher = stack.enter_context(Prefetcher()) if c.rollout.async_ else None
         pending = prime(run, state, prefetcher) if prefetcher is not None and run.start_step < c.train.steps else None
@@ -222,6 +225,7 @@ def train(config: Config) -> str:
             if c.train.eval_every and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
                 if (eval_row := periodic_eval(run, step + 1)) is not None:
                     run.log.metrics(eval_row)
+                    last_eval = eval_row
                     bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
             host = {"step": step + 1, "data_position": run.stream.state() if ahead is None else ahead.data_position,
                     "weight_version": step + 1}
@@ -234,7 +238,9 @@ def train(config: Config) -> str:
         if state.frozen is not None and c.model.lora.export_merged:
             run.publisher.export_merged(state.params, state.frozen, os.path.join(final, "merged"), run.tokenizer)
         if c.run.push_to_hub and run.log.enabled:
-            bar.write(f"pushed {final} to the Hub: {push_folder(final, c.run.push_to_hub, private=c.run.hub_private)}")
+            card = model_card(c, command=command, evaluation=last_eval, repo_id=c.run.push_to_hub)
+            url = push_folder(final, c.run.push_to_hub, private=c.run.hub_private, card=card)
+            bar.write(f"pushed {final} to the Hub with its model card: {url}")
         bar.write(f"done: {c.train.steps} steps; policy exported to {final}")
     return c.run.output_dir
 

@@ -20,7 +20,8 @@ from drgrpo_jax.config.derived import (
 )
 from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
 from drgrpo_jax.config.schema import Config
-from drgrpo_jax.data import PromptDataset, PromptStream
+from drgrpo_jax.data.examples import PromptDataset
+from drgrpo_jax.data.order import PromptStream
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
 from drgrpo_jax.rollout.weight_push import WeightPublisher, publish_weights
@@ -138,7 +139,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     import jax
 
     from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.data import load_dataset
+    from drgrpo_jax.data.sources import load_dataset
     from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
     from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
     from drgrpo_jax.rewards.scorer import RewardScorer

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from drgrpo_jax.data import Example
+from drgrpo_jax.data.examples import Example
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.evaluate.evaluation import (
     EvalSamples,

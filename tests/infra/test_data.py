@@ -6,7 +6,10 @@ import json
 import pytest
 
 from drgrpo_jax.config.schema import DataConfig
-from drgrpo_jax.data import Example, PromptDataset, PromptStream, batch_at, load_dataset, render_prompt, tokenize_prompt
+from drgrpo_jax.data.examples import Example, PromptDataset
+from drgrpo_jax.data.order import PromptStream, batch_at
+from drgrpo_jax.data.prompts import render_prompt, tokenize_prompt
+from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.errors import ConfigError
 
 ROWS = [{"problem": f"What is {i} + {i}?", "solution": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(20)]

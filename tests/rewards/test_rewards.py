@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.config.schema import BUILTIN_REWARDS, DataConfig, RewardConfig
-from drgrpo_jax.data import Example, load_dataset
+from drgrpo_jax.data.examples import Example
+from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.errors import ConfigError, RewardError
 from drgrpo_jax.rewards.functions import build_reward_fns, extract_answer, overlong_penalty
 from drgrpo_jax.rewards.scorer import RewardScorer
@@ -234,7 +235,7 @@ def test_works_from_a_script_without_main_guard(tmp_path):
     script = tmp_path / "score.py"
     script.write_text(
         "from drgrpo_jax.config.schema import RewardConfig\n"
-        "from drgrpo_jax.data import Example\n"
+        "from drgrpo_jax.data.examples import Example\n"
         "from drgrpo_jax.rewards.scorer import RewardScorer\n"
         "with RewardScorer(RewardConfig(functions=('format',), num_workers=1)) as scorer:\n"
         "    print(scorer.score(['\\\\boxed{3}', 'no'], [Example('p/0', 'q', '3')] * 2).components_NK[:, 0].tolist())\n"
@@ -256,7 +257,7 @@ def test_hung_worker_dies_with_a_killed_parent(tmp_path):
         "import os, sys\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "from drgrpo_jax.config.schema import RewardConfig\n"
-        "from drgrpo_jax.data import Example\n"
+        "from drgrpo_jax.data.examples import Example\n"
         "from drgrpo_jax.rewards.scorer import RewardScorer\n"
         "scorer = RewardScorer(RewardConfig(functions=('test_rewards:user_reward',), num_workers=1, timeout_s=3600))\n"
         "print(scorer._workers[0].process.pid, flush=True)\n"

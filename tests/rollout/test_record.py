@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.algorithms import ALGORITHMS
-from drgrpo_jax.data import Example
+from drgrpo_jax.data.examples import Example
 from drgrpo_jax.rollout.record import ScoredRollout
 
 

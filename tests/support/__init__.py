@@ -14,5 +14,7 @@ tests start (their PYTHONPATH), so this package is imported as `support`:
 - gdpo_batches: GDPO's multi-component reward batches.
 - oracles: float64 numpy oracles of the advantages and losses; full_cache_sampler: the sampler's oracle.
 - wandb_offline: what an offline W&B run wrote.
+- hf_cache: a temporary Hugging Face cache in huggingface_hub's layout, read offline.
+- hub_stand_in: a local stand-in for the Hub's upload API (run.push_to_hub).
 - two_processes, with multihost_worker.py and gdpo_two_process_worker.py: two-process `jax.distributed` runs.
 """

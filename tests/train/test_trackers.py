@@ -11,6 +11,7 @@ from drgrpo_jax.train.hub import check_hub, push_folder
 from drgrpo_jax.train.run_log import RunLog
 from drgrpo_jax.train.trackers import MlflowTracker, check_trackers, mlflow_key, open_trackers, scalars
 
+from support.hub_stand_in import StandInHub
 from support.wandb_offline import wandb_offline_run
 
 ROWS = [{"step": 1, "loss": 0.5, "reward_mean": 0.25, "pass@4": 0.75, "response_length_correct": None,
@@ -103,23 +104,6 @@ def test_wandb_offline_run_holds_the_config_scalars_and_sample_table(tmp_path, m
     with open(tmp_path / ".wandb_run_id") as f:
         assert any(name.endswith(f.read().strip()) for name in os.listdir(tmp_path / "wandb"))
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
-
-
-class StandInHub:
-    """A local stand-in with HfApi's two methods push_folder calls: repos are folders under `root`."""
-
-    def __init__(self, root):
-        self.root, self.created = root, []
-
-    def create_repo(self, *, repo_id, repo_type, private, exist_ok):
-        self.created.append((repo_id, repo_type, private, exist_ok))
-        os.makedirs(os.path.join(self.root, repo_id), exist_ok=exist_ok)
-
-    def upload_folder(self, *, folder_path, repo_id, repo_type, commit_message):
-        import shutil
-
-        shutil.copytree(folder_path, os.path.join(self.root, repo_id), dirs_exist_ok=True)
-        return type("CommitInfo", (), {"commit_url": f"local://{repo_id}/commit/1 {commit_message}"})()
 
 
 def test_push_to_hub_uploads_the_final_folder_and_refuses_offline_or_non_model_folders(tmp_path, monkeypatch):

@@ -1,0 +1,157 @@
+"""The public math sets as the JSONL the configs read: one `{"problem": ..., "answer": ...}` object a line.
+
+Each recipe names its Hub dataset (the default `--source`), subset and split, the field holding the problem and
+how its reference answer is found: GSM8K's text after `####` (thousands separators dropped), MATH's `answer`
+field or the last `\\boxed{}` of its `solution`, AIME's integer. The answer is written as the math_verify reward
+reads it (rewards/functions.py wraps a bare answer in `$...$`), and a row whose answer math_verify cannot parse
+is left out and counted, since the reward could never score it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from drgrpo_jax.errors import ConfigError
+
+__all__ = [
+    "RECIPES", "Prepared", "Recipe", "aime_answer", "boxed_content", "gsm8k_answer", "math_answer", "prepare_rows",
+    "write_jsonl"
+]
+
+
+def boxed_content(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`), braces balanced; None when there is none."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    begin, depth = text.index("{", start) + 1, 0
+    for position in range(begin, len(text)):
+        if text[position] == "{":
+            depth += 1
+        elif text[position] == "}":
+            if depth == 0:
+                return text[begin:position].strip()
+            depth -= 1
+    return None
+
+
+def _field(row: Mapping[str, Any], names: Iterable[str]) -> Any:
+    """The first of `names` the row holds (None when it holds none)."""
+    return next((row[name] for name in names if name in row and row[name] is not None), None)
+
+
+def _strip_math(text: str) -> str:
+    """An answer without surrounding whitespace or one pair of `$` delimiters."""
+    text = text.strip()
+    if len(text) > 1 and text.startswith("$") and text.endswith("$"):
+        text = text[1:-1].strip()
+    return text
+
+
+def math_answer(row: Mapping[str, Any]) -> str | None:
+    """MATH: the `answer` field (MATH500, math12k), else the last \\boxed{} of the `solution` (hendrycks MATH)."""
+    answer = _field(row, ("answer",))
+    if answer is not None and str(answer).strip():
+        return _strip_math(str(answer))
+    solution = _field(row, ("solution",))
+    boxed = boxed_content(str(solution)) if solution is not None else None
+    return None if boxed is None else _strip_math(boxed)
+
+
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def gsm8k_answer(row: Mapping[str, Any]) -> str | None:
+    """GSM8K: the text after the last `####` of the `answer` solution, without thousands separators."""
+    text = str(_field(row, ("answer",)) or "")
+    if "####" not in text:
+        return None
+    return _THOUSANDS.sub("", text.rsplit("####", 1)[1]).strip() or None
+
+
+def aime_answer(row: Mapping[str, Any]) -> str | None:
+    """AIME: an integer in [0, 999], written without leading zeros (`answer`, or `Answer` in some mirrors)."""
+    answer = _field(row, ("answer", "Answer"))
+    if answer is None:
+        return None
+    text = _strip_math(str(answer))
+    return str(int(text)) if text.isdigit() else text or None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One public dataset: where it is on the Hub, and how its rows become problem/answer rows."""
+
+    hub_id: str  # the default --source
+    subset: str  # "" = the dataset's only configuration
+    split: str
+    problem_fields: tuple[str, ...]  # the first one a row holds is the problem
+    answer: Callable[[Mapping[str, Any]], str | None]
+    about: str
+
+
+# Field names from the datasets' cards on the Hub (dataset_info features) and the code that reads them: see
+# tests/infra/test_prepare.py for each source.
+RECIPES: dict[str, Recipe] = {
+    "math12k": Recipe("hiyouga/math12k", "", "train", ("problem",), math_answer,
+                      "MATH's 12k training problems (train + test minus MATH500), as Dr.GRPO trains; training"),
+    "math500": Recipe("HuggingFaceH4/MATH-500", "", "test", ("problem",), math_answer,
+                      "the 500 MATH test problems of Lightman et al.; evaluation"),
+    "gsm8k": Recipe("openai/gsm8k", "main", "test", ("question",), gsm8k_answer,
+                    "grade-school word problems, 1319 test rows (--split train: 7473 to train on)"),
+    "aime24": Recipe("HuggingFaceH4/aime_2024", "", "train", ("problem", "Problem"), aime_answer,
+                     "the 30 problems of AIME 2024 I and II; evaluation"),
+}
+
+
+def _parses(answer: str) -> bool:
+    """Whether math_verify reads a reference answer, wrapped as rewards/functions.py's _parse_gold wraps it."""
+    from math_verify import parse
+
+    text = answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
+    return bool(parse(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The rows written and the source rows left out (no answer found, or none math_verify can parse)."""
+
+    rows: tuple[dict[str, str], ...]
+    without_answer: int
+    unparsable: int
+
+
+def prepare_rows(recipe: Recipe, rows: Iterable[Mapping[str, Any]], key: str = "--source") -> Prepared:
+    """Source rows -> problem/answer rows; ConfigError naming `key` when a row lacks every problem field."""
+    out: list[dict[str, str]] = []
+    without_answer = unparsable = 0
+    for index, row in enumerate(rows):
+        problem = _field(row, recipe.problem_fields)
+        if problem is None:
+            wanted = " or ".join(repr(name) for name in recipe.problem_fields)
+            raise ConfigError(key, f"row {index} has no {wanted} field (fields: {', '.join(map(str, row))}); is it "
+                                   f"{recipe.hub_id}'s schema?")
+        answer = recipe.answer(row)
+        if answer is None:
+            without_answer += 1
+        elif not _parses(answer):
+            unparsable += 1
+        else:
+            out.append({"problem": str(problem).strip(), "answer": answer})
+    return Prepared(tuple(out), without_answer, unparsable)
+
+
+def write_jsonl(rows: Iterable[Mapping[str, str]], path: str) -> None:
+    """One JSON object a line, written to a temporary name and renamed (a failed run leaves no half file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as file:
+        for row in rows:
+            file.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(partial, path)

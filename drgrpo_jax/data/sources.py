@@ -1,0 +1,212 @@
+"""Where examples come from: reasoning-gym tasks, local JSONL/Parquet files, HF datasets (a local folder or a Hub
+dataset id `org/name[@revision]` with data.subset and data.split), each row turned into an `Example`.
+
+A Hub id is read through `datasets`, whose Hub files land in the HF cache with its progress bars; offline
+(HF_HUB_OFFLINE=1) or when the Hub cannot be reached, the cached snapshot is read instead, and an id that is not
+cached is a one-line error naming the key and the `hf download` command (drgrpo_jax/hub_ids.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from drgrpo_jax.config.schema import DataConfig
+from drgrpo_jax.data.examples import Example, PromptDataset
+from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.hub_ids import HubId, hub_id, offline, snapshot
+
+__all__ = ["DATA_KEYS", "Keys", "load_dataset", "read_rows"]
+
+
+def _reasoning_gym(config: DataConfig, seed: int) -> PromptDataset:
+    """Generates size + eval_size entries with one seed; the last eval_size are held out."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if config.task not in DATASETS:
+        close = difflib.get_close_matches(config.task, list(DATASETS), n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known tasks: {', '.join(sorted(DATASETS)[:12])}, ..."
+        raise ConfigError("data.task", f"unknown reasoning-gym task {config.task!r}{hint}")
+    total = config.size + config.eval_size
+    try:
+        dataset = reasoning_gym.create_dataset(config.task, size=total, seed=seed, **dict(config.task_options))
+    except (TypeError, ValueError, AssertionError) as error:  # task configs assert on their own ranges
+        raise ConfigError("data.task_options", f"{config.task}: {error}") from None
+    examples = []
+    for index in range(total):
+        entry = dataset[index]
+        answer = entry.get("answer")
+        answer_text = "" if answer is None else str(answer)
+        examples.append(Example(f"{config.task}/{seed}/{index}", str(entry["question"]), answer_text, entry))
+    return PromptDataset(config.task, tuple(examples[: config.size]), tuple(examples[config.size :]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows of a file, a local HF dataset or a Hub dataset
+# ---------------------------------------------------------------------------------------------
+
+
+def _jsonl_rows(path: str, key: str) -> list[Mapping[str, Any]]:
+    rows = []
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ConfigError(key, f"{path} line {number} is not JSON: {error}") from None
+    return rows
+
+
+# The config keys (or flags) errors name: the path, its split and its subset.
+Keys = tuple[str, str, str]
+DATA_KEYS: Keys = ("data.path", "data.split", "data.subset")
+
+
+def _split_rows(target: str, revision: str | None, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
+    """The rows of one split of an HF dataset (a folder or a Hub id), the subset and split checked by name first."""
+    import datasets
+
+    what = target if revision is None else f"{target}@{revision}"
+    configs = datasets.get_dataset_config_names(target, revision=revision)
+    if subset and subset not in configs:
+        raise ConfigError(keys[2], f"{subset!r} is not a configuration of {what} (configurations: "
+                                   f"{', '.join(configs)})")
+    if not subset and len(configs) > 1 and "default" not in configs:
+        raise ConfigError(keys[2], f"{what} has several configurations; name one: {', '.join(configs)}")
+    splits = datasets.get_dataset_split_names(target, subset or None, revision=revision)
+    if split not in splits:
+        raise ConfigError(keys[1], f"{split!r} not in {what} (splits: {', '.join(splits)})")
+    return list(datasets.load_dataset(target, name=subset or None, split=split, revision=revision))
+
+
+def _local_hf_rows(path: str, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
+    """A save_to_disk folder, else a dataset folder (data files, or a Hub snapshot with its README configs)."""
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(path)
+    except FileNotFoundError:  # not a save_to_disk folder
+        return _split_rows(path, None, subset, split, keys)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(keys[1], f"{split!r} not in {path} (splits: {', '.join(loaded)})")
+        loaded = loaded[split]
+    return list(loaded)
+
+
+def _hub_rows(hub: HubId, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
+    """A Hub dataset's split: through `datasets` online (only the files that split needs), else the cached snapshot."""
+    from datasets.exceptions import DatasetNotFoundError
+
+    if not offline():
+        try:
+            return _split_rows(hub.repo_id, hub.revision, subset, split, keys)
+        except DatasetNotFoundError as error:
+            raise ConfigError(keys[0], f"{hub}: {error}") from None
+        except ConnectionError:  # the Hub cannot be reached: what the cache holds, or the not-cached error
+            pass
+    return _local_hf_rows(snapshot(hub, keys[0], repo_type="dataset"), subset, split, keys)
+
+
+def read_rows(path: str, source: str, *, subset: str = "", split: str = "train",
+              keys: Keys = DATA_KEYS) -> list[Mapping[str, Any]]:
+    """All rows of a local JSONL file, Parquet file or HF dataset (`source`), or of a Hub dataset id's split.
+
+    A local path that exists wins over a Hub id of the same spelling. `keys`: the config keys (or flags) of the
+    path, the split and the subset, named by the errors.
+    """
+    if os.path.exists(path):
+        if source == "jsonl":
+            return _jsonl_rows(path, keys[0])
+        if source == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(path).to_pylist()
+        return _local_hf_rows(path, subset, split, keys)
+    hub = hub_id(path)
+    if hub is None:
+        raise ConfigError(keys[0], f"no such file or folder {path!r} (nor a Hub dataset id org/name[@revision])")
+    return _hub_rows(hub, subset, split, keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows -> Examples, the held-out split
+# ---------------------------------------------------------------------------------------------
+
+
+def _answer_text(value: Any, marker: str) -> str:
+    """The reference answer as text, cut after the last `marker` when present (GSM8K's '#### 42')."""
+    text = str(value)
+    if marker and marker in text:
+        text = text.rsplit(marker, 1)[1]
+    return text.strip()
+
+
+def _examples(rows: Sequence[Mapping[str, Any]], name: str, config: DataConfig, key: str) -> list[Example]:
+    """Rows -> Examples with ids `name/row`; a missing field is a ConfigError naming the field."""
+    examples = []
+    for index, row in enumerate(rows):
+        fields = [("data.prompt_field", config.prompt_field), ("data.answer_field", config.answer_field)]
+        for field_key, field in fields:
+            if field not in row:
+                raise ConfigError(field_key, f"{field!r} missing in row {index} of {key} (fields: {', '.join(row)})")
+        answer = _answer_text(row[config.answer_field], config.answer_after)
+        examples.append(Example(f"{name}/{index}", str(row[config.prompt_field]), answer))
+    return examples
+
+
+def _name(path: str) -> str:
+    """A dataset's short name: its file or folder name, or a Hub id's name."""
+    return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+
+
+def _held_out(config: DataConfig) -> tuple[str, str, Keys] | None:
+    """(path, split, their keys) of a separate held-out set, or None when it is held out of data.path's rows."""
+    if not (config.eval_path or config.eval_split):
+        return None
+    path = config.eval_path or config.path
+    path_key = "data.eval_path" if config.eval_path else "data.path"
+    split_key = "data.eval_split" if config.eval_split else "data.split"
+    if not config.eval_path and os.path.isfile(config.path):
+        raise ConfigError("data.eval_split", f"{config.path} is one file without splits; set data.eval_path")
+    return path, config.eval_split or config.split, (path_key, split_key, "data.subset")
+
+
+def _from_files(config: DataConfig, seed: int) -> PromptDataset:
+    """A seeded permutation of the rows: the first eval_size held out (unless a separate held-out set is named),
+    then `size` to train."""
+    name = _name(config.path)
+    rows = read_rows(config.path, config.source, subset=config.subset, split=config.split)
+    examples = _examples(rows, name, config, "data.path")
+    order = np.random.default_rng(seed).permutation(len(examples))
+    separate = _held_out(config)
+    if separate is not None:
+        path, split, keys = separate
+        eval_rows = read_rows(path, config.source, subset=config.subset, split=split, keys=keys)
+        held_out = _examples(eval_rows, f"{_name(path)}-eval", config, keys[0])[: config.eval_size]
+        train_order = order
+    else:
+        held_out = [examples[i] for i in order[: config.eval_size]]
+        train_order = order[config.eval_size :]
+    if config.size:
+        train_order = train_order[: config.size]
+    train = tuple(examples[i] for i in sorted(train_order))  # file order; batch_at does the shuffling
+    if not train:
+        raise ConfigError(
+            "data.path", f"{config.path} has {len(examples)} rows, none left for training after data.eval_size"
+        )
+    return PromptDataset(name, train, tuple(held_out))
+
+
+def load_dataset(config: DataConfig, seed: int) -> PromptDataset:
+    """The configured dataset with its held-out split; raises ConfigError on a bad source."""
+    if config.source == "reasoning_gym":
+        return _reasoning_gym(config, seed)
+    return _from_files(config, seed)
