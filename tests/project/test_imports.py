@@ -68,7 +68,7 @@ LAYERS = (
     ("sampler",), ("step",),
     ("config",), ("serve",),
     ("data",), ("rewards",),
-    ("rollout",),
+    ("rollout",), ("environments",),
     ("plan",), ("evaluate",),
     ("train",),
 )
