@@ -23,7 +23,7 @@ from drgrpo_jax.environments.chat import ChatRenderer
 from drgrpo_jax.environments.protocol import Environment, Message
 from drgrpo_jax.rollout.client import RolloutClient
 
-__all__ = ["EpisodeLimits", "Finish", "Trajectory", "run_episodes", "trajectory_arrays"]
+__all__ = ["EpisodeLimits", "Finish", "Trajectory", "episode_metrics", "run_episodes", "trajectory_arrays"]
 
 Finish = Literal["done", "max_turns", "max_model_tokens", "max_total_tokens"]
 
@@ -178,3 +178,27 @@ def trajectory_arrays(trajectories: Sequence[Trajectory], length: int) -> dict[s
         arrays["loss_mask"][r, :n] = trajectory.model_mask
         arrays["behaviour_logprobs"][r, :n] = trajectory.behaviour_logprobs
     return arrays
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per-trajectory means of a rollout's episodes (turns, tool calls and errors, malformed calls, tool seconds,
+    model and environment tokens) and the share that ended on each limit."""
+    if not trajectories:
+        return {}
+    n = len(trajectories)
+
+    def mean(values) -> float:
+        return float(sum(values)) / n
+
+    metrics = {
+        "episode/turns": mean(t.turns for t in trajectories),
+        "episode/tool_calls": mean(t.tool_calls for t in trajectories),
+        "episode/tool_errors": mean(t.tool_errors for t in trajectories),
+        "episode/malformed_calls": mean(t.malformed_calls for t in trajectories),
+        "episode/tool_seconds": mean(t.tool_seconds for t in trajectories),
+        "episode/model_tokens": mean(t.model_tokens for t in trajectories),
+        "episode/environment_tokens": mean(t.environment_tokens for t in trajectories),
+    }
+    for finish in ("done", "max_turns", "max_model_tokens", "max_total_tokens"):
+        metrics[f"episode/finish_{finish}"] = mean(t.finish == finish for t in trajectories)
+    return metrics

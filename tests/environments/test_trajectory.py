@@ -9,7 +9,7 @@ import pytest
 
 from drgrpo_jax.environments.chat import ChatRenderer
 from drgrpo_jax.environments.protocol import Observation
-from drgrpo_jax.environments.trajectory import EpisodeLimits, run_episodes, trajectory_arrays
+from drgrpo_jax.environments.trajectory import EpisodeLimits, episode_metrics, run_episodes, trajectory_arrays
 from drgrpo_jax.rollout.client import RolloutClient
 from drgrpo_jax.rollout.local_service import LocalServer
 
@@ -163,3 +163,13 @@ def test_limits_are_checked():
     with pytest.raises(ValueError, match="max_turns"):
         EpisodeLimits(max_turns=0)
     assert json.dumps(EpisodeLimits().__dict__)
+
+
+def test_episode_metrics_are_per_trajectory_means(episodes):
+    trajectories = episodes[0]
+    metrics = episode_metrics(trajectories)
+    assert metrics["episode/turns"] == pytest.approx(np.mean([t.turns for t in trajectories]))
+    assert metrics["episode/model_tokens"] + metrics["episode/environment_tokens"] == \
+        pytest.approx(np.mean([len(t.ids) for t in trajectories]))
+    assert sum(v for k, v in metrics.items() if k.startswith("episode/finish_")) == pytest.approx(1.0)
+    assert episode_metrics([]) == {}
