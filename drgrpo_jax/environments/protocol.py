@@ -37,7 +37,10 @@ class Observation:
 class Environment(Protocol):
     """One episode's task. A fresh environment per episode (the driver asks `make_environment()` for each)."""
 
-    tools: Sequence[Tool]  # rendered into the prompt; () for an environment without tools
+    @property
+    def tools(self) -> Sequence[Tool]:
+        """The tools rendered into the prompt; () for an environment without tools."""
+        ...
 
     def reset(self, example: Mapping[str, Any]) -> list[Message]:
         """The opening messages of the episode on this problem."""

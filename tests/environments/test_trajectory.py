@@ -8,58 +8,13 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.environments.chat import ChatRenderer
-from drgrpo_jax.environments.protocol import Observation
 from drgrpo_jax.environments.trajectory import EpisodeLimits, episode_metrics, run_episodes, trajectory_arrays
 from drgrpo_jax.rollout.client import RolloutClient
 from drgrpo_jax.rollout.local_service import LocalServer
 
-from support.tiny_models import write_tiny_llama
+from support.chat_models import Chatty, write_chat_model
 
 pytestmark = pytest.mark.subprocess  # the service runs as a child process
-
-CHAT_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=*/()<>{}\":_\n|"
-SPECIALS = ("<|im_start|>", "<|im_end|>")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_chat_model(path: str) -> str:
-    """The tiny random Llama with a character tokenizer that can write JSON, ChatML's two special tokens and a
-    ChatML template (no tools: the driver describes them itself)."""
-    import tokenizers
-    import transformers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(CHAT_CHARS)}}
-    vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIALS)})
-    write_tiny_llama(path, vocab_size=64, initializer_range=0.3, max_position_embeddings=512)
-    tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                                unk_token="<unk>", additional_special_tokens=list(SPECIALS))
-    fast.chat_template = CHATML
-    fast.save_pretrained(path)
-    assert max(vocab.values()) < 64
-    return path
-
-
-class Chatty:
-    """An environment that always answers, `turns` times: episodes as long as the limits allow."""
-
-    tools = ()
-
-    def __init__(self, turns: int = 3):
-        self.left = turns
-
-    def reset(self, example):
-        return [{"role": "user", "content": example["prompt"]}]
-
-    def step(self, text):
-        self.left -= 1
-        return Observation([{"role": "user", "content": f"go on {self.left}"}], done=self.left <= 0,
-                           rewards={"turn": 0.5})
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

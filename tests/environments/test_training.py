@@ -1,0 +1,65 @@
+"""The trainer on multi-turn episodes: a tiny chat model, an environment that always answers, two steps."""
+
+import json
+
+import pytest
+
+from drgrpo_jax.config.load import load_config
+from drgrpo_jax.config.rules import validate
+from drgrpo_jax.errors import ConfigError
+
+from support.chat_models import write_chat_model
+from support.trainer_runs import start_trainer, trainer_overrides, write_prompts
+
+
+def _overrides(model, prompts, output_dir):
+    base = trainer_overrides(model, prompts, output_dir, steps=2)
+    keep = [o for o in base if not o.startswith(("rollout.max_new_tokens", "rollout.max_prompt_tokens",
+                                                 "train.eval_every"))]
+    return keep + ["rollout.max_new_tokens=40", "rollout.max_prompt_tokens=48", "train.eval_every=0",
+                   "environment.factory=support.chat_models:Chatty", "environment.max_turns=3",
+                   "environment.max_turn_tokens=8", "environment.max_model_tokens=20"]
+
+
+@pytest.mark.subprocess
+def test_the_trainer_trains_on_multi_turn_episodes(tmp_path):
+    model = write_chat_model(str(tmp_path / "model"))
+    prompts = write_prompts(str(tmp_path / "prompts.jsonl"), 16)
+    process = start_trainer(_overrides(model, prompts, tmp_path / "run"))
+    out, err = process.communicate(timeout=900)
+    assert process.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "episode/turns" in row]
+    assert len(rows) == 2
+    for row in rows:
+        assert 1 < row["episode/turns"] <= 3 and row["episode/environment_tokens"] > 0
+        assert 0 < row["episode/model_tokens"] <= 20
+        # T_w counts only the model's tokens: the windows' mean token count is the rollout's model tokens split
+        # over its two minibatches (16 rows, 8 a window).
+        assert row["num_tokens"] == pytest.approx(row["episode/model_tokens"] * 8)
+        assert row["loss"] == row["loss"]  # not NaN
+
+
+def test_environment_config_errors_name_the_key(tmp_path):
+    base = ["model.path=x", "rollout.max_new_tokens=64", "environment.max_model_tokens=32"]
+    for extra, key in ((["environment.tools=[calculator]", "environment.max_model_tokens=65"],
+                        "environment.max_model_tokens"),
+                       (["environment.tools=[calculatr]"], "environment.tools[0]"),
+                       (["environment.tools=[calculator,calculator]"],
+                        "environment.tools"),
+                       (["environment.factory=not a path"], "environment.factory"),
+                       (["environment.tools=[python]",
+                         "environment.python_timeout_s=0"], "environment.python_timeout_s"),
+                       (["environment.tools=[calculator]",
+                         "data.use_chat_template=false"], "data.use_chat_template")):
+        with pytest.raises(ConfigError, match=f"^{key.replace('[', '.').replace(']', '.')}"):
+            validate(load_config(None, base + extra))
+
+
+def test_the_budget_is_the_model_tokens_of_a_trajectory():
+    from drgrpo_jax.config.derived import step_configs
+
+    config = load_config(None, ["model.path=x", "rollout.max_new_tokens=64", "environment.tools=[calculator]",
+                                "environment.max_model_tokens=32"])
+    assert step_configs(config)[0].loss.budget == 32
+    assert step_configs(load_config(None, ["model.path=x", "rollout.max_new_tokens=64"]))[0].loss.budget == 64
