@@ -1,4 +1,5 @@
-"""The trainer on multi-turn episodes: a tiny chat model, an environment that always answers, two steps."""
+"""The trainer on multi-turn episodes (a tiny chat model, an environment that always answers, two steps, its
+periodic evaluation in episodes too), `evaluate --tools`, and the environment section's config rules."""
 
 import json
 
@@ -16,7 +17,8 @@ def _overrides(model, prompts, output_dir):
     base = trainer_overrides(model, prompts, output_dir, steps=2)
     keep = [o for o in base if not o.startswith(("rollout.max_new_tokens", "rollout.max_prompt_tokens",
                                                  "train.eval_every"))]
-    return keep + ["rollout.max_new_tokens=40", "rollout.max_prompt_tokens=48", "train.eval_every=0",
+    return keep + ["rollout.max_new_tokens=40", "rollout.max_prompt_tokens=48", "train.eval_every=2",
+                   "train.eval_samples=2",
                    "environment.factory=support.chat_models:Chatty", "environment.max_turns=3",
                    "environment.max_turn_tokens=8", "environment.max_model_tokens=20"]
 
@@ -29,6 +31,8 @@ def test_the_trainer_trains_on_multi_turn_episodes(tmp_path):
     out, err = process.communicate(timeout=900)
     assert process.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if "eval/accuracy" in row]
+    assert [row["step"] for row in evals] == [0, 2] and all(row["eval/num_prompts"] == 4 for row in evals)
     rows = [row for row in rows if "episode/turns" in row]
     assert len(rows) == 2
     for row in rows:
@@ -63,3 +67,27 @@ def test_the_budget_is_the_model_tokens_of_a_trajectory():
                                 "environment.max_model_tokens=32"])
     assert step_configs(config)[0].loss.budget == 32
     assert step_configs(load_config(None, ["model.path=x", "rollout.max_new_tokens=64"]))[0].loss.budget == 64
+
+
+@pytest.mark.subprocess
+def test_evaluate_with_tools_answers_in_episodes(tmp_path):
+    import subprocess
+    import sys
+
+    from support.paths import REPO
+    from support.trainer_runs import trainer_env
+
+    model = write_chat_model(str(tmp_path / "model"))
+    suite = tmp_path / "sums.jsonl"
+    suite.write_text("".join(json.dumps({"problem": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(4)))
+    output = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "drgrpo_jax.evaluate", "--model", model, "--suite", str(suite),
+                           "--k", "2", "--temperature", "1.0", "--max-new-tokens", "24", "--tools", "calculator",
+                           "--template", "{question}", "--reward", "support.reward_functions:has_letter_a",
+                           "-o", str(output)], cwd=REPO, env=trainer_env(), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((output / "results.json").read_text())
+    assert results["tools"] == ["calculator"] and results["results"]["all"]["problems"] == 4
+    completions = [json.loads(line) for line in (output / "completions.jsonl").read_text().splitlines()]
+    assert sorted(c["kind"] for c in completions) == ["greedy"] * 4 + ["sampled"] * 8

@@ -13,7 +13,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_chat_model(path: str) -> str:
+def write_chat_model(path: str, max_position_embeddings: int = 1024) -> str:
     """The tiny random Llama with a character tokenizer that can write JSON, ChatML's two special tokens and a
     ChatML template (no tools: the driver describes them itself)."""
     import tokenizers
@@ -22,7 +22,7 @@ def write_chat_model(path: str) -> str:
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(CHAT_CHARS)}}
     vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIALS)})
-    write_tiny_llama(path, vocab_size=64, initializer_range=0.3, max_position_embeddings=512)
+    write_tiny_llama(path, vocab_size=64, initializer_range=0.3, max_position_embeddings=max_position_embeddings)
     tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
