@@ -268,6 +268,8 @@ class EnvironmentConfig:
                   "hermes JSON between environment.open_tag and close_tag, for templates without tools)")
     open_tag: str = _f("<tool_call>", "the tag format's opening tag")
     close_tag: str = _f("</tool_call>", "the tag format's closing tag")
+    few_shot: str | None = _f(None, "a JSON file of chat messages (a worked episode: user, assistant with a call, "
+                                    "tool, assistant) put before every question; null = none")
     max_turns: int = _f(4, "model turns per episode at most")
     max_turn_tokens: int = _f(128, "tokens of one model turn at most")
     max_model_tokens: int = _f(256, "the model's tokens in a whole trajectory at most: Dr.GRPO's fixed budget; "

@@ -4,6 +4,7 @@ episode, its chat renderer, the episode limits, and each example as the environm
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,23 @@ from drgrpo_jax.environments.tools import Tool, import_object, make_tool
 from drgrpo_jax.environments.trajectory import EpisodeLimits
 from drgrpo_jax.errors import ConfigError
 
-__all__ = ["Episodes", "build_episodes", "build_tools"]
+__all__ = ["Episodes", "build_episodes", "build_tools", "read_few_shot"]
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def read_few_shot(path: str) -> tuple[dict[str, Any], ...]:
+    """environment.few_shot's messages; ConfigError naming the key when the file is not a list of chat messages."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            messages = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError("environment.few_shot", f"cannot read {path!r}: {error}") from None
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str) for m in messages):
+        raise ConfigError("environment.few_shot", f"{path!r} must hold a JSON list of {{\"role\": one of {_ROLES}, "
+                                                  "\"content\": text}} messages")
+    return tuple(messages)
 
 
 def _tool(name: str, key: str, config: EnvironmentConfig) -> Tool:
@@ -69,10 +86,11 @@ def build_episodes(config: Config, tokenizer: Any) -> Episodes:
     else:
         tools = build_tools(e)
         system = config.data.system_prompt or None
+        few_shot = read_few_shot(e.few_shot) if e.few_shot else ()
 
         def make_environment() -> Environment:
             return ToolEnvironment(tools, call_format=call_format, max_tool_calls=e.max_tool_calls,
-                                   timeout_s=e.tool_timeout_s, system_prompt=system)
+                                   timeout_s=e.tool_timeout_s, system_prompt=system, few_shot=few_shot)
 
     limits = EpisodeLimits(max_turns=e.max_turns, max_turn_tokens=min(e.max_turn_tokens, e.max_model_tokens),
                            max_model_tokens=e.max_model_tokens, max_total_tokens=config.rollout.max_new_tokens)

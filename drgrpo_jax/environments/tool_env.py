@@ -36,10 +36,13 @@ def _text(value: Any) -> str:
 class ToolEnvironment:
     """The question of `example[prompt_key]` with `tools`. `max_tool_calls`: calls per episode (later ones are
     answered with an error and end the episode); `timeout_s`: the longest an in-process tool may take before its
-    call is answered with an error (the Python tool enforces its own limits in its worker)."""
+    call is answered with an error (the Python tool enforces its own limits in its worker). `few_shot`: messages
+    (a worked episode: user, assistant calling a tool, tool result, assistant answering) put before the question,
+    so a model that was never trained on the call format sees it used once."""
 
     def __init__(self, tools: Sequence[Tool], *, call_format: CallFormat | None = None, max_tool_calls: int = 8,
-                 timeout_s: float = 30.0, system_prompt: str | None = None, prompt_key: str = "prompt"):
+                 timeout_s: float = 30.0, system_prompt: str | None = None, prompt_key: str = "prompt",
+                 few_shot: Sequence[Message] = ()):
         names = [tool.name for tool in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"ToolEnvironment.tools: names must differ, got {names}")
@@ -49,13 +52,14 @@ class ToolEnvironment:
         self.call_format = call_format or CallFormat()
         self.max_tool_calls, self.timeout_s = max_tool_calls, timeout_s
         self.system_prompt, self.prompt_key = system_prompt, prompt_key
+        self.few_shot = tuple(dict(message) for message in few_shot)
         self._by_name = {tool.name: tool for tool in tools}
         self.calls_made = 0
 
     def reset(self, example: Mapping[str, Any]) -> list[Message]:
         self.calls_made = 0
         question = example[self.prompt_key]
-        opening = [{"role": "user", "content": str(question)}]
+        opening = [*self.few_shot, {"role": "user", "content": str(question)}]
         return ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + opening
 
     def _run(self, tool: Tool, arguments: Mapping[str, Any]) -> str:

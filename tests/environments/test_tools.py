@@ -140,3 +140,21 @@ def test_tool_call_limit_ends_the_episode_with_a_message():
     observation = env.step(_call("calculator", expression="1+1") * 3)
     assert observation.done and observation.tool_calls == 2
     assert "no more tool calls" in observation.messages[-1]["content"]
+
+
+def test_few_shot_messages_come_before_the_question_and_a_bad_file_names_the_key(tmp_path):
+    import json
+
+    from drgrpo_jax.environments.build import read_few_shot
+
+    good = tmp_path / "few_shot.json"
+    good.write_text(json.dumps([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]))
+    env = ToolEnvironment([make_tool(calculator)], few_shot=read_few_shot(str(good)), system_prompt="be brief")
+    assert [m["role"] for m in env.reset({"prompt": "q"})] == ["system", "user", "assistant", "user"]
+    for text in ("not json", json.dumps({"role": "user"}), json.dumps([{"role": "robot", "content": "x"}])):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match="^environment.few_shot: "):
+            read_few_shot(str(bad))
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_few_shot(str(tmp_path / "missing.json"))

@@ -13,24 +13,31 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_chat_model(path: str, max_position_embeddings: int = 1024) -> str:
-    """The tiny random Llama with a character tokenizer that can write JSON, ChatML's two special tokens and a
-    ChatML template (no tools: the driver describes them itself)."""
+def save_chat_tokenizer(path: str, chat_template: str = CHATML):
+    """The character tokenizer that can write JSON, with ChatML's two special tokens and `chat_template`; returns
+    it (saved to `path`)."""
     import tokenizers
     import transformers
     from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{ch: 3 + i for i, ch in enumerate(CHAT_CHARS)}}
     vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIALS)})
-    write_tiny_llama(path, vocab_size=64, initializer_range=0.3, max_position_embeddings=max_position_embeddings)
+    assert max(vocab.values()) < 64
     tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tokenizer.decoder = decoders.Fuse()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
                                                 unk_token="<unk>", additional_special_tokens=list(SPECIALS))
-    fast.chat_template = CHATML
+    fast.chat_template = chat_template
     fast.save_pretrained(path)
-    assert max(vocab.values()) < 64
+    return fast
+
+
+def write_chat_model(path: str, max_position_embeddings: int = 1024) -> str:
+    """The tiny random Llama (vocab 64) with save_chat_tokenizer's tokenizer and a ChatML template (no tools: the
+    driver describes them itself)."""
+    write_tiny_llama(path, vocab_size=64, initializer_range=0.3, max_position_embeddings=max_position_embeddings)
+    save_chat_tokenizer(path)
     return path
 
 
