@@ -91,3 +91,24 @@ def test_evaluate_with_tools_answers_in_episodes(tmp_path):
     assert results["tools"] == ["calculator"] and results["results"]["all"]["problems"] == 4
     completions = [json.loads(line) for line in (output / "completions.jsonl").read_text().splitlines()]
     assert sorted(c["kind"] for c in completions) == ["greedy"] * 4 + ["sampled"] * 8
+
+
+def test_the_tool_quickstart_config_is_valid():
+    import os
+
+    from drgrpo_jax.environments.build import build_tools, read_few_shot
+
+    from support.paths import REPO
+
+    config = load_config(os.path.join(REPO, "configs", "tool_quickstart.yaml"))
+    validate(config)
+    assert config.environment.enabled and [t.name for t in build_tools(config.environment)] == ["calculator"]
+    few_shot = read_few_shot(os.path.join(REPO, config.environment.few_shot))
+    assert [m["role"] for m in few_shot] == ["user", "assistant", "tool", "assistant"]
+    assert step_budget(config) == config.environment.max_model_tokens < config.rollout.max_new_tokens
+
+
+def step_budget(config):
+    from drgrpo_jax.config.derived import step_configs
+
+    return step_configs(config)[0].loss.budget
