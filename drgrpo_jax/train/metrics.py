@@ -58,8 +58,9 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         row[key] = float(np.mean([report[key] for report in updates.window_reports]))
     row.update({f"reward/{name}": float(components[:, k].mean()) for k, name in enumerate(names)})
     if config.environment.enabled:  # multi-turn episodes: per-trajectory means of their counts
-        episodes = np.asarray(rollout.episodes)[valid]
-        row.update({f"episode/{column}": float(episodes[:, k].mean()) for k, column in enumerate(EPISODE_COLUMNS)})
+        episodes = np.asarray(rollout.episodes)[valid]  # None (JSON null) when every group is padding
+        row.update({f"episode/{column}": float(episodes[:, k].mean()) if len(episodes) else None
+                    for k, column in enumerate(EPISODE_COLUMNS)})
     return row | counters.metrics()
 
 

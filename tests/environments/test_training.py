@@ -44,6 +44,26 @@ def test_the_trainer_trains_on_multi_turn_episodes(tmp_path):
         assert row["loss"] == row["loss"]  # not NaN
 
 
+@pytest.mark.subprocess
+def test_episodes_compose_with_async_rollouts_dynamic_sampling_and_lora(tmp_path):
+    model = write_chat_model(str(tmp_path / "model"))
+    prompts = write_prompts(str(tmp_path / "prompts.jsonl"), 16)
+    overrides = [o for o in _overrides(model, prompts, tmp_path / "run") if not o.startswith("train.eval")]
+    overrides += ["train.eval_every=0", "rollout.async=true", "rollout.max_staleness=1", "algorithm.tis_cap=2.0",
+                  "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=1", "model.lora.rank=4"]
+    process = start_trainer(overrides)
+    out, err = process.communicate(timeout=900)
+    assert process.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "episode/turns" in row]
+    assert len(rows) == 2 and all("sampling_rounds" in row for row in rows)
+    # A step whose groups all lack a signal trains on padding only: its episode means are null, not made up.
+    trained = [row for row in rows if row["episode/turns"] is not None]
+    assert trained and all(row["episode/turns"] > 1 and row["episode/environment_tokens"] > 0 for row in trained)
+    assert all(row["num_tokens"] == 0 for row in rows if row["episode/turns"] is None)
+    assert rows[1]["staleness"] == 1  # step 2 was sampled during step 1's update
+
+
 def test_environment_config_errors_name_the_key(tmp_path):
     base = ["model.path=x", "rollout.max_new_tokens=64", "environment.max_model_tokens=32"]
     for extra, key in ((["environment.tools=[calculator]", "environment.max_model_tokens=65"],
