@@ -132,3 +132,37 @@ def step_budget(config):
     from drgrpo_jax.config.derived import step_configs
 
     return step_configs(config)[0].loss.budget
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # three trainer runs with their services
+def test_a_resumed_episode_run_reproduces_the_uninterrupted_one(tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from support.trainer_runs import kill_and_resume
+
+    model = write_chat_model(str(tmp_path / "model"))
+    prompts = write_prompts(str(tmp_path / "prompts.jsonl"), 16)
+
+    def overrides(name):
+        base = [o for o in _overrides(model, prompts, tmp_path / name) if not o.startswith(("train.", "run.sample"))]
+        return base + ["train.steps=4", "train.save_every=2", "train.eval_every=0", "run.sample_every=0"]
+
+    reference = start_trainer(overrides("uninterrupted"))
+    _, stderr = reference.communicate(timeout=900)
+    assert reference.returncode == 0, stderr[-3000:]
+    kill_and_resume(overrides("killed"), tmp_path / "killed", checkpoint=2, timeout=900)
+
+    def rows(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if "seconds" not in k and "per_second" not in k
+                 and k != "peak_rss_gb"} for line in lines]
+
+    assert rows("killed")[-2:] == rows("uninterrupted")[-2:] and len(rows("uninterrupted")) == 4
+    assert all(row["episode/environment_tokens"] > 0 for row in rows("uninterrupted"))
+    got = load_file(str(tmp_path / "killed" / "final" / "model.safetensors"))
+    want = load_file(str(tmp_path / "uninterrupted" / "final" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
