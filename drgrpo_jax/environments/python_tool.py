@@ -138,8 +138,8 @@ class SandboxResult:
 
 @dataclasses.dataclass(frozen=True)
 class PythonSandbox:
-    """Runs code with the limits above. `namespaces`: True requires a network namespace (OSError where the
-    kernel refuses one), False does without, None uses one where it can."""
+    """Runs code with the limits above. `namespaces`: True requires a network namespace (the worker fails to
+    start where the kernel refuses one), False does without, None uses one where it can."""
 
     timeout_s: float = 10.0
     memory_mb: int = 512
