@@ -85,7 +85,9 @@ def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[Step
     try:
         check_algorithm_options(a.name, scale_rewards=a.scale_rewards, whiten_advantages=a.whiten_advantages,
                                 kl_in_reward=a.kl_in_reward, group_size=config.rollout.group_size)
-        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=config.rollout.max_new_tokens,
+        # Multi-turn rows: the budget is over the model's tokens of the whole trajectory (docs/tools.md).
+        budget = config.environment.max_model_tokens if config.environment.enabled else config.rollout.max_new_tokens
+        loss = LossConfig(aggregation=ALGORITHMS[a.name].aggregation, budget=budget,
                           clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, kl_coef=a.kl_coef,
                           kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
                           policy_loss=ALGORITHMS[a.name].policy_loss)

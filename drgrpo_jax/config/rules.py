@@ -14,7 +14,7 @@ import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import lora_spec, pack_length, step_configs
-from drgrpo_jax.config.schema import BUILTIN_REWARDS, Config, RewardConfig, RunConfig
+from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, Config, RewardConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
@@ -293,9 +293,44 @@ def _check_rollout_modes(config: Config) -> None:
                                                "rollout.async=true: the importance weight corrects the one-step lag")
 
 
+def _check_environment(config: Config) -> None:
+    """environment.*: limits, tool names and the call format, checked only when episodes are on."""
+    e = config.environment
+    if not e.enabled:
+        return
+    for key, value in [("max_turns", e.max_turns), ("max_turn_tokens", e.max_turn_tokens),
+                       ("max_model_tokens", e.max_model_tokens), ("python_memory_mb", e.python_memory_mb),
+                       ("max_tool_calls", e.max_tool_calls)]:
+        _at_least(f"environment.{key}", value, 0 if key == "max_tool_calls" else 1)
+    for key, seconds in [("tool_timeout_s", e.tool_timeout_s), ("python_timeout_s", e.python_timeout_s)]:
+        _finite(f"environment.{key}", seconds)
+        if not seconds > 0:
+            raise ConfigError(f"environment.{key}", f"must be > 0, got {seconds}")
+    if e.max_model_tokens > config.rollout.max_new_tokens:
+        raise ConfigError("environment.max_model_tokens", f"{e.max_model_tokens} exceeds rollout.max_new_tokens = "
+                                                          f"{config.rollout.max_new_tokens}, the trajectory's whole "
+                                                          "row (the model's tokens and the environment's)")
+    if e.call_format not in ("hermes", "llama3_json", "tag"):
+        raise ConfigError("environment.call_format", f"unknown {e.call_format!r}; choose hermes, llama3_json or tag")
+    if e.call_format == "tag" and (not e.open_tag.strip() or not e.close_tag.strip() or e.open_tag == e.close_tag):
+        raise ConfigError("environment.open_tag", "the tag format needs two different, non-blank tags")
+    for i, name in enumerate(e.tools):
+        if name not in BUILTIN_TOOLS and not _IMPORT_PATH.match(name):
+            raise ConfigError(f"environment.tools[{i}]", f"{name!r} is neither a built-in "
+                                                         f"({', '.join(BUILTIN_TOOLS)}) nor 'package.module:name'")
+    if len(set(e.tools)) != len(e.tools):
+        raise ConfigError("environment.tools", f"lists a tool twice: {list(e.tools)}")
+    if e.factory is not None and not _IMPORT_PATH.match(e.factory):
+        raise ConfigError("environment.factory", f"{e.factory!r} is not 'package.module:name'")
+    if not config.data.use_chat_template:
+        raise ConfigError("data.use_chat_template", "multi-turn episodes (environment.tools or factory) render "
+                                                    "every turn with the chat template: must be true")
+
+
 def validate(config: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
     _check_ranges(config)
+    _check_environment(config)
     _check_rollout_modes(config)
     _at_least("model.lora.rank", config.model.lora.rank, 0)
     lora_spec(config)

@@ -14,13 +14,16 @@ from drgrpo_jax.models.precision import DtypeName
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
 __all__ = [
-    "BUILTIN_REWARDS", "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig",
+    "BUILTIN_REWARDS", "BUILTIN_TOOLS", "AlgorithmConfig", "Config", "DataConfig", "EnvironmentConfig", "LoraConfig",
+    "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig"
 ]
 
 # The reward functions reward.functions may name without an import path (drgrpo_jax/rewards/functions.py
 # implements them; tests/rewards checks the two agree).
 BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
+# The tools environment.tools may name without an import path (drgrpo_jax/environments/build.py builds them).
+BUILTIN_TOOLS = ("calculator", "python")
 
 
 def _f(default: Any, help: str) -> Any:
@@ -260,6 +263,38 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvironmentConfig:
+    """Multi-turn episodes with tools (docs/tools.md): on when environment.tools or environment.factory is set.
+
+    A trajectory's row holds the model's turns and the environment's; rollout.max_new_tokens is its length,
+    and the loss trains only the model's tokens, its fixed budget being environment.max_model_tokens."""
+
+    tools: tuple[str, ...] = _f((), f"tools the model may call: built-ins ({', '.join(BUILTIN_TOOLS)}) or "
+                                    "'package.module:function' (a typed function or a Tool); empty = none")
+    factory: str | None = _f(None, "'package.module:name' of a callable returning a fresh Environment per episode "
+                                   "(environments/protocol.py); null = a ToolEnvironment over environment.tools")
+    call_format: Literal["hermes", "llama3_json", "tag"] = _f(
+        "hermes", "how the model writes calls: hermes (<tool_call> JSON, Qwen/Hermes), llama3_json, or tag (the "
+                  "hermes JSON between environment.open_tag and close_tag, for templates without tools)")
+    open_tag: str = _f("<tool_call>", "the tag format's opening tag")
+    close_tag: str = _f("</tool_call>", "the tag format's closing tag")
+    few_shot: str | None = _f(None, "a JSON file of chat messages (a worked episode: user, assistant with a call, "
+                                    "tool, assistant) put before every question; null = none")
+    max_turns: int = _f(4, "model turns per episode at most")
+    max_turn_tokens: int = _f(128, "tokens of one model turn at most")
+    max_model_tokens: int = _f(256, "the model's tokens in a whole trajectory at most: Dr.GRPO's fixed budget; "
+                                     "<= rollout.max_new_tokens, which also holds the environment's tokens")
+    max_tool_calls: int = _f(8, "tool calls per episode; the next one is answered with an error and ends it")
+    tool_timeout_s: float = _f(30.0, "seconds an in-process tool may take before its call is answered with an error")
+    python_timeout_s: float = _f(10.0, "the python tool: wall-clock seconds per call")
+    python_memory_mb: int = _f(512, "the python tool: address space per call")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.factory is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh and multi-host runtime."""
 
@@ -284,3 +319,4 @@ class Config:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from drgrpo_jax.config.load import load_config, resolve_model_path
-from drgrpo_jax.config.schema import Config, DataConfig, RewardConfig
+from drgrpo_jax.config.schema import Config, DataConfig, EnvironmentConfig, RewardConfig
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.models.precision import DTYPES
@@ -144,6 +144,24 @@ def _reward_config(args: argparse.Namespace, config: Config | None) -> RewardCon
                                num_workers=args.reward_workers)
 
 
+def _episodes(args: argparse.Namespace, config: Config | None, data: DataConfig, max_new_tokens: int,
+              tokenizer: Any) -> Any:
+    """--tools, else the run's environment section: each completion a multi-turn episode; None = plain ones."""
+    from drgrpo_jax.environments.build import build_episodes
+
+    environment = config.environment if config is not None else EnvironmentConfig()
+    if args.tools:
+        environment = dataclasses.replace(environment, tools=tuple(args.tools), factory=None)
+    if args.no_tools or not environment.enabled:
+        return None
+    environment = dataclasses.replace(environment,
+                                      max_model_tokens=min(environment.max_model_tokens, max_new_tokens))
+    base = config if config is not None else Config()
+    episode_config = dataclasses.replace(base, data=data, environment=environment,
+                                         rollout=dataclasses.replace(base.rollout, max_new_tokens=max_new_tokens))
+    return build_episodes(episode_config, tokenizer)
+
+
 def _tokenizer(args: argparse.Namespace, source: ModelSource, client: Any) -> Any:
     """The tokenizer of the model (or --tokenizer); for URLs, the service's own when it is a local folder."""
     from drgrpo_jax.models.pretrained import load_tokenizer
@@ -194,17 +212,20 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = _tokenizer(args, dataclasses.replace(source, path=path), client)
         scorer = stack.enter_context(RewardScorer(rewards, budget=settings.max_new_tokens))
         prompts = [tokenize_prompt(example, data, tokenizer) for example in suite.examples]
+        episodes = _episodes(args, config, data, settings.max_new_tokens, tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         total = len(prompts) * (int(settings.greedy) + int(settings.samples > 0))
         with tqdm(total=total, desc=f"evaluate {suite.name}", unit="problem", file=sys.stderr,
                   dynamic_ncols=True) as bar:
             greedy, sampled = evaluate_problems(client, tokenizer, scorer, suite.examples, prompts, settings,
-                                                stop_token_ids=[] if eos is None else [int(eos)], progress=bar.update)
+                                                stop_token_ids=[] if eos is None else [int(eos)], progress=bar.update,
+                                                episodes=episodes)
     rows = report_rows(suite, greedy, sampled)
     header = {"model": " ".join(args.model), "suite": suite.name, "problems": len(suite.examples),
               "k": settings.samples,
               "temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens, "seed": args.seed,
-              "rewards": list(rewards.functions), "seconds": round(time.perf_counter() - start, 1)}
+              "rewards": list(rewards.functions), "seconds": round(time.perf_counter() - start, 1),
+              "tools": [tool.name for tool in episodes.make_environment().tools] if episodes is not None else []}
     paths = write_report(output, header, rows, suite, greedy, sampled)
     print(markdown_table(rows))
     print(f"written: {paths['results.json']}, {paths['results.md']}, {paths['completions.jsonl']}", file=sys.stderr)
@@ -246,6 +267,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reward", action="append", help="reward functions (default: the run's, else math_verify)")
     p.add_argument("--reward-workers", dest="reward_workers", type=int, default=2,
                    help="reward worker processes (each call is time-limited, as in training)")
+    p.add_argument("--tools", action="append", help="answer in multi-turn episodes with these tools (calculator, "
+                                                    "python or package.module:function; default: the run's)")
+    p.add_argument("--no-tools", dest="no_tools", action="store_true", help="plain completions even when the run "
+                                                                           "trained with tools")
     p.add_argument("--template", help="prompt template with {question} (default: the run's, else the trainer's)")
     p.add_argument("--system-prompt", dest="system_prompt",
                    help="system message (chat template) or prefix line (default: the run's, else none)")

@@ -19,6 +19,7 @@ from drgrpo_jax.rollout.record import correct_mask, response_stats
 
 if TYPE_CHECKING:
     from drgrpo_jax.data.examples import Example
+    from drgrpo_jax.environments.build import Episodes
     from drgrpo_jax.rewards.scorer import RewardScorer
     from drgrpo_jax.rollout.client import RolloutClient
 
@@ -67,19 +68,45 @@ class EvalSamples:
                            self.truncated_PG[index])
 
 
+def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Example], episodes: Episodes, *,
+                    group: int, temperature: float, settings: EvalSettings, seed: int,
+                    expected_version: int | None) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(last model turns, model tokens, cut by a limit) of `group` episodes of each example."""
+    from drgrpo_jax.environments.trajectory import run_episodes
+
+    grouped = [e for e in examples for _ in range(group)]
+    trajectories = run_episodes(client, tokenizer, episodes.make_environment, [episodes.example(e) for e in grouped],
+                                limits=episodes.limits, seed=seed, temperature=temperature, top_p=settings.top_p,
+                                renderer=episodes.renderer, expected_version=expected_version)
+    return ([t.final_answer for t in trajectories], np.asarray([t.model_tokens for t in trajectories]),
+            np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]))
+
+
 def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
                      prompts: Sequence[Sequence[int]], *, group: int, temperature: float, settings: EvalSettings,
                      stop_token_ids: Sequence[int] = (), expected_version: int | None = None,
-                     progress: Callable[[int], Any] | None = None) -> EvalSamples:
+                     progress: Callable[[int], Any] | None = None, episodes: Episodes | None = None) -> EvalSamples:
     """`group` completions of each prompt at `temperature` (0 = greedy), decoded and scored, chunk by chunk.
 
     Seeds come from (settings.seed, problem index), so the samples do not depend on the chunk size.
-    `progress(problems_done)` is called after each chunk.
+    `progress(problems_done)` is called after each chunk. `episodes` (tools): each completion is a multi-turn
+    episode (environments/trajectory.py) scored on its last model turn, its length the model's tokens; their
+    seeds come from (settings.seed, the chunk's first problem), so they depend on the chunk size.
     """
     texts: list[str] = []
     parts: list[tuple[np.ndarray, ...]] = []
     for start in range(0, len(prompts), settings.chunk_prompts):
         stop = min(start + settings.chunk_prompts, len(prompts))
+        if episodes is not None:
+            chunk_texts, lengths, truncated = _episodes_chunk(
+                client, tokenizer, examples[start:stop], episodes, group=group, temperature=temperature,
+                settings=settings, seed=settings.seed + start, expected_version=expected_version)
+            scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], lengths)
+            texts += chunk_texts
+            parts.append((correct_mask(scored.names, scored.components_NK), scored.total_N(), lengths, truncated))
+            if progress is not None:
+                progress(stop - start)
+            continue
         sampled = client.generate(prompts[start:stop], group, max_new_tokens=settings.max_new_tokens,
                                   temperature=temperature, top_p=settings.top_p, stop_token_ids=stop_token_ids,
                                   seed=settings.seed, expected_version=expected_version, prompt_offset=start)
@@ -114,11 +141,12 @@ def summarize(greedy: EvalSamples | None, sampled: EvalSamples | None) -> dict[s
 
 def evaluate_problems(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
                       prompts: Sequence[Sequence[int]], settings: EvalSettings, *, stop_token_ids: Sequence[int] = (),
-                      expected_version: int | None = None, progress: Callable[[int], Any] | None = None
-                      ) -> tuple[EvalSamples | None, EvalSamples | None]:
+                      expected_version: int | None = None, progress: Callable[[int], Any] | None = None,
+                      episodes: Episodes | None = None) -> tuple[EvalSamples | None, EvalSamples | None]:
     """(greedy completions or None, sampled completions or None) of every problem, as `settings` asks."""
     score = functools.partial(sample_and_score, client, tokenizer, scorer, examples, prompts, settings=settings,
-                              stop_token_ids=stop_token_ids, expected_version=expected_version, progress=progress)
+                              stop_token_ids=stop_token_ids, expected_version=expected_version, progress=progress,
+                              episodes=episodes)
     greedy = score(group=1, temperature=0.0) if settings.greedy else None
     sampled = score(group=settings.samples, temperature=settings.temperature) if settings.samples else None
     return greedy, sampled
@@ -126,10 +154,11 @@ def evaluate_problems(client: RolloutClient, tokenizer: Any, scorer: RewardScore
 
 def eval_metrics(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
                  prompts: Sequence[Sequence[int]], settings: EvalSettings, *, stop_token_ids: Sequence[int] = (),
-                 expected_version: int | None = None) -> dict[str, Any]:
-    """The trainer's eval row: `eval/`-prefixed `summarize` of the held-out problems."""
+                 expected_version: int | None = None, episodes: Episodes | None = None) -> dict[str, Any]:
+    """The trainer's eval row: `eval/`-prefixed `summarize` of the held-out problems (`episodes`: with tools)."""
     greedy, sampled = evaluate_problems(client, tokenizer, scorer, examples, prompts, settings,
-                                        stop_token_ids=stop_token_ids, expected_version=expected_version)
+                                        stop_token_ids=stop_token_ids, expected_version=expected_version,
+                                        episodes=episodes)
     return {"eval/num_prompts": len(examples), **{f"eval/{k}": v for k, v in summarize(greedy, sampled).items()}}
 
 

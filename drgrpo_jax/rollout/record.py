@@ -22,8 +22,13 @@ if TYPE_CHECKING:
     from drgrpo_jax.data.examples import Example
     from drgrpo_jax.step.batch import Batch
 
-__all__ = ["HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad", "merge_host_rows",
-           "response_stats"]
+__all__ = ["EPISODE_COLUMNS", "HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad",
+           "merge_host_rows", "response_stats"]
+
+
+# A multi-turn row's episode counts (environments/trajectory.py), the columns of ScoredRollout.episodes.
+EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "malformed_calls", "tool_seconds", "model_tokens",
+                   "environment_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +45,19 @@ class ScoredRollout:
     versions: np.ndarray  # int64 [N]: the weight version each response was sampled with
     components: np.ndarray  # float32 [N, K]: reward components
     group_valid: np.ndarray  # bool [P]: False = a padding group (no loss, no statistics)
+    # Multi-turn rows: bool [N, B] True on the model's tokens (None: every response token) and float32 [N, E]
+    # the episode counts (EPISODE_COLUMNS; None: zeros, a single-turn rollout).
+    loss_mask: np.ndarray | None = None
+    episodes: np.ndarray | None = None
 
     ROW_FIELDS = ("response_ids", "behaviour_logprobs", "response_mask", "lengths", "truncated", "versions",
-                  "components")
+                  "components", "loss_mask", "episodes")
 
     def __post_init__(self):
+        if self.loss_mask is None:
+            object.__setattr__(self, "loss_mask", self.response_mask)
+        if self.episodes is None:
+            object.__setattr__(self, "episodes", np.zeros((len(self.response_ids), len(EPISODE_COLUMNS)), np.float32))
         num_prompts, num_rows = len(self.examples), len(self.response_ids)
         if len(self.prompt_ids) != num_prompts or len(self.group_valid) != num_prompts:
             raise ValueError(f"ScoredRollout: {num_prompts} examples, {len(self.prompt_ids)} prompts and "
@@ -125,7 +138,8 @@ class ScoredRollout:
         return Batch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=self.response_ids,
                      response_mask=self.response_mask, advantages=np.asarray(advantages_N, np.float32),
                      old_logprobs=np.zeros_like(self.behaviour_logprobs),
-                     behaviour_logprobs=self.behaviour_logprobs, row_valid=self.row_valid)
+                     behaviour_logprobs=self.behaviour_logprobs, row_valid=self.row_valid,
+                     loss_mask=self.loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,11 +32,20 @@ class Batch(Generic[ArrayT]):
     prompt_ids: ArrayT  # int32 [N, U], left-padded
     prompt_mask: ArrayT  # bool [N, U]
     response_ids: ArrayT  # int32 [N, T], right-padded
-    response_mask: ArrayT  # bool [N, T]: tokens that count in the loss
+    response_mask: ArrayT  # bool [N, T]: the response's real tokens (the model reads them all)
     advantages: ArrayT  # float32 [N]
     old_logprobs: ArrayT  # float32 [N, T]: the policy before this update (recomputed by the trainer)
     behaviour_logprobs: ArrayT  # float32 [N, T]: the sampler's, for TIS and the mismatch metric
     row_valid: ArrayT  # bool [N]: False = a padding row added for static shapes
+    # bool [N, T]: the tokens that count in the loss, the KL and the window's T_w; None = response_mask. A
+    # multi-turn trajectory's environment and tool tokens are real (context) but not the model's: False here.
+    loss_mask: ArrayT | None = None
+
+    def tokens_in_loss(self) -> ArrayT:
+        """The loss mask (response_mask where None); a loss token is always a real one."""
+        if self.loss_mask is None:
+            return self.response_mask
+        return self.loss_mask & self.response_mask  # type: ignore[operator]  # arrays of either kind
 
 
 def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> Any:

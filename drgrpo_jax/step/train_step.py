@@ -112,14 +112,15 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
             temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
             frozen=frozen, packing=packing, row_valid=micro.row_valid)[0])
     old_logprobs = jax.lax.stop_gradient(logprobs) if config.on_policy else micro.old_logprobs
-    token = micro.response_mask & micro.row_valid[:, None]
+    loss_mask = micro.tokens_in_loss()
+    token = loss_mask & micro.row_valid[:, None]
     advantages = jnp.broadcast_to(micro.advantages[:, None], logprobs.shape)
     mismatch = jnp.where(token, old_logprobs - micro.behaviour_logprobs, 0.0)
     tis_weight, truncated, dropped = importance_weights(mismatch, config)
     if config.tis_cap is not None or config.mis_high is not None:
         # A non-negative per-token weight on the advantage scales exactly the policy-gradient term.
         advantages = advantages * tis_weight
-    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, micro.response_mask, config=config.loss,
+    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, loss_mask, config=config.loss,
                             ref_logprobs=ref_logprobs, entropy=entropy, window=window, row_valid=micro.row_valid)
 
     def token_share(x):
@@ -153,7 +154,7 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     `shards`: the batch's data-parallel shards (packing: each packs its own responses). A window that overflows the
     packed rows is skipped and counted (`pack_overflow`); `jit_train_step` refuses it before running instead.
     """
-    window = window_stats(batch.response_mask, batch.row_valid)
+    window = window_stats(batch.tokens_in_loss(), batch.row_valid)  # T_w: the model's tokens only
     packing = pack_spec(config, shards)
     step_key = jax.random.fold_in(state.rng, state.step)  # adapter dropout (LoRA); unused otherwise
 
@@ -211,10 +212,12 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 # ------------------------------------------------------------------ jit with explicit shardings
 
 
-def batch_shardings(mesh: Mesh) -> Batch:
-    """Every batch field split over the data-parallel axes on its leading (response) dimension."""
+def batch_shardings(mesh: Mesh, *, loss_mask: bool = False) -> Batch:
+    """Every batch field split over the data-parallel axes on its leading (response) dimension; `loss_mask`:
+    for a batch that has one (multi-turn rows)."""
     rows = NamedSharding(mesh, P(BATCH_AXES))
-    return Batch(**{f.name: rows for f in dataclasses.fields(Batch)})
+    return Batch(**{f.name: rows for f in dataclasses.fields(Batch) if f.name != "loss_mask"},
+                 loss_mask=rows if loss_mask else None)
 
 
 def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh,
@@ -251,7 +254,7 @@ def _refusing_overflow(fn: Callable, config: StepConfig, mesh: Mesh, batch_index
         return fn
     replicated = NamedSharding(mesh, P())
     demand = jax.jit(functools.partial(pack_demand, config, shards=data_shards(mesh)),
-                     in_shardings=(batch_shardings(mesh),), out_shardings=(replicated, replicated))
+                     in_shardings=(NamedSharding(mesh, P(BATCH_AXES)),), out_shardings=(replicated, replicated))
 
     def checked(*args):
         rows, longest = (int(x) for x in demand(args[batch_index]))  # replicated: readable on every process
@@ -272,8 +275,9 @@ def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings:
     """train_step jitted with explicit in/out shardings, donating the state (packing: refusing overflows first)."""
     replicated = NamedSharding(mesh, P())
     step = functools.partial(train_step, graphdef, optimizer, schedule, config, shards=data_shards(mesh))
-    jitted = jax.jit(step, in_shardings=(shardings, batch_shardings(mesh)), out_shardings=(shardings, replicated),
-                     donate_argnums=0)
+    # One sharding for every field of the batch (a pytree prefix): batches with and without a loss mask both fit.
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    jitted = jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, replicated), donate_argnums=0)
     return _refusing_overflow(jitted, config, mesh, batch_index=1)
 
 
@@ -286,10 +290,10 @@ def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.Stat
     rows = NamedSharding(mesh, P(BATCH_AXES))
     logprobs = functools.partial(policy_logprobs, graphdef, config, shards=data_shards(mesh))
     if frozen_shardings is None:
-        jitted = jax.jit(logprobs, in_shardings=(params_shardings, batch_shardings(mesh)), out_shardings=rows)
+        jitted = jax.jit(logprobs, in_shardings=(params_shardings, rows), out_shardings=rows)
         return _refusing_overflow(lambda params, batch, frozen=None: jitted(params, batch), config, mesh, 1)
-    return _refusing_overflow(jax.jit(logprobs, in_shardings=(params_shardings, batch_shardings(mesh),
-                                                              frozen_shardings), out_shardings=rows), config, mesh, 1)
+    return _refusing_overflow(jax.jit(logprobs, in_shardings=(params_shardings, rows, frozen_shardings),
+                                      out_shardings=rows), config, mesh, 1)
 
 
 def shard_batch(local: dict[str, Any] | Batch, mesh: Mesh) -> Batch:

@@ -16,9 +16,9 @@ from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.rules import reward_weights
 from drgrpo_jax.data.examples import Example
 from drgrpo_jax.data.prompts import tokenize_prompt
-from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.errors import ConfigError, RolloutError
 from drgrpo_jax.hosts import fail_together, gather_hosts
-from drgrpo_jax.rollout.record import HostCounters, ScoredRollout, host_share, merge_host_rows
+from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, host_share, merge_host_rows
 from drgrpo_jax.rollout.weight_push import publish_weights
 from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher
 from drgrpo_jax.train.seeds import rollout_seed
@@ -30,10 +30,19 @@ if TYPE_CHECKING:
 __all__ = ["collect_rollout", "prefetch", "prime", "prompt_ids", "sample", "stop_ids"]
 
 
+def _episode_opening(run: Run, example: Example) -> list[int]:
+    """An episode's prompt: its environment's opening messages through the chat template (tools described)."""
+    assert run.episodes is not None
+    environment = run.episodes.make_environment()
+    return run.episodes.renderer(environment).opening_ids(environment.reset(run.episodes.example(example)))
+
+
 def prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
-    """Chat-templated prompt ids; a prompt over rollout.max_prompt_tokens is an error naming it."""
+    """Chat-templated prompt ids (episodes: the environment's opening); a prompt over rollout.max_prompt_tokens is
+    an error naming it."""
     limit = run.config.rollout.max_prompt_tokens
-    prompts = [tokenize_prompt(example, run.config.data, run.tokenizer) for example in examples]
+    prompts = [_episode_opening(run, example) if run.episodes is not None else
+               tokenize_prompt(example, run.config.data, run.tokenizer) for example in examples]
     for example, ids in zip(examples, prompts):
         if len(ids) > limit:
             raise ConfigError("rollout.max_prompt_tokens", f"prompt {example.prompt_id} has {len(ids)} tokens, "
@@ -53,11 +62,48 @@ def _version_number(version: str | None) -> int:
     return int(version)
 
 
+def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int
+                     ) -> tuple[ScoredRollout, HostCounters]:
+    """This process's share as G multi-turn episodes per prompt (environments/trajectory.py), scored on each
+    episode's last model turn; the rows hold the whole trajectory and the model's tokens in `loss_mask`."""
+    from drgrpo_jax.environments.trajectory import run_episodes, trajectory_arrays
+
+    r, episodes = run.config.rollout, run.episodes
+    assert episodes is not None
+    grouped = [e for e in examples for _ in range(r.group_size)]
+    start = time.perf_counter()
+    trajectories = run_episodes(run.client, run.tokenizer, episodes.make_environment,
+                                [episodes.example(e) for e in grouped], limits=episodes.limits, seed=seed,
+                                temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, renderer=episodes.renderer,
+                                expected_version=step, max_staleness=r.max_staleness)
+    rollout_seconds = time.perf_counter() - start
+    for i, trajectory in enumerate(trajectories):
+        if trajectory.prompt_ids != list(prompts[i // r.group_size]):
+            raise RolloutError(f"episode {i}: its opening renders to other ids than the rollout's prompt "
+                               "(an environment whose reset depends on more than the example?)")
+    model_tokens = np.asarray([t.model_tokens for t in trajectories], np.int32)
+    start = time.perf_counter()
+    scored = run.scorer.score([t.final_answer for t in trajectories], grouped, model_tokens)
+    counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
+                            scored.errors_F, scored.error_messages)
+    arrays = trajectory_arrays(trajectories, r.max_new_tokens)
+    rows = {**arrays, "lengths": np.asarray([len(t.ids) for t in trajectories], np.int32),
+            "truncated": np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]),
+            "versions": np.asarray([min(_version_number(v) for v in t.weight_versions) for t in trajectories],
+                                   np.int64),
+            "components": scored.components_NK,
+            "episodes": np.asarray([[getattr(t, column) for column in EPISODE_COLUMNS] for t in trajectories],
+                                   np.float32)}
+    return ScoredRollout.from_rows(examples, prompts, rows), counters
+
+
 def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
                   offset: int) -> tuple[ScoredRollout, HostCounters]:
     """This process's share of the prompts: sampled from the service(s) and scored here."""
     import jax
 
+    if run.episodes is not None:
+        return _sample_episodes(run, step, examples, prompts, seed)
     r = run.config.rollout
     start = time.perf_counter()
     sampled = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,

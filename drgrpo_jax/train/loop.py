@@ -170,7 +170,7 @@ def _periodic_eval(run: Run, step: int) -> dict[str, Any]:
                             temperature=c.train.eval_temperature, seed=eval_seed(c.run.seed, step),
                             chunk_prompts=max(len(run.dataset.eval), 1))
     row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, prompt_ids(run, run.dataset.eval),
-                       settings, stop_token_ids=stop_ids(run), expected_version=step)
+                       settings, stop_token_ids=stop_ids(run), expected_version=step, episodes=run.episodes)
     return {"step": step, **row, "eval_seconds": time.perf_counter() - start}
 
 

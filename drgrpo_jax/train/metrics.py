@@ -9,7 +9,7 @@ import numpy as np
 
 from drgrpo_jax.config.rules import component_names, reward_weights
 from drgrpo_jax.config.schema import Config
-from drgrpo_jax.rollout.record import HostCounters, ScoredRollout, correct_mask, response_stats
+from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, correct_mask, response_stats
 
 if TYPE_CHECKING:
     from drgrpo_jax.step.batch import Batch
@@ -57,6 +57,10 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
     for key in updates.window_reports[0]:  # the window step's report (gdpo: whitening), averaged over windows
         row[key] = float(np.mean([report[key] for report in updates.window_reports]))
     row.update({f"reward/{name}": float(components[:, k].mean()) for k, name in enumerate(names)})
+    if config.environment.enabled:  # multi-turn episodes: per-trajectory means of their counts
+        episodes = np.asarray(rollout.episodes)[valid]  # None (JSON null) when every group is padding
+        row.update({f"episode/{column}": float(episodes[:, k].mean()) if len(episodes) else None
+                    for k, column in enumerate(EPISODE_COLUMNS)})
     return row | counters.metrics()
 
 

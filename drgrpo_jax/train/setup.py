@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from flax import nnx
 
     from drgrpo_jax.checkpoint import Checkpointer
+    from drgrpo_jax.environments.build import Episodes
     from drgrpo_jax.rewards.scorer import RewardScorer
     from drgrpo_jax.rollout.client import RolloutClient
     from drgrpo_jax.rollout.local_service import LocalServer
@@ -67,6 +68,7 @@ class Run:
     server: LocalServer | None = None  # the local child service (one process, no rollout.urls)
     pusher: SegmentPusher | None = None  # weight pushes to that child through shared memory (rollout.weight_sync)
     behaviour_params: nnx.State | None = None  # rollout.async resumed: the params that sample the pending round
+    episodes: Episodes | None = None  # environment.tools/factory: multi-turn episodes instead of one completion
 
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
@@ -173,6 +175,11 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
                                                     keep=c.train.keep_checkpoints))
     resume = checkpointer.should_resume(c.train.resume)
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
+    episodes = None
+    if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error
+        from drgrpo_jax.environments.build import build_episodes
+
+        episodes = build_episodes(c, tokenizer)
 
     mesh = build_mesh(c)
     dtype = DTYPES[c.model.dtype]
@@ -239,5 +246,5 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
               checkpointer=checkpointer, publisher=publisher, log=log,
               stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
               start_step=start_step, client=client, scorer=scorer, server=server, pusher=pusher,
-              behaviour_params=behaviour)
+              behaviour_params=behaviour, episodes=episodes)
     return run, state

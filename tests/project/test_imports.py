@@ -68,7 +68,7 @@ LAYERS = (
     ("sampler",), ("step",),
     ("config",), ("serve",),
     ("data",), ("rewards",),
-    ("rollout",),
+    ("rollout",), ("environments",),
     ("plan",), ("evaluate",),
     ("train",),
     ("integrations",),  # adapters for other trainers: only the public math (test_integrations_use_only_the_math)
