@@ -66,6 +66,15 @@ class ServeConfig:
     max_request_tokens: int = 2**23  # per request: prompts x n x (prompt + new tokens)
     max_queued_tokens: int = 2**24  # the same measure over every request queued or running; beyond it: 429
     max_body_bytes: int = 32 * 2**20  # largest request body accepted (413 beyond)
+    default_max_tokens: int = 512  # chat completions that name no max_tokens get this many at most
+    max_tokens_limit: int = 8192  # OpenAI routes: a larger max_tokens / max_completion_tokens is refused (400)
+    request_timeout_s: float = 600.0  # a request is answered by then: what was generated, finish reason "abort"
+    max_scoring_bytes: int = 256 * 2**20  # log-prob scoring's float32 temporaries per tile (rows x positions x vocab)
+    header_timeout_s: float = 10.0  # a connection that has not sent its request's headers by then is closed
+    body_timeout_s: float = 30.0  # a request whose body has not arrived by then is answered 408
+    keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
+    max_connections: int = 256  # open connections beyond this are answered 503 and closed
+    max_header_bytes: int = 16 * 2**10  # request line + headers beyond this: the connection is refused (400)
 
     def __post_init__(self):
         if isinstance(self.weights_roots, (list, str)):
@@ -74,9 +83,16 @@ class ServeConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not supported (supported: {sorted(DTYPES)})")
         for name in ("max_batch_size", "max_rows_per_request", "max_request_tokens", "max_queued_tokens",
-                     "max_body_bytes"):
+                     "max_body_bytes", "default_max_tokens", "max_tokens_limit", "max_scoring_bytes",
+                     "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit="
+                             f"{self.max_tokens_limit}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.batch_wait_ms < 0 or self.max_context < 0:

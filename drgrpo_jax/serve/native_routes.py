@@ -19,7 +19,7 @@ from drgrpo_jax.serve.schemas import (
     UpdateWeightsFromTensorRequest,
     UpdateWeightsRequest,
 )
-from drgrpo_jax.serve.security import PathNotAllowed, confine_weight_path
+from drgrpo_jax.serve.security import PathNotAllowed, confine_weight_path, open_weight_folder
 from drgrpo_jax.serve.service import (
     BadRequest,
     check_request,
@@ -72,17 +72,21 @@ def _next_version(current: str) -> str:
 
 
 def _update_answer(status: int, message: str, version: str) -> JSONResponse:
-    """SGLang's update answer (`success`, `message`, the version now served)."""
-    return JSONResponse({"success": status == 200, "message": message, "weight_version": version},
-                        status_code=status)
+    """SGLang's update answer (`success`, `message`, the version now served); a refusal also carries OpenAI's
+    `error` object, so every error of the service has that shape."""
+    body: dict[str, Any] = {"success": status == 200, "message": message, "weight_version": version}
+    if status != 200:
+        body["error"] = {"message": message, "type": "invalid_request_error", "code": status}
+    return JSONResponse(body, status_code=status)
 
 
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
     """POST /update_weights_from_disk: confine, load, check, swap; on failure 403/400 and the old weights serve on.
 
     The path is an HF model folder or a PEFT LoRA adapter folder (merged into the current base weights).
-    The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards
-    unless the body says allow_rollback (a trainer resuming from a checkpoint); a
+    The path must lie under a --weights-root, with no symbolic link below it (403 otherwise, naming the rule);
+    its files are opened once, through descriptors, and loaded from those (no window to swap them); integer
+    versions may not go backwards unless the body says allow_rollback (a trainer resuming from a checkpoint); a
     load failure says only that the folder is not a valid model (the service's log has the detail).
     """
     service = service_of(request)
@@ -93,12 +97,15 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONRe
         path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
         if not body.allow_rollback:
             check_newer(engine.weights.version, version)
-        weights = await asyncio.to_thread(engine.update_weights, path, version, shown_path=body.model_path,
-                                          allow_rollback=body.allow_rollback)
+        with open_weight_folder(path, service.weights_roots) as folder:  # read through descriptors: no race
+            weights = await asyncio.to_thread(engine.update_weights, folder, version, shown_path=body.model_path,
+                                              allow_rollback=body.allow_rollback)
     except PathNotAllowed as error:
         return _update_answer(403, str(error), engine.weights.version)
     except InvalidWeights as error:
         return _update_answer(400, str(error), engine.weights.version)
+    except OSError:  # the folder (or a folder on the way) is missing or unreadable: the log of a load says no more
+        return _update_answer(400, "model_path: not a valid model folder", engine.weights.version)
     return _update_answer(200, "Succeeded to update model weights.", weights.version)
 
 

@@ -20,6 +20,7 @@ from drgrpo_jax.serve.service import (
     Service,
     check_request,
     decode,
+    greedy_below,
     prompt_ids,
     run_rows,
     sampler_rows,
@@ -127,10 +128,17 @@ def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) ->
     return prompts
 
 
+def _budget(given: int | None, field: str, default: int, limit: int) -> int:
+    """The new-token budget: `given`, else the operator's default; refused (naming `field`) above the limit."""
+    if given is not None and given > limit:
+        raise BadRequest(f"{field}: {given} exceeds this service's limit of {limit} (--max-tokens-limit)")
+    return default if given is None else given
+
+
 def _params(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int) -> SamplingParamsIn:
     """The request's sampling settings in SGLang's terms; a null field takes OpenAI's default."""
     return SamplingParamsIn(max_new_tokens=max_new_tokens,
-                            temperature=1.0 if body.temperature is None else body.temperature,
+                            temperature=greedy_below(1.0 if body.temperature is None else body.temperature),
                             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, n=body.n,
                             stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos)
 
@@ -172,7 +180,10 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     engine, tokenizer = service.engine, service.tokenizer
     prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
-    params = _params(body, 16 if body.max_tokens is None else body.max_tokens)
+    limits = engine.config
+    # OpenAI's default of 16 when max_tokens is left out, or the operator's if that is smaller.
+    params = _params(body, _budget(body.max_tokens, "max_tokens", min(16, limits.default_max_tokens),
+                                   limits.max_tokens_limit))
     check_request(engine, prompts, [params] * len(prompts), "prompt", "")
     rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
     results = await run_rows(engine, rows, request)
@@ -250,15 +261,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     engine, tokenizer = service.engine, service.tokenizer
     prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
-    budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _params(body, max(engine.max_context - len(prompt), 0) if budget is None else budget)
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:  # before any work: a refused request costs no batch
+        raise BadRequest("top_logprobs: needs logprobs: true")
+    limits = engine.config
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # Not the rest of the context: one request without max_tokens must not hold the worker for minutes.
+    budget = _budget(given, field, min(limits.default_max_tokens, max(engine.max_context - len(prompt), 0)),
+                     limits.max_tokens_limit)
+    if body.max_tokens is not None and body.max_tokens > limits.max_tokens_limit:
+        raise BadRequest(f"max_tokens: {body.max_tokens} exceeds this service's limit of "
+                         f"{limits.max_tokens_limit} (--max-tokens-limit)")
+    params = _params(body, budget)
     check_request(engine, [prompt], [params], "messages", "")
     results = await run_rows(engine, sampler_rows([prompt], [params], True, engine.weights.config.vocab_size),
                              request)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
-    top = body.top_logprobs or 0
-    if top and not body.logprobs:
-        raise BadRequest("top_logprobs: needs logprobs: true")
     sequences = [prompt + c.token_ids for c in choices]
     scored = await _score(service, sequences, params.temperature, top, choices) if body.logprobs else None
     out = [{"index": j, "message": {"role": "assistant", "content": choice.text},

@@ -16,8 +16,9 @@ from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
 __all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "BadRequest", "ClientGone", "Service", "check_request", "decode",
-           "error_response", "prompt_ids", "run_rows", "sampler_rows", "service_of", "tokenize"]
+           "error_response", "greedy_below", "prompt_ids", "run_rows", "sampler_rows", "service_of", "tokenize"]
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: logits / t would overflow float32 (t ~ 1e-9)
 CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -50,6 +51,12 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     kind = "invalid_request_error" if status < 500 else "internal_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                         headers=headers)
+
+
+def greedy_below(temperature: float) -> float:
+    """`temperature`, or 0 (greedy) when it is so small that dividing logits by it leaves float32's range; the
+    token drawn is then the likeliest either way, and its log-prob is reported finite."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
 def tokenize(texts: list[str], tokenizer: Any, field: str, max_context: int) -> list[list[int]]:
@@ -119,7 +126,8 @@ def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], share
     request_seed = secrets.randbits(32)
     rows = []
     for index, (prompt, p) in enumerate(zip(prompts, params)):
-        settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+        settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=greedy_below(p.temperature),
+                                  top_p=p.top_p,
                                   top_k=min(p.top_k, vocab), stop_token_ids=tuple(p.stop_token_ids or ()),
                                   ignore_eos=p.ignore_eos)
         # One shared seed: prompts are told apart by `stream`; per-prompt seeds are used as given.

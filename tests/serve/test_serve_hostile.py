@@ -1,0 +1,224 @@
+"""Issue #44's findings against the service, in process (FastAPI's TestClient over a real Engine on the tiny model):
+each test failed on main at 4e341fd and holds here. Hostile paths, error shapes, request bounds, numerics."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from drgrpo_jax.serve.app import build_app
+from drgrpo_jax.serve.engine import Engine, ServeConfig
+
+from support.tiny_models import write_tiny_llama
+
+PEAKED = {"vocab_size": 64, "initializer_range": 0.5, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A weights root with a model in it, and a model of the same shape outside it (other weights)."""
+    base = tmp_path_factory.mktemp("hostile")
+    inside = write_tiny_llama(str(base / "weights" / "run" / "step"), seed=1, **PEAKED)
+    outside = write_tiny_llama(str(base / "outside" / "step"), seed=7, **PEAKED)
+    served = write_tiny_llama(str(base / "served"), seed=0, **PEAKED)
+    return {"root": str(base / "weights"), "inside": inside, "outside": outside, "served": served,
+            "base": str(base)}
+
+
+def _client(engine: Engine, tokenizer=None) -> TestClient:
+    return TestClient(build_app(engine, tokenizer), base_url="http://localhost", raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def engine(root):
+    engine = Engine(ServeConfig(model=root["served"], weights_roots=(root["root"],), max_batch_size=8,
+                                batch_wait_ms=1.0))
+    yield engine
+    engine.close()
+
+
+def _embed(weights) -> np.ndarray:
+    return np.asarray(weights.state["embed"][...])
+
+
+def _loaded_embed(path: str) -> np.ndarray:
+    from drgrpo_jax.serve.weights import load_weights
+
+    return _embed(load_weights(path, "float32", "x"))
+
+
+def _push(client: TestClient, path: str, version: str) -> tuple[int, dict]:
+    answer = client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version,
+                                                            "allow_rollback": True})
+    return answer.status_code, answer.json()
+
+
+def test_a_null_byte_in_a_weight_path_is_403_naming_the_rule(engine, root):
+    client = _client(engine)
+    for path in (root["inside"] + "\x00", "\x00", root["root"] + "/\x00/../x"):
+        status, body = _push(client, path, "1")
+        assert status == 403, body  # main: 500 (realpath raised ValueError: embedded null byte)
+        assert "NUL" in body["message"], body
+    status, body = _push(client, root["root"] + "/run/../../outside/step", "1")
+    assert status == 403 and "'..'" in body["message"], body
+
+
+def test_swapping_a_folder_for_a_symlink_during_the_load_cannot_escape_the_root(engine, root, monkeypatch):
+    """The race, made deterministic: the folder is swapped for a link out of the root once the path was checked,
+    just before the loader reads it. The files read are those opened when the path was checked."""
+    from drgrpo_jax.serve import weights as weights_module
+
+    run = os.path.join(root["root"], "run")
+    real_load = weights_module.from_pretrained
+    inside = _loaded_embed(root["inside"])
+
+    def swap_then_load(path, **kwargs):
+        os.rename(run, run + "_moved")
+        os.symlink(os.path.dirname(root["outside"]), run)
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(weights_module, "from_pretrained", swap_then_load)
+    try:
+        status, body = _push(_client(engine), root["inside"], "2")
+    finally:
+        os.remove(run)
+        os.rename(run + "_moved", run)
+    assert status == 200, body
+    np.testing.assert_array_equal(_embed(engine.weights), inside)  # main: the outside's weights were served
+
+
+def test_a_weight_file_symlinked_out_of_the_root_is_refused(engine, root):
+    folder = os.path.join(root["root"], "linked")
+    shutil.copytree(root["inside"], folder)
+    os.remove(os.path.join(folder, "model.safetensors"))
+    os.symlink(os.path.join(root["outside"], "model.safetensors"), os.path.join(folder, "model.safetensors"))
+    before = _embed(engine.weights)
+    status, body = _push(_client(engine), folder, "3")
+    assert status == 403 and "symbolic link" in body["message"] and "model.safetensors" in body["message"], body
+    np.testing.assert_array_equal(_embed(engine.weights), before)  # main: 200, the outside's weights served
+    link = os.path.join(root["root"], "link")
+    os.symlink(root["inside"], link)  # a link below the root, even to a folder inside it, is refused too
+    status, body = _push(_client(engine), link, "3")
+    assert status == 403 and "symbolic link" in body["message"], body
+
+
+def test_a_missing_folder_under_the_root_is_400_and_a_real_one_loads(engine, root):
+    client = _client(engine)
+    status, body = _push(client, os.path.join(root["root"], "nowhere"), "4")
+    assert status == 400 and body["message"] == "model_path: not a valid model folder", body
+    status, body = _push(client, root["inside"], "4")
+    assert status == 200 and body["weight_version"] == "4", body
+    np.testing.assert_array_equal(_embed(engine.weights), _loaded_embed(root["inside"]))
+
+
+def _is_openai_error(answer, status: int, *words: str) -> None:
+    assert answer.status_code == status, (answer.status_code, answer.text)
+    error = answer.json()["error"]
+    assert isinstance(error["message"], str) and error["code"] == status and error["type"], error
+    for word in words:
+        assert word in error["message"], (word, error)
+
+
+def test_every_error_is_in_openais_shape(engine):
+    client = _client(engine)
+    _is_openai_error(client.get("/no/such/route"), 404, "/no/such/route")
+    _is_openai_error(client.get("/generate"), 405, "GET")
+    _is_openai_error(client.post("/generate", content=b"\xff\xfe{", headers={"content-type": "application/json"}),
+                     400, "body")
+    _is_openai_error(client.post("/generate", content=b"[" * 100_000 + b"]" * 100_000,
+                                 headers={"content-type": "application/json"}), 400, "body")
+    long_int = b'{"input_ids": [' + b"9" * 5000 + b"]}"
+    _is_openai_error(client.post("/generate", content=long_int, headers={"content-type": "application/json"}),
+                     400, "body")
+    assert "detail" not in client.get("/nowhere").json()
+
+
+def test_an_unexpected_failure_is_500_in_openais_shape(engine, monkeypatch):
+    from drgrpo_jax.serve import native_routes
+
+    def broken(*_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(native_routes, "_per_prompt", broken)
+    answer = _client(engine).post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    _is_openai_error(answer, 500, "internal error")
+    assert "boom" not in answer.text  # nothing of the server's internals goes to the client
+
+
+def test_a_chunked_body_over_the_limit_is_413(root):
+    engine = Engine(ServeConfig(model=root["served"], max_body_bytes=1000))
+    try:
+        client = _client(engine)
+
+        def chunks():
+            yield b'{"input_ids": ['
+            for _ in range(200):
+                yield b"1, 2, 3, 4, 5, "
+            yield b"1]}"
+
+        answer = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+        _is_openai_error(answer, 413, "body", "1000")  # main: 400 "There was an error parsing the body"
+    finally:
+        engine.close()
+
+
+def test_top_logprobs_without_logprobs_is_refused_before_any_work(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    client = _client(engine, tokenizer)
+    before = engine.batches_run
+    answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "top_logprobs": 2, "max_tokens": 4})
+    _is_openai_error(answer, 400, "top_logprobs")
+    assert engine.batches_run == before  # main: refused only after the batch had run
+
+
+def test_chat_without_max_tokens_gets_the_operators_default_and_a_limit(root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = Engine(ServeConfig(model=root["served"], default_max_tokens=8, max_tokens_limit=64))
+    client = _client(engine, tokenizer)
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 8  # main: the rest of the context (~250)
+    for route, payload in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": [3, 4]})):
+        for field in ("max_tokens", "max_completion_tokens") if "chat" in route else ("max_tokens",):
+            _is_openai_error(client.post(route, json={**payload, field: 65}), 400, field, "64")
+    engine.close()
+
+
+def test_tiny_temperatures_are_greedy_and_every_logprob_is_finite(engine):
+    client = _client(engine)
+    greedy = client.post("/generate", json={"input_ids": [5, 9, 14], "return_logprob": True,
+                                            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}).json()
+    for temperature in (1e-6, 1e-9, 1e-20, 1e-37, 5e-324):
+        body = {"input_ids": [5, 9, 14], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 6, "temperature": temperature}}
+        answer = client.post("/generate", json=body).json()
+        logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        assert answer["output_ids"] == greedy["output_ids"], temperature
+        assert all(lp is not None and np.isfinite(lp) for lp in logprobs), (temperature, logprobs)
+        completion = client.post("/v1/completions", json={"prompt": [5, 9, 14], "max_tokens": 4, "logprobs": 1,
+                                                          "temperature": temperature}).json()
+        assert all(np.isfinite(lp) for lp in completion["choices"][0]["logprobs"]["token_logprobs"]), completion
+
+
+def test_segment_names_must_match_whole(engine):
+    body = {"segment": "drgrpo_weights_1_1\n", "weight_version": "1",
+            "tensors": [{"name": "embed", "dtype": "float32", "shape": [1], "offset": 0}]}
+    answer = _client(engine).post("/update_weights_from_tensor", json=body)
+    _is_openai_error(answer, 400, "segment")
+    assert "drgrpo_weights_<pid>_<version>" in answer.json()["error"]["message"]  # main: "no such segment"
+
+
+def test_openapi_error_bodies_stay_parseable_json(engine):
+    spec = _client(engine).get("/openapi.json").json()
+    assert json.dumps(spec) and "/generate" in spec["paths"]
