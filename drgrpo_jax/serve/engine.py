@@ -145,6 +145,7 @@ class RowResult:
     logprobs: list[float]
     stopped: bool  # ended on a stop/EOS token (the last of output_ids), else hit max_new_tokens
     weight_version: str
+    aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty)
 
 
 class QueueFull(Exception):
@@ -197,6 +198,7 @@ class Engine:
         self._update_lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._pending: deque[tuple[_Job, int]] = deque()
+        self._jobs: dict[concurrent.futures.Future, _Job] = {}  # requests not answered yet (see `abandon`)
         self._budget_lock = threading.Lock()
         self.queued_tokens = 0  # row_cost of every row submitted and not yet finished or dropped
         self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
@@ -222,8 +224,18 @@ class Engine:
                 raise QueueFull(min(60, max(1, math.ceil(self.queued_tokens / rate))))
             self.queued_tokens += cost
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_Job(list(rows), future, [None] * len(rows), len(rows)))
+        job = _Job(list(rows), future, [None] * len(rows), len(rows))
+        self._jobs[future] = job
+        future.add_done_callback(lambda done: self._jobs.pop(done, None))
+        self._queue.put(job)
         return future
+
+    def abandon(self, future: concurrent.futures.Future) -> list[RowResult | None]:
+        """Cancels a request (its rows not yet sampled are dropped at the next batch boundary) and returns the
+        results of its rows that were sampled already (None for the others)."""
+        job = self._jobs.get(future)  # before cancelling: the future's done-callback forgets it
+        future.cancel()
+        return list(job.results) if job is not None else []
 
     def _release(self, rows: Sequence[RowRequest]) -> None:
         with self._budget_lock:

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 from fastapi import HTTPException, Request
 
-from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
 from drgrpo_jax.serve.scoring import ScoredSequence, score_sequences
 from drgrpo_jax.serve.service import (
     BadRequest,
     Service,
     check_request,
+    deadline_of,
     decode,
     greedy_below,
     prompt_ids,
@@ -27,56 +27,9 @@ from drgrpo_jax.serve.service import (
     service_of,
     tokenize,
 )
+from drgrpo_jax.serve.stops import Choice, apply_stop
 
-__all__ = ["ROUTES", "Choice", "apply_stop", "chat_completions", "completions", "first_stop", "models"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """One completion after its stop strings: the tokens kept, its text and why it ended."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
-    weight_version: str
-
-
-def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """(index, string) of the earliest stop string in `text` (the longest of those starting there), or None."""
-    found = [(text.find(stop), -len(stop), stop) for stop in stops if stop in text]
-    if not found:
-        return None
-    index, _, stop = min(found)
-    return index, stop
-
-
-def _tokens_covering(tokenizer: Any, ids: list[int], num_chars: int) -> int:
-    """The fewest leading tokens whose decoded text has at least `num_chars` characters (binary search)."""
-    low, high = 1, len(ids)
-    while low < high:
-        middle = (low + high) // 2
-        if len(decode(tokenizer, ids[:middle])) >= num_chars:
-            high = middle
-        else:
-            low = middle + 1
-    return low
-
-
-def apply_stop(result: RowResult, tokenizer: Any, stops: list[str]) -> Choice:
-    """The completion cut before its earliest stop string (unchanged when none occurs).
-
-    The sampler stops on tokens, so a completion runs to its budget, EOS or a stop token before it is cut
-    here. As OpenAI, the text leaves the stop string out; as vLLM, `token_ids` keep the tokens through the
-    one that completed it.
-    """
-    text = decode(tokenizer, result.output_ids)
-    reason = "stop" if result.stopped else "length"
-    found = first_stop(text, stops) if stops else None
-    if found is None:
-        return Choice(result.output_ids, text, reason, result.weight_version)
-    index, stop = found
-    keep = _tokens_covering(tokenizer, result.output_ids, index + len(stop))
-    return Choice(result.output_ids[:keep], text[:index], "stop", result.weight_version)
+__all__ = ["ROUTES", "chat_completions", "completions", "models"]
 
 
 def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
@@ -87,18 +40,25 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
 
 
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
-                 choices: list[Choice]) -> list[ScoredSequence]:
-    """Log-probs of each sequence under the weights that sampled it (503 when they were swapped meanwhile).
+                 choices: list[Choice], deadline: float) -> tuple[list[ScoredSequence] | None, list[Choice]]:
+    """(log-probs of each sequence under the weights that sampled it, the choices); 503 when the weights were
+    swapped meanwhile. When scoring is not done by `deadline` the log-probs are None and every choice's finish
+    reason is abort: the request is answered by its deadline all the same.
 
     Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
     request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
     exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree to ~1e-4.
     """
-    weights = service.engine.weights
+    weights, config = service.engine.weights, service.engine.config
     if any(c.weight_version != weights.version for c in choices):
         raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
-    return await asyncio.to_thread(score_sequences, weights.graphdef, weights.state, sequences,
-                                   [temperature] * len(sequences), top, weights.config.vocab_size)
+    scoring = asyncio.to_thread(score_sequences, weights.graphdef, weights.state, sequences,
+                                [temperature] * len(sequences), top, weights.config.vocab_size,
+                                config.max_scoring_bytes)
+    try:
+        return await asyncio.wait_for(scoring, max(deadline - time.monotonic(), 0.0)), choices
+    except TimeoutError:  # the thread finishes on its own; nobody waits for it
+        return None, [dataclasses.replace(c, finish_reason="abort") for c in choices]
 
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -178,6 +138,7 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     """POST /v1/completions: every prompt gets the same settings, and n completions each."""
     service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
+    deadline = deadline_of(engine)
     prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
     limits = engine.config
@@ -186,12 +147,13 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
                                    limits.max_tokens_limit))
     check_request(engine, prompts, [params] * len(prompts), "prompt", "")
     rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
-    results = await run_rows(engine, rows, request)
+    results = await run_rows(engine, rows, request, deadline)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
     prompt_of = [i for i in range(len(prompts)) for _ in range(body.n)]
     sequences = [prompts[p] + c.token_ids for p, c in zip(prompt_of, choices)]
-    scored = (await _score(service, sequences, params.temperature, body.logprobs, choices)
-              if body.logprobs is not None else None)
+    scored = None
+    if body.logprobs is not None:
+        scored, choices = await _score(service, sequences, params.temperature, body.logprobs, choices, deadline)
     out = []
     for index, (p, choice) in enumerate(zip(prompt_of, choices)):
         prefix = _echo_prefix(body.prompt, p, prompts[p], tokenizer) if body.echo else ""
@@ -259,6 +221,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     """POST /v1/chat/completions: n assistant replies to one conversation."""
     service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
+    deadline = deadline_of(engine)
     prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
     top = body.top_logprobs or 0
@@ -276,10 +239,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     params = _params(body, budget)
     check_request(engine, [prompt], [params], "messages", "")
     results = await run_rows(engine, sampler_rows([prompt], [params], True, engine.weights.config.vocab_size),
-                             request)
+                             request, deadline)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
     sequences = [prompt + c.token_ids for c in choices]
-    scored = await _score(service, sequences, params.temperature, top, choices) if body.logprobs else None
+    scored = None
+    if body.logprobs:
+        scored, choices = await _score(service, sequences, params.temperature, top, choices, deadline)
     out = [{"index": j, "message": {"role": "assistant", "content": choice.text},
             "logprobs": None if scored is None else _chat_logprobs(tokenizer, sequences[j], scored[j], len(prompt),
                                                                    top),

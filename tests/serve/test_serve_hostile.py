@@ -222,3 +222,89 @@ def test_segment_names_must_match_whole(engine):
 def test_openapi_error_bodies_stay_parseable_json(engine):
     spec = _client(engine).get("/openapi.json").json()
     assert json.dumps(spec) and "/generate" in spec["paths"]
+
+
+def _reference_scores(model, sequence: list[int], temperature: float, top: int):
+    """log p(token i | tokens < i) and the top entries, from the model's whole logits (the oracle)."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = model(jnp.asarray([sequence], jnp.int32))[0, :-1] / temperature
+    logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    token = logprobs[np.arange(len(sequence) - 1), sequence[1:]]
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :top]
+    return token, np.take_along_axis(logprobs, order, -1), order
+
+
+def test_scoring_in_tiles_matches_the_whole_logits():
+    from flax import nnx
+
+    from drgrpo_jax.serve.scoring import score_sequences, tile_sizes
+
+    from support.tiny_models import SAMPLER_VOCAB, tiny_sampler_model
+
+    model = tiny_sampler_model()
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, SAMPLER_VOCAB, size).tolist() for size in (40, 7, 23)]
+    assert tile_sizes(4, 64, SAMPLER_VOCAB, 4, 1) == (1, SAMPLER_VOCAB)  # as small as tiles get
+    for max_bytes in (1, 4 * 16 * 100 * 4 * 4, 2**30):  # one position a tile, 16 positions, everything at once
+        scored = score_sequences(graphdef, state, sequences, [0.7, 0.0, 1.3], 3, SAMPLER_VOCAB, max_bytes)
+        for sequence, temperature, got in zip(sequences, [0.7, 1.0, 1.3], scored):
+            token, top_values, top_ids = _reference_scores(model, sequence, temperature, 3)
+            np.testing.assert_allclose(got.token_logprobs, token, rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(got.top_logprobs, top_values, rtol=2e-5, atol=2e-5)
+            assert got.top_ids == top_ids.tolist()
+
+
+def test_scoring_memory_is_bounded_by_max_scoring_bytes():
+    """8 rows x 512 positions x a 32,768 vocabulary: untiled, each float32 logits array is 512 MiB; tiled under a
+    32 MiB bound the whole program's temporaries stay under 4x that (attention's own included)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.serve import scoring
+
+    config = DecoderConfig(family="llama", vocab_size=32768, hidden_size=32, intermediate_size=64, num_layers=1,
+                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    rows, length, bound = 8, 512, 32 * 2**20
+    positions, entries = scoring.tile_sizes(rows, length, config.vocab_size, 1, bound)
+    ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+    compiled = scoring._score.lower(graphdef, state, ids, ids, jax.ShapeDtypeStruct((rows,), jnp.float32), top=1,
+                                    positions=positions, entries=entries).compile()
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    assert temporaries < 4 * bound, (temporaries, positions, entries)
+    assert rows * length * config.vocab_size * 4 == 16 * bound  # what one untiled array would have taken
+
+
+def test_a_request_past_its_deadline_is_answered_with_abort(root):
+    """--request-timeout-s: a request is answered by its deadline; rows not sampled by then come back empty with
+    finish reason abort (here the worker is held by a slow batch)."""
+    import threading
+    import time
+
+    engine = Engine(ServeConfig(model=root["served"], request_timeout_s=1.0))
+    release = threading.Event()
+    real_run = engine.run_batch
+
+    def slow_run(weights, rows):
+        release.wait(30)
+        return real_run(weights, rows)
+
+    engine.run_batch = slow_run
+    try:
+        client = _client(engine)
+        start = time.monotonic()
+        answer = client.post("/generate", json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 4}})
+        chat = client.post("/v1/completions", json={"prompt": [5, 9], "max_tokens": 4})
+        assert time.monotonic() - start < 10
+        assert answer.status_code == 200 and chat.status_code == 200, (answer.text, chat.text)
+        assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort" and answer.json()["output_ids"] == []
+        assert chat.json()["choices"][0]["finish_reason"] == "abort"
+    finally:
+        release.set()
+        engine.close()
