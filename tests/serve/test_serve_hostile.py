@@ -308,3 +308,55 @@ def test_a_request_past_its_deadline_is_answered_with_abort(root):
     finally:
         release.set()
         engine.close()
+
+
+# SGLang's sampling parameters, the API fields of `class SamplingParams` in sgl-project/sglang
+# python/sglang/srt/sampling/sampling_params.py (commit 00c17cafcb9e289d5ca97c50e44ada54e4fd5b03), documented in
+# its docs/basic_usage/sampling_params: each with a value SGLang accepts and that means "off" where it is off.
+SGLANG_SAMPLING_PARAMS = {
+    "max_new_tokens": 3, "stop": ["zz"], "stop_token_ids": [2], "stop_regex": None, "temperature": 0.0,
+    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
+    "structural_tag": None, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "no_stop_trim": False, "custom_params": None, "stream_interval": None, "logit_bias": None,
+    "sampling_seed": 11,
+}
+NOT_IMPLEMENTED = {"min_p": 0.1, "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1,
+                   "min_new_tokens": 2, "no_stop_trim": True, "regex": "a+", "json_schema": "{}", "ebnf": "x",
+                   "stop_regex": "a", "logit_bias": {"3": 1.0}}
+
+
+def test_generate_accepts_sglangs_sampling_parameters_and_names_any_other(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    client = _client(engine, load_tokenizer(root["served"], None))
+    prompt = {"input_ids": [5, 9, 14], "return_logprob": True}
+    answer = client.post("/generate", json={**prompt, "sampling_params": SGLANG_SAMPLING_PARAMS})
+    assert answer.status_code == 200, answer.text  # main: 400 on stop, min_p, sampling_seed, ... (extra fields)
+    alias = client.post("/generate", json={**prompt, "sampling_params": {
+        **{k: v for k, v in SGLANG_SAMPLING_PARAMS.items() if k != "sampling_seed"}, "seed": 11}})
+    assert alias.json()["output_ids"] == answer.json()["output_ids"]
+    for name, value in NOT_IMPLEMENTED.items():
+        refused = client.post("/generate", json={**prompt, "sampling_params": {name: value}})
+        _is_openai_error(refused, 400, f"sampling_params.{name}", "not supported")
+    _is_openai_error(client.post("/generate", json={**prompt, "sampling_params": {"bogus_knob": 1}}), 400,
+                     "sampling_params.bogus_knob")
+    _is_openai_error(client.post("/generate", json={**prompt, "sampling_params": {"seed": 1, "sampling_seed": 2}}),
+                     400, "sampling_seed")
+
+
+def test_generate_stop_strings_cut_the_completion_as_sglang_reports_them(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    client = _client(engine, tokenizer)
+    body = {"input_ids": [5, 9, 14], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    full = client.post("/generate", json=body).json()
+    stop = full["text"][3:5]
+    assert stop, full
+    cut = client.post("/generate", json={**body, "sampling_params": {**body["sampling_params"], "stop": stop}}).json()
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert full["text"].startswith(cut["text"]) and stop not in cut["text"]
+    assert cut["output_ids"] == full["output_ids"][:len(cut["output_ids"])]
+    assert len(cut["meta_info"]["output_token_logprobs"]) == len(cut["output_ids"]) < len(full["output_ids"])
