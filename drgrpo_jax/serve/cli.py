@@ -102,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
             ("--body-timeout-s", float, "a request's body must arrive within this (408 after)"),
             ("--keep-alive-s", float, "an idle kept-alive connection is closed after this long"),
             ("--max-connections", int, "open connections beyond this are answered 503 and closed"),
-            ("--max-header-bytes", int, "request line + headers beyond this: 400 and the connection closed")):
+            ("--max-header-bytes", int, "request line + headers beyond this: 400 and the connection closed"),
+            ("--short-request-tokens", int, "requests of one batch asking for at most this many new tokens have "
+                                            "their own worker: they never wait behind a long batch (0 = off)")):
         name = flag[2:].replace("-", "_")
         default = getattr(defaults, name)
         limits.add_argument(flag, dest=name, type=kind, metavar="SECONDS" if kind is float else "N",
