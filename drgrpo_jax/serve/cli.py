@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.precision import DTYPES
@@ -52,6 +52,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.listen(128)
     return sock
+
+
+def _fail(message: str) -> NoReturn:
+    """A config or load error: one line on stderr and exit status 2, as the trainer's."""
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,9 +129,9 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         else:
             config = ServeConfig(**{k: v for k, v in args.items() if v is not None})
     except (ValueError, TypeError, OSError) as error:
-        parser.error(" ".join(str(error).split()))
+        _fail(" ".join(str(error).split()))
     if not config.model:
-        parser.error("--model (or model.path in --config) is required")
+        _fail("--model (or model.path in --config) is required")
     return config
 
 
@@ -145,19 +151,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         keys = read_keys(config.api_key_env, config.admin_key_env)
     except ValueError as error:
-        sys.stderr.write(f"{PROG}: error: {error}\n")
-        sys.exit(2)
+        _fail(str(error))
     try:
         sock = bind_socket(config.host, config.port)  # first, so a taken port fails before the slow load
     except OSError as error:
-        sys.stderr.write(f"{PROG}: error: --port: cannot listen on {config.host}:{config.port}: {error.strerror}\n")
-        sys.exit(2)
+        _fail(f"--port: cannot listen on {config.host}:{config.port}: {error.strerror}")
     try:
         engine = Engine(config)
     except Exception as error:  # noqa: BLE001 - whatever the loaders raise: one line, as the trainer's errors
-        message = " ".join(str(error).split())[:500]
-        sys.stderr.write(f"{PROG}: error: --model: cannot load {config.model}: {type(error).__name__}: {message}\n")
-        sys.exit(2)
+        _fail(f"--model: cannot load {config.model}: {type(error).__name__}: {' '.join(str(error).split())[:500]}")
     app = build_app(engine, served_tokenizer(config), keys=keys, port_file=config.port_file,
                     port=sock.getsockname()[1])
     if not config.loopback and not config.weights_roots:

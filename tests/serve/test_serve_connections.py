@@ -116,3 +116,15 @@ def test_a_model_that_cannot_load_is_one_line_and_exit_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr and len(lines) == 1, lines
     assert "--model" in lines[0] and "nonexistent" in lines[0]
+
+
+def test_a_bad_limit_is_one_line_and_exit_2(capsys):
+    from drgrpo_jax.serve import parse_args
+
+    for argv, words in ((["--max-connections", "0"], "max_connections: must be >= 1"),
+                        (["--request-timeout-s", "inf"], "request_timeout_s: must be a positive number"),
+                        (["--default-max-tokens", "9000"], "default_max_tokens: 9000 exceeds max_tokens_limit")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--model", "m", *argv])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(lines) == 1 and words in lines[0], lines
