@@ -32,7 +32,7 @@ from drgrpo_jax.serve.service import (
     service_of,
 )
 from drgrpo_jax.serve.stops import Choice, apply_stop
-from drgrpo_jax.serve.weights import InvalidWeights, check_newer
+from drgrpo_jax.serve.weights import InvalidWeights, Weights, check_newer
 
 __all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
            "weight_version"]
@@ -99,9 +99,13 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONRe
         path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
         if not body.allow_rollback:
             check_newer(engine.weights.version, version)
-        with open_weight_folder(path, service.weights_roots) as folder:  # read through descriptors: no race
-            weights = await asyncio.to_thread(engine.update_weights, folder, version, shown_path=body.model_path,
-                                              allow_rollback=body.allow_rollback)
+
+        def load() -> Weights:  # off the event loop: opening a folder on a slow disk must not stall /health
+            with open_weight_folder(path, service.weights_roots) as folder:  # read through descriptors: no race
+                return engine.update_weights(folder, version, shown_path=body.model_path,
+                                             allow_rollback=body.allow_rollback)
+
+        weights = await asyncio.to_thread(load)
     except PathNotAllowed as error:
         return _update_answer(403, str(error), engine.weights.version)
     except InvalidWeights as error:
