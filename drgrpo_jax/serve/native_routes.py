@@ -4,6 +4,7 @@ updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the train
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from typing import Any
@@ -36,6 +37,8 @@ from drgrpo_jax.serve.weights import InvalidWeights, Weights, check_newer
 
 __all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
            "weight_version"]
+
+SEGMENT_NAME = re.compile(r"drgrpo_weights_[0-9]+_[A-Za-z0-9._+:-]{1,64}")  # named_tensors.segment_name's form
 
 
 # ---------------------------------------------------------------- the service's state
@@ -126,6 +129,9 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, reque
     engine = service_of(request).engine
     if not engine.config.loopback:
         return _update_answer(403, "segment: shared-memory updates are served on loopback only",
+                              engine.weights.version)
+    if not SEGMENT_NAME.fullmatch(body.segment):  # whole: a trailing newline or a path is no segment name
+        return _update_answer(400, "segment: not a weight segment name (drgrpo_weights_<pid>_<version>)",
                               engine.weights.version)
     version = str(body.weight_version) if body.weight_version is not None else _next_version(engine.weights.version)
     index = [entry.model_dump() for entry in body.tensors]

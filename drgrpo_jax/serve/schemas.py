@@ -4,7 +4,6 @@ limits are service.check_request's, once the body has parsed."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -137,20 +136,10 @@ class TensorEntryIn(_Request):
     offset: Annotated[StrictInt, Field(ge=0, lt=2**63)]
 
 
-SEGMENT_NAME = re.compile(r"drgrpo_weights_[0-9]+_[A-Za-z0-9._+:-]{1,64}")  # named_tensors.segment_name's form
-
-
-def _segment_name(name: str) -> str:
-    """Refuses anything but a whole segment name (fullmatch: no trailing newline, no path)."""
-    if not SEGMENT_NAME.fullmatch(name):
-        raise ValueError("not a weight segment name (drgrpo_weights_<pid>_<version>)")
-    return name
-
-
 class UpdateWeightsFromTensorRequest(_Request):
     """`/update_weights_from_tensor` (this service's own body, not SGLang's: a segment name and its index)."""
 
-    segment: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_segment_name)]
+    segment: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
     tensors: Annotated[list[TensorEntryIn], Field(min_length=1, max_length=2**16)]
     weight_version: Version | Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None  # None = previous + 1
     allow_rollback: StrictBool = False  # a trainer resuming from a checkpoint re-pushes an older version
