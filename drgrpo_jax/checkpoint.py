@@ -10,6 +10,7 @@ earlier versions restore as before.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -19,6 +20,8 @@ import orbax.checkpoint as ocp
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["Checkpointer", "Restored", "abstract_state_like"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +111,38 @@ class Checkpointer:
         return Restored(step, restored["state"], dict(restored["host"]))
 
     def restore_latest(self, abstract_state: Any, shardings: Any = None) -> Restored | None:
-        """The newest complete checkpoint (see `restore`); None when there is none."""
-        step = self.latest_step()
-        return None if step is None else self.restore(step, abstract_state, shardings)
+        """The newest checkpoint that reads back whole (see `restore`); None when there is none.
+
+        A damaged one (a truncated file, a corrupt array: anything its restore raises) is named in one warning
+        line, set aside as `<step>.damaged` so the run can save that step again, and the next older one is
+        tried; when every checkpoint is damaged the newest one's error is raised.
+        """
+        steps = self.all_steps()
+        first_error: Exception | None = None
+        for step in reversed(steps):
+            try:
+                return self.restore(step, abstract_state, shardings)
+            except Exception as error:  # noqa: BLE001 - whatever a damaged checkpoint raises, an older one may do
+                first_error = first_error or error
+                older = [s for s in steps if s < step]
+                reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+                log.warning("checkpoint step %d in %s is damaged (%s); %s", step, self.directory, reason,
+                            f"resuming from step {older[-1]}" if older else "no older checkpoint to resume from")
+                self._set_aside(step)
+        if first_error is not None:
+            raise first_error
+        return None
+
+    def _set_aside(self, step: int) -> None:
+        """Renames a damaged step's folder out of orbax's sight (kept for a post-mortem; process 0 only)."""
+        if jax.process_index() == 0:
+            folder = os.path.join(self.directory, str(step))
+            target, n = f"{folder}.damaged", 1
+            while os.path.exists(target):
+                target, n = f"{folder}.damaged{n}", n + 1
+            if os.path.isdir(folder):
+                os.rename(folder, target)
+        self._manager.reload()
 
     def wait(self) -> None:
         """Blocks until an async save is committed."""

@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import random
 import time
@@ -220,7 +221,7 @@ class RolloutClient:
 
         def body(start: int, stop: int) -> dict:
             params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                       "top_k": top_k if top_k > 0 else -1, "n": group_size, "seed": seeds[i],
+                       "top_k": top_k if top_k > 0 else -1, "n": group_size, "sampling_seed": seeds[i],
                        "stop_token_ids": list(stop_token_ids), **({"ignore_eos": True} if ignore_eos else {})}
                       for i in range(start, stop)]
             return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
@@ -346,6 +347,19 @@ def _error_message(response: httpx.Response) -> str:
     return str(body)
 
 
+def _finite_logprobs(row: int, pairs: list) -> list[float]:
+    """The log-probs of one completion's (log-prob, token, text) triples; RolloutError naming the first that is
+    missing or not a finite number <= 0 (a service that overflowed must not be trained on)."""
+    values = []
+    for position, pair in enumerate(pairs):
+        value = pair[0]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value > 1e-3:
+            raise RolloutError(f"completion {row}: output_token_logprobs[{position}] is {value!r}, not a finite "
+                               "log-probability; the service's answer cannot be trained on")
+        values.append(float(value))
+    return values
+
+
 def _to_rollout(items: list[dict], group_size: int, budget: int) -> Rollout:
     """Pads SGLang /generate items into a Rollout; checks ids and log-probs line up."""
     rows = len(items)
@@ -363,7 +377,7 @@ def _to_rollout(items: list[dict], group_size: int, budget: int) -> Rollout:
         if len(ids) > budget:
             raise RolloutError(f"completion {r}: {len(ids)} tokens exceed max_new_tokens={budget}")
         output_ids[r, :len(ids)] = ids
-        logprobs[r, :len(ids)] = [float(p[0]) for p in pairs]
+        logprobs[r, :len(ids)] = _finite_logprobs(r, pairs)
         lengths[r] = len(ids)
         truncated[r] = _finish_is_length(meta.get("finish_reason"))
         version = meta.get("weight_version")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,6 +14,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drgrpo_jax.serve.engine import Engine, QueueFull
 from drgrpo_jax.serve.native_routes import ROUTES as NATIVE_ROUTES
@@ -22,13 +24,22 @@ from drgrpo_jax.serve.service import BadRequest, ClientGone, Service, error_resp
 
 __all__ = ["build_app"]
 
+log = logging.getLogger("drgrpo_jax.serve")
+
 _ERROR_RESPONSES = {  # documented on every route in /openapi.json (FastAPI's 422 is never answered here)
     "400": "a field out of range or malformed: the error message names it",
     "401": "missing or invalid API key (when the service has one): send 'Authorization: Bearer <key>'",
     "403": "a weight path outside every --weights-root",
-    "413": "request body over --max-body-bytes",
+    "404": "no such route",
+    "405": "the route does not answer this method",
+    "408": "the request's body was not sent within --body-timeout-s",
+    "413": "request body over --max-body-bytes (however it is sent, chunked included)",
     "429": "queue full: retry after the Retry-After header's seconds, or on another service",
+    "500": "the service failed on this request (its log says why); it goes on serving",
 }
+# What Starlette's and FastAPI's own errors say, in this service's words (naming the field: the body).
+_OWN_MESSAGES = {"There was an error parsing the body": "body: cannot be parsed as JSON (not UTF-8, nested too "
+                                                        "deep, or a number too long)"}
 
 
 def _validation_message(error: RequestValidationError) -> str:
@@ -65,9 +76,21 @@ async def _client_gone(_: Request, __: ClientGone) -> JSONResponse:
     return error_response(499, "client closed the request")
 
 
-async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
-    """FastAPI's own HTTP errors (a body it cannot parse, an unknown route) in the same OpenAI shape."""
-    return error_response(error.status_code, str(error.detail), headers=getattr(error, "headers", None))
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own HTTP errors (a body it cannot parse, an unknown route, a wrong method) in
+    the same OpenAI shape."""
+    message = _OWN_MESSAGES.get(str(error.detail), str(error.detail))
+    if error.status_code == 404 and message == "Not Found":
+        message = f"{request.url.path}: no such route"
+    elif error.status_code == 405:
+        message = f"{request.url.path}: does not answer {request.method}"
+    return error_response(error.status_code, message, headers=getattr(error, "headers", None))
+
+
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    """Anything unexpected: 500 in the OpenAI shape, the detail in the service's log only."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(500, "internal error: the service's log has the detail; it goes on serving")
 
 
 def _write_port_file(port_file: str, port: int) -> None:
@@ -114,11 +137,14 @@ def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None
     # Starlette types a handler as taking any Exception; each of these takes only the type it is registered for.
     handlers: list[tuple[type[Exception], Any]] = [(RequestValidationError, _invalid_request),
                                                     (BadRequest, _bad_request), (QueueFull, _busy),
-                                                    (ClientGone, _client_gone), (HTTPException, _http_error)]
+                                                    (ClientGone, _client_gone), (HTTPException, _http_error),
+                                                    (StarletteHTTPException, _http_error),
+                                                    (Exception, _internal_error)]
     for error_type, handler in handlers:
         app.add_exception_handler(error_type, handler)
     for method, path, handler in (*NATIVE_ROUTES, *OPENAI_ROUTES):
         app.add_api_route(path, handler, methods=[method])
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
-    app.add_middleware(Guard, keys=keys or Keys(), max_body_bytes=config.max_body_bytes, loopback_only=config.loopback)
+    app.add_middleware(Guard, keys=keys or Keys(), max_body_bytes=config.max_body_bytes, loopback_only=config.loopback,
+                       body_timeout_s=config.body_timeout_s)
     return app

@@ -66,6 +66,17 @@ class ServeConfig:
     max_request_tokens: int = 2**23  # per request: prompts x n x (prompt + new tokens)
     max_queued_tokens: int = 2**24  # the same measure over every request queued or running; beyond it: 429
     max_body_bytes: int = 32 * 2**20  # largest request body accepted (413 beyond)
+    default_max_tokens: int = 512  # chat completions that name no max_tokens get this many at most
+    max_tokens_limit: int = 8192  # OpenAI routes: a larger max_tokens / max_completion_tokens is refused (400)
+    request_timeout_s: float = 600.0  # a request is answered by then: what was generated, finish reason "abort"
+    max_scoring_bytes: int = 256 * 2**20  # log-prob scoring's float32 temporaries per tile (rows x positions x vocab)
+    header_timeout_s: float = 10.0  # a connection that has not sent its request's headers by then is closed
+    body_timeout_s: float = 30.0  # a request whose body has not arrived by then is answered 408
+    keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
+    max_connections: int = 256  # open connections beyond this are answered 503 and closed
+    max_header_bytes: int = 16 * 2**10  # request line + headers beyond this: the connection is refused (400)
+    short_request_tokens: int = 64  # requests of at most max_batch_size rows, none asking for more new tokens than
+    # this, are sampled by a second worker: they do not wait behind a long batch (0 = one worker for everything)
 
     def __post_init__(self):
         if isinstance(self.weights_roots, (list, str)):
@@ -74,9 +85,18 @@ class ServeConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not supported (supported: {sorted(DTYPES)})")
         for name in ("max_batch_size", "max_rows_per_request", "max_request_tokens", "max_queued_tokens",
-                     "max_body_bytes"):
+                     "max_body_bytes", "default_max_tokens", "max_tokens_limit", "max_scoring_bytes",
+                     "max_connections", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
+        if self.short_request_tokens < 0:
+            raise ValueError(f"short_request_tokens: must be >= 0, got {self.short_request_tokens}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit="
+                             f"{self.max_tokens_limit}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.batch_wait_ms < 0 or self.max_context < 0:
@@ -129,6 +149,7 @@ class RowResult:
     logprobs: list[float]
     stopped: bool  # ended on a stop/EOS token (the last of output_ids), else hit max_new_tokens
     weight_version: str
+    aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty)
 
 
 class QueueFull(Exception):
@@ -155,6 +176,16 @@ def _resolve(future: concurrent.futures.Future, result: Any = None, error: Excep
         pass
 
 
+@dataclasses.dataclass(eq=False)
+class _Lane:
+    """One worker thread and the requests waiting for it."""
+
+    name: str
+    queue: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # _Job, or None to stop
+    pending: deque = dataclasses.field(default_factory=deque)  # (job, row index) gathered, not yet sampled
+    worker: threading.Thread | None = None
+
+
 @dataclasses.dataclass(eq=False)  # hashed by identity: the worker groups a failed batch's rows by request
 class _Job:
     """A request's rows and the future its handler awaits (cancelled by the handler when its client is gone)."""
@@ -170,7 +201,9 @@ class Engine:
 
     Requests from concurrent clients are cut into batches (rows = prompts x n); each batch runs on the weights
     current when it starts, so a weight update swaps atomically between batches: batches in flight finish on
-    the old weights, and every completion reports the `weight_version` it was sampled with.
+    the old weights, and every completion reports the `weight_version` it was sampled with. Short requests
+    (`short_request_tokens`) have their own worker, so a health probe's or a one-token request's wait does not
+    depend on a long batch running meanwhile; a row's tokens depend only on its seed, not on its lane or batch.
     """
 
     def __init__(self, config: ServeConfig):
@@ -179,20 +212,29 @@ class Engine:
         self.base, self.weights = load_served(config.model, config.dtype, config.weight_version)
         self.max_context = config.max_context or self.weights.config.max_position_embeddings
         self._update_lock = threading.Lock()
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._pending: deque[tuple[_Job, int]] = deque()
+        self._lanes = (_Lane("sampler"),) + ((_Lane("sampler-short"),) if config.short_request_tokens else ())
+        self._jobs: dict[concurrent.futures.Future, _Job] = {}  # requests not answered yet (see `abandon`)
         self._budget_lock = threading.Lock()
         self.queued_tokens = 0  # row_cost of every row submitted and not yet finished or dropped
         self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
         self.batches_run = 0
         self.rows_dropped = 0  # rows of requests whose client went away, dropped before they were sampled
-        self._worker = threading.Thread(target=self._run, name="sampler", daemon=True)
-        self._worker.start()
+        for lane in self._lanes:
+            lane.worker = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
+            lane.worker.start()
 
     @property
     def alive(self) -> bool:
-        """Whether the worker thread is still serving."""
-        return self._worker.is_alive()
+        """Whether every worker thread is still serving."""
+        return all(lane.worker is not None and lane.worker.is_alive() for lane in self._lanes)
+
+    def _lane_of(self, rows: Sequence[RowRequest]) -> _Lane:
+        """The short lane for a request that fits one batch and asks for few tokens, else the main one."""
+        short = self.config.short_request_tokens
+        if len(self._lanes) > 1 and len(rows) <= self.config.max_batch_size and all(
+                r.params.max_new_tokens <= short for r in rows):
+            return self._lanes[1]
+        return self._lanes[0]
 
     def submit(self, rows: Sequence[RowRequest]) -> concurrent.futures.Future:
         """Queues rows; the future resolves to their RowResults in order. QueueFull when the queue is full.
@@ -206,17 +248,30 @@ class Engine:
                 raise QueueFull(min(60, max(1, math.ceil(self.queued_tokens / rate))))
             self.queued_tokens += cost
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put(_Job(list(rows), future, [None] * len(rows), len(rows)))
+        job = _Job(list(rows), future, [None] * len(rows), len(rows))
+        self._jobs[future] = job
+        future.add_done_callback(lambda done: self._jobs.pop(done, None))
+        self._lane_of(rows).queue.put(job)
         return future
+
+    def abandon(self, future: concurrent.futures.Future) -> list[RowResult | None]:
+        """Cancels a request (its rows not yet sampled are dropped at the next batch boundary) and returns the
+        results of its rows that were sampled already (None for the others)."""
+        job = self._jobs.get(future)  # before cancelling: the future's done-callback forgets it
+        future.cancel()
+        return list(job.results) if job is not None else []
 
     def _release(self, rows: Sequence[RowRequest]) -> None:
         with self._budget_lock:
             self.queued_tokens -= sum(row_cost(r) for r in rows)
 
     def close(self) -> None:
-        """Stops the worker after the batch it is running."""
-        self._queue.put(None)
-        self._worker.join(timeout=60)
+        """Stops the workers after the batches they are running."""
+        for lane in self._lanes:
+            lane.queue.put(None)
+        for lane in self._lanes:
+            if lane.worker is not None:
+                lane.worker.join(timeout=60)
 
     def update_weights(self, path: str, version: str, *, shown_path: str | None = None,
                        allow_rollback: bool = False) -> Weights:
@@ -300,44 +355,42 @@ class Engine:
             log.warning("adapter update from %s refused: %s: %s", folder, type(error).__name__, error)
             raise InvalidWeights("model_path: not a valid adapter folder") from None
 
-    def _gather(self, job: _Job) -> None:
-        self._pending.extend((job, i) for i in range(len(job.rows)))
-
-    def _drop_cancelled(self) -> None:
+    def _drop_cancelled(self, lane: _Lane) -> None:
         """Forgets the rows of requests whose client went away (their handler cancelled the future)."""
-        dropped = [(job, i) for job, i in self._pending if job.future.cancelled()]
+        dropped = [(job, i) for job, i in lane.pending if job.future.cancelled()]
         if dropped:
-            self._pending = deque((job, i) for job, i in self._pending if not job.future.cancelled())
+            lane.pending = deque((job, i) for job, i in lane.pending if not job.future.cancelled())
             self._release([job.rows[i] for job, i in dropped])
-            self.rows_dropped += len(dropped)
+            with self._budget_lock:
+                self.rows_dropped += len(dropped)
 
-    def _take_rows(self) -> list[tuple[_Job, int]] | None:
+    def _take_rows(self, lane: _Lane) -> list[tuple[_Job, int]] | None:
         """Blocks for work, then gathers up to max_batch_size rows of live requests (None = shut down)."""
         while True:
-            while not self._pending:
-                job = self._queue.get()
+            while not lane.pending:
+                job = lane.queue.get()
                 if job is None:
                     return None
-                self._gather(job)
+                lane.pending.extend((job, i) for i in range(len(job.rows)))
             deadline = time.monotonic() + self.config.batch_wait_ms / 1000
-            while len(self._pending) < self.config.max_batch_size:
+            while len(lane.pending) < self.config.max_batch_size:
                 try:
-                    job = self._queue.get(timeout=max(deadline - time.monotonic(), 0))
+                    job = lane.queue.get(timeout=max(deadline - time.monotonic(), 0))
                 except queue.Empty:
                     break
                 if job is None:
-                    self._queue.put(None)  # finish this batch, then stop
+                    lane.queue.put(None)  # finish this batch, then stop
                     break
-                self._gather(job)
-            self._drop_cancelled()  # the batch boundary: rows of clients gone are never sampled
-            if self._pending:
+                lane.pending.extend((job, i) for i in range(len(job.rows)))
+            self._drop_cancelled(lane)  # the batch boundary: rows of clients gone are never sampled
+            if lane.pending:
                 break
-        count = min(len(self._pending), self.config.max_batch_size)
-        return [self._pending.popleft() for _ in range(count)]
+        count = min(len(lane.pending), self.config.max_batch_size)
+        return [lane.pending.popleft() for _ in range(count)]
 
-    def _run(self) -> None:
+    def _run(self, lane: _Lane) -> None:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
-        while (taken := self._take_rows()) is not None:
+        while (taken := self._take_rows(lane)) is not None:
             weights = self.weights  # one read: the whole batch uses one version
             start = time.perf_counter()
             for part, outcome in self._sample(weights, taken):
@@ -352,7 +405,9 @@ class Engine:
             cost = sum(row_cost(job.rows[i]) for job, i in taken)
             self._release([job.rows[i] for job, i in taken])
             rate = cost / max(time.perf_counter() - start, 1e-6)
-            self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
+            with self._budget_lock:
+                self.tokens_per_second = rate if not self.tokens_per_second else (
+                    0.8 * self.tokens_per_second + 0.2 * rate)
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
                 ) -> list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]]:
@@ -383,6 +438,7 @@ class Engine:
                                 cache_dtype=DTYPES[self.config.dtype])
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
-        self.batches_run += 1
+        with self._budget_lock:
+            self.batches_run += 1
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
                           weights.version) for b in range(len(rows))]

@@ -4,6 +4,7 @@ updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the train
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from typing import Any
@@ -19,10 +20,11 @@ from drgrpo_jax.serve.schemas import (
     UpdateWeightsFromTensorRequest,
     UpdateWeightsRequest,
 )
-from drgrpo_jax.serve.security import PathNotAllowed, confine_weight_path
+from drgrpo_jax.serve.security import PathNotAllowed, confine_weight_path, open_weight_folder
 from drgrpo_jax.serve.service import (
     BadRequest,
     check_request,
+    deadline_of,
     decode,
     error_response,
     prompt_ids,
@@ -30,10 +32,13 @@ from drgrpo_jax.serve.service import (
     sampler_rows,
     service_of,
 )
-from drgrpo_jax.serve.weights import InvalidWeights, check_newer
+from drgrpo_jax.serve.stops import Choice, apply_stop
+from drgrpo_jax.serve.weights import InvalidWeights, Weights, check_newer
 
 __all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
            "weight_version"]
+
+SEGMENT_NAME = re.compile(r"drgrpo_weights_[0-9]+_[A-Za-z0-9._+:-]{1,64}")  # named_tensors.segment_name's form
 
 
 # ---------------------------------------------------------------- the service's state
@@ -72,17 +77,21 @@ def _next_version(current: str) -> str:
 
 
 def _update_answer(status: int, message: str, version: str) -> JSONResponse:
-    """SGLang's update answer (`success`, `message`, the version now served)."""
-    return JSONResponse({"success": status == 200, "message": message, "weight_version": version},
-                        status_code=status)
+    """SGLang's update answer (`success`, `message`, the version now served); a refusal also carries OpenAI's
+    `error` object, so every error of the service has that shape."""
+    body: dict[str, Any] = {"success": status == 200, "message": message, "weight_version": version}
+    if status != 200:
+        body["error"] = {"message": message, "type": "invalid_request_error", "code": status}
+    return JSONResponse(body, status_code=status)
 
 
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONResponse:
     """POST /update_weights_from_disk: confine, load, check, swap; on failure 403/400 and the old weights serve on.
 
     The path is an HF model folder or a PEFT LoRA adapter folder (merged into the current base weights).
-    The path must lie under a --weights-root (403 otherwise); integer versions may not go backwards
-    unless the body says allow_rollback (a trainer resuming from a checkpoint); a
+    The path must lie under a --weights-root, with no symbolic link below it (403 otherwise, naming the rule);
+    its files are opened once, through descriptors, and loaded from those (no window to swap them); integer
+    versions may not go backwards unless the body says allow_rollback (a trainer resuming from a checkpoint); a
     load failure says only that the folder is not a valid model (the service's log has the detail).
     """
     service = service_of(request)
@@ -93,12 +102,19 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONRe
         path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
         if not body.allow_rollback:
             check_newer(engine.weights.version, version)
-        weights = await asyncio.to_thread(engine.update_weights, path, version, shown_path=body.model_path,
-                                          allow_rollback=body.allow_rollback)
+
+        def load() -> Weights:  # off the event loop: opening a folder on a slow disk must not stall /health
+            with open_weight_folder(path, service.weights_roots) as folder:  # read through descriptors: no race
+                return engine.update_weights(folder, version, shown_path=body.model_path,
+                                             allow_rollback=body.allow_rollback)
+
+        weights = await asyncio.to_thread(load)
     except PathNotAllowed as error:
         return _update_answer(403, str(error), engine.weights.version)
     except InvalidWeights as error:
         return _update_answer(400, str(error), engine.weights.version)
+    except OSError:  # the folder (or a folder on the way) is missing or unreadable: the log of a load says no more
+        return _update_answer(400, "model_path: not a valid model folder", engine.weights.version)
     return _update_answer(200, "Succeeded to update model weights.", weights.version)
 
 
@@ -113,6 +129,9 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, reque
     engine = service_of(request).engine
     if not engine.config.loopback:
         return _update_answer(403, "segment: shared-memory updates are served on loopback only",
+                              engine.weights.version)
+    if not SEGMENT_NAME.fullmatch(body.segment):  # whole: a trailing newline or a path is no segment name
+        return _update_answer(400, "segment: not a weight segment name (drgrpo_weights_<pid>_<version>)",
                               engine.weights.version)
     version = str(body.weight_version) if body.weight_version is not None else _next_version(engine.weights.version)
     index = [entry.model_dump() for entry in body.tensors]
@@ -136,28 +155,45 @@ def _per_prompt(params: SamplingParamsIn | list[SamplingParamsIn], num_prompts: 
     return per_prompt
 
 
-def _finish_reason(result: RowResult) -> dict:
-    """SGLang's finish_reason: the stop token that ended the completion, or the length it ran to."""
+def _finish_reason(result: RowResult, choice: Choice) -> dict:
+    """SGLang's finish_reason: the stop string or token that ended the completion, the length it ran to, or
+    abort (the request's deadline passed first)."""
+    if choice.finish_reason == "abort":
+        return {"type": "abort", "message": "the request's deadline (--request-timeout-s) passed"}
+    if choice.matched is not None:
+        return {"type": "stop", "matched": choice.matched}
     if result.stopped:
         return {"type": "stop", "matched": result.output_ids[-1]}
     return {"type": "length", "length": len(result.output_ids)}
 
 
-def _generated(result: RowResult, row: RowRequest, rid: str, text: str, latency: float, return_logprob: bool
-               ) -> dict:
-    """One completion in SGLang's /generate shape."""
-    meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(result.output_ids),
-            "finish_reason": _finish_reason(result), "weight_version": result.weight_version,
+def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, latency: float,
+               return_logprob: bool) -> dict:
+    """One completion in SGLang's /generate shape (its tokens through the one that completed a stop string)."""
+    ids = choice.token_ids
+    meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(ids),
+            "finish_reason": _finish_reason(result, choice), "weight_version": result.weight_version,
             "e2e_latency": latency}
     if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
-    return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, ids)]
+    return {"text": choice.text, "output_ids": ids, "meta_info": meta}
+
+
+def _choice(result: RowResult, tokenizer: Any, params: SamplingParamsIn) -> Choice:
+    """The completion after its stop strings, its text decoded as the request asked."""
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    if stops:
+        return apply_stop(result, tokenizer, stops)
+    reason = "abort" if result.aborted else "stop" if result.stopped else "length"
+    return Choice(result.output_ids, decode(tokenizer, result.output_ids, params.skip_special_tokens), reason,
+                  result.weight_version)
 
 
 async def generate(body: GenerateRequest, request: Request) -> Any:
     """POST /generate: completions prompt-major, a single object when one prompt asked for one."""
     service = service_of(request)
     engine = service.engine
+    deadline = deadline_of(engine)
     field = "input_ids" if body.text is None else "text"
     # Off the event loop: tokenizing long texts must not stall /health and every other client.
     prompts, is_batch = await asyncio.to_thread(prompt_ids, body.text, body.input_ids, service.tokenizer, field,
@@ -165,18 +201,21 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     params = body.sampling_params or SamplingParamsIn()
     per_prompt = _per_prompt(params, len(prompts))
     check_request(engine, prompts, per_prompt, field, "sampling_params.")
+    if service.tokenizer is None and any(p.stop for p in per_prompt):
+        raise BadRequest("sampling_params.stop: this server has no tokenizer to match stop strings; use "
+                         "stop_token_ids")
     if isinstance(body.rid, list) and len(body.rid) != len(prompts):
         raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts")
     rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
     rows = sampler_rows(prompts, per_prompt, not isinstance(params, list), engine.weights.config.vocab_size)
     start = time.perf_counter()
-    results = await run_rows(engine, rows, request)
+    results = await run_rows(engine, rows, request, deadline)
     latency = time.perf_counter() - start
     prompt_of_row = [i for i, p in enumerate(per_prompt) for _ in range(p.n)]
-    out = [_generated(result, row, rids[i], decode(service.tokenizer, result.output_ids,
-                                                   per_prompt[i].skip_special_tokens),
-                      latency, body.return_logprob)
-           for row, result, i in zip(rows, results, prompt_of_row)]
+    choices = await asyncio.to_thread(lambda: [_choice(result, service.tokenizer, per_prompt[i])
+                                               for result, i in zip(results, prompt_of_row)])
+    out = [_generated(result, choice, row, rids[i], latency, body.return_logprob)
+           for row, result, choice, i in zip(rows, results, choices, prompt_of_row)]
     return out if is_batch or len(out) > 1 else out[0]
 
 

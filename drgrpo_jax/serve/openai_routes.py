@@ -12,70 +12,24 @@ from typing import Any
 import numpy as np
 from fastapi import HTTPException, Request
 
-from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
 from drgrpo_jax.serve.scoring import ScoredSequence, score_sequences
 from drgrpo_jax.serve.service import (
     BadRequest,
     Service,
     check_request,
+    deadline_of,
     decode,
+    greedy_below,
     prompt_ids,
     run_rows,
     sampler_rows,
     service_of,
     tokenize,
 )
+from drgrpo_jax.serve.stops import Choice, apply_stop
 
-__all__ = ["ROUTES", "Choice", "apply_stop", "chat_completions", "completions", "first_stop", "models"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """One completion after its stop strings: the tokens kept, its text and why it ended."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS, a stop token or a stop string) or "length"
-    weight_version: str
-
-
-def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """(index, string) of the earliest stop string in `text` (the longest of those starting there), or None."""
-    found = [(text.find(stop), -len(stop), stop) for stop in stops if stop in text]
-    if not found:
-        return None
-    index, _, stop = min(found)
-    return index, stop
-
-
-def _tokens_covering(tokenizer: Any, ids: list[int], num_chars: int) -> int:
-    """The fewest leading tokens whose decoded text has at least `num_chars` characters (binary search)."""
-    low, high = 1, len(ids)
-    while low < high:
-        middle = (low + high) // 2
-        if len(decode(tokenizer, ids[:middle])) >= num_chars:
-            high = middle
-        else:
-            low = middle + 1
-    return low
-
-
-def apply_stop(result: RowResult, tokenizer: Any, stops: list[str]) -> Choice:
-    """The completion cut before its earliest stop string (unchanged when none occurs).
-
-    The sampler stops on tokens, so a completion runs to its budget, EOS or a stop token before it is cut
-    here. As OpenAI, the text leaves the stop string out; as vLLM, `token_ids` keep the tokens through the
-    one that completed it.
-    """
-    text = decode(tokenizer, result.output_ids)
-    reason = "stop" if result.stopped else "length"
-    found = first_stop(text, stops) if stops else None
-    if found is None:
-        return Choice(result.output_ids, text, reason, result.weight_version)
-    index, stop = found
-    keep = _tokens_covering(tokenizer, result.output_ids, index + len(stop))
-    return Choice(result.output_ids[:keep], text[:index], "stop", result.weight_version)
+__all__ = ["ROUTES", "chat_completions", "completions", "models"]
 
 
 def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
@@ -86,18 +40,25 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
 
 
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
-                 choices: list[Choice]) -> list[ScoredSequence]:
-    """Log-probs of each sequence under the weights that sampled it (503 when they were swapped meanwhile).
+                 choices: list[Choice], deadline: float) -> tuple[list[ScoredSequence] | None, list[Choice]]:
+    """(log-probs of each sequence under the weights that sampled it, the choices); 503 when the weights were
+    swapped meanwhile. When scoring is not done by `deadline` the log-probs are None and every choice's finish
+    reason is abort: the request is answered by its deadline all the same.
 
     Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
     request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
     exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree to ~1e-4.
     """
-    weights = service.engine.weights
+    weights, config = service.engine.weights, service.engine.config
     if any(c.weight_version != weights.version for c in choices):
         raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
-    return await asyncio.to_thread(score_sequences, weights.graphdef, weights.state, sequences,
-                                   [temperature] * len(sequences), top, weights.config.vocab_size)
+    scoring = asyncio.to_thread(score_sequences, weights.graphdef, weights.state, sequences,
+                                [temperature] * len(sequences), top, weights.config.vocab_size,
+                                config.max_scoring_bytes)
+    try:
+        return await asyncio.wait_for(scoring, max(deadline - time.monotonic(), 0.0)), choices
+    except TimeoutError:  # the thread finishes on its own; nobody waits for it
+        return None, [dataclasses.replace(c, finish_reason="abort") for c in choices]
 
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -127,10 +88,17 @@ def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) ->
     return prompts
 
 
+def _budget(given: int | None, field: str, default: int, limit: int) -> int:
+    """The new-token budget: `given`, else the operator's default; refused (naming `field`) above the limit."""
+    if given is not None and given > limit:
+        raise BadRequest(f"{field}: {given} exceeds this service's limit of {limit} (--max-tokens-limit)")
+    return default if given is None else given
+
+
 def _params(body: CompletionRequest | ChatCompletionRequest, max_new_tokens: int) -> SamplingParamsIn:
     """The request's sampling settings in SGLang's terms; a null field takes OpenAI's default."""
     return SamplingParamsIn(max_new_tokens=max_new_tokens,
-                            temperature=1.0 if body.temperature is None else body.temperature,
+                            temperature=greedy_below(1.0 if body.temperature is None else body.temperature),
                             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, n=body.n,
                             stop_token_ids=body.stop_token_ids, seed=body.seed, ignore_eos=body.ignore_eos)
 
@@ -170,17 +138,22 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     """POST /v1/completions: every prompt gets the same settings, and n completions each."""
     service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
+    deadline = deadline_of(engine)
     prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
-    params = _params(body, 16 if body.max_tokens is None else body.max_tokens)
+    limits = engine.config
+    # OpenAI's default of 16 when max_tokens is left out, or the operator's if that is smaller.
+    params = _params(body, _budget(body.max_tokens, "max_tokens", min(16, limits.default_max_tokens),
+                                   limits.max_tokens_limit))
     check_request(engine, prompts, [params] * len(prompts), "prompt", "")
     rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
-    results = await run_rows(engine, rows, request)
+    results = await run_rows(engine, rows, request, deadline)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
     prompt_of = [i for i in range(len(prompts)) for _ in range(body.n)]
     sequences = [prompts[p] + c.token_ids for p, c in zip(prompt_of, choices)]
-    scored = (await _score(service, sequences, params.temperature, body.logprobs, choices)
-              if body.logprobs is not None else None)
+    scored = None
+    if body.logprobs is not None:
+        scored, choices = await _score(service, sequences, params.temperature, body.logprobs, choices, deadline)
     out = []
     for index, (p, choice) in enumerate(zip(prompt_of, choices)):
         prefix = _echo_prefix(body.prompt, p, prompts[p], tokenizer) if body.echo else ""
@@ -248,19 +221,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     """POST /v1/chat/completions: n assistant replies to one conversation."""
     service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
+    deadline = deadline_of(engine)
     prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, engine.max_context)
     stops = _stops(body.stop, tokenizer)
-    budget = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = _params(body, max(engine.max_context - len(prompt), 0) if budget is None else budget)
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:  # before any work: a refused request costs no batch
+        raise BadRequest("top_logprobs: needs logprobs: true")
+    limits = engine.config
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # Not the rest of the context: one request without max_tokens must not hold the worker for minutes.
+    budget = _budget(given, field, min(limits.default_max_tokens, max(engine.max_context - len(prompt), 0)),
+                     limits.max_tokens_limit)
+    if body.max_tokens is not None and body.max_tokens > limits.max_tokens_limit:
+        raise BadRequest(f"max_tokens: {body.max_tokens} exceeds this service's limit of "
+                         f"{limits.max_tokens_limit} (--max-tokens-limit)")
+    params = _params(body, budget)
     check_request(engine, [prompt], [params], "messages", "")
     results = await run_rows(engine, sampler_rows([prompt], [params], True, engine.weights.config.vocab_size),
-                             request)
+                             request, deadline)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
-    top = body.top_logprobs or 0
-    if top and not body.logprobs:
-        raise BadRequest("top_logprobs: needs logprobs: true")
     sequences = [prompt + c.token_ids for c in choices]
-    scored = await _score(service, sequences, params.temperature, top, choices) if body.logprobs else None
+    scored = None
+    if body.logprobs:
+        scored, choices = await _score(service, sequences, params.temperature, top, choices, deadline)
     out = [{"index": j, "message": {"role": "assistant", "content": choice.text},
             "logprobs": None if scored is None else _chat_logprobs(tokenizer, sequences[j], scored[j], len(prompt),
                                                                    top),

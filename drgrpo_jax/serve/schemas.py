@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 INT32_MAX = 2**31 - 1
 MAX_PROMPTS = 4096  # prompts (or texts) in one request; ServeConfig.max_rows_per_request bounds prompts x n
@@ -41,6 +41,9 @@ TopK = Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)]  # values beyond the voc
 Count = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
 # A version is a short label: digits (what the trainer sends, and what must not go backwards) or a tag.
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._+:-]+$")]
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; lm-evaluation-harness sends a task's `until` list, which can be longer
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
+Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class _Request(BaseModel):
@@ -49,18 +52,57 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _only(neutral: object) -> AfterValidator:
+    """Accepts an SGLang sampling parameter this service does not implement at its neutral value only."""
+    def check(value: object) -> object:
+        if value is not None and value != neutral:
+            raise ValueError(f"not supported by this service; only {neutral!r} (off) or null")
+        return value
+
+    return AfterValidator(check)
+
+
 class SamplingParamsIn(_Request):
-    """SGLang's `sampling_params` (the subset this service implements)."""
+    """SGLang's `sampling_params`: every field of SGLang's own SamplingParams is accepted by name (the ones this
+    service does not implement at their neutral value only); any other name is refused, naming it."""
 
     max_new_tokens: NewTokens = 128
     temperature: Temperature = 1.0
     top_p: Probability = 1.0
     top_k: TopK = -1  # -1 or 0 = off
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False), _only(0.0)] = 0.0  # not implemented: 0 = off
     n: Count = 1
+    stop: Stop | None = None  # strings that end a completion, matched on its decoded text
     stop_token_ids: StopIds | None = None
-    seed: Seed | None = None  # None = a fresh random seed per request
+    sampling_seed: Seed | None = None  # SGLang's name; None = a fresh random seed per request
+    seed: Seed | None = None  # this service's former name, kept as an alias of sampling_seed
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True  # for the decoded `text` only
+    spaces_between_special_tokens: StrictBool = True  # decoding detail of SGLang's; the text here is the tokenizer's
+    no_stop_trim: Annotated[StrictBool, _only(False)] = False
+    stop_regex: Annotated[StopText | list[StopText] | None, _only(None)] = None
+    frequency_penalty: Annotated[float | None, _only(0.0)] = None
+    presence_penalty: Annotated[float | None, _only(0.0)] = None
+    repetition_penalty: Annotated[float | None, _only(1.0)] = None
+    min_new_tokens: Annotated[StrictInt | None, _only(0)] = None
+    json_schema: Annotated[Name | None, _only(None)] = None
+    regex: Annotated[Name | None, _only(None)] = None
+    ebnf: Annotated[Name | None, _only(None)] = None
+    structural_tag: Annotated[Name | None, _only(None)] = None
+    custom_params: Annotated[dict | None, _only(None)] = None
+    stream_interval: Annotated[StrictInt | None, _only(None)] = None
+    logit_bias: Annotated[dict[str, float] | None, _only(None)] = None
+
+    @model_validator(mode="after")
+    def _one_seed(self) -> SamplingParamsIn:
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            raise ValueError("sampling_seed: differs from seed (its alias); give one of them")
+        return self
+
+    @property
+    def row_seed(self) -> int | None:
+        """The seed asked for, by either name."""
+        return self.sampling_seed if self.sampling_seed is not None else self.seed
 
 
 class GenerateRequest(_Request):
@@ -103,9 +145,6 @@ class UpdateWeightsFromTensorRequest(_Request):
     allow_rollback: StrictBool = False  # a trainer resuming from a checkpoint re-pushes an older version
 
 
-MAX_STOP_STRINGS = 16  # OpenAI allows 4; lm-evaluation-harness sends a task's `until` list, which can be longer
-StopText = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_utf8)]
-Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class CompletionRequest(_Request):

@@ -1,6 +1,8 @@
 """Log-probs of given token sequences under the served weights: OpenAI's `echo` + `logprobs` (the prompt's
 tokens, as lm-evaluation-harness's loglikelihood requests ask) and `top_logprobs` (the k likeliest tokens at
-each position). One full forward per sequence batch, jitted on bucketed shapes.
+each position). One full forward per sequence batch, jitted on bucketed shapes; the logits are made a tile of
+positions x vocabulary at a time (a running log-sum-exp and top-k), so a request's scoring memory is bounded by
+`--max-scoring-bytes`, not rows x length x vocabulary.
 
 Shape letters (docs/shape_letters.md): B rows (bucketed), S positions of a whole sequence (bucketed),
 V vocab, K the top entries asked for (bucketed).
@@ -17,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sampler.generate import batch_bucket, bucket
 
-__all__ = ["ScoredSequence", "score_sequences"]
+__all__ = ["ScoredSequence", "score_sequences", "tile_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,22 +34,88 @@ class ScoredSequence:
     top_logprobs: list[list[float]]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top"))
+SCORING_TEMPORARIES = 4  # float32 [B, tile, vocab tile] arrays alive at once in a tile: logits, exp, top-k input
+
+
+def tile_sizes(rows: int, length: int, vocab: int, top: int, max_bytes: int) -> tuple[int, int]:
+    """(positions, vocabulary entries) per tile so that a tile's float32 temporaries stay within `max_bytes`:
+    the positions a power of two dividing `length`, the vocabulary tile at least the top entries asked for."""
+    positions, entries = length, vocab
+    while rows * positions * (entries + top) * 4 * SCORING_TEMPORARIES > max_bytes:
+        if entries >= positions and entries // 2 >= max(top, 128):
+            entries = (entries + 1) // 2
+        elif positions > 1:
+            positions //= 2
+        else:
+            break  # one position against the smallest vocabulary tile: as small as scoring gets
+    return positions, entries
+
+
+def _tile_scores(model: Transformer, hidden_BtD: jax.Array, targets_Bt: jax.Array, temperature_B: jax.Array, *,
+                 entries: int, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probs of `targets_Bt` and the top-`top` entries at each position, the vocabulary read `entries` at a
+    time with a running log-sum-exp and a running top-k (never [B, t, V] at once)."""
+    unembed_DV = model.unembed_DV()
+    vocab, cap = unembed_DV.shape[1], model.config.final_logit_softcap
+    rows, positions = targets_Bt.shape
+    num_tiles = -(-vocab // entries)
+
+    def one_tile(j: jax.Array, carry: tuple) -> tuple:
+        running_max, running_sum, target_logit, top_values, top_ids = carry
+        # The last tile is shifted back to end at the vocabulary's end; columns an earlier tile saw are masked.
+        start = jnp.minimum(j * entries, vocab - entries)
+        columns = start + jnp.arange(entries)
+        logits = jnp.einsum("btd,dv->btv", hidden_BtD, jax.lax.dynamic_slice_in_dim(unembed_DV, start, entries, 1),
+                            preferred_element_type=jnp.float32)
+        logits = logits if cap is None else cap * jnp.tanh(logits / cap)
+        logits = jnp.where(columns >= j * entries, logits / temperature_B[:, None, None], -jnp.inf)
+        new_max = jnp.maximum(running_max, logits.max(axis=-1))
+        running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.exp(logits - new_max[..., None]).sum(-1)
+        inside = (targets_Bt >= columns[0]) & (targets_Bt < columns[0] + entries) & (targets_Bt >= j * entries)
+        picked = jnp.take_along_axis(logits, jnp.clip(targets_Bt - start, 0, entries - 1)[..., None], -1)[..., 0]
+        target_logit = jnp.where(inside, picked, target_logit)
+        values, index = jax.lax.top_k(jnp.concatenate([top_values, logits], -1), top)
+        ids = jnp.take_along_axis(jnp.concatenate([top_ids, jnp.broadcast_to(columns, logits.shape)], -1), index, -1)
+        return new_max, running_sum, target_logit, values, ids
+
+    start = (jnp.full((rows, positions), -jnp.inf), jnp.zeros((rows, positions)), jnp.zeros((rows, positions)),
+             jnp.full((rows, positions, top), -jnp.inf), jnp.zeros((rows, positions, top), jnp.int32))
+    running_max, running_sum, target_logit, top_values, top_ids = jax.lax.fori_loop(0, num_tiles, one_tile, start)
+    log_normalizer = running_max + jnp.log(running_sum)
+    return target_logit - log_normalizer, top_values - log_normalizer[..., None], top_ids
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "top", "positions", "entries"))
 def _score(graphdef: nnx.GraphDef, state: nnx.State, ids_BS: jax.Array, segments_BS: jax.Array,
-           temperature_B: jax.Array, *, top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log-prob of each next token [B, S-1], top-k log-probs and ids [B, S-1, K]) at each row's temperature."""
+           temperature_B: jax.Array, *, top: int, positions: int, entries: int
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log-prob of each next token [B, S], top-k log-probs and ids [B, S, K]) at each row's temperature; the
+    last position (no next token) is garbage. Tiles of `positions` x `entries` bound the logits' memory."""
     model = nnx.merge(graphdef, state)
     positions_BS = jnp.maximum(jnp.cumsum(segments_BS, axis=1, dtype=jnp.int32) - 1, 0)
-    logits_BSV = model(ids_BS, positions_BS, segments_BS)[:, :-1]
-    logprobs_BSV = jax.nn.log_softmax(logits_BSV / temperature_B[:, None, None], axis=-1)
-    token_BS = jnp.take_along_axis(logprobs_BSV, ids_BS[:, 1:, None], axis=-1)[..., 0]
-    top_values_BSK, top_ids_BSK = jax.lax.top_k(logprobs_BSV, top)
-    return token_BS, top_values_BSK, top_ids_BSK
+    hidden_BSD = model.hidden_states(ids_BS, positions_BS, segments_BS)
+    rows, length, width = hidden_BSD.shape
+    targets_BS = jnp.concatenate([ids_BS[:, 1:], jnp.zeros((rows, 1), ids_BS.dtype)], axis=1)
+    tiles = length // positions
+
+    def per_tile(tile: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return _tile_scores(model, tile[0], tile[1], temperature_B, entries=entries, top=top)
+
+    hidden_nBtD = hidden_BSD.reshape(rows, tiles, positions, width).swapaxes(0, 1)
+    targets_nBt = targets_BS.reshape(rows, tiles, positions).swapaxes(0, 1)
+    token_nBt, values_nBtK, ids_nBtK = jax.lax.map(per_tile, (hidden_nBtD, targets_nBt))
+
+    def back(x: jax.Array) -> jax.Array:
+        return x.swapaxes(0, 1).reshape(rows, length, *x.shape[3:])
+
+    return back(token_nBt), back(values_nBtK), back(ids_nBtK)
 
 
 def score_sequences(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequence[int]],
-                    temperatures: Sequence[float], top: int, vocab_size: int) -> list[ScoredSequence]:
-    """Each sequence's next-token log-probs and top-`top` entries (temperature 0 scores at 1, as the sampler)."""
+                    temperatures: Sequence[float], top: int, vocab_size: int, max_bytes: int = 256 * 2**20
+                    ) -> list[ScoredSequence]:
+    """Each sequence's next-token log-probs and top-`top` entries (temperature 0 scores at 1, as the sampler),
+    computed in tiles whose float32 temporaries stay within `max_bytes` (`--max-scoring-bytes`)."""
     rows, longest = len(sequences), max(len(s) for s in sequences)
     width, length, k = batch_bucket(rows), bucket(max(longest, 2)), min(bucket(max(top, 1), minimum=1), vocab_size)
     ids = np.zeros((width, length), np.int32)
@@ -56,8 +125,10 @@ def score_sequences(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequenc
         segments[b, :len(sequence)] = 1
     temps = np.ones(width, np.float32)
     temps[:rows] = [t if t > 0 else 1.0 for t in temperatures]
+    positions, entries = tile_sizes(width, length, vocab_size, k, max_bytes)
     token, top_values, top_ids = jax.device_get(_score(graphdef, state, jnp.asarray(ids), jnp.asarray(segments),
-                                                       jnp.asarray(temps), top=k))
+                                                       jnp.asarray(temps), top=k, positions=positions,
+                                                       entries=entries))
     out = []
     for b, sequence in enumerate(sequences):
         n = len(sequence) - 1

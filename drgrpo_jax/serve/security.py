@@ -3,12 +3,17 @@ checked by `Guard` before any route runs and by `confine_weight_path` before a w
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import errno
 import hmac
 import ipaddress
 import json
 import os
-from collections.abc import Mapping, Sequence
+import stat
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 OPEN_PATHS = frozenset({"/health"})  # GET /health answers without a key: launchers and load balancers probe it
@@ -80,19 +85,19 @@ def _host_name(headers: dict[bytes, bytes]) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-class _TooLarge(Exception):
-    """The body grew past the limit while being read."""
-
-
 class Guard:
-    """ASGI middleware: key, Host and body-size checks before any route runs.
+    """ASGI middleware: key, Host and body checks before any route runs.
 
     It answers 401 without a valid key (every route but `GET /health`), 400 for a non-loopback `Host` on a
-    loopback-bound service (DNS rebinding), and 413 for a body over the limit.
+    loopback-bound service (DNS rebinding), 413 for a body over the limit however it is sent (a declared length
+    or chunks), and 408 for a body not sent within `body_timeout_s`. The body is read whole here, before the
+    route, so no route ever sees a partial body or waits on a slow client.
     """
 
-    def __init__(self, app: Any, *, keys: Keys, max_body_bytes: int, loopback_only: bool):
+    def __init__(self, app: Any, *, keys: Keys, max_body_bytes: int, loopback_only: bool,
+                 body_timeout_s: float = 30.0):
         self.app, self.keys, self.max_body_bytes, self.loopback_only = app, keys, max_body_bytes, loopback_only
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -110,31 +115,50 @@ class Guard:
         if length.isdigit() and int(length) > self.max_body_bytes:
             await _reply(send, 413, f"body: {int(length)} bytes exceed the limit of {self.max_body_bytes}")
             return
-        await self._counted(scope, receive, send)
-
-    async def _counted(self, scope: dict, receive: Any, send: Any) -> None:
-        """Runs the app with a receive that stops a (chunked) body at the limit; 413 if nothing was sent yet."""
-        received, started = 0, False
-
-        async def counting_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
         except _TooLarge:
-            if not started:
-                await _reply(send, 413, f"body: exceeds the limit of {self.max_body_bytes} bytes")
+            await _reply(send, 413, f"body: exceeds the limit of {self.max_body_bytes} bytes")
+            return
+        except TimeoutError:
+            await _reply(send, 408, f"body: not received within {self.body_timeout_s:g} s")
+            return
+        if body is None:
+            return  # the client left while sending: nobody to answer
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Any) -> bytes | None:
+        """The whole body (None when the client disconnected); _TooLarge once it passes the limit."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _TooLarge(Exception):
+    """The body grew past the limit while being read."""
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """An ASGI receive that hands over `body` once, then the client's own messages (its disconnect)."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 async def _reply(send: Any, status: int, message: str, *, code: str | int | None = None,
@@ -168,17 +192,22 @@ def normalize_roots(roots: Sequence[str]) -> tuple[str, ...]:
             if clean is None or not root.startswith(REMOTE_SCHEMES):
                 raise ValueError(f"weights_roots: {root!r} is neither a local folder nor a gs://bucket/prefix")
             out.append(clean)
-        else:
-            out.append(os.path.realpath(os.path.abspath(root)))
+        else:  # as resolved, and as written when a symbolic link leads to it (clients send either)
+            out += dict.fromkeys((os.path.realpath(os.path.abspath(root)), os.path.normpath(os.path.abspath(root))))
     return tuple(out)
 
 
 def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> str:
-    """The path to load (symlinks resolved) when `path` lies under one of `roots` (normalized); else PathNotAllowed.
+    """`path` cleaned (bucket URIs) or normalized (local) when it lies under one of `roots` (normalized); else
+    PathNotAllowed naming the rule. Total: any string a client sends gets an answer, never an exception of
+    another type.
 
-    Decided without touching the model files. With no roots: refused when `required` (a service beyond
-    loopback), else any path, as it is.
+    Decided on the string alone: a local path is compared lexically, and `open_weight_folder` then walks it
+    below the root refusing every symbolic link, so what is checked is what is opened. With no roots: refused
+    when `required` (a service beyond loopback), else any path, as it is.
     """
+    if "\x00" in path:
+        raise PathNotAllowed("model_path: not allowed: a path may not contain a NUL character")
     if not roots:
         if required:
             raise PathNotAllowed("model_path: not allowed: this service has no --weights-root, so it loads no "
@@ -193,9 +222,77 @@ def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> s
         raise PathNotAllowed(rule + " (a URI only under a configured gs:// prefix, without '.' or '..')")
     if not os.path.isabs(path):
         raise PathNotAllowed(rule + " (an absolute path)")
-    real = os.path.realpath(path)
-    for root in roots:
-        if "://" not in root and (real == root or real.startswith(root.rstrip(os.sep) + os.sep)):
-            return real
-    raise PathNotAllowed(rule + " (after resolving symlinks and '..')")
+    if ".." in path.split(os.sep):
+        raise PathNotAllowed(rule + " (without '..')")
+    normal = os.path.normpath(path)
+    if _root_of(normal, roots) is None:
+        raise PathNotAllowed(rule)
+    return normal
 
+
+def _root_of(path: str, roots: Sequence[str]) -> str | None:
+    """The local root that `path` (normalized) lies in or is, else None."""
+    for root in roots:
+        if "://" not in root and (path == root or path.startswith(root.rstrip(os.sep) + os.sep)):
+            return root
+    return None
+
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a FIFO cannot hang the open
+_NO_LINKS = ("model_path: not allowed: a symbolic link below the service's --weights-root ({name}); weights load "
+             "only from real folders and files under it")
+
+
+def _open_below(root: str, parts: Sequence[str]) -> int:
+    """A descriptor of root/parts..., opened one component at a time without following a symbolic link."""
+    fd = os.open(root, _OPEN_DIR)  # the root itself is the operator's (resolved at start-up)
+    try:
+        for part in parts:
+            try:
+                child = os.open(part, _OPEN_DIR, dir_fd=fd)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
+                        os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise PathNotAllowed(_NO_LINKS.format(name=part)) from None
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextlib.contextmanager
+def open_weight_folder(path: str, roots: Sequence[str]) -> Iterator[str]:
+    """A private folder whose entries are the regular files of `path` (confined, under a local root), each
+    opened once through a descriptor with no symbolic link followed below the root: loading from it reads
+    exactly the files that were checked, however the folder is changed meanwhile (no check-then-use window).
+
+    PathNotAllowed (403) for a symbolic link on the way or among the files; OSError when the folder is missing.
+    Remote and unconfined paths are handed on as they are. Linux (/proc/self/fd).
+    """
+    root = _root_of(path, roots) if os.path.isabs(path) else None
+    if root is None:
+        yield path
+        return
+    parts = [p for p in os.path.relpath(path, root).split(os.sep) if p not in ("", ".")]
+    folder_fd = _open_below(root, parts)
+    fds: list[int] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="drgrpo_pinned_") as view:
+            for name in os.listdir(folder_fd):
+                try:
+                    fd = os.open(name, _OPEN_FILE, dir_fd=folder_fd)
+                except OSError as error:
+                    if error.errno == errno.ELOOP:
+                        raise PathNotAllowed(_NO_LINKS.format(name=name)) from None
+                    continue  # a subfolder opened read-only still succeeds; anything else cannot be read
+                fds.append(fd)
+                if stat.S_ISREG(os.fstat(fd).st_mode):  # subfolders and devices are not part of a model
+                    os.symlink(f"/proc/self/fd/{fd}", os.path.join(view, name))
+            yield view
+    finally:
+        for fd in (folder_fd, *fds):
+            os.close(fd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+import time
 from typing import Any
 
 from fastapi import HTTPException, Request
@@ -15,9 +16,11 @@ from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
-__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "BadRequest", "ClientGone", "Service", "check_request", "decode",
-           "error_response", "prompt_ids", "run_rows", "sampler_rows", "service_of", "tokenize"]
+__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "BadRequest", "ClientGone", "Service", "check_request",
+           "deadline_of", "decode", "error_response", "greedy_below", "prompt_ids", "run_rows", "sampler_rows",
+           "service_of", "tokenize"]
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: logits / t would overflow float32 (t ~ 1e-9)
 CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 
@@ -50,6 +53,12 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     kind = "invalid_request_error" if status < 500 else "internal_error"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                         headers=headers)
+
+
+def greedy_below(temperature: float) -> float:
+    """`temperature`, or 0 (greedy) when it is so small that dividing logits by it leaves float32's range; the
+    token drawn is then the likeliest either way, and its log-prob is reported finite."""
+    return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
 def tokenize(texts: list[str], tokenizer: Any, field: str, max_context: int) -> list[list[int]]:
@@ -119,27 +128,39 @@ def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], share
     request_seed = secrets.randbits(32)
     rows = []
     for index, (prompt, p) in enumerate(zip(prompts, params)):
-        settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
+        settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=greedy_below(p.temperature),
+                                  top_p=p.top_p,
                                   top_k=min(p.top_k, vocab), stop_token_ids=tuple(p.stop_token_ids or ()),
                                   ignore_eos=p.ignore_eos)
         # One shared seed: prompts are told apart by `stream`; per-prompt seeds are used as given.
-        seed = p.seed if p.seed is not None else (request_seed if shared_seed else secrets.randbits(32))
+        seed = p.row_seed if p.row_seed is not None else (request_seed if shared_seed else secrets.randbits(32))
         rows += [RowRequest(tuple(prompt), settings, seed, index if shared_seed else 0, j) for j in range(p.n)]
     return rows
 
 
-async def run_rows(engine: Engine, rows: list[RowRequest], request: Request) -> list[RowResult]:
+def deadline_of(engine: Engine) -> float:
+    """When a request arriving now must be answered (time.monotonic()), from --request-timeout-s."""
+    return time.monotonic() + engine.config.request_timeout_s
+
+
+async def run_rows(engine: Engine, rows: list[RowRequest], request: Request, deadline: float) -> list[RowResult]:
     """The rows' results; a failed batch answers HTTP 500 and the service keeps running.
 
     While waiting, the client is checked every DISCONNECT_POLL_S: once it is gone its rows are dropped
-    at the next batch boundary (QueueFull, raised by submit, answers 429).
+    at the next batch boundary (QueueFull, raised by submit, answers 429). At `deadline` the request is
+    answered with the rows sampled so far and the others empty and `aborted` (their finish reason: abort).
     """
     future = engine.submit(rows)
     waiter = asyncio.wrap_future(future)
-    while not (await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S))[0]:
+    while not (await asyncio.wait({waiter}, timeout=min(DISCONNECT_POLL_S,
+                                                         max(deadline - time.monotonic(), 0))))[0]:
         if await request.is_disconnected():
             future.cancel()
             raise ClientGone
+        if time.monotonic() >= deadline:
+            done = engine.abandon(future)
+            version = engine.weights.version
+            return [r if r is not None else RowResult([], [], False, version, aborted=True) for r in done]
     try:
         return waiter.result()
     except Exception as error:

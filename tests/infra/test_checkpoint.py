@@ -78,6 +78,44 @@ def test_cadence_force_and_retention(tmp_path):
         assert checkpointer.restore(6, state).host == {"data_position": 6}
 
 
+def _damage(step_folder, how: str) -> None:
+    """Truncates the host JSON ("json": what issue #44 met) or the array data files ("arrays") of a saved step."""
+    for folder, _, files in os.walk(step_folder):
+        for name in files:
+            path = os.path.join(folder, name)
+            parts = os.path.relpath(path, step_folder).split(os.sep)
+            if (how == "json" and parts == ["host", "metadata"]) or (how == "arrays" and "d" in parts[:-1]):
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("how", ["json", "arrays"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_with_one_line(tmp_path, how, caplog):
+    states = {step: _train_state(step) for step in (1, 2, 3)}
+    with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer:
+        for step, state in states.items():
+            checkpointer.save(step, state, {"data_position": step})
+    _damage(tmp_path / "3", how)
+    with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer, caplog.at_level("WARNING", "drgrpo_jax"):
+        restored = checkpointer.restore_latest(jax.eval_shape(lambda: states[3]))
+        assert restored.step == 2 and restored.host == {"data_position": 2}  # main: JSONDecodeError / orbax error
+        _assert_same(restored.state, states[2])
+        assert checkpointer.all_steps() == [1, 2] and (tmp_path / "3.damaged").is_dir()
+        assert checkpointer.save(3, states[3], {"data_position": 3})  # the run saves step 3 again
+    lines = [r.getMessage() for r in caplog.records if r.name == "drgrpo_jax.checkpoint"]
+    assert len(lines) == 1 and "step 3" in lines[0] and "damaged" in lines[0] and "from step 2" in lines[0], lines
+    assert "\n" not in lines[0]
+
+
+def test_every_checkpoint_damaged_raises_the_newest_error(tmp_path):
+    state = _train_state(1)
+    with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer:
+        checkpointer.save(1, state, {"data_position": 1})
+    _damage(tmp_path / "1", "json")
+    with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer, pytest.raises(Exception):  # noqa: B017
+        checkpointer.restore_latest(jax.eval_shape(lambda: state))
+
+
 def test_resume_rules(tmp_path):
     with Checkpointer(tmp_path / "empty", save_every=1, keep=1) as checkpointer:
         assert checkpointer.should_resume(None) is False and checkpointer.should_resume(False) is False
@@ -150,3 +188,24 @@ def test_a_compressed_checkpoint_of_an_earlier_version_restores(tmp_path):
     checkpointer.save(4, restored.state, {"step": 4})  # and saves on into the same folder
     checkpointer.close()
     assert Checkpointer(tmp_path, save_every=1, keep=2).all_steps() == [3, 4]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # two trainer runs, each with its service child process (a few minutes on 2 busy cores)
+def test_a_trainer_resumes_past_a_damaged_latest_checkpoint(tiny_model, prompts_file, tmp_path):
+    """The whole resume: a run saved steps 2 and 4, step 4's host JSON was truncated; the next run names step 4 in
+    one line, resumes from step 2, saves step 4 again and finishes."""
+    from support.trainer_runs import start_trainer, trainer_overrides
+
+    output_dir = tmp_path / "run"
+    first = start_trainer(trainer_overrides(tiny_model, prompts_file, output_dir, steps=4))
+    _, stderr = first.communicate(timeout=900)
+    assert first.returncode == 0, stderr[-3000:]
+    _damage(output_dir / "checkpoints" / "4", "json")
+    resumed = start_trainer(trainer_overrides(tiny_model, prompts_file, output_dir, steps=4))
+    _, stderr = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, stderr[-3000:]  # main: exit 1, JSONDecodeError: Unterminated string ...
+    lines = [line for line in stderr.splitlines() if "damaged" in line]
+    assert len(lines) == 1 and "checkpoint step 4" in lines[0] and "resuming from step 2" in lines[0], lines
+    assert "Traceback" not in stderr
+    assert (output_dir / "checkpoints" / "4.damaged").is_dir() and (output_dir / "checkpoints" / "4").is_dir()

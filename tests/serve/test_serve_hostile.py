@@ -1,0 +1,392 @@
+"""Issue #44's findings against the service, in process (FastAPI's TestClient over a real Engine on the tiny model):
+each test failed on main at 4e341fd and holds here. Hostile paths, error shapes, request bounds, numerics."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from drgrpo_jax.serve.app import build_app
+from drgrpo_jax.serve.engine import Engine, ServeConfig
+
+from support.tiny_models import write_tiny_llama
+
+PEAKED = {"vocab_size": 64, "initializer_range": 0.5, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A weights root with a model in it, and a model of the same shape outside it (other weights)."""
+    base = tmp_path_factory.mktemp("hostile")
+    inside = write_tiny_llama(str(base / "weights" / "run" / "step"), seed=1, **PEAKED)
+    outside = write_tiny_llama(str(base / "outside" / "step"), seed=7, **PEAKED)
+    served = write_tiny_llama(str(base / "served"), seed=0, **PEAKED)
+    return {"root": str(base / "weights"), "inside": inside, "outside": outside, "served": served,
+            "base": str(base)}
+
+
+def _client(engine: Engine, tokenizer=None) -> TestClient:
+    return TestClient(build_app(engine, tokenizer), base_url="http://localhost", raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def engine(root):
+    engine = Engine(ServeConfig(model=root["served"], weights_roots=(root["root"],), max_batch_size=8,
+                                batch_wait_ms=1.0))
+    yield engine
+    engine.close()
+
+
+def _embed(weights) -> np.ndarray:
+    return np.asarray(weights.state["embed"][...])
+
+
+def _loaded_embed(path: str) -> np.ndarray:
+    from drgrpo_jax.serve.weights import load_weights
+
+    return _embed(load_weights(path, "float32", "x"))
+
+
+def _push(client: TestClient, path: str, version: str) -> tuple[int, dict]:
+    answer = client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version,
+                                                            "allow_rollback": True})
+    return answer.status_code, answer.json()
+
+
+def test_a_null_byte_in_a_weight_path_is_403_naming_the_rule(engine, root):
+    client = _client(engine)
+    for path in (root["inside"] + "\x00", "\x00", root["root"] + "/\x00/../x"):
+        status, body = _push(client, path, "1")
+        assert status == 403, body  # main: 500 (realpath raised ValueError: embedded null byte)
+        assert "NUL" in body["message"], body
+    status, body = _push(client, root["root"] + "/run/../../outside/step", "1")
+    assert status == 403 and "'..'" in body["message"], body
+
+
+def test_swapping_a_folder_for_a_symlink_during_the_load_cannot_escape_the_root(engine, root, monkeypatch):
+    """The race, made deterministic: the folder is swapped for a link out of the root once the path was checked,
+    just before the loader reads it. The files read are those opened when the path was checked."""
+    from drgrpo_jax.serve import weights as weights_module
+
+    run = os.path.join(root["root"], "run")
+    real_load = weights_module.from_pretrained
+    inside = _loaded_embed(root["inside"])
+
+    def swap_then_load(path, **kwargs):
+        os.rename(run, run + "_moved")
+        os.symlink(os.path.dirname(root["outside"]), run)
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(weights_module, "from_pretrained", swap_then_load)
+    try:
+        status, body = _push(_client(engine), root["inside"], "2")
+    finally:
+        os.remove(run)
+        os.rename(run + "_moved", run)
+    assert status == 200, body
+    np.testing.assert_array_equal(_embed(engine.weights), inside)  # main: the outside's weights were served
+
+
+def test_a_weight_file_symlinked_out_of_the_root_is_refused(engine, root):
+    folder = os.path.join(root["root"], "linked")
+    shutil.copytree(root["inside"], folder)
+    os.remove(os.path.join(folder, "model.safetensors"))
+    os.symlink(os.path.join(root["outside"], "model.safetensors"), os.path.join(folder, "model.safetensors"))
+    before = _embed(engine.weights)
+    status, body = _push(_client(engine), folder, "3")
+    assert status == 403 and "symbolic link" in body["message"] and "model.safetensors" in body["message"], body
+    np.testing.assert_array_equal(_embed(engine.weights), before)  # main: 200, the outside's weights served
+    link = os.path.join(root["root"], "link")
+    os.symlink(root["inside"], link)  # a link below the root, even to a folder inside it, is refused too
+    status, body = _push(_client(engine), link, "3")
+    assert status == 403 and "symbolic link" in body["message"], body
+
+
+def test_a_missing_folder_under_the_root_is_400_and_a_real_one_loads(engine, root):
+    client = _client(engine)
+    status, body = _push(client, os.path.join(root["root"], "nowhere"), "4")
+    assert status == 400 and body["message"] == "model_path: not a valid model folder", body
+    status, body = _push(client, root["inside"], "4")
+    assert status == 200 and body["weight_version"] == "4", body
+    np.testing.assert_array_equal(_embed(engine.weights), _loaded_embed(root["inside"]))
+
+
+def _is_openai_error(answer, status: int, *words: str) -> None:
+    assert answer.status_code == status, (answer.status_code, answer.text)
+    error = answer.json()["error"]
+    assert isinstance(error["message"], str) and error["code"] == status and error["type"], error
+    for word in words:
+        assert word in error["message"], (word, error)
+
+
+def test_every_error_is_in_openais_shape(engine):
+    client = _client(engine)
+    _is_openai_error(client.get("/no/such/route"), 404, "/no/such/route")
+    _is_openai_error(client.get("/generate"), 405, "GET")
+    _is_openai_error(client.post("/generate", content=b"\xff\xfe{", headers={"content-type": "application/json"}),
+                     400, "body")
+    _is_openai_error(client.post("/generate", content=b"[" * 100_000 + b"]" * 100_000,
+                                 headers={"content-type": "application/json"}), 400, "body")
+    long_int = b'{"input_ids": [' + b"9" * 5000 + b"]}"
+    _is_openai_error(client.post("/generate", content=long_int, headers={"content-type": "application/json"}),
+                     400, "body")
+    assert "detail" not in client.get("/nowhere").json()
+
+
+def test_an_unexpected_failure_is_500_in_openais_shape(engine, monkeypatch):
+    from drgrpo_jax.serve import native_routes
+
+    def broken(*_):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(native_routes, "_per_prompt", broken)
+    answer = _client(engine).post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    _is_openai_error(answer, 500, "internal error")
+    assert "boom" not in answer.text  # nothing of the server's internals goes to the client
+
+
+def test_a_chunked_body_over_the_limit_is_413(root):
+    engine = Engine(ServeConfig(model=root["served"], max_body_bytes=1000))
+    try:
+        client = _client(engine)
+
+        def chunks():
+            yield b'{"input_ids": ['
+            for _ in range(200):
+                yield b"1, 2, 3, 4, 5, "
+            yield b"1]}"
+
+        answer = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+        _is_openai_error(answer, 413, "body", "1000")  # main: 400 "There was an error parsing the body"
+    finally:
+        engine.close()
+
+
+def test_top_logprobs_without_logprobs_is_refused_before_any_work(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    client = _client(engine, tokenizer)
+    before = engine.batches_run
+    answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "top_logprobs": 2, "max_tokens": 4})
+    _is_openai_error(answer, 400, "top_logprobs")
+    assert engine.batches_run == before  # main: refused only after the batch had run
+
+
+def test_chat_without_max_tokens_gets_the_operators_default_and_a_limit(root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = Engine(ServeConfig(model=root["served"], default_max_tokens=8, max_tokens_limit=64))
+    client = _client(engine, tokenizer)
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
+    answer = client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 8  # main: the rest of the context (~250)
+    for route, payload in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": [3, 4]})):
+        for field in ("max_tokens", "max_completion_tokens") if "chat" in route else ("max_tokens",):
+            _is_openai_error(client.post(route, json={**payload, field: 65}), 400, field, "64")
+    engine.close()
+
+
+def test_tiny_temperatures_are_greedy_and_every_logprob_is_finite(engine):
+    client = _client(engine)
+    greedy = client.post("/generate", json={"input_ids": [5, 9, 14], "return_logprob": True,
+                                            "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}).json()
+    for temperature in (1e-6, 1e-9, 1e-20, 1e-37, 5e-324):
+        body = {"input_ids": [5, 9, 14], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 6, "temperature": temperature}}
+        answer = client.post("/generate", json=body).json()
+        logprobs = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+        assert answer["output_ids"] == greedy["output_ids"], temperature
+        assert all(lp is not None and np.isfinite(lp) for lp in logprobs), (temperature, logprobs)
+        completion = client.post("/v1/completions", json={"prompt": [5, 9, 14], "max_tokens": 4, "logprobs": 1,
+                                                          "temperature": temperature}).json()
+        assert all(np.isfinite(lp) for lp in completion["choices"][0]["logprobs"]["token_logprobs"]), completion
+
+
+def test_segment_names_must_match_whole(engine):
+    body = {"segment": "drgrpo_weights_1_1\n", "weight_version": "1",
+            "tensors": [{"name": "embed", "dtype": "float32", "shape": [1], "offset": 0}]}
+    answer = _client(engine).post("/update_weights_from_tensor", json=body)
+    _is_openai_error(answer, 400, "segment")
+    assert "drgrpo_weights_<pid>_<version>" in answer.json()["error"]["message"]  # main: "no such segment"
+
+
+def _reference_scores(model, sequence: list[int], temperature: float, top: int):
+    """log p(token i | tokens < i) and the top entries, from the model's whole logits (the oracle)."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = model(jnp.asarray([sequence], jnp.int32))[0, :-1] / temperature
+    logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    token = logprobs[np.arange(len(sequence) - 1), sequence[1:]]
+    order = np.argsort(-logprobs, axis=-1, kind="stable")[:, :top]
+    return token, np.take_along_axis(logprobs, order, -1), order
+
+
+def test_scoring_in_tiles_matches_the_whole_logits():
+    from flax import nnx
+
+    from drgrpo_jax.serve.scoring import score_sequences, tile_sizes
+
+    from support.tiny_models import SAMPLER_VOCAB, tiny_sampler_model
+
+    model = tiny_sampler_model()
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, SAMPLER_VOCAB, size).tolist() for size in (40, 7, 23)]
+    assert tile_sizes(4, 64, SAMPLER_VOCAB, 4, 1) == (1, SAMPLER_VOCAB)  # as small as tiles get
+    for max_bytes in (1, 4 * 16 * 100 * 4 * 4, 2**30):  # one position a tile, 16 positions, everything at once
+        scored = score_sequences(graphdef, state, sequences, [0.7, 0.0, 1.3], 3, SAMPLER_VOCAB, max_bytes)
+        for sequence, temperature, got in zip(sequences, [0.7, 1.0, 1.3], scored):
+            token, top_values, top_ids = _reference_scores(model, sequence, temperature, 3)
+            np.testing.assert_allclose(got.token_logprobs, token, rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(got.top_logprobs, top_values, rtol=2e-5, atol=2e-5)
+            assert got.top_ids == top_ids.tolist()
+
+
+def test_scoring_memory_is_bounded_by_max_scoring_bytes():
+    """8 rows x 512 positions x a 32,768 vocabulary: untiled, each float32 logits array is 512 MiB; tiled under a
+    32 MiB bound the whole program's temporaries stay under 4x that (attention's own included)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.serve import scoring
+
+    config = DecoderConfig(family="llama", vocab_size=32768, hidden_size=32, intermediate_size=64, num_layers=1,
+                           num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    rows, length, bound = 8, 512, 32 * 2**20
+    positions, entries = scoring.tile_sizes(rows, length, config.vocab_size, 1, bound)
+    ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
+    compiled = scoring._score.lower(graphdef, state, ids, ids, jax.ShapeDtypeStruct((rows,), jnp.float32), top=1,
+                                    positions=positions, entries=entries).compile()
+    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    assert temporaries < 4 * bound, (temporaries, positions, entries)
+    assert rows * length * config.vocab_size * 4 == 16 * bound  # what one untiled array would have taken
+
+
+def test_a_request_past_its_deadline_is_answered_with_abort(root):
+    """--request-timeout-s: a request is answered by its deadline; rows not sampled by then come back empty with
+    finish reason abort (here the worker is held by a slow batch)."""
+    import threading
+    import time
+
+    engine = Engine(ServeConfig(model=root["served"], request_timeout_s=1.0))
+    release = threading.Event()
+    real_run = engine.run_batch
+
+    def slow_run(weights, rows):
+        release.wait(30)
+        return real_run(weights, rows)
+
+    engine.run_batch = slow_run
+    try:
+        client = _client(engine)
+        start = time.monotonic()
+        answer = client.post("/generate", json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 4}})
+        chat = client.post("/v1/completions", json={"prompt": [5, 9], "max_tokens": 4})
+        assert time.monotonic() - start < 10
+        assert answer.status_code == 200 and chat.status_code == 200, (answer.text, chat.text)
+        assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort" and answer.json()["output_ids"] == []
+        assert chat.json()["choices"][0]["finish_reason"] == "abort"
+    finally:
+        release.set()
+        engine.close()
+
+
+# SGLang's sampling parameters, the API fields of `class SamplingParams` in sgl-project/sglang
+# python/sglang/srt/sampling/sampling_params.py (commit 00c17cafcb9e289d5ca97c50e44ada54e4fd5b03), documented in
+# its docs/basic_usage/sampling_params: each with a value SGLang accepts and that means "off" where it is off.
+SGLANG_SAMPLING_PARAMS = {
+    "max_new_tokens": 3, "stop": ["zz"], "stop_token_ids": [2], "stop_regex": None, "temperature": 0.0,
+    "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
+    "structural_tag": None, "ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "no_stop_trim": False, "custom_params": None, "stream_interval": None, "logit_bias": None,
+    "sampling_seed": 11,
+}
+NOT_IMPLEMENTED = {"min_p": 0.1, "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1,
+                   "min_new_tokens": 2, "no_stop_trim": True, "regex": "a+", "json_schema": "{}", "ebnf": "x",
+                   "stop_regex": "a", "logit_bias": {"3": 1.0}}
+
+
+def test_generate_accepts_sglangs_sampling_parameters_and_names_any_other(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    client = _client(engine, load_tokenizer(root["served"], None))
+    prompt = {"input_ids": [5, 9, 14], "return_logprob": True}
+    answer = client.post("/generate", json={**prompt, "sampling_params": SGLANG_SAMPLING_PARAMS})
+    assert answer.status_code == 200, answer.text  # main: 400 on stop, min_p, sampling_seed, ... (extra fields)
+    alias = client.post("/generate", json={**prompt, "sampling_params": {
+        **{k: v for k, v in SGLANG_SAMPLING_PARAMS.items() if k != "sampling_seed"}, "seed": 11}})
+    assert alias.json()["output_ids"] == answer.json()["output_ids"]
+    for name, value in NOT_IMPLEMENTED.items():
+        refused = client.post("/generate", json={**prompt, "sampling_params": {name: value}})
+        _is_openai_error(refused, 400, f"sampling_params.{name}", "not supported")
+    _is_openai_error(client.post("/generate", json={**prompt, "sampling_params": {"bogus_knob": 1}}), 400,
+                     "sampling_params.bogus_knob")
+    _is_openai_error(client.post("/generate", json={**prompt, "sampling_params": {"seed": 1, "sampling_seed": 2}}),
+                     400, "sampling_seed")
+
+
+def test_generate_stop_strings_cut_the_completion_as_sglang_reports_them(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    client = _client(engine, tokenizer)
+    body = {"input_ids": [5, 9, 14], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+    full = client.post("/generate", json=body).json()
+    stop = full["text"][3:5]
+    assert stop, full
+    cut = client.post("/generate", json={**body, "sampling_params": {**body["sampling_params"], "stop": stop}}).json()
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert full["text"].startswith(cut["text"]) and stop not in cut["text"]
+    assert cut["output_ids"] == full["output_ids"][:len(cut["output_ids"])]
+    assert len(cut["meta_info"]["output_token_logprobs"]) == len(cut["output_ids"]) < len(full["output_ids"])
+
+
+def test_a_short_request_does_not_wait_behind_a_long_batch(root):
+    """A batch of long completions holds the main worker; a short request (a one-token completion, what a probe
+    sends) is answered by the short-request worker meanwhile, with the tokens it gets on an idle service."""
+    import concurrent.futures
+    import threading
+    import time
+
+    engine = Engine(ServeConfig(model=root["served"], short_request_tokens=8))
+    release, long_started = threading.Event(), threading.Event()
+    real_run = engine.run_batch
+
+    def held_when_long(weights, rows):
+        if max(r.params.max_new_tokens for r in rows) > 8:
+            long_started.set()
+            release.wait(120)
+        return real_run(weights, rows)
+
+    engine.run_batch = held_when_long
+    client = _client(engine)
+    short = {"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    try:
+        alone = client.post("/generate", json=short).json()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            long = pool.submit(client.post, "/generate", json={"input_ids": [5, 9],
+                                                               "sampling_params": {"max_new_tokens": 64}})
+            assert long_started.wait(60)
+            start = time.monotonic()
+            answer = client.post("/generate", json=short)
+            assert time.monotonic() - start < 30 and answer.json()["output_ids"] == alone["output_ids"]
+            release.set()
+            assert long.result(timeout=120).status_code == 200
+    finally:
+        release.set()
+        engine.close()
