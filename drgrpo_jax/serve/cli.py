@@ -4,6 +4,7 @@ the watch on a parent trainer, and uvicorn serving until SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.hub_ids import local_model_and_tokenizer
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.pretrained import load_tokenizer
 from drgrpo_jax.serve.app import build_app
@@ -132,7 +134,11 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         _fail(" ".join(str(error).split()))
     if not config.model:
         _fail("--model (or model.path in --config) is required")
-    return config
+    try:  # a Hub id (org/name[@revision]) becomes its folder in the HF cache; offline and not cached: one line
+        model, tokenizer = local_model_and_tokenizer(config.model, config.tokenizer)
+    except ConfigError as error:
+        _fail(str(error))
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer)
 
 
 def _watch_parent(pid: int) -> None:

@@ -95,6 +95,13 @@ def test_model_ids_resolve_by_branch_and_commit(offline):
     check_paths(config)
 
 
+def test_the_service_cli_resolves_model_and_tokenizer_ids(offline):
+    from drgrpo_jax.serve.cli import parse_args
+
+    config = parse_args(["--model", "org/tiny", "--tokenizer", "org/tiny@dev"])
+    assert (config.model, config.tokenizer) == (offline["main"], offline["dev"])
+
+
 def test_the_loaders_read_hub_ids(offline):
     from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
 
@@ -190,6 +197,7 @@ def test_dataset_id_errors_name_the_key(offline):
     ["drgrpo_jax.evaluate", "--model", "org/missing@v2", "--suite", "chain_sum_1digit"],
     ["drgrpo_jax.train", "model.path=org/missing@v2", "run.output_dir={tmp}/run"],
     ["drgrpo_jax.plan", "model.path=unset", "--model-config", "org/missing@v2"],
+    ["drgrpo_jax.serve", "--model", "org/missing@v2", "--port", "0"],
 ])
 def test_the_clis_say_it_in_one_line_and_exit_2(offline, tmp_path, command):
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2]), "JAX_PLATFORMS": "cpu"}
