@@ -25,7 +25,7 @@ __all__ = ["SEGMENT_DIR", "TensorEntry", "available", "free_bytes", "parse_index
 
 SEGMENT_DIR = "/dev/shm"
 _PREFIX = "drgrpo_weights_"
-_NAME = re.compile(r"^drgrpo_weights_(\d+)_[A-Za-z0-9._+:-]{1,64}$")  # the pid, then the weight version
+_NAME = re.compile(r"drgrpo_weights_(\d+)_[A-Za-z0-9._+:-]{1,64}")  # the pid, then the weight version
 _ALIGN = 64
 # The segment's wire format, not models.precision.DTYPES (a layer above, and only the dtypes a run names): the
 # numpy types a reader maps without JAX, float16 included.
@@ -70,7 +70,7 @@ def segment_name(version: str | int, pid: int | None = None) -> str:
 
 def _path(name: str) -> str:
     """The file of segment `name`; ValueError unless the name has the segment form (no path separators)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"segment: {name!r} is not a weight segment name ({_PREFIX}<pid>_<version>)")
     return os.path.join(SEGMENT_DIR, name)
 
@@ -150,7 +150,7 @@ def remove_orphans() -> list[str]:
         return []
     removed = []
     for name in os.listdir(SEGMENT_DIR):
-        match = _NAME.match(name)
+        match = _NAME.fullmatch(name)
         if match and not _alive(int(match.group(1))):
             remove_segment(name)
             removed.append(name)

@@ -228,9 +228,12 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     publish_weights(publisher, client, state.params, start_step, rollback=resume, frozen=state.frozen)
     server = None
     if client is None:  # one process (checked above): its own child service
+        # Its deadline is the client's, so the service never answers "abort" to a client still willing to wait.
+        service_args = ["--max-batch-size", str(child_service_batch_size(c)),
+                        "--request-timeout-s", str(c.rollout.timeout_s)]
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
-            log_path=os.path.join(out, "serve.log"), extra_args=["--max-batch-size", str(child_service_batch_size(c))],
+            log_path=os.path.join(out, "serve.log"), extra_args=service_args,
             api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c)))
         if server.url is None:  # entering the context waits until the service answers at its URL
             raise RuntimeError("the local generation service started without a URL")

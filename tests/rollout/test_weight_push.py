@@ -52,7 +52,8 @@ def test_a_segment_reads_back_every_tensor_bit_for_bit():
     assert _ours() == []
 
 
-@pytest.mark.parametrize("bad", ["../etc/passwd", "drgrpo_weights_1_a/b", "other_1_2", "drgrpo_weights_x_1", ""])
+@pytest.mark.parametrize("bad", ["../etc/passwd", "drgrpo_weights_1_a/b", "other_1_2", "drgrpo_weights_x_1", "",
+                                 "drgrpo_weights_1_1\n"])
 def test_segment_names_cannot_leave_the_shared_memory_folder(bad):
     with pytest.raises(ValueError, match="segment"):
         tensor_segment.read_segment(bad, [])
