@@ -1,0 +1,188 @@
+"""The sharded service (`--mesh tensor=T[,data=D]`, issue #43), in process over HTTP (FastAPI's TestClient over a
+real Engine): on 8 fake CPU devices a service with tensor=4, and one with tensor=2,data=2, return the same tokens
+and log-probs as one device for the same seeds, before and after weight pushes from disk and shared memory and with
+a LoRA adapter; every generation of weights lands split over the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from drgrpo_jax import named_tensors as tensor_segment
+from drgrpo_jax.models.config import LoraSpec
+from drgrpo_jax.models.hf_io import load_hf_config
+from drgrpo_jax.models.lora import adapter_specs, save_adapter
+from drgrpo_jax.rollout.weight_push import host_tensors
+from drgrpo_jax.sampler.generate import check_mesh, mesh_rows
+from drgrpo_jax.serve.app import build_app
+from drgrpo_jax.serve.cli import parse_args
+from drgrpo_jax.serve.engine import Engine, ServeConfig
+from drgrpo_jax.serve.weights import load_weights
+from drgrpo_jax.sharding import MeshShape, make_mesh, parse_service_mesh, service_mesh
+
+VOCAB = 64
+MESHES = ("tensor=4", "tensor=2,data=2")
+# Three prompts of different lengths, two samples each: 6 rows, padded to 8 (and 3 prompts to 4) on data=2.
+PROMPTS = [[5, 9, 13, 7], [21, 3], [33, 8, 41, 17, 12, 6, 30]]
+
+
+def write_model(path: str, seed: int) -> str:
+    """A random 2-layer Llama with 4 query and 4 KV heads (so tensor=4 splits both), vocab 64, MLP 64."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, initializer_range=0.3)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The served model, a second version of it, and a LoRA adapter on attention and MLP (B nonzero)."""
+    root = tmp_path_factory.mktemp("mesh")
+    v0 = write_model(str(root / "v0"), seed=0)
+    v1 = write_model(str(root / "v1"), seed=1)
+    spec = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
+    config = dataclasses.replace(load_hf_config(v0), lora=spec)
+    rng = np.random.default_rng(0)
+    arrays = {name: rng.normal(0, 0.3, shape).astype(np.float32) for name, (shape, _) in adapter_specs(config,
+                                                                                                       spec).items()}
+    adapter = str(root / "adapter")
+    save_adapter(arrays, config, adapter, base_model=v0)
+    return {"v0": v0, "v1": v1, "adapter": adapter}
+
+
+def _client(engine: Engine) -> TestClient:
+    return TestClient(build_app(engine, None), base_url="http://localhost", raise_server_exceptions=False)
+
+
+def _generate(client: TestClient, seed: int) -> list[tuple[list[int], list[float]]]:
+    """Sampled (temperature 1, top-p 0.9) and greedy rows: each row's ids and log-probs."""
+    rows = []
+    for params in ({"temperature": 1.0, "top_p": 0.9, "n": 2}, {"temperature": 0.0}):
+        answer = client.post("/generate", json={
+            "input_ids": PROMPTS, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": seed, **params}})
+        assert answer.status_code == 200, answer.text
+        for item in answer.json():
+            rows.append((item["output_ids"], [lp for lp, _, _ in item["meta_info"]["output_token_logprobs"]]))
+    return rows
+
+
+def _push_disk(client: TestClient, path: str, version: str) -> None:
+    answer = client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version})
+    assert answer.status_code == 200, answer.text
+
+
+def _push_segment(client: TestClient, path: str, version: str) -> None:
+    loaded = load_weights(path, "float32", "x")  # the trainer's side: whole arrays on the host
+    name = tensor_segment.segment_name(f"{version}.0")
+    entries = tensor_segment.write_segment(name, host_tensors(loaded.graphdef, loaded.state))
+    try:
+        answer = client.post("/update_weights_from_tensor", json={
+            "segment": name, "tensors": [e.to_json() for e in entries], "weight_version": int(version)})
+    finally:
+        tensor_segment.remove_segment(name)
+    assert answer.status_code == 200, answer.text
+
+
+def _split_shards(engine: Engine) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Each parameter's per-device shard shape and how many devices hold it."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(engine.weights.state):
+        shards = leaf.addressable_shards
+        out[jax.tree_util.keystr(path)] = (shards[0].data.shape, len({s.device for s in shards}))
+    return out
+
+
+def _run(folders, mesh: str) -> tuple[list, list]:
+    """The outputs of one service through its life (start, disk push, segment push, adapter push), and where its
+    q_proj, down_proj and lm_head shards lie after each step."""
+    engine = Engine(ServeConfig(model=folders["v0"], mesh=mesh, max_batch_size=8, batch_wait_ms=1.0,
+                                short_request_tokens=0))
+    try:
+        client = _client(engine)
+        outputs, layouts = [], []
+
+        def record(seed: int) -> None:  # after each push, the same requests
+            outputs.append(_generate(client, seed))
+            layouts.append(_split_shards(engine))
+
+        record(7)
+        _push_disk(client, folders["v1"], "1")
+        record(7)
+        _push_segment(client, folders["v0"], "2")
+        record(7)
+        _push_disk(client, folders["adapter"], "3")
+        assert engine.weights.adapter is not None
+        record(7)
+        return outputs, layouts
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def one_device(folders):
+    return _run(folders, "")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_a_sharded_service_returns_one_devices_tokens_and_logprobs(folders, one_device, mesh):
+    expected, _ = one_device
+    # Same seed throughout: the segment push of v0 gives v0's rows back, v1 and the adapter change them.
+    assert expected[2] == expected[0] and expected[1] != expected[0] and expected[3] != expected[0]
+    got, layouts = _run(folders, mesh)
+    assert len(got) == len(expected) == 4
+    for stage, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
+        assert len(ours) == len(theirs) == 3 * 2 + 3
+        for row, ((ids, lps), (ref_ids, ref_lps)) in enumerate(zip(ours, theirs, strict=True)):
+            assert ids == ref_ids, (mesh, stage, row)
+            np.testing.assert_allclose(lps, ref_lps, rtol=0, atol=1e-5, err_msg=f"{mesh} stage {stage} row {row}")
+    tensor = parse_service_mesh(mesh).tensor
+    devices = tensor * parse_service_mesh(mesh).data
+    for layout in layouts:  # every generation of weights, the pushed ones too, split over heads, MLP and vocabulary
+        q_shape, q_devices = layout["['blocks']['q_proj'].value"]
+        assert q_shape == (2, 32, 4 // tensor, 8) and q_devices == devices
+        assert layout["['blocks']['down_proj'].value"][0] == (2, 64 // tensor, 32)
+        assert layout["['lm_head'].value"][0] == (32, VOCAB // tensor)
+
+
+def test_the_mesh_parses_once_and_refuses_by_name(folders, capsys):
+    assert parse_service_mesh("") == MeshShape(data=1, fsdp=1, tensor=1)
+    assert parse_service_mesh("data=2, tensor=4") == MeshShape(data=2, fsdp=1, tensor=4)
+    for bad, reason in (("tensor", "not tensor=N"), ("fsdp=2", "not tensor=N"), ("tensor=0", "positive int"),
+                        ("tensor=2,tensor=2", "given twice"), ("tensor=x", "positive int")):
+        with pytest.raises(ValueError, match=f"^--mesh: .*{reason}"):
+            parse_service_mesh(bad)
+    assert service_mesh(parse_service_mesh("tensor=1")) is None  # one device: the unsharded programs
+    with pytest.raises(ValueError, match=r"--mesh: data x tensor = 2 x 8 = 16 devices, but this process has 8"):
+        service_mesh(parse_service_mesh("tensor=8,data=2"))
+    with pytest.raises(SystemExit):
+        parse_args(["--model", folders["v0"], "--mesh", "tensor=16"])
+    assert "--mesh: data x tensor = 1 x 16" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^mesh: "):
+        ServeConfig(model=folders["v0"], mesh="heads=2")
+
+
+def test_a_model_whose_heads_do_not_divide_is_refused_before_it_loads(folders):
+    config = load_hf_config(folders["v0"])
+    check_mesh(config, make_mesh(MeshShape(data=2, fsdp=1, tensor=4), jax.devices()))
+    with pytest.raises(ValueError, match=r"^--mesh: blocks/q_proj: dimension 'q_heads' of size 4 .* \(size 8\)"):
+        check_mesh(config, make_mesh(MeshShape(data=1, fsdp=1, tensor=8), jax.devices()))
+    with pytest.raises(ValueError, match=r"--mesh: .*not divisible"):
+        Engine(ServeConfig(model=folders["v0"], mesh="tensor=8"))
+
+
+def test_rows_pad_to_a_multiple_of_the_data_ways():
+    assert [mesh_rows(n) for n in (1, 3, 5, 8)] == [1, 4, 8, 8]  # one device: batch_bucket
+    assert [mesh_rows(n, 2) for n in (1, 3, 5, 8)] == [2, 4, 8, 8]
+    assert [mesh_rows(n, 3) for n in (1, 4, 7)] == [3, 6, 12]
+
