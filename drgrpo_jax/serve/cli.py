@@ -179,8 +179,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     port=sock.getsockname()[1])
     if not config.loopback and not config.weights_roots:
         log.warning("no --weights-root: /update_weights_from_disk refuses every path on this non-loopback service")
-    log.info("serving %s (version %s) on http://%s:%d", config.model, engine.weights.version, config.host,
-             sock.getsockname()[1])
+    where = "one device" if engine.mesh is None else (
+        f"{engine.mesh.size} devices (data={engine.mesh.shape['data']}, tensor={engine.mesh.shape['tensor']})")
+    log.info("serving %s (version %s) on %s at http://%s:%d", config.model, engine.weights.version, where,
+             config.host, sock.getsockname()[1])
     if config.parent_pid:
         threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(

@@ -186,3 +186,45 @@ def test_rows_pad_to_a_multiple_of_the_data_ways():
     assert [mesh_rows(n, 2) for n in (1, 3, 5, 8)] == [2, 4, 8, 8]
     assert [mesh_rows(n, 3) for n in (1, 4, 7)] == [3, 6, 12]
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's child service: rollout.service_mesh
+# ---------------------------------------------------------------------------------------------
+
+BASE = ["model.path=m", "data.path=d"]
+
+
+def test_rollout_service_mesh_is_checked_by_name_before_anything_loads():
+    from drgrpo_jax.config.load import load_config
+    from drgrpo_jax.errors import ConfigError
+    from drgrpo_jax.train.setup import check_service_mesh
+
+    assert load_config(None, [*BASE, "rollout.service_mesh=tensor=2"]).rollout.service_mesh == "tensor=2"
+    assert load_config(None, BASE).rollout.service_mesh == ""  # one device
+    with pytest.raises(ConfigError, match=r"^rollout.service_mesh: 'heads=2' is not tensor=N or data=N"):
+        load_config(None, [*BASE, "rollout.service_mesh=heads=2"])
+    with pytest.raises(ConfigError, match=r"^rollout.service_mesh: applies to the trainer's own child service"):
+        load_config(None, [*BASE, "rollout.service_mesh=tensor=2", "rollout.urls=[http://127.0.0.1:1]"])
+    too_many = load_config(None, [*BASE, "rollout.service_mesh=tensor=4,data=4"])
+    with pytest.raises(ConfigError, match=r"^rollout.service_mesh: data x tensor = 4 x 4 = 16 devices, but this "
+                                          r"process has 8"):
+        check_service_mesh(too_many)
+
+
+@pytest.mark.subprocess
+def test_the_trainers_child_service_on_a_mesh_matches_one_device(folders, one_device):
+    """rollout.service_mesh reaches the child process as --mesh (LocalServer, as train/setup.py starts it)."""
+    import httpx
+
+    from drgrpo_jax.rollout.local_service import LocalServer
+
+    expected, _ = one_device
+    with LocalServer(folders["v0"], mesh="tensor=2,data=2", extra_args=["--max-batch-size", "8"]) as server:
+        assert server.url is not None
+        with httpx.Client(base_url=server.url, timeout=300) as http:
+            got = _generate(http, 7)  # type: ignore[arg-type]  # httpx.Client speaks as the TestClient does
+        assert "on 4 devices (data=2, tensor=2)" in server.log_tail()
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, expected[0], strict=True):
+        assert ids == ref_ids
+        np.testing.assert_allclose(lps, ref_lps, rtol=0, atol=1e-5)
