@@ -282,9 +282,6 @@ def _check_rollout_modes(config: Config) -> None:
         parse_service_mesh(r.service_mesh, "rollout.service_mesh")
     except ValueError as error:
         raise ConfigError("rollout.service_mesh", str(error).removeprefix("rollout.service_mesh: ")) from None
-    if r.service_mesh.strip() and r.urls:
-        raise ConfigError("rollout.service_mesh", "applies to the trainer's own child service only; the services of "
-                                                  "rollout.urls take their own --mesh")
     if r.weight_sync == "shm":
         reason = ("remote services (rollout.urls) load from disk" if r.urls else
                   "model.lora.push=adapter sends a PEFT folder (set model.lora.push=merged)"

@@ -90,9 +90,12 @@ _KERNEL_BACKENDS = {"cudnn": "gpu", "splash": "tpu"}  # attention kernels that r
 
 def check_service_mesh(config: Config) -> None:
     """ConfigError naming rollout.service_mesh when this host has fewer devices than the child service's mesh
-    (checked before anything loads or compiles; the model's heads are checked by the child before it loads)."""
+    (checked before anything loads or compiles; the model's heads are checked by the child before it loads).
+    Services of rollout.urls run elsewhere: their devices are not this host's."""
     from drgrpo_jax.sharding import parse_service_mesh, service_mesh
 
+    if config.rollout.urls:
+        return
     try:
         service_mesh(parse_service_mesh(config.rollout.service_mesh, "rollout.service_mesh"), "rollout.service_mesh")
     except ValueError as error:
