@@ -66,7 +66,7 @@ def _client(engine: Engine) -> TestClient:
 
 
 def _generate(client: TestClient, seed: int) -> list[tuple[list[int], list[float]]]:
-    """Sampled (temperature 1, top-p 0.9) and greedy rows: each row's ids and log-probs."""
+    """Sampled (temperature 1, top-p 0.9) and greedy rows, and a scored echo: each row's ids and log-probs."""
     rows = []
     for params in ({"temperature": 1.0, "top_p": 0.9, "n": 2}, {"temperature": 0.0}):
         answer = client.post("/generate", json={
@@ -75,6 +75,12 @@ def _generate(client: TestClient, seed: int) -> list[tuple[list[int], list[float
         assert answer.status_code == 200, answer.text
         for item in answer.json():
             rows.append((item["output_ids"], [lp for lp, _, _ in item["meta_info"]["output_token_logprobs"]]))
+    # The OpenAI route's echo scores prompt and completion in one forward pass (serve/scoring.py) on the mesh too.
+    answer = client.post("/v1/completions", json={"prompt": [PROMPTS[2]], "max_tokens": 3, "temperature": 0,
+                                                  "logprobs": 1, "echo": True, "seed": seed})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    rows.append((choice["token_ids"], choice["logprobs"]["token_logprobs"][1:]))
     return rows
 
 
@@ -143,7 +149,7 @@ def test_a_sharded_service_returns_one_devices_tokens_and_logprobs(folders, one_
     got, layouts = _run(folders, mesh)
     assert len(got) == len(expected) == 4
     for stage, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
-        assert len(ours) == len(theirs) == 3 * 2 + 3
+        assert len(ours) == len(theirs) == 3 * 2 + 3 + 1
         for row, ((ids, lps), (ref_ids, ref_lps)) in enumerate(zip(ours, theirs, strict=True)):
             assert ids == ref_ids, (mesh, stage, row)
             np.testing.assert_allclose(lps, ref_lps, rtol=0, atol=1e-5, err_msg=f"{mesh} stage {stage} row {row}")
