@@ -449,7 +449,8 @@ class Engine:
         gone = [False] * len(rows)  # the last answer the sampler acted on
 
         def ask() -> list[bool]:
-            gone[:] = unwanted() if unwanted is not None else gone
+            if unwanted is not None:
+                gone[:] = unwanted()
             with self._budget_lock:
                 self.phase_checks += 1
             return gone
