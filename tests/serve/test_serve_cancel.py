@@ -1,6 +1,6 @@
 """Issue #44: a batch already decoding stops at its next phase boundary once every client of its rows is gone
 (disconnected, or answered at its deadline), and a row whose client left finishes there without changing its
-batch-mates' tokens. In process, a real Engine on a tiny model with a long context: a 4,096-token row has 8 decode
+batch-mates' tokens. In process, a real Engine on a tiny model with a long context: an 8,192-token row has 9 decode
 phases (`span_schedule`), so a batch that ran to its end would show here as more phases than it was allowed."""
 
 import threading
@@ -18,14 +18,14 @@ from support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.heavy  # each test compiles the sampler's programs for several phase shapes
 
-LONG = SamplingParams(max_new_tokens=4096, temperature=1.0, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=8192, temperature=1.0, ignore_eos=True)
 LONG_PHASES = len(sampling.span_schedule(sampling.bucket(2), LONG.max_new_tokens))
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return write_tiny_llama(str(tmp_path_factory.mktemp("cancel") / "model"), seed=0, vocab_size=64,
-                            max_position_embeddings=8192)
+                            max_position_embeddings=16384)
 
 
 def _wait_for(condition, what: str, timeout_s: float = 300.0) -> None:
@@ -37,7 +37,7 @@ def _wait_for(condition, what: str, timeout_s: float = 300.0) -> None:
 
 
 def test_a_batch_whose_client_left_ends_within_one_phase_and_the_worker_goes_on(model):
-    assert LONG_PHASES == 8
+    assert LONG_PHASES == 9
     engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
     try:
         future = engine.submit([RowRequest((5, 9), LONG, seed=1)])
@@ -46,7 +46,7 @@ def test_a_batch_whose_client_left_ends_within_one_phase_and_the_worker_goes_on(
         checks_at_cancel = engine.phase_checks  # phases begun by now: at most this many may run in all
         _wait_for(lambda: engine.batches_run == 1 and engine.queued_tokens == 0, "the batch to end")
         assert engine.batches_stopped == 1 and engine.rows_cut == 1
-        assert engine.phases_run <= checks_at_cancel < LONG_PHASES  # main: all 8 phases, 4,096 tokens
+        assert engine.phases_run <= checks_at_cancel < LONG_PHASES  # main: all 9 phases, 8,192 tokens
         # The worker serves the next request, in full.
         next_one = engine.submit([RowRequest((7, 3), SamplingParams(max_new_tokens=100, ignore_eos=True), seed=2)])
         (result,) = next_one.result(timeout=300)
@@ -83,7 +83,7 @@ def test_a_request_past_its_deadline_mid_decode_is_answered_with_abort_and_its_b
         assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort" and answer.json()["output_ids"] == []
         _wait_for(lambda: engine.batches_run == 1 and engine.queued_tokens == 0, "the batch to end")
         assert engine.batches_stopped == 1 and engine.rows_cut == 1
-        assert engine.phases_run <= 1  # 1 unless the prefill alone outlasted the deadline; main: all 8
+        assert engine.phases_run <= 1  # 1 unless the prefill alone outlasted the deadline; main: all 9
     finally:
         answered.set()
         engine.close()
