@@ -309,10 +309,10 @@ def test_one_failing_request_does_not_fail_its_batch_mates(folders):
     engine = Engine(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))
     real = engine.run_batch
 
-    def poisoned(weights, rows):
+    def poisoned(weights, rows, **kwargs):
         if any(r.prompt_ids[0] == 63 for r in rows):
             raise RuntimeError("poisoned row")
-        return real(weights, rows)
+        return real(weights, rows, **kwargs)
 
     engine.run_batch = poisoned
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
