@@ -9,13 +9,17 @@ carries and updates in place) and between phases `_regrow` (the next span, dropp
 per-request knob is a per-row array and every shape a bucket, so requests with different settings share a batch
 and a long run compiles a bounded set of programs. A row's draws depend only on its (seed, stream, sample) and
 the step (`draws.row_keys`), never on the phases or on its batch-mates.
+
+Between phases (on the host, outside every compiled program) `generate` asks its caller's `unwanted` hook which
+rows nobody waits for any more: those rows are finished where they are, and once every row is, the batch ends
+there instead of running its remaining phases.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 import flax.struct
@@ -423,10 +427,25 @@ class _Collected:
             mine[row_ids[real]] = theirs[real]
 
 
+def _unwanted_mask(unwanted: Callable[[], Sequence[bool]] | None, num_rows: int) -> np.ndarray:
+    """The hook's answer as a bool mask over the batch's rows (rows it does not name are wanted)."""
+    mask = np.zeros(num_rows, bool)
+    if unwanted is not None:
+        answer = np.asarray(unwanted(), bool).reshape(-1)
+        if len(answer) > num_rows:
+            raise ValueError(f"unwanted: named {len(answer)} rows, the batch has {num_rows}")
+        mask[:len(answer)] = answer
+    return mask
+
+
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
-             cache_dtype: jnp.dtype = jnp.float32, compact: bool = True, mesh: Mesh | None = None) -> SamplerOutput:
+             cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
+             unwanted: Callable[[], Sequence[bool]] | None = None, mesh: Mesh | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
+    `unwanted`: called on the host before each decode phase, it names (True, in the batch's row order) the rows
+    whose tokens nobody waits for any more. They are finished where they are (their output so far is returned,
+    `stopped_B` False), which changes no other row's tokens; when no row is left the remaining phases are skipped.
     `mesh`: a (data, fsdp=1, tensor) mesh that `state` is placed on (`sharding.param_shardings`): the batch's
     prompts and rows are split over `data` (their counts must divide by it: `mesh_rows`), heads, MLP and
     vocabulary over `tensor`. A row's tokens do not depend on the mesh: its draws are its own (`row_keys`).
@@ -446,8 +465,14 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     first_steps: list[int] = []  # decode iterations run before each phase
     for index, span in enumerate(spans):
         done_B, steps = jax.device_get((decoding.done_B, decoding.out.num_steps))
-        if done_B.all():
+        dropped_B = _unwanted_mask(unwanted, num_rows)[row_ids] & (row_ids >= 0) & ~done_B
+        if (done_B | dropped_B).all():
             break
+        if dropped_B.any():  # finished like a row that hit its budget: the same shapes, so no new program
+            done_B = done_B | dropped_B
+            # On the device array, so the flag keeps its placement (a new placement would be a new program).
+            decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jax.device_put(
+                dropped_B, decoding.done_B.sharding))
         if index:
             kept = _kept_rows(done_B, data) if compact else None
             if kept is not None:

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -152,7 +152,8 @@ class RowResult:
     logprobs: list[float]
     stopped: bool  # ended on a stop/EOS token (the last of output_ids), else hit max_new_tokens
     weight_version: str
-    aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty)
+    aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty), or its
+    # client left while it was sampled (output_ids: what was sampled until then; nobody reads it)
 
 
 class QueueFull(Exception):
@@ -225,6 +226,10 @@ class Engine:
         self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
         self.batches_run = 0
         self.rows_dropped = 0  # rows of requests whose client went away, dropped before they were sampled
+        self.rows_cut = 0  # rows whose client went away while they were sampled, finished at a phase boundary
+        self.batches_stopped = 0  # batches that ended early because no client of theirs was left
+        self.phase_checks = 0  # times a running batch asked whether its clients are still there (between phases)
+        self.phases_run = 0  # decode phases run by every batch so far
         for lane in self._lanes:
             lane.worker = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
             lane.worker.start()
@@ -408,18 +413,20 @@ class Engine:
                     job.remaining -= 1
                     if job.remaining == 0:
                         _resolve(job.future, result=job.results)
-            cost = sum(row_cost(job.rows[i]) for job, i in taken)
+            # Rows of clients gone may have been cut short: their budget was not served, so it does not count.
+            cost = sum(row_cost(job.rows[i]) for job, i in taken if not job.future.cancelled())
             self._release([job.rows[i] for job, i in taken])
-            rate = cost / max(time.perf_counter() - start, 1e-6)
-            with self._budget_lock:
-                self.tokens_per_second = rate if not self.tokens_per_second else (
-                    0.8 * self.tokens_per_second + 0.2 * rate)
+            if cost:
+                rate = cost / max(time.perf_counter() - start, 1e-6)
+                with self._budget_lock:
+                    self.tokens_per_second = rate if not self.tokens_per_second else (
+                        0.8 * self.tokens_per_second + 0.2 * rate)
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
                 ) -> list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]]:
         """(rows, results or the error) for the batch; when it fails, each request's rows again on their own."""
         try:
-            return [(taken, self.run_batch(weights, [job.rows[i] for job, i in taken]))]
+            return [(taken, self.run_batch(weights, [job.rows[i] for job, i in taken], unwanted=_clients_gone(taken)))]
         except Exception as error:  # reported to the failing requests (and logged); the service goes on
             log.exception("batch failed")
             jobs = list(dict.fromkeys(job for job, _ in taken))
@@ -429,24 +436,49 @@ class Engine:
         for job in jobs:  # one bad request must not fail its batch-mates
             part = [(j, i) for j, i in taken if j is job]
             try:
-                out.append((part, self.run_batch(weights, [job.rows[i] for _, i in part])))
+                out.append((part, self.run_batch(weights, [job.rows[i] for _, i in part],
+                                                 unwanted=_clients_gone(part))))
             except Exception as error:  # noqa: BLE001
                 out.append((part, error))
         return out
 
-    def run_batch(self, weights: Weights, rows: list[RowRequest]) -> list[RowResult]:
-        """Samples one batch of rows on `weights`, padded to bucketed static shapes (that divide over --mesh's data)."""
+    def run_batch(self, weights: Weights, rows: list[RowRequest],
+                  unwanted: Callable[[], list[bool]] | None = None) -> list[RowResult]:
+        """Samples one batch of rows on `weights`, padded to bucketed static shapes (that divide over --mesh's data).
+
+        `unwanted` (asked between decode phases) names the rows whose clients are gone: they finish at that
+        phase boundary (`aborted`), and the batch ends there when none is left.
+        """
         distinct = len({tuple(r.prompt_ids) for r in rows})
         batch = sampling.make_batch(
             rows, weights.config.eos_token_ids, batch_size=sampling.mesh_rows(len(rows), self.data_ways),
             prompt_len=sampling.bucket(max(len(r.prompt_ids) for r in rows)),
             num_prompts=sampling.mesh_rows(distinct, self.data_ways))
+        gone = [False] * len(rows)  # the last answer the sampler acted on
+
+        def ask() -> list[bool]:
+            if unwanted is not None:
+                gone[:] = unwanted()
+            with self._budget_lock:
+                self.phase_checks += 1
+            return gone
+
         out = sampling.generate(weights.graphdef, weights.state, batch,
                                 max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
-                                cache_dtype=DTYPES[self.config.dtype], mesh=self.mesh)
+                                cache_dtype=DTYPES[self.config.dtype], unwanted=ask, mesh=self.mesh)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+        cut = [gone[b] and not stopped[b] and lengths[b] < rows[b].params.max_new_tokens for b in range(len(rows))]
         with self._budget_lock:
             self.batches_run += 1
+            self.phases_run += len(out.phases)
+            self.rows_cut += sum(cut)
+            self.batches_stopped += all(gone) and any(cut)
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
-                          weights.version) for b in range(len(rows))]
+                          weights.version, aborted=cut[b]) for b in range(len(rows))]
+
+
+def _clients_gone(taken: list[tuple[_Job, int]]) -> Callable[[], list[bool]]:
+    """For each row of a batch, whether its request's client is gone (disconnected or past its deadline: the
+    handler cancelled the future), asked by the sampler between decode phases."""
+    return lambda: [job.future.cancelled() for job, _ in taken]

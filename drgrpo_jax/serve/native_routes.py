@@ -52,8 +52,9 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def model_info(request: Request) -> dict:
-    """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue and LoRA adapter
-    (null, or the merged adapter's path, rank, alpha and targets) of this service."""
+    """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue, the rows and batches
+    cut short because their clients left, and LoRA adapter (null, or the merged adapter's path, rank, alpha and
+    targets) of this service."""
     engine = service_of(request).engine
     w = engine.weights
     return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
@@ -61,7 +62,8 @@ async def model_info(request: Request) -> dict:
             "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
             "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
-            "rows_dropped": engine.rows_dropped, "adapter": w.adapter}
+            "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
+            "batches_stopped": engine.batches_stopped, "adapter": w.adapter}
 
 
 async def weight_version(request: Request) -> dict:

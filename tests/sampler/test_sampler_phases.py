@@ -100,3 +100,78 @@ def test_span_schedule_and_shared_prompt_rows():
     assert batch.rows.prompt_lengths_B[:4].tolist() == [3, 7, 3, 1] and batch.rows.live_B.sum() == 4
     with pytest.raises(ValueError, match="num_prompts"):
         sampling.make_batch(rows, (), batch_size=8, prompt_len=8, num_prompts=2)
+
+
+def _after(calls: int, mask: list[bool]):
+    """An `unwanted` hook that wants every row for its first `calls` calls (phase boundaries), then not `mask`."""
+    seen = []
+
+    def unwanted() -> list[bool]:
+        seen.append(1)
+        return [False] * len(mask) if len(seen) <= calls else mask
+
+    return unwanted
+
+
+def _is_prefix(cut, full, rows) -> None:
+    """Rows `rows` of `cut` hold the start of what `full` sampled for them, zeros after."""
+    for b in rows:
+        n = int(cut.lengths_B[b])
+        assert n <= full.lengths_B[b]
+        np.testing.assert_array_equal(cut.tokens_BT[b, :n], full.tokens_BT[b, :n])
+        np.testing.assert_allclose(cut.logprobs_BT[b, :n], full.logprobs_BT[b, :n], atol=1e-4)
+        assert not cut.tokens_BT[b, n:].any() and not cut.logprobs_BT[b, n:].any()
+
+
+def _same_rows(cut, full, rows) -> None:
+    np.testing.assert_array_equal(cut.lengths_B[rows], full.lengths_B[rows])
+    np.testing.assert_array_equal(cut.stopped_B[rows], full.stopped_B[rows])
+    np.testing.assert_array_equal(cut.tokens_BT[rows], full.tokens_BT[rows])
+    np.testing.assert_allclose(cut.logprobs_BT[rows], full.logprobs_BT[rows], atol=1e-4)
+
+
+@pytest.mark.heavy
+def test_unwanted_rows_end_at_a_phase_boundary_and_change_no_other_row(model, mixed):
+    """The `unwanted` hook (the service: rows whose clients left) is asked between phases: a batch nobody waits
+    for ends at the next boundary with what it sampled; one row dropped leaves its batch-mates' tokens as they
+    were; a batch still wanted is sampled as without the hook; no new program is compiled for any of it."""
+    batch, _ = mixed
+    graphdef, state = nnx.split(model)
+    everyone = list(range(7))
+
+    def run(unwanted=None, compact=True):
+        return jax.tree.map(np.asarray, sampling.generate(graphdef, state, batch, max_new_tokens=128,
+                                                          compact=compact, unwanted=unwanted))
+
+    full, full_uncompacted = run(), run(compact=False)
+    assert len(full.phases) == 3
+    compiled = sampling.compiled_programs()
+
+    wanted = run(unwanted=lambda: [False] * 7)
+    _same_rows(wanted, full, everyone)
+    assert wanted.phases == full.phases and wanted.num_steps == full.num_steps
+
+    all_gone = run(unwanted=_after(1, [True] * 7))  # every client left during the first phase
+    assert all_gone.phases == full.phases[:1]  # the second and third phases never ran
+    first_steps = full.phases[0][2]
+    assert all_gone.num_steps == first_steps
+    np.testing.assert_array_equal(all_gone.lengths_B, np.minimum(full.lengths_B, 1 + first_steps))
+    _is_prefix(all_gone, full, everyone)
+    assert not all_gone.stopped_B[full.lengths_B > 1 + first_steps].any()
+    assert (all_gone.lengths_B < full.lengths_B).sum() == 3  # rows 0, 5 and 6 were cut short
+
+    gone_at_once = run(unwanted=lambda: [True] * 7)  # gone before decoding: the prefill's token only
+    assert gone_at_once.phases == () and gone_at_once.lengths_B[:7].tolist() == [1] * 7
+
+    row_5_gone = [b == 5 for b in everyone]  # the 60-token row's client left during the first phase
+    kept_shapes = run(unwanted=_after(1, row_5_gone), compact=False)
+    _same_rows(kept_shapes, full_uncompacted, [b for b in everyone if b != 5])
+    _is_prefix(kept_shapes, full_uncompacted, [5])
+    assert kept_shapes.lengths_B[5] == 1 + first_steps < full.lengths_B[5] and not kept_shapes.stopped_B[5]
+    assert len(kept_shapes.phases) == 2  # rows 0 and 6 end within the second phase: the third is skipped
+    assert sampling.compiled_programs() == compiled  # the hook is host-side: no program depends on it
+
+    compacted = run(unwanted=_after(1, row_5_gone))  # compaction now keeps 2 rows, not 4: a smaller program
+    _same_rows(compacted, full, [b for b in everyone if b != 5])
+    _is_prefix(compacted, full, [5])
+    assert [rows for rows, _, _ in compacted.phases] == [8, 2]

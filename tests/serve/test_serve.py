@@ -134,8 +134,9 @@ def test_concurrent_requests_share_batches(server):
     prompts = [[i + 3, i + 4] for i in range(6)]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda p: generate(server.url, greedy_body(p, 6)).json(), prompts))
-    after = httpx.get(server.url + "/get_model_info").json()["batches_run"]
-    assert after - before < len(prompts)  # fewer batches than requests: they were batched together
+    info = httpx.get(server.url + "/get_model_info").json()
+    assert info["batches_run"] - before < len(prompts)  # fewer batches than requests: they were batched together
+    assert info["rows_cut"] == info["batches_stopped"] == 0  # every client waited for its answer
     for prompt, answer in zip(prompts, answers):  # and batching did not change any answer
         assert answer["output_ids"] == generate(server.url, greedy_body(prompt, 6)).json()["output_ids"]
 
@@ -309,10 +310,10 @@ def test_one_failing_request_does_not_fail_its_batch_mates(folders):
     engine = Engine(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))
     real = engine.run_batch
 
-    def poisoned(weights, rows):
+    def poisoned(weights, rows, **kwargs):
         if any(r.prompt_ids[0] == 63 for r in rows):
             raise RuntimeError("poisoned row")
-        return real(weights, rows)
+        return real(weights, rows, **kwargs)
 
     engine.run_batch = poisoned
     params = SamplingParams(max_new_tokens=3, temperature=0.0)

@@ -285,9 +285,9 @@ def test_a_request_past_its_deadline_is_answered_with_abort(root):
     release = threading.Event()
     real_run = engine.run_batch
 
-    def slow_run(weights, rows):
+    def slow_run(weights, rows, **kwargs):
         release.wait(30)
-        return real_run(weights, rows)
+        return real_run(weights, rows, **kwargs)
 
     engine.run_batch = slow_run
     try:
@@ -367,11 +367,11 @@ def test_a_short_request_does_not_wait_behind_a_long_batch(root):
     release, long_started = threading.Event(), threading.Event()
     real_run = engine.run_batch
 
-    def held_when_long(weights, rows):
+    def held_when_long(weights, rows, **kwargs):
         if max(r.params.max_new_tokens for r in rows) > 8:
             long_started.set()
             release.wait(120)
-        return real_run(weights, rows)
+        return real_run(weights, rows, **kwargs)
 
     engine.run_batch = held_when_long
     client = _client(engine)

@@ -1,0 +1,110 @@
+"""Issue #44: a batch already decoding stops at its next phase boundary once every client of its rows is gone
+(disconnected, or answered at its deadline), and a row whose client left finishes there without changing its
+batch-mates' tokens. In process, a real Engine on a tiny model with a long context: an 8,192-token row has 9 decode
+phases (`span_schedule`), so a batch that ran to its end would show here as more phases than it was allowed."""
+
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.serve.app import build_app
+from drgrpo_jax.serve.engine import Engine, ServeConfig
+
+from support.tiny_models import write_tiny_llama
+
+pytestmark = pytest.mark.heavy  # each test compiles the sampler's programs for several phase shapes
+
+LONG = SamplingParams(max_new_tokens=8192, temperature=1.0, ignore_eos=True)
+LONG_PHASES = len(sampling.span_schedule(sampling.bucket(2), LONG.max_new_tokens))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_llama(str(tmp_path_factory.mktemp("cancel") / "model"), seed=0, vocab_size=64,
+                            max_position_embeddings=16384)
+
+
+def _wait_for(condition, what: str, timeout_s: float = 300.0) -> None:
+    """Polls `condition` (the engine's worker runs on its own thread) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_a_batch_whose_client_left_ends_within_one_phase_and_the_worker_goes_on(model):
+    assert LONG_PHASES == 9
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    try:
+        future = engine.submit([RowRequest((5, 9), LONG, seed=1)])
+        _wait_for(lambda: engine.phase_checks >= 1, "the batch to start decoding")
+        future.cancel()  # what the handler does when its client disconnects
+        checks_at_cancel = engine.phase_checks  # phases begun by now: at most this many may run in all
+        _wait_for(lambda: engine.batches_run == 1 and engine.queued_tokens == 0, "the batch to end")
+        assert engine.batches_stopped == 1 and engine.rows_cut == 1
+        assert engine.phases_run <= checks_at_cancel < LONG_PHASES  # main: all 9 phases, 8,192 tokens
+        # The worker serves the next request, in full.
+        next_one = engine.submit([RowRequest((7, 3), SamplingParams(max_new_tokens=100, ignore_eos=True), seed=2)])
+        (result,) = next_one.result(timeout=300)
+        assert len(result.output_ids) == 100 and not result.aborted
+        assert engine.batches_stopped == 1 and engine.rows_cut == 1
+    finally:
+        engine.close()
+
+
+def test_a_request_past_its_deadline_mid_decode_is_answered_with_abort_and_its_batch_stops(model):
+    """The batch is held at its second phase boundary until the answer is out, so the deadline always passes while
+    it decodes (on a fast machine the whole budget would otherwise fit in the deadline)."""
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0, request_timeout_s=2.0))
+    client = TestClient(build_app(engine, None), base_url="http://localhost", raise_server_exceptions=False)
+    answered, real_run = threading.Event(), engine.run_batch
+
+    def held_after_the_first_phase(weights, rows, unwanted):
+        checks = []
+
+        def held() -> list[bool]:
+            checks.append(1)
+            if len(checks) == 2:
+                answered.wait(60)
+            return unwanted()
+
+        return real_run(weights, rows, unwanted=held)
+
+    engine.run_batch = held_after_the_first_phase
+    try:
+        answer = client.post("/generate", json={"input_ids": [5, 9], "sampling_params": {
+            "max_new_tokens": LONG.max_new_tokens, "ignore_eos": True, "sampling_seed": 1}})
+        answered.set()
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["meta_info"]["finish_reason"]["type"] == "abort" and answer.json()["output_ids"] == []
+        _wait_for(lambda: engine.batches_run == 1 and engine.queued_tokens == 0, "the batch to end")
+        assert engine.batches_stopped == 1 and engine.rows_cut == 1
+        assert engine.phases_run <= 1  # 1 unless the prefill alone outlasted the deadline; main: all 9
+    finally:
+        answered.set()
+        engine.close()
+
+
+def test_a_row_whose_client_left_ends_early_and_its_batch_mate_is_sampled_as_alone(model):
+    """Two requests in one batch: the long one's client leaves, the other gets the tokens its seed gives alone."""
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=2000.0))
+    # Long enough (7 phases) that the other client leaves while both rows run.
+    stays = [RowRequest((7, 3), SamplingParams(max_new_tokens=2000, ignore_eos=True), seed=2)]
+    try:
+        leaves = engine.submit([RowRequest((5, 9), LONG, seed=1)])
+        kept = engine.submit(stays)  # within batch_wait_ms: one batch of 2 rows
+        _wait_for(lambda: engine.phase_checks >= 1, "the batch to start decoding")
+        leaves.cancel()
+        (together,) = kept.result(timeout=300)
+        _wait_for(lambda: engine.batches_run == 1 and engine.queued_tokens == 0, "the batch to end")
+        assert engine.rows_cut == 1 and engine.batches_stopped == 0  # the batch went on for the other row
+        (alone,) = engine.submit(stays).result(timeout=300)
+        assert engine.batches_run == 2
+        assert together.output_ids == alone.output_ids and len(alone.output_ids) == 2000
+        assert together.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    finally:
+        engine.close()
