@@ -471,8 +471,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         if dropped_B.any():  # finished like a row that hit its budget: the same shapes, so no new program
             done_B = done_B | dropped_B
             # On the device array, so the flag keeps its placement (a new placement would be a new program).
-            decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jax.device_put(
-                dropped_B, decoding.done_B.sharding))
+            decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jnp.asarray(dropped_B))
         if index:
             kept = _kept_rows(done_B, data) if compact else None
             if kept is not None:

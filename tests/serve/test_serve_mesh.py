@@ -294,3 +294,42 @@ def test_the_gpu_launcher_gives_each_service_its_mesh_of_gpus():
     bad = _launch("launch_gpu.sh", "--config", "c.yaml", "--local", "1", "--serve-gpus", "3", "--serve-mesh",
                   "tensor=2", "--dry-run")
     assert bad.returncode == 2 and "--serve-gpus: 3 GPUs do not split into services of 2" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Phases on the mesh: compaction between phases and rows cut by the service's cancel hook
+# ---------------------------------------------------------------------------------------------
+
+
+def test_phases_compaction_and_cut_rows_on_the_mesh_keep_each_rows_tokens(folders):
+    """8 rows over several phases on tensor=2,data=2; the hook cuts 6 of them at the first phase boundary, so
+    the 2 left are compacted to one row per data shard (`_regrow` on the mesh): they keep one device's tokens."""
+    from drgrpo_jax.sampler import generate as sampling
+
+    rows = [sampling.RowRequest((5 + i, 9, 13), sampling.SamplingParams(max_new_tokens=40, temperature=1.0,
+                                                                          ignore_eos=True), seed=3, sample=i)
+            for i in range(8)]
+    kept = (2, 5)
+
+    def run(mesh_spec: str, cut: bool):
+        mesh = service_mesh(parse_service_mesh(mesh_spec))
+        weights = load_weights(folders["v0"], "float32", "0", mesh)
+        data = 1 if mesh is None else mesh.shape["data"]
+        batch = sampling.make_batch(rows, (2,), batch_size=sampling.mesh_rows(8, data), prompt_len=16,
+                                    num_prompts=sampling.mesh_rows(8, data))
+        calls = []
+
+        def unwanted() -> list[bool]:
+            calls.append(1)
+            return [cut and len(calls) > 1 and i not in kept for i in range(8)]
+
+        return sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=64, unwanted=unwanted,
+                                 mesh=mesh)
+
+    full, cut = run("", cut=False), run("tensor=2,data=2", cut=True)
+    assert len(cut.phases) >= 2 and cut.phases[-1][0] == 2  # the last phase ran the 2 kept rows only
+    for b in kept:
+        assert int(cut.lengths_B[b]) == int(full.lengths_B[b]) == 40
+        np.testing.assert_array_equal(cut.tokens_BT[b], full.tokens_BT[b])
+        np.testing.assert_allclose(cut.logprobs_BT[b], full.logprobs_BT[b], rtol=0, atol=1e-5)
+    assert all(int(cut.lengths_B[b]) < 40 for b in range(8) if b not in kept)  # cut at the boundary
