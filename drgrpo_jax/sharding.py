@@ -50,6 +50,41 @@ def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> 
     return Mesh(np.asarray(devices, dtype=object).reshape(shape.sizes(len(devices))), MESH_AXES)
 
 
+SERVICE_MESH_EXAMPLE = "tensor=4 or tensor=2,data=2"
+
+
+def parse_service_mesh(text: str, field: str = "--mesh") -> MeshShape:
+    """A generation service's mesh, 'tensor=T[,data=D]' (either order), as MeshShape(data=D, fsdp=1, tensor=T).
+
+    "" is one device. The one parser of the service's mesh: drgrpo_jax.serve --mesh, rollout.service_mesh, the
+    launchers and the plan all read it here; ValueError naming `field`.
+    """
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        name, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or name not in ("tensor", "data"):
+            raise ValueError(f"{field}: {part!r} is not tensor=N or data=N (e.g. {SERVICE_MESH_EXAMPLE})")
+        if name in sizes:
+            raise ValueError(f"{field}: {name} is given twice in {text!r}")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{field}: {name} must be a positive int, got {value!r}")
+        sizes[name] = int(value)
+    return MeshShape(data=sizes.get("data", 1), fsdp=1, tensor=sizes.get("tensor", 1))
+
+
+def service_mesh(shape: MeshShape, field: str = "--mesh", devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+    """The service's (data, fsdp=1, tensor) mesh over the first data x tensor of this process's devices; None for
+    one device (the sampler's unsharded programs). ValueError naming `field` when there are fewer devices."""
+    wanted = shape.data * shape.tensor
+    if wanted == 1:
+        return None
+    devices = list(jax.local_devices() if devices is None else devices)
+    if wanted > len(devices):
+        raise ValueError(f"{field}: data x tensor = {shape.data} x {shape.tensor} = {wanted} devices, but this "
+                         f"process has {len(devices)}")
+    return make_mesh(MeshShape(data=shape.data, fsdp=1, tensor=shape.tensor), devices[:wanted])
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """Logical axis name -> mesh axis (or axes, or None for replicated)."""

@@ -13,7 +13,9 @@
 #   --gpus-per-host G     GPUs on each host (default 8)
 #   --serve-gpus K        start K generation services (python -m drgrpo_jax.serve) on the first host, each on
 #                         one of its last K GPUs (CPU processes with --local); the trainer there gets the rest
-#   --serve-url URL       use a running service instead (repeatable: SGLang, vLLM or drgrpo_jax.serve)
+#   --serve-mesh SPEC     each started service spans several GPUs: tensor=T[,data=D] (drgrpo_jax.serve --mesh), so
+#                         --serve-gpus counts GPUs and must be a multiple of T x D (--local: T x D CPU devices each)
+#   --serve-url URL       use a running service instead (repeatable: drgrpo_jax.serve; SGLang, vLLM unverified)
 #   --serve-batch-size B  --max-batch-size of the started services (see python -m drgrpo_jax.plan)
 #   --serve-port P        first service port (default 30000); --coordinator-port P (default 8476)
 #   --local-devices D     fake CPU devices per --local process (default 1)
@@ -33,7 +35,7 @@ set -euo pipefail
 
 config="" mode="" hosts="" local_procs=0 gpus_per_host=8 serve_gpus=0 serve_batch="" serve_port=30000
 coord_port=8476 local_devices=1 log_dir=launch_logs py=python3 workdir=. dry_run=0 key_env="" open_service=0
-serve_urls=() overrides=()
+serve_mesh="" serve_urls=() overrides=()
 die() { echo "launch_gpu.sh: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -43,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --local) mode=local; local_procs="$2"; shift 2 ;;
     --gpus-per-host) gpus_per_host="$2"; shift 2 ;;
     --serve-gpus) serve_gpus="$2"; shift 2 ;;
+    --serve-mesh) serve_mesh="$2"; shift 2 ;;
     --serve-url) serve_urls+=("$2"); shift 2 ;;
     --serve-batch-size) serve_batch="$2"; shift 2 ;;
     --serve-port) serve_port="$2"; shift 2 ;;
@@ -64,6 +67,16 @@ for n in gpus_per_host serve_gpus serve_port coord_port local_devices local_proc
   [[ "${!n}" =~ ^[0-9]+$ ]] || die "--${n//_/-}: must be a non-negative integer, got '${!n}'"
 done
 [[ $serve_gpus -eq 0 || ${#serve_urls[@]} -eq 0 ]] || die "--serve-gpus and --serve-url: give one or the other"
+# Devices per service: the product of --serve-mesh's sizes (drgrpo_jax.serve checks the rest of it).
+serve_ways=1
+if [[ -n "$serve_mesh" ]]; then
+  [[ "$serve_mesh" =~ ^(tensor|data)=[1-9][0-9]*(,(tensor|data)=[1-9][0-9]*)?$ ]] || \
+    die "--serve-mesh: must be tensor=T[,data=D], got '$serve_mesh'"
+  for part in ${serve_mesh//,/ }; do serve_ways=$((serve_ways * ${part#*=})); done
+  [[ $serve_gpus -ge 1 ]] || die "--serve-mesh: needs --serve-gpus (the GPUs its services span)"
+fi
+(( serve_gpus % serve_ways == 0 )) || \
+  die "--serve-gpus: $serve_gpus GPUs do not split into services of $serve_ways (--serve-mesh $serve_mesh)"
 if [[ -n "$key_env" ]]; then
   [[ "$key_env" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "--api-key-env: '$key_env' is not an environment variable name"
   [[ -n "${!key_env:-}" ]] || die "--api-key-env: environment variable $key_env is not set or empty"
@@ -112,15 +125,22 @@ is_local() { [[ "$1" == localhost || "$1" == 127.0.0.1 ]]; }
 # 1. Generation services on the first host (one per GPU, or CPU processes with --local).
 if [[ $serve_gpus -gt 0 ]]; then
   batch_args=(); [[ -n "$serve_batch" ]] && batch_args=(--max-batch-size "$serve_batch")
+  [[ -n "$serve_mesh" ]] && batch_args+=(--mesh "$serve_mesh")
   bind=127.0.0.1; [[ $mode == hosts && ${#host_list[@]} -gt 1 ]] && bind=0.0.0.0
   auth_args=(); [[ -n "$key_env" ]] && auth_args=(--api-key-env "$key_env")
   if [[ $bind != 127.0.0.1 && -z "$key_env" ]]; then
     [[ $open_service -eq 1 ]] || die "--api-key-env: required when the services listen beyond loopback (several hosts); or --allow-unauthenticated"
     auth_args=(--allow-unauthenticated)
   fi
-  for ((k = 0; k < serve_gpus; k++)); do
+  for ((k = 0; k < serve_gpus / serve_ways; k++)); do
     port=$((serve_port + k))
-    if [[ $mode == local ]]; then dev_env=(JAX_PLATFORMS=cpu); else dev_env=(CUDA_VISIBLE_DEVICES=$((gpus_per_host - serve_gpus + k))); fi
+    first=$((gpus_per_host - serve_gpus + k * serve_ways))
+    if [[ $mode == local ]]; then
+      dev_env=(JAX_PLATFORMS=cpu)
+      [[ $serve_ways -gt 1 ]] && dev_env+=("XLA_FLAGS=--xla_force_host_platform_device_count=$serve_ways")
+    else
+      dev_env=("CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + serve_ways - 1)))")
+    fi
     cmd=("$py" -m drgrpo_jax.serve --config "$config" "${model_args[@]}" --host "$bind" --port "$port" "${batch_args[@]}"
          "${root_args[@]}" "${auth_args[@]}")
     if is_local "$first_host"; then

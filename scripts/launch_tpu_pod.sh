@@ -8,13 +8,15 @@
 #   --num-workers N        workers (hosts) of the slice; --coordinator IP: worker 0's internal IP
 #                          (both default to `gcloud compute tpus tpu-vm describe`; required with --dry-run)
 #   --chips-per-worker C   TPU chips per worker (default 4; 8 on a v5e-8 / v6e-8 host)
-#   Generation services (python -m drgrpo_jax.serve, one chip each). Every worker's trainer samples and scores its
-#   share of each step's prompts from all of them (worker i starts at URL i mod n), so a multi-worker slice
-#   needs them; only a one-worker trainer without any starts its own child service:
+#   Generation services (python -m drgrpo_jax.serve, one chip each unless --serve-mesh). Every worker's trainer
+#   samples and scores its share of each step's prompts from all of them (worker i starts at URL i mod n), so a
+#   multi-worker slice needs them; only a one-worker trainer without any starts its own child service:
 #   --serve-tpu NAME       on a separate slice, --serve-chips per worker of it (IPs: --serve-ips ip,ip or describe)
-#   --serve-chips K        services per service worker; without --serve-tpu: on the last K chips of a ONE-worker
+#   --serve-chips K        service chips per service worker; without --serve-tpu: on the last K chips of a ONE-worker
 #                          slice, the trainer keeping the others (TPU_VISIBLE_CHIPS)
-#   --serve-url URL        running services instead (repeatable): SGLang-JAX, vLLM-TPU or drgrpo_jax.serve
+#   --serve-mesh SPEC      each started service spans several chips: tensor=T[,data=D] (drgrpo_jax.serve --mesh),
+#                          T x D chips per service, so --serve-chips counts chips and must be a multiple of T x D
+#   --serve-url URL        running services instead (repeatable): drgrpo_jax.serve (SGLang-JAX, vLLM-TPU unverified)
 #   --serve-batch-size B   --max-batch-size of started services (see python -m drgrpo_jax.plan)
 #   --serve-port P         first service port (default 30000); --coordinator-port P (default 8476)
 #   --install CMD          install command on every worker (default below); --log-dir DIR (default launch_logs)
@@ -30,6 +32,7 @@
 set -euo pipefail
 
 tpu="" zone="" project="" config="" workers="" coordinator="" chips=4 serve_tpu="" serve_ips="" serve_chips=0
+serve_mesh=""
 serve_batch="" serve_port=30000 coord_port=8476 log_dir=launch_logs dry_run=0 key_env="" open_service=0
 install="python3 -m pip install -q -e ~/drgrpo_jax'[train]' 'jax[tpu]'"  # the trainer: the train extra
 serve_urls=() overrides=()
@@ -46,6 +49,7 @@ while [[ $# -gt 0 ]]; do
     --serve-tpu) serve_tpu="$2"; shift 2 ;;
     --serve-ips) serve_ips="$2"; shift 2 ;;
     --serve-chips) serve_chips="$2"; shift 2 ;;
+    --serve-mesh) serve_mesh="$2"; shift 2 ;;
     --serve-url) serve_urls+=("$2"); shift 2 ;;
     --serve-batch-size) serve_batch="$2"; shift 2 ;;
     --serve-port) serve_port="$2"; shift 2 ;;
@@ -67,6 +71,19 @@ for n in chips serve_chips serve_port coord_port; do
   [[ "${!n}" =~ ^[0-9]+$ ]] || die "--${n//_/-}: must be a non-negative integer, got '${!n}'"
 done
 [[ -z "$serve_tpu" || $serve_chips -ge 1 ]] || die "--serve-chips: needs at least 1 with --serve-tpu"
+# Chips per service: the product of --serve-mesh's sizes (drgrpo_jax.serve checks the rest of it).
+serve_ways=1
+if [[ -n "$serve_mesh" ]]; then
+  [[ "$serve_mesh" =~ ^(tensor|data)=[1-9][0-9]*(,(tensor|data)=[1-9][0-9]*)?$ ]] || \
+    die "--serve-mesh: must be tensor=T[,data=D], got '$serve_mesh'"
+  for part in ${serve_mesh//,/ }; do serve_ways=$((serve_ways * ${part#*=})); done
+  [[ $serve_chips -ge 1 ]] || die "--serve-mesh: needs --serve-chips (the chips its services span)"
+fi
+(( serve_chips % serve_ways == 0 )) || \
+  die "--serve-chips: $serve_chips chips do not split into services of $serve_ways (--serve-mesh $serve_mesh)"
+case $serve_ways in 1) serve_bounds=1,1,1 ;; 2) serve_bounds=1,2,1 ;; 4) serve_bounds=2,2,1 ;; 8) serve_bounds=2,4,1 ;;
+  *) die "--serve-mesh: $serve_ways chips per service; 1, 2, 4 or 8 can form a process's chip bounds" ;; esac
+services=$((serve_chips / serve_ways))
 [[ ${#serve_urls[@]} -eq 0 || ( -z "$serve_tpu" && $serve_chips -eq 0 ) ]] || \
   die "--serve-url: not together with --serve-tpu/--serve-chips"
 if [[ -n "$key_env" ]]; then
@@ -130,7 +147,7 @@ elif [[ -n "$serve_tpu" ]]; then
   key_arg=" --allow-unauthenticated"
 fi
 
-# 2. Generation services, one chip each (TPU_VISIBLE_CHIPS), their URLs passed to the trainer.
+# 2. Generation services, --serve-mesh's chips each (TPU_VISIBLE_CHIPS), their URLs passed to the trainer.
 model_args="" out_root="" mirror_root="" root_args=""
 for o in "${overrides[@]}"; do
   [[ "$o" == model.path=* ]] && model_args=" --model $(q "${o#model.path=}")"
@@ -140,11 +157,13 @@ done
 # Weight pushes load only from the run's weights folder (drgrpo_jax.serve derives it from the config otherwise).
 [[ -n "$mirror_root$out_root" ]] && root_args=" --weights-root $(q "${mirror_root:-$out_root}")"
 batch_args=""; [[ -n "$serve_batch" ]] && batch_args=" --max-batch-size $serve_batch"
-start_services() {  # start_services SLICE WORKER FIRST_CHIP BIND: the remote command starting --serve-chips services
+[[ -n "$serve_mesh" ]] && batch_args+=" --mesh $serve_mesh"
+start_services() {  # start_services SLICE WORKER FIRST_CHIP BIND: the remote command starting the services
   local k cmd="$key_load" auth="$key_arg"
   [[ "$4" == 127.0.0.1 && -z "$key_env" ]] && auth=""
-  for ((k = 0; k < serve_chips; k++)); do
-    cmd+="TPU_VISIBLE_CHIPS=$(($3 + k)) TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_BOUNDS=1,1,1 "
+  for ((k = 0; k < services; k++)); do
+    cmd+="TPU_VISIBLE_CHIPS=$(seq -s, $(($3 + k * serve_ways)) $(($3 + (k + 1) * serve_ways - 1))) "
+    cmd+="TPU_CHIPS_PER_PROCESS_BOUNDS=$serve_bounds TPU_PROCESS_BOUNDS=1,1,1 "
     cmd+="TPU_PROCESS_PORT=$((coord_port + 1 + k)) nohup python3 -m drgrpo_jax.serve --config drgrpo_run.yaml"
     cmd+="$model_args --host $4 --port $((serve_port + k))$batch_args$root_args$auth > serve_$k.log 2>&1 & "
     cmd+="echo \$! >> drgrpo_serve.pids; "
@@ -156,12 +175,12 @@ if [[ -n "$serve_tpu" ]]; then
   IFS=, read -r -a ips <<< "$serve_ips"
   for w in "${!ips[@]}"; do
     start_services "$serve_tpu" "$w" 0 0.0.0.0
-    for ((k = 0; k < serve_chips; k++)); do serve_urls+=("http://${ips[$w]}:$((serve_port + k))"); done
+    for ((k = 0; k < services; k++)); do serve_urls+=("http://${ips[$w]}:$((serve_port + k))"); done
   done
   stop_slices+=("$serve_tpu")
 elif [[ $serve_chips -gt 0 ]]; then
   start_services "$tpu" 0 "$train_chips" 127.0.0.1  # the trainer is on this host: loopback is enough
-  for ((k = 0; k < serve_chips; k++)); do serve_urls+=("http://127.0.0.1:$((serve_port + k))"); done
+  for ((k = 0; k < services; k++)); do serve_urls+=("http://127.0.0.1:$((serve_port + k))"); done
   stop_slices+=("$tpu")
 fi
 stop_services() {

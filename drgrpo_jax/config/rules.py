@@ -17,6 +17,7 @@ from drgrpo_jax.config.derived import lora_spec, pack_length, step_configs
 from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, Config, RewardConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
+from drgrpo_jax.sharding import parse_service_mesh
 
 __all__ = ["TRACKERS", "component_names", "function_name", "reward_weights", "validate"]
 
@@ -277,6 +278,10 @@ def _check_rollout_modes(config: Config) -> None:
     """rollout.weight_sync=shm needs a whole model for the trainer's own child; rollout.async a staleness
     allowance and an importance correction for the one-step lag."""
     r, lora = config.rollout, config.model.lora
+    try:
+        parse_service_mesh(r.service_mesh, "rollout.service_mesh")
+    except ValueError as error:
+        raise ConfigError("rollout.service_mesh", str(error).removeprefix("rollout.service_mesh: ")) from None
     if r.weight_sync == "shm":
         reason = ("remote services (rollout.urls) load from disk" if r.urls else
                   "model.lora.push=adapter sends a PEFT folder (set model.lora.push=merged)"

@@ -162,6 +162,11 @@ class RolloutConfig:
         None, "--max-batch-size of the trainer's local child service (null = a whole rollout or the eval set, "
               "whichever is larger)"
     )
+    service_mesh: str = _f(
+        "", "the generation service's --mesh: tensor=T[,data=D] splits its sampler over T x D devices (heads, MLP "
+            "and vocabulary on tensor, rows on data; docs/service.md); the trainer's local child service is started "
+            "with it, services of rollout.urls are said to run with it (the plan's figures); empty = one device"
+    )
     api_key_env: str = _f(
         "", "environment variable holding the services' API key (sent as Authorization: Bearer; the trainer's "
             "own child service is started with it); empty = no key"

@@ -1,7 +1,7 @@
 """A run's mesh, partition specs and per-device memory, before anything runs (jax.eval_shape only).
 
     python -m drgrpo_jax.plan --config PATH [section.key=value ...] [--device NAME | --device-memory GiB]
-                              [--model-config NAME|PATH] [--serve-batch-size ROWS] [--serve-tensor N]
+                              [--model-config NAME|PATH] [--serve-batch-size ROWS] [--serve-mesh tensor=T[,data=D]]
                               [--format text|json]
 
 Parameters and optimizer state are exact (`jax.eval_shape` of the real model and optax chain, split by the
@@ -34,7 +34,15 @@ from drgrpo_jax.plan.activations import (
     stores_probabilities,
 )
 from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, device_spec, preset_name
-from drgrpo_jax.plan.service import service_advice, service_memory, service_rows, total
+from drgrpo_jax.plan.service import (
+    indivisible,
+    service_advice,
+    service_memory,
+    service_rows,
+    service_total,
+    smallest_tensor,
+    total,
+)
 from drgrpo_jax.plan.state import (
     abstract_state,
     adapted_bytes,
@@ -44,6 +52,7 @@ from drgrpo_jax.plan.state import (
     trainer_memory,
     variables,
 )
+from drgrpo_jax.sharding import parse_service_mesh
 
 __all__ = ["auto_remat", "make_plan", "format_text", "resolve_decoder_config", "resolve_remat", "main"]
 
@@ -225,28 +234,37 @@ def shares_one_device(config: Config) -> bool:
 
 
 def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None = None,
-              serve_batch_size: int | None = None, model_source: str = "", serve_tensor: int = 1,
-              backend: str | None = None) -> dict[str, Any]:
+              serve_batch_size: int | None = None, model_source: str = "", serve_mesh: str | None = None,
+              serve_tensor: int = 1, backend: str | None = None) -> dict[str, Any]:
     """The whole plan as one JSON-able dict (bytes as ints).
 
-    `serve_tensor`: devices one generation service splits the model over (an external tensor-parallel server;
-    drgrpo_jax.serve uses one), so its per-device figures are divided by it. `backend` (tpu, gpu, cpu; default:
-    the device's) decides which attention "auto" runs, and so whether activations hold [S, S] probabilities.
+    `serve_mesh`: one generation service's mesh, tensor=T[,data=D] (drgrpo_jax.serve --mesh; default: the
+    config's rollout.service_mesh, else one device; `serve_tensor` N alone means tensor=N); its figures are one of
+    its devices'. `backend` (tpu, gpu, cpu; default: the device's) decides which attention "auto" runs, and so
+    whether activations hold [S, S] probabilities.
     """
+    if serve_mesh is None:
+        serve_mesh = config.rollout.service_mesh or (f"tensor={serve_tensor}" if serve_tensor > 1 else "")
+    try:
+        mesh = parse_service_mesh(serve_mesh, "--serve-mesh")
+    except ValueError as error:
+        raise ConfigError("--serve-mesh", str(error).removeprefix("--serve-mesh: ")) from None
+    if (why := indivisible(model, mesh)) is not None:
+        raise ConfigError("--serve-mesh", f"{serve_mesh}: {why}")
     sizes = mesh_sizes(config)
     backend = backend or device_backend(device)
     params, opt_state, frozen = abstract_state(config, model)
     trainer = trainer_memory(config, model, params, opt_state, frozen)
-    params_total = trainer.pop("_params_total")
+    trainer.pop("_params_total")
     rows = service_rows(config, serve_batch_size)
     # drgrpo_jax.serve keeps the adapted base weights to merge each pushed adapter into; merged pushes need none.
     merge = 0 if frozen is None or config.model.lora.push == "merged" else adapted_bytes(frozen,
                                                                                          config.model.lora.targets)
-    service = {k: v // serve_tensor for k, v in service_memory(config, model, params_total, rows, merge).items()}
+    service = service_memory(config, model, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge)
     base = params if frozen is None else frozen
     usable = None if device is None else int(device.memory_bytes * HEADROOM)
     by_policy = activations_by_policy(config, model, backend)
-    shared = total(service) if shares_one_device(config) else 0  # the trainer's child service on its device
+    shared = service_total(service) if shares_one_device(config) else 0  # the trainer's child service on its device
     policy = resolve_remat(config, by_policy, None if usable is None else usable - total(trainer) - shared, backend)
     trainer["activations"] = by_policy[policy]
     trainer["gradients"] = gradient_bytes(config, model, params, frozen, policy)
@@ -265,8 +283,9 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
                     "attention_probabilities": stores_probabilities(config.model.attention_impl, length, backend),
                     "rows_per_device": rows_per_device(config), "model_call_rows": calls, "sequence": length,
                     "packed": bool(config.train.pack_rows)},
-        "service": {**service, "total": total(service), "rows": rows, "tensor_ways": serve_tensor,
-                    "devices": "one per service process" if serve_tensor == 1 else f"{serve_tensor} per service"},
+        "service": {**service, "total": service_total(service), "rows": rows, "tensor_ways": mesh.tensor,
+                    "data_ways": mesh.data, "mesh": serve_mesh, "devices": mesh.tensor * mesh.data,
+                    "smallest_tensor": None},
         "shared_device": shares_one_device(config), "device": None, "fits": None, "advice": [],
     }
     if device is not None and usable is not None:
@@ -278,9 +297,11 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
         plan["fits"] = fits
         if not fits["trainer"]:
             plan["advice"] += [f"trainer: {line}" for line in trainer_advice(config, model, trainer, usable, backend)]
+        plan["service"]["smallest_tensor"] = smallest_tensor(config, model, rows, usable, data=mesh.data,
+                                                             merge_bytes=merge)
         if not fits["service"]:
-            plan["advice"] += [f"service: {line}" for line in service_advice(config, model, params_total, usable,
-                                                                               rows, merge, serve_tensor)]
+            plan["advice"] += [f"service: {line}" for line in service_advice(
+                config, model, usable, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge)]
     return plan
 
 
@@ -310,10 +331,13 @@ def format_text(plan: dict[str, Any]) -> str:
     attention = "[S, S] probabilities kept" if tr["attention_probabilities"] else "memory-linear attention"
     lines.append(f"  activations by model.remat ({attention}): " + ", ".join(
         f"{name} {_gib(size).strip()}" for name, size in tr["activations_by_remat"].items()))
-    where = "one device" if sv["tensor_ways"] == 1 else f"one of its {sv['tensor_ways']} devices (tensor-parallel)"
+    where = "one device" if sv["devices"] == 1 else (
+        f"one of its {sv['devices']} devices (--mesh {sv['mesh']}: tensor={sv['tensor_ways']} splits heads, MLP "
+        f"and vocabulary, data={sv['data_ways']} the rows)")
     lines += ["", f"generation service, {where} ({sv['rows']} rows at once):"]
-    for key in ("weights", "adapter_merge", "kv_cache", "prefill_attention", "logits", "total"):
-        lines.append(f"  {key:<17} {_gib(sv[key])}")
+    for key in ("weights", "layer_split", "adapter_merge", "kv_cache", "prefill_attention", "decode_temporaries"):
+        lines.append(f"  {key:<19} {_gib(sv[key])}")
+    lines.append(f"  {'total':<19} {_gib(sv['total'])}  (the larger of prefill and decode temporaries counted)")
     if plan["device"] is None:
         lines += ["", "no target device: pass --device NAME or --device-memory GiB to check the fit"]
         return "\n".join(lines)
@@ -327,6 +351,11 @@ def format_text(plan: dict[str, Any]) -> str:
         together = plan["trainer"]["total"] + plan["service"]["total"]
         verdict = "fits" if plan["fits"]["together"] else "DOES NOT FIT"
         lines.append(f"  trainer + its child service on this one device: {_gib(together).strip()} -> {verdict}")
+    if sv["smallest_tensor"] is not None:
+        data = f",data={sv['data_ways']}" if sv["data_ways"] > 1 else ""
+        lines.append(f"  the smallest service mesh that fits: --mesh tensor={sv['smallest_tensor']}{data}")
+    else:
+        lines.append("  no service mesh up to tensor=64 fits: lower rollout.service_batch_size or the token budgets")
     lines += [f"  change {line}" for line in plan["advice"]]
     return "\n".join(lines)
 
@@ -357,9 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                                                f"({', '.join(PRESETS)}); default: model.path's")
     parser.add_argument("--serve-batch-size", type=int,
                         help="rows one generation service samples at once (default: rollout.service_batch_size)")
-    parser.add_argument("--serve-tensor", type=int, default=1,
-                        help="devices one generation service splits the model over (an external tensor-parallel "
-                             "server such as SGLang-JAX --tp N; drgrpo_jax.serve uses 1)")
+    serve = parser.add_mutually_exclusive_group()
+    serve.add_argument("--serve-mesh", metavar="tensor=T[,data=D]",
+                       help="one generation service's mesh, as drgrpo_jax.serve --mesh takes it (default: "
+                            "rollout.service_mesh, else one device): its figures are per device of it")
+    serve.add_argument("--serve-tensor", type=int, default=1, metavar="T",
+                       help="the same as --serve-mesh tensor=T")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="text: the plan as a table with advice (default); json: the same as one JSON object")
     args = parser.parse_args(argv)
@@ -380,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.serve_tensor < 1:
             raise ConfigError("--serve-tensor", f"must be >= 1, got {args.serve_tensor}")
         plan = make_plan(config, model, device=device, serve_batch_size=args.serve_batch_size, model_source=source,
-                         serve_tensor=args.serve_tensor)
+                         serve_mesh=args.serve_mesh, serve_tensor=args.serve_tensor)
     except ConfigError as error:
         print(f"python -m drgrpo_jax.plan: config error: {error}", file=sys.stderr)
         return 2

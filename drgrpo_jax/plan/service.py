@@ -1,8 +1,13 @@
 """The generation service's memory per device and the batch that fits: estimates for drgrpo_jax.plan.
 
-One service device holds the weights (and, serving LoRA adapters, a base copy of the adapted projections to merge
-each pushed adapter into), a KV cache of rows x (prompt + budget - 1) slots, bucketed to powers of two as the
-sampler does, the prefill's float32 attention scores and softmax, and two rows of float32 logits.
+A service over a (data, tensor) mesh (`--mesh`, `rollout.service_mesh`) splits its weights and KV cache by the
+trainer's logical-axis rules (heads, MLP and vocabulary on tensor) and its rows over data. One of its devices holds:
+its share of the weights; the stacked layers' weights once more, split per layer (the sampler's programs slice
+them before their loops); with LoRA adapters pushed, a base copy of the adapted projections to merge each adapter
+into; a KV cache of its rows x (prompt + budget - 1) slots, bucketed as the sampler does; and the larger of two
+programs' temporaries: the prefill's float32 attention scores and softmax (every row its own prompt, at worst), or
+the decode loop's RoPE tables and sampling over the whole vocabulary. tests/plan/test_plan_service.py checks these
+against the compiled programs' own memory analysis.
 """
 
 from __future__ import annotations
@@ -12,19 +17,57 @@ from typing import TYPE_CHECKING
 
 from drgrpo_jax.config.derived import child_service_batch_size
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.plan.hardware import GIB
-from drgrpo_jax.sampler.generate import batch_bucket, bucket
+from drgrpo_jax.sampler.generate import batch_bucket, bucket, mesh_rows
+from drgrpo_jax.sharding import MeshShape, ShardingRules, logical_to_spec
 
 if TYPE_CHECKING:
     from drgrpo_jax.config.schema import Config
 
-__all__ = ["service_advice", "service_memory", "service_rows", "total"]
+__all__ = ["SAMPLING_SHARD_COPIES", "SAMPLING_WHOLE_COPIES", "indivisible", "service_advice", "service_memory",
+           "service_rows", "service_total", "smallest_tensor", "total"]
+
+# The decode loop's float32 [rows, vocabulary] temporaries: copies of each device's vocabulary shard (logits,
+# scaled, masked, ...) and copies of the whole vocabulary (the sort and cumulative mass of top-p/top-k gather
+# it): fitted to the compiled loop's temporaries on CPU for tensor = 1, 2 and 4 (tests/plan/test_plan_service.py).
+SAMPLING_SHARD_COPIES = 6
+SAMPLING_WHOLE_COPIES = 2
 
 
 def total(figures: dict[str, int]) -> int:
     """The sum of a figures dict, leaving out private entries ("_...")."""
     return sum(v for k, v in figures.items() if not k.startswith("_"))
+
+
+def _ways(logical_axes: tuple[str | None, ...], mesh: MeshShape) -> list[int]:
+    """Devices each dimension is split over, by the trainer's rules, on a (data, fsdp, tensor) mesh."""
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    ways = []
+    for entry in logical_to_spec(logical_axes, ShardingRules()):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        ways.append(math.prod(sizes[n] for n in names))
+    return ways
+
+
+def indivisible(model: DecoderConfig, mesh: MeshShape) -> str | None:
+    """The first array and dimension the service's mesh does not divide (as check_mesh refuses it), else None."""
+    for name, (shape, axes) in param_specs(model).items():
+        for dim, logical, ways in zip(shape, axes, _ways(axes, mesh)):
+            if dim % ways:
+                return f"{name}: dimension {logical!r} of size {dim} does not split over {ways} devices"
+    return None
+
+
+def _weights(model: DecoderConfig, itemsize: int, mesh: MeshShape) -> tuple[int, int]:
+    """(every parameter, the stacked layers' parameters) bytes on one device of the mesh."""
+    every = layers = 0
+    for name, (shape, axes) in param_specs(model).items():
+        size = math.prod(shape) * itemsize // math.prod(_ways(axes, mesh))
+        every += size
+        layers += size if name.startswith("blocks/") else 0
+    return every, layers
 
 
 def service_rows(config: Config, serve_batch_size: int | None) -> int:
@@ -42,37 +85,60 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
     return batch_bucket(serve_batch_size or child_service_batch_size(config))
 
 
-def service_memory(config: Config, model: DecoderConfig, weights_bytes: int, rows: int,
+def service_memory(config: Config, model: DecoderConfig, rows: int, *, tensor: int = 1, data: int = 1,
                    merge_bytes: int = 0) -> dict[str, int]:
-    """One generation-service device: weights, KV cache, the prefill's attention scores and, with LoRA, the
-    base copy of the adapted projections kept to merge each new adapter into (`merge_bytes`)."""
+    """One device of a generation service over a (data, tensor) mesh serving `rows` rows at once (module doc);
+    `merge_bytes`: the adapted projections' bytes on all devices (LoRA adapter pushes)."""
+    mesh = MeshShape(data=data, fsdp=1, tensor=tensor)
     a, r = DTYPES[config.model.dtype].itemsize, config.rollout
     prompt, new = bucket(r.max_prompt_tokens), bucket(r.max_new_tokens)
     slots = prompt + new - 1
-    kv = 2 * model.num_layers * rows * slots * model.num_kv_heads * model.head_dim * a + rows * slots * 4
-    prefill = rows * model.num_heads * (prompt - 1) * slots * (4 + 4)  # float32 scores and softmax
-    return {"weights": weights_bytes, "adapter_merge": merge_bytes, "kv_cache": kv, "prefill_attention": prefill,
-            "logits": rows * model.vocab_size * 4 * 2}
+    mine = mesh_rows(rows, data) // data  # rows are padded to split evenly over data
+    weights, layers = _weights(model, a, mesh)
+    kv_heads, heads = model.num_kv_heads // tensor, model.num_heads // tensor
+    kv = 2 * model.num_layers * mine * slots * kv_heads * model.head_dim * a + mine * slots * 4
+    prefill = mine * heads * (prompt - 1) * prompt * (4 + 4)  # one layer's float32 scores and softmax
+    sampling = mine * model.vocab_size * 4 * (SAMPLING_WHOLE_COPIES + SAMPLING_SHARD_COPIES / tensor)
+    decode = mine * slots * model.head_dim * 4 * 2 + int(sampling)  # RoPE tables (cos, sin) of every step
+    return {"weights": weights, "layer_split": layers, "adapter_merge": merge_bytes // tensor, "kv_cache": kv,
+            "prefill_attention": prefill, "decode_temporaries": decode}
 
 
-def service_advice(config: Config, model: DecoderConfig, weights: int, usable: int, rows: int,
-                   merge_bytes: int = 0, tensor: int = 1) -> list[str]:
-    """The largest batch one service device holds, or that the weights alone do not fit."""
+def service_total(figures: dict[str, int]) -> int:
+    """A service device's peak: what every program holds, and the larger of the prefill's and the decode loop's
+    temporaries (they live in different programs)."""
+    return (total(figures) - figures["prefill_attention"] - figures["decode_temporaries"]
+            + max(figures["prefill_attention"], figures["decode_temporaries"]))
+
+
+def smallest_tensor(config: Config, model: DecoderConfig, rows: int, usable: int, *, data: int = 1,
+                    merge_bytes: int = 0, limit: int = 64) -> int | None:
+    """The fewest devices (tensor ways, dividing heads, MLP and vocabulary) one service's weights and `rows` rows
+    fit on, `usable` bytes each; None up to `limit`."""
+    for tensor in range(1, limit + 1):
+        if indivisible(model, MeshShape(data=data, fsdp=1, tensor=tensor)) is None and service_total(
+                service_memory(config, model, rows, tensor=tensor, data=data, merge_bytes=merge_bytes)) <= usable:
+            return tensor
+    return None
+
+
+def service_advice(config: Config, model: DecoderConfig, usable: int, rows: int, *, tensor: int = 1, data: int = 1,
+                   merge_bytes: int = 0) -> list[str]:
+    """The largest batch one service device holds, or the mesh that the weights need."""
 
     def per_device(batch: int) -> int:
-        return total(service_memory(config, model, weights, batch, merge_bytes)) // tensor
+        return service_total(service_memory(config, model, batch, tensor=tensor, data=data, merge_bytes=merge_bytes))
 
-    if (weights + merge_bytes) // tensor > usable:
-        return [f"the generation service's weights ({weights / GIB:.1f} GiB) exceed one device: drgrpo_jax.serve "
-                "uses one device per process, so run the service on a larger device (rollout.urls) or use a "
-                "tensor-parallel server (SGLang-JAX, vLLM-TPU) there"]
     fits = rows
-    while fits > 1 and per_device(fits) > usable:
+    while fits > data and per_device(fits) > usable:
         fits //= 2
-    if per_device(fits) > usable:
-        return ["even one row does not fit: lower rollout.max_new_tokens or rollout.max_prompt_tokens"]
-    return [f"start each generation service with --max-batch-size {fits} (and list them in rollout.urls; "
-            f"rollout.service_batch_size={fits} starts the trainer's own child so and lets the plan check it); "
-            f"{rows} rows at once need {per_device(rows) / GIB:.1f} GiB"]
-
-
+    if per_device(fits) <= usable:
+        return [f"start each generation service with --max-batch-size {fits} (and list them in rollout.urls; "
+                f"rollout.service_batch_size={fits} starts the trainer's own child so and lets the plan check it); "
+                f"{rows} rows at once need {per_device(rows) / GIB:.1f} GiB per device"]
+    needed = smallest_tensor(config, model, rows, usable, data=data, merge_bytes=merge_bytes)
+    if needed is not None:
+        return [f"split each generation service over more devices: --mesh tensor={needed}"
+                f"{f',data={data}' if data > 1 else ''} (drgrpo_jax.serve; rollout.service_mesh for the trainer's "
+                f"own child; the launchers' --serve-mesh) holds {rows} rows"]
+    return ["even one row does not fit: lower rollout.max_new_tokens or rollout.max_prompt_tokens"]

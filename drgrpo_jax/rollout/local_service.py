@@ -27,12 +27,14 @@ class LocalServer:
 
     def __init__(self, model: str, *, dtype: str = "float32", weight_version: str | int = 0,
                  extra_args: Sequence[str] = (), startup_timeout_s: float = 600.0, log_path: str | None = None,
-                 env: dict[str, str] | None = None, api_key_env: str = "", weights_roots: Sequence[str] = ()):
+                 env: dict[str, str] | None = None, api_key_env: str = "", weights_roots: Sequence[str] = (),
+                 mesh: str = ""):
         self.model, self.dtype, self.weight_version = os.fspath(model), dtype, str(weight_version)
         self.extra_args, self.startup_timeout_s = tuple(extra_args), startup_timeout_s
         self.log_path, self.env = log_path, env
         # The key travels in the child's environment under this name; only the name is on its command line.
         self.api_key_env, self.weights_roots = api_key_env, tuple(os.fspath(r) for r in weights_roots)
+        self.mesh = mesh.strip()  # the child's --mesh (tensor=T[,data=D]); "" = one device
         self.url: str | None = None
         self.returncode: int | None = None  # the exit code of the last child, once it has exited
         self._process: subprocess.Popen | None = None
@@ -49,7 +51,8 @@ class LocalServer:
                    "--host", "127.0.0.1", "--port", "0", "--port-file", port_file,
                    "--weight-version", self.weight_version, "--parent-pid", str(os.getpid()),
                    *(["--api-key-env", self.api_key_env] if self.api_key_env else []),
-                   *[arg for root in self.weights_roots for arg in ("--weights-root", root)], *self.extra_args]
+                   *[arg for root in self.weights_roots for arg in ("--weights-root", root)],
+                   *(["--mesh", self.mesh] if self.mesh else []), *self.extra_args]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,

@@ -27,13 +27,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
-from drgrpo_jax.models.kv_cache import VALUE_ORDER, KVCache, init_cache, key_slot_axis, split_cache
+from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.kv_cache import (
+    VALUE_ORDER,
+    KVCache,
+    cache_shardings,
+    init_cache,
+    key_slot_axis,
+    split_cache,
+)
+from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 from drgrpo_jax.sampler.draws import row_keys, sample_step
+from drgrpo_jax.sharding import ShardingRules, batch_sharding, logical_to_spec, named_sharding
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
-           "batch_bucket", "bucket", "compiled_programs", "generate", "make_batch", "span_schedule"]
+           "batch_bucket", "bucket", "check_mesh", "compiled_programs", "generate", "make_batch", "mesh_rows",
+           "place_batch", "span_schedule"]
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
 
@@ -125,6 +137,64 @@ def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
 def batch_bucket(n: int) -> int:
     """Static batch size for n rows (powers of two, starting at 1)."""
     return bucket(n, minimum=1)
+
+
+def mesh_rows(n: int, data: int = 1) -> int:
+    """Static row count for n rows split over `data` devices: `data` x the bucket of each device's share, so every
+    device holds the same bucketed number of rows (`batch_bucket(n)` on one device)."""
+    return data * batch_bucket(-(-int(n) // data))
+
+
+# ---------------------------------------------------------------------------------------------
+# A (data, tensor) mesh: the trainer's logical-axis rules (sharding.ShardingRules) place weights and cache
+# ---------------------------------------------------------------------------------------------
+
+
+def check_mesh(config: DecoderConfig, mesh: Mesh | None, field: str = "--mesh") -> None:
+    """Refuses, before anything loads or compiles, a mesh whose `tensor` axis does not divide the model's heads,
+    MLP or vocabulary (ValueError naming `field` and the array); the rules are the trainer's."""
+    if mesh is None:
+        return
+    kv_axes = ("layers", "batch", None, "kv_heads", "head_dim")
+    shapes = {**param_specs(config), "kv_cache": ((config.num_layers, mesh.shape["data"], 1, config.num_kv_heads,
+                                                   config.head_dim), kv_axes)}
+    try:
+        for name, (shape, axes) in shapes.items():
+            named_sharding(name, shape, axes, mesh)
+    except ValueError as error:
+        raise ValueError(f"{field}: {error}") from None
+
+
+def place_batch(batch: SamplerBatch, mesh: Mesh | None) -> SamplerBatch:
+    """The batch on the mesh: prompts and rows split over the rules' batch axes (`data`), the rest replicated."""
+    if mesh is None:
+        return batch
+    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), batch)
+
+
+def _rows_split(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """`x` [B, ...] with its rows on the rules' batch axes."""
+    return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
+
+
+def _constrain(decoding: _Decoding, mesh: Mesh | None) -> _Decoding:
+    """The carried state pinned to the mesh: rows on `data`, the per-layer cache's heads on `tensor` (the trainer's
+    rules), so every program keeps the same layout and the decode loop never regathers its cache."""
+    if mesh is None:
+        return decoding
+    heads = NamedSharding(mesh, logical_to_spec(("batch", "kv_heads", None, None), ShardingRules()))
+    cache = decoding.cache
+    cache = KVCache(k=tuple(jax.lax.with_sharding_constraint(k, heads) for k in cache.k),
+                    v=tuple(jax.lax.with_sharding_constraint(v, heads) for v in cache.v),
+                    positions_BS=_rows_split(cache.positions_BS, mesh), length=cache.length)
+    out = decoding.out
+    out = dataclasses.replace(out, tokens_BT=_rows_split(out.tokens_BT, mesh),
+                              logprobs_BT=_rows_split(out.logprobs_BT, mesh),
+                              lengths_B=_rows_split(out.lengths_B, mesh), stopped_B=_rows_split(out.stopped_B, mesh))
+    return dataclasses.replace(decoding, cache=cache, tokens_B=_rows_split(decoding.tokens_B, mesh),
+                               done_B=_rows_split(decoding.done_B, mesh), out=out,
+                               rows=jax.tree.map(lambda x: _rows_split(x, mesh), decoding.rows),
+                               keys_B=_rows_split(decoding.keys_B, mesh))
 
 
 def span_schedule(prompt_len: int, max_new_tokens: int) -> tuple[int, ...]:
@@ -255,14 +325,17 @@ def _take_and_grow(cache: KVCache, index_B: jax.Array, num_slots: int) -> KVCach
     return KVCache(k=keys, v=values, positions_BS=positions_BS, length=cache.length)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype", "mesh"))
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
-             num_slots: int, cache_dtype: jnp.dtype) -> _Decoding:
+             num_slots: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None) -> _Decoding:
     """Prefills each distinct prompt once, copies its slots to its rows (a cache of `num_slots`), samples token 0."""
     model = nnx.merge(graphdef, state)
     num_prompts, prompt_len = batch.prompt_ids_PU.shape
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
-    cache = split_cache(init_cache(model.config, num_prompts, prompt_len, dtype=cache_dtype))
+    cache = init_cache(model.config, num_prompts, prompt_len, dtype=cache_dtype)
+    if mesh is not None:  # the prompts' cache: prompts on `data`, heads on `tensor`
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    cache = split_cache(cache)
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
     # then feed the last column alone: only [P, 1, V] logits are ever made, not [P, U, V].
     if prompt_len > 1:
@@ -277,12 +350,14 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.A
     decoding = _Decoding(step=jnp.int32(0), cache=_take_and_grow(cache, rows.prompt_index_B, num_slots),
                          tokens_B=jnp.zeros((num_rows,), jnp.int32), done_B=~rows.live_B | (rows.max_new_tokens_B <= 0),
                          out=out, rows=rows, keys_B=row_keys(rows.seeds_B, rows.streams_B, rows.samples_B))
+    decoding = _constrain(decoding, mesh)
     tokens_B, logprobs_B = _draw(decoding, logits_P1V[rows.prompt_index_B, 0])
-    return _record(decoding, tokens_B, logprobs_B)
+    return _constrain(_record(decoding, tokens_B, logprobs_B), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("decoding",))
-def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding) -> _Decoding:
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("decoding",))
+def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding, mesh: Mesh | None = None
+                  ) -> _Decoding:
     """Decodes until every row is done, the budget is spent or the cache's slots are full (one loop per shape).
 
     Weights and cache come split per layer and the RoPE tables are made before the loop, so its body reads them
@@ -306,29 +381,30 @@ def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding)
         rope = jax.tree.map(lambda table_SB1H: table_SB1H[d.step - first], rope_S)
         logits_B1V, cache = model.decode(d.tokens_B[:, None], positions_B1, d.cache, layers, rope)
         d = dataclasses.replace(d, cache=cache, out=dataclasses.replace(d.out, num_steps=d.out.num_steps + 1))
-        return _record(d, *_draw(d, logits_B1V[:, 0]))
+        return _constrain(_record(d, *_draw(d, logits_B1V[:, 0])), mesh)
 
-    return jax.lax.while_loop(keep_going, decode_one, decoding)
+    return jax.lax.while_loop(keep_going, decode_one, _constrain(decoding, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("num_slots",))
-def _regrow(decoding: _Decoding, index_B: jax.Array, *, num_slots: int) -> _Decoding:
+@functools.partial(jax.jit, static_argnames=("num_slots", "mesh"))
+def _regrow(decoding: _Decoding, index_B: jax.Array, *, num_slots: int, mesh: Mesh | None = None) -> _Decoding:
     """Keeps rows `index_B` (all of them, or the live ones) with the cache grown to `num_slots` slots."""
     def take(x):
         return x[index_B]
 
     out = decoding.out
-    return dataclasses.replace(
+    return _constrain(dataclasses.replace(
         decoding, cache=_take_and_grow(decoding.cache, index_B, num_slots), tokens_B=take(decoding.tokens_B),
         done_B=take(decoding.done_B), rows=jax.tree.map(take, decoding.rows), keys_B=take(decoding.keys_B),
         out=dataclasses.replace(out, tokens_BT=take(out.tokens_BT), logprobs_BT=take(out.logprobs_BT),
-                                lengths_B=take(out.lengths_B), stopped_B=take(out.stopped_B)))
+                                lengths_B=take(out.lengths_B), stopped_B=take(out.stopped_B))), mesh)
 
 
-def _kept_rows(done_B: np.ndarray) -> np.ndarray | None:
-    """Indices of the live rows padded to their bucket with finished rows, or None when that would not halve B."""
+def _kept_rows(done_B: np.ndarray, data: int = 1) -> np.ndarray | None:
+    """Indices of the live rows padded to their bucket (`mesh_rows` over `data` devices) with finished rows, or
+    None when that would not halve B."""
     live = np.flatnonzero(~done_B)
-    size = batch_bucket(len(live))
+    size = mesh_rows(len(live), data)
     if size > len(done_B) // 2:
         return None
     return np.concatenate([live, np.full(size - len(live), np.flatnonzero(done_B)[0])]).astype(np.int32)
@@ -364,19 +440,26 @@ def _unwanted_mask(unwanted: Callable[[], Sequence[bool]] | None, num_rows: int)
 
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
              cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
-             unwanted: Callable[[], Sequence[bool]] | None = None) -> SamplerOutput:
+             unwanted: Callable[[], Sequence[bool]] | None = None, mesh: Mesh | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
     `unwanted`: called on the host before each decode phase, it names (True, in the batch's row order) the rows
     whose tokens nobody waits for any more. They are finished where they are (their output so far is returned,
     `stopped_B` False), which changes no other row's tokens; when no row is left the remaining phases are skipped.
+    `mesh`: a (data, fsdp=1, tensor) mesh that `state` is placed on (`sharding.param_shardings`): the batch's
+    prompts and rows are split over `data` (their counts must divide by it: `mesh_rows`), heads, MLP and
+    vocabulary over `tensor`. A row's tokens do not depend on the mesh: its draws are its own (`row_keys`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     num_rows, prompt_len = batch.rows.live_B.shape[0], batch.prompt_ids_PU.shape[1]
+    data = 1 if mesh is None else mesh.shape["data"]
+    if num_rows % data or batch.prompt_ids_PU.shape[0] % data:
+        raise ValueError(f"batch: {num_rows} rows and {batch.prompt_ids_PU.shape[0]} prompts must both divide over "
+                         f"data={data} devices (make_batch with mesh_rows)")
     spans = span_schedule(prompt_len, max_new_tokens)
-    decoding = _prefill(graphdef, state, batch, max_new_tokens=max_new_tokens, num_slots=(spans or (prompt_len,))[0],
-                        cache_dtype=cache_dtype)
+    decoding = _prefill(graphdef, state, place_batch(batch, mesh), max_new_tokens=max_new_tokens,
+                        num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh)
     collected, row_ids = _Collected(num_rows, max_new_tokens), np.arange(num_rows)
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
@@ -390,15 +473,15 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
             # On the device array, so the flag keeps its placement (a new placement would be a new program).
             decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jnp.asarray(dropped_B))
         if index:
-            kept = _kept_rows(done_B) if compact else None
+            kept = _kept_rows(done_B, data) if compact else None
             if kept is not None:
                 collected.save(decoding.out, row_ids)  # the rows that leave are finished: their outputs are final
                 row_ids = np.where(~done_B[kept], row_ids[kept], -1)
             decoding = _regrow(decoding, jnp.arange(len(row_ids)) if kept is None else jnp.asarray(kept),
-                               num_slots=span)
+                               num_slots=span, mesh=mesh)
         phases.append((len(row_ids), span))
         first_steps.append(int(steps))
-        decoding = _decode_phase(graphdef, state, decoding)
+        decoding = _decode_phase(graphdef, state, decoding, mesh=mesh)
     num_steps = int(jax.device_get(decoding.out.num_steps))
     collected.save(decoding.out, row_ids)
     steps_run = np.diff([*first_steps, num_steps]).tolist()

@@ -23,6 +23,7 @@ from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.connections import guarded_protocol
 from drgrpo_jax.serve.engine import Engine, ServeConfig, load_config
 from drgrpo_jax.serve.security import read_keys
+from drgrpo_jax.sharding import SERVICE_MESH_EXAMPLE, parse_service_mesh, service_mesh
 
 __all__ = ["PROG", "bind_socket", "main", "parse_args", "served_tokenizer"]
 
@@ -76,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--port-file", dest="port_file", help=argparse.SUPPRESS)  # the launcher's: where the bound port is written
     add("--parent-pid", dest="parent_pid", type=int, help=argparse.SUPPRESS)  # the launcher's: exit when it is gone
     add("--dtype", choices=sorted(DTYPES), help=f"parameter and KV-cache dtype (default {defaults.dtype})")
+    add("--mesh", metavar="tensor=T[,data=D]",
+        help=f"run the sampler over T x D of this host's devices: weights and KV cache split over heads, MLP and "
+             f"vocabulary on tensor (the trainer's rules), rows on data; a row's tokens do not depend on it (e.g. "
+             f"{SERVICE_MESH_EXAMPLE}; default: one device)")
     add("--weight-version", dest="weight_version", help=f"version reported until the first weight update (default "
         f"{defaults.weight_version})")
     add("--max-batch-size", dest="max_batch_size", type=int, help=f"rows (prompts x n) per sampler call (default "
@@ -134,6 +139,10 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         _fail(" ".join(str(error).split()))
     if not config.model:
         _fail("--model (or model.path in --config) is required")
+    try:  # parsed once; too few devices for it is said now, before the model loads
+        service_mesh(parse_service_mesh(config.mesh, "--mesh"), "--mesh")
+    except ValueError as error:
+        _fail(str(error))
     try:  # a Hub id (org/name[@revision]) becomes its folder in the HF cache; offline and not cached: one line
         model, tokenizer = local_model_and_tokenizer(config.model, config.tokenizer)
     except ConfigError as error:
@@ -170,8 +179,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     port=sock.getsockname()[1])
     if not config.loopback and not config.weights_roots:
         log.warning("no --weights-root: /update_weights_from_disk refuses every path on this non-loopback service")
-    log.info("serving %s (version %s) on http://%s:%d", config.model, engine.weights.version, config.host,
-             sock.getsockname()[1])
+    where = "one device" if engine.mesh is None else (
+        f"{engine.mesh.size} devices (data={engine.mesh.shape['data']}, tensor={engine.mesh.shape['tensor']})")
+    log.info("serving %s (version %s) on %s at http://%s:%d", config.model, engine.weights.version, where,
+             config.host, sock.getsockname()[1])
     if config.parent_pid:
         threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(

@@ -35,6 +35,7 @@ from drgrpo_jax.serve.weights import (
     weights_from_tensors,
     with_adapter,
 )
+from drgrpo_jax.sharding import parse_service_mesh, service_mesh
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "Engine", "QueueFull", "RowResult", "ServeConfig", "load_config"]
@@ -51,6 +52,7 @@ class ServeConfig:
     port: int = 30000  # TCP port (SGLang's default); 0 = any free port (see port_file)
     port_file: str = ""  # write the bound port here once serving (for parents that asked for port 0)
     dtype: str = "float32"  # parameter and KV-cache dtype: float32 | bfloat16
+    mesh: str = ""  # "tensor=T[,data=D]": the sampler over T x D of this host's devices ("" = one device)
     weight_version: str = "0"  # version reported until the first update
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # rows (prompts x n) per sampler call
     batch_wait_ms: float = 5.0  # after the first request, wait this long for more to batch with it
@@ -102,6 +104,7 @@ class ServeConfig:
         if self.batch_wait_ms < 0 or self.max_context < 0:
             raise ValueError("batch_wait_ms, max_context: must be >= 0")
         normalize_roots(self.weights_roots)  # a malformed root fails here, at start-up
+        parse_service_mesh(self.mesh, "mesh")
         if not is_loopback(self.host) and not self.api_key_env and not self.allow_unauthenticated:
             raise ValueError(f"host: {self.host} is reachable from other machines, so the service needs a key "
                              "(--api-key-env NAME, the key in that environment variable); "
@@ -209,8 +212,11 @@ class Engine:
 
     def __init__(self, config: ServeConfig):
         self.config = config
+        # The devices' count is checked before anything loads, the model's heads against the mesh before it compiles.
+        self.mesh = service_mesh(parse_service_mesh(config.mesh, "--mesh"), "--mesh")
+        self.data_ways = 1 if self.mesh is None else self.mesh.shape["data"]
         # `base`: the last full model loaded; `weights`: what is served (the base, or it with an adapter merged).
-        self.base, self.weights = load_served(config.model, config.dtype, config.weight_version)
+        self.base, self.weights = load_served(config.model, config.dtype, config.weight_version, self.mesh)
         self.max_context = config.max_context or self.weights.config.max_position_embeddings
         self._update_lock = threading.Lock()
         self._lanes = (_Lane("sampler"),) + ((_Lane("sampler-short"),) if config.short_request_tokens else ())
@@ -340,7 +346,7 @@ class Engine:
     def _model_weights(self, folder: str, version: str) -> Weights:
         """A full model folder, checked against the served model; InvalidWeights otherwise."""
         try:
-            new = load_weights(folder, self.config.dtype, version)
+            new = load_weights(folder, self.config.dtype, version, self.mesh)
         except Exception as error:  # noqa: BLE001 - missing, unreadable, corrupt: one answer for all of them
             log.warning("weight update from %s refused: %s: %s", folder, type(error).__name__, error)
             raise InvalidWeights("model_path: not a valid model folder") from None
@@ -438,14 +444,16 @@ class Engine:
 
     def run_batch(self, weights: Weights, rows: list[RowRequest],
                   unwanted: Callable[[], list[bool]] | None = None) -> list[RowResult]:
-        """Samples one batch of rows on `weights`, padded to bucketed static shapes.
+        """Samples one batch of rows on `weights`, padded to bucketed static shapes (that divide over --mesh's data).
 
         `unwanted` (asked between decode phases) names the rows whose clients are gone: they finish at that
         phase boundary (`aborted`), and the batch ends there when none is left.
         """
+        distinct = len({tuple(r.prompt_ids) for r in rows})
         batch = sampling.make_batch(
-            rows, weights.config.eos_token_ids, batch_size=sampling.batch_bucket(len(rows)),
-            prompt_len=sampling.bucket(max(len(r.prompt_ids) for r in rows)))
+            rows, weights.config.eos_token_ids, batch_size=sampling.mesh_rows(len(rows), self.data_ways),
+            prompt_len=sampling.bucket(max(len(r.prompt_ids) for r in rows)),
+            num_prompts=sampling.mesh_rows(distinct, self.data_ways))
         gone = [False] * len(rows)  # the last answer the sampler acted on
 
         def ask() -> list[bool]:
@@ -457,7 +465,7 @@ class Engine:
 
         out = sampling.generate(weights.graphdef, weights.state, batch,
                                 max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
-                                cache_dtype=DTYPES[self.config.dtype], unwanted=ask)
+                                cache_dtype=DTYPES[self.config.dtype], unwanted=ask, mesh=self.mesh)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
         cut = [gone[b] and not stopped[b] and lengths[b] < rows[b].params.max_new_tokens for b in range(len(rows))]

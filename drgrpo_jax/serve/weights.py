@@ -1,10 +1,13 @@
 """The served weights: one immutable `Weights` generation, loaded from an HF folder, a PEFT adapter merged
 into the base, or named tensors from a shared-memory segment (the trainer's in-memory push), and the checks
-a new generation passes before it is swapped in."""
+a new generation passes before it is swapped in. On a service mesh (--mesh) every generation lands already split:
+each parameter goes straight from the host to its shards by the trainer's logical-axis rules, never whole on one
+device."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,11 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from drgrpo_jax.models.hf_io import build_model
+from drgrpo_jax.models.hf_io import build_model, load_hf_config
 from drgrpo_jax.models.lora import is_adapter_folder, load_adapter, merge_adapters, read_adapter_config
 from drgrpo_jax.models.precision import DTYPES  # ServeConfig.dtype -> parameter and KV-cache dtype
 from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.sampler.generate import check_mesh
+from drgrpo_jax.sharding import param_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,27 +35,31 @@ class Weights:
     version: str
     path: str
     adapter: dict[str, Any] | None = None  # the LoRA adapter merged into the base: path, rank, alpha, targets
+    mesh: Mesh | None = None  # the service's mesh the state is split over (None: one device)
 
 
-def load_weights(path: str, dtype: str, version: str) -> Weights:
-    """Reads a checkpoint from disk (no device state is touched before it has loaded)."""
-    model = from_pretrained(path, dtype=DTYPES[dtype])
+def load_weights(path: str, dtype: str, version: str, mesh: Mesh | None = None) -> Weights:
+    """Reads a checkpoint from disk (no device state is touched before it has loaded); on a mesh each parameter
+    goes to its shards only (`build_model`)."""
+    model = from_pretrained(path, dtype=DTYPES[dtype], mesh=mesh)
     graphdef, state = nnx.split(model)
-    return Weights(graphdef, state, model.config, str(version), path)
+    return Weights(graphdef, state, model.config, str(version), path, mesh=mesh)
 
 
-def load_served(path: str, dtype: str, version: str) -> tuple[Weights, Weights]:
+def load_served(path: str, dtype: str, version: str, mesh: Mesh | None = None) -> tuple[Weights, Weights]:
     """(base, served) from --model: a model serves itself; a PEFT adapter folder serves the base its
-    adapter_config.json names (base_model_name_or_path) with the adapter merged in."""
-    if not is_adapter_folder(path):
-        weights = load_weights(path, dtype, version)
-        return weights, weights
-    _, base_path = read_adapter_config(path)
-    if not base_path:
-        raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path; start the service with "
-                         "--model BASE and push the adapter to /update_weights_from_disk")
-    base = load_weights(base_path, dtype, version)
-    return base, with_adapter(base, path, version)
+    adapter_config.json names (base_model_name_or_path) with the adapter merged in. On a mesh an HF folder's
+    config is checked against it first (--mesh named), before any weight is read."""
+    base_path = path
+    if is_adapter_folder(path):
+        _, base_path = read_adapter_config(path)
+        if not base_path:
+            raise ValueError(f"{path}: adapter_config.json names no base_model_name_or_path; start the service with "
+                             "--model BASE and push the adapter to /update_weights_from_disk")
+    if mesh is not None and os.path.isdir(base_path):
+        check_mesh(load_hf_config(base_path), mesh)
+    base = load_weights(base_path, dtype, version, mesh)
+    return (base, base) if base_path == path else (base, with_adapter(base, path, version))
 
 
 def with_adapter(base: Weights, folder: str, version: str, shown_path: str | None = None) -> Weights:
@@ -60,10 +70,12 @@ def with_adapter(base: Weights, folder: str, version: str, shown_path: str | Non
     not fit the served model.
     """
     spec, adapters = load_adapter(folder, base.config)
-    merged = merge_adapters(nnx.merge(base.graphdef, base.state), spec, adapters)
-    new = Weights(base.graphdef, nnx.state(merged), base.config, str(version), shown_path or folder,
+    merged = nnx.state(merge_adapters(nnx.merge(base.graphdef, base.state), spec, adapters))
+    if base.mesh is not None:  # W + A B computed shard by shard; pinned to the base's own layout
+        merged = jax.device_put(merged, param_shardings(merged, base.mesh))
+    new = Weights(base.graphdef, merged, base.config, str(version), shown_path or folder,
                   adapter={"path": shown_path or folder, "rank": spec.rank, "alpha": spec.alpha,
-                           "targets": list(spec.targets)})
+                           "targets": list(spec.targets)}, mesh=base.mesh)
     check_compatible(base, new)
     return new
 
@@ -98,11 +110,11 @@ def weights_from_tensors(served: Weights, tensors: Mapping[str, np.ndarray], dty
         read.add(name)
         return tensors[name]
 
-    model = build_model(served.config, take, dtype=DTYPES[dtype])
+    model = build_model(served.config, take, dtype=DTYPES[dtype], mesh=served.mesh)
     if unknown := sorted(set(tensors) - read):
         raise ValueError(f"tensors: {unknown[0]} is not a parameter of the served model")
     _, state = nnx.split(model)
-    return Weights(served.graphdef, state, served.config, str(version), path)
+    return Weights(served.graphdef, state, served.config, str(version), path, mesh=served.mesh)
 
 
 class InvalidWeights(ValueError):

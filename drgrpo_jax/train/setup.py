@@ -88,6 +88,20 @@ def build_mesh(config: Config) -> jax.sharding.Mesh:
 _KERNEL_BACKENDS = {"cudnn": "gpu", "splash": "tpu"}  # attention kernels that run on one backend only
 
 
+def check_service_mesh(config: Config) -> None:
+    """ConfigError naming rollout.service_mesh when this host has fewer devices than the child service's mesh
+    (checked before anything loads or compiles; the model's heads are checked by the child before it loads).
+    Services of rollout.urls run elsewhere: their devices are not this host's."""
+    from drgrpo_jax.sharding import parse_service_mesh, service_mesh
+
+    if config.rollout.urls:
+        return
+    try:
+        service_mesh(parse_service_mesh(config.rollout.service_mesh, "rollout.service_mesh"), "rollout.service_mesh")
+    except ValueError as error:
+        raise ConfigError("rollout.service_mesh", str(error).removeprefix("rollout.service_mesh: ")) from None
+
+
 def check_attention_backend(impl: str, backend: str) -> None:
     """ConfigError unless model.attention_impl can run on `backend` (checked before anything compiles)."""
     needed = _KERNEL_BACKENDS.get(impl)
@@ -156,6 +170,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
         raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
     check_paths(c)
     check_trackers(c)
+    check_service_mesh(c)
     weight_sync = sync_mode(c, local_child=not c.rollout.urls)  # shm: the pushes to the child skip the disk
     check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
@@ -234,7 +249,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
             log_path=os.path.join(out, "serve.log"), extra_args=service_args,
-            api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c)))
+            api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c), mesh=c.rollout.service_mesh))
         if server.url is None:  # entering the context waits until the service answers at its URL
             raise RuntimeError("the local generation service started without a URL")
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
