@@ -70,7 +70,7 @@ def plot(line: dict, output: str) -> None:
         seeds[run["algorithm"]] += 1
     for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
         for colour, (algorithm, b) in enumerate(bands(line, key).items()):
-            ax.plot(b["step"], b["mean"], color=f"C{colour}", label=f"{algorithm} ({seeds[algorithm]} seeds)")
+            ax.plot(b["step"], b["mean"], color=f"C{colour}", label=f"{algorithm} (seeds: {seeds[algorithm]})")
             ax.fill_between(b["step"], b["min"], b["max"], color=f"C{colour}", alpha=0.2, linewidth=0)
         ax.set_title(title)
         ax.grid(alpha=0.3)
