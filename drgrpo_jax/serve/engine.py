@@ -468,7 +468,9 @@ class Engine:
                                 cache_dtype=DTYPES[self.config.dtype], unwanted=ask, mesh=self.mesh)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
-        cut = [gone[b] and not stopped[b] and lengths[b] < rows[b].params.max_new_tokens for b in range(len(rows))]
+        # Python bools (not numpy's): the counters below are served as JSON by /get_model_info.
+        cut = [bool(gone[b] and not stopped[b] and lengths[b] < rows[b].params.max_new_tokens)
+               for b in range(len(rows))]
         with self._budget_lock:
             self.batches_run += 1
             self.phases_run += len(out.phases)

@@ -26,6 +26,8 @@ SMOKE_ARGS = {
     "rl_step": ["--steps", "2", "--prompts", "2", "--group", "2", "--budget", "4", "--micro-batches", "1",
                 "--dtypes", "float32"],
     "quickstart": ["train.steps=1", "train.eval_every=0", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"],
+    "serve_burst": ["--random-weights", "--burst", "2", "--client-timeout-s", "2", "--duration-s", "10",
+                    "--request-timeout-s", "10", "--no-warmup"],
     # Both algorithms, one seed, one step; run (and rerun) by its own test below, in a temporary --out.
     "length_bias": ["--seeds", "0", "--steps", "1", "--prompts", "1", "--group", "2", "--budget", "16",
                     "--train-size", "4", "--eval-size", "2", "--eval-samples", "2", "--micro-batches", "1"],
