@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import yaml
 
+from drgrpo_jax.host_memory import return_freed_memory
 from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
@@ -421,6 +422,10 @@ class Engine:
                 with self._budget_lock:
                     self.tokens_per_second = rate if not self.tokens_per_second else (
                         0.8 * self.tokens_per_second + 0.2 * rate)
+            if not lane.pending and lane.queue.empty():
+                # Idle: a batch's host buffers are freed into glibc's arenas, which keep them; handing them back
+                # keeps a burst of large requests from leaving the service's memory high after it ends.
+                return_freed_memory()
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
                 ) -> list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]]:

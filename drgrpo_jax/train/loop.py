@@ -23,11 +23,11 @@ from drgrpo_jax.config.derived import one_window_per_rollout
 from drgrpo_jax.config.rules import reward_weights
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.evaluate.evaluation import EvalSettings, eval_metrics, eval_summary
+from drgrpo_jax.host_memory import peak_rss_gb, return_freed_memory, returning_compile_memory
 from drgrpo_jax.hosts import fail_together, host_array
 from drgrpo_jax.rollout.weight_push import publish_weights
 from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher, check_fresh, snapshot
 from drgrpo_jax.train.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
-from drgrpo_jax.train.host_memory import peak_rss_gb, return_freed_memory, returning_compile_memory
 from drgrpo_jax.train.hub import model_card, push_folder
 from drgrpo_jax.train.metrics import UpdateResult, sample_rows, step_metrics
 from drgrpo_jax.train.seeds import eval_seed, minibatch_seed

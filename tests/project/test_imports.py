@@ -63,7 +63,7 @@ def test_no_import_circles():
 LAYERS = (
     ("errors",),
     ("advantages", "losses", "algorithms"),  # the public math: usable in any JAX trainer
-    ("sharding", "hosts", "paths", "hub_ids", "named_tensors", "checkpoint"),  # shared infrastructure
+    ("sharding", "hosts", "host_memory", "paths", "hub_ids", "named_tensors", "checkpoint"),  # shared infrastructure
     ("models",),
     ("sampler",), ("step",),
     ("config",), ("serve",),

@@ -108,3 +108,19 @@ def test_a_row_whose_client_left_ends_early_and_its_batch_mate_is_sampled_as_alo
         assert together.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
     finally:
         engine.close()
+
+
+def test_an_idle_worker_hands_freed_memory_back(model, monkeypatch):
+    """After its last queued batch the worker returns glibc's freed pages to the OS, so a burst of large requests
+    does not leave the service's memory high once it is over (benchmarks/serve_burst.py measures the effect)."""
+    from drgrpo_jax.serve import engine as engine_module
+
+    trims = []
+    monkeypatch.setattr(engine_module, "return_freed_memory", lambda: trims.append(1))
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    try:
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        engine.submit([RowRequest((5, 9), params, seed=1)]).result(timeout=300)
+        _wait_for(lambda: trims, "the idle worker to trim")
+    finally:
+        engine.close()

@@ -30,7 +30,7 @@ def test_step_seeds_depend_on_seed_step_and_purpose_only():
 def test_compile_memory_goes_back_to_the_os_only_while_training(monkeypatch):
     import jax
 
-    from drgrpo_jax.train import host_memory
+    from drgrpo_jax import host_memory
 
     calls = []
     monkeypatch.setattr(host_memory, "return_freed_memory", lambda: calls.append(1))

@@ -1,4 +1,4 @@
-"""The trainer process's memory: its peak RSS, and glibc's freed pages handed back to the OS."""
+"""A process's memory (the trainer's, the service's): its peak RSS, and glibc's freed pages handed back to the OS."""
 
 from __future__ import annotations
 
