@@ -74,11 +74,16 @@ def _probe(client: httpx.Client, url: str, stop: threading.Event, health: list, 
         stop.wait(1.0)
 
 
+SETTLE_S = 3.0  # after the queue empties, before a memory reading: the idle worker's trim has run by then
+
+
 def _wait_idle(client: httpx.Client, url: str, limit_s: float) -> None:
-    """Until the service's queue is empty (its batches done) or `limit_s` pass."""
+    """Until the service's queue is empty (its batches done) or `limit_s` pass, then SETTLE_S more: the start and
+    the end readings of memory are taken the same way."""
     end = time.monotonic() + limit_s
     while time.monotonic() < end and client.get(url + "/get_model_info", timeout=60).json()["queued_tokens"]:
         time.sleep(0.5)
+    time.sleep(SETTLE_S)
 
 
 def main() -> None:
@@ -130,7 +135,7 @@ def main() -> None:
                     time.sleep(0.5)
             burst_over = time.monotonic()
             _wait_idle(client, server.url, 120)
-            recovered = time.monotonic() - burst_over
+            recovered = time.monotonic() - burst_over - SETTLE_S
             stop.set()
             prober.join()
             rss_after = _rss_mb(pid)
