@@ -22,6 +22,7 @@ import numpy as np
 from drgrpo_jax.config.rules import function_name
 from drgrpo_jax.config.schema import RewardConfig
 from drgrpo_jax.data.examples import Example
+from drgrpo_jax.data.prepare import boxed_content
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["CORRECTNESS_REWARDS", "RewardResult", "RewardSpec", "build_reward_fns", "extract_answer",
@@ -78,26 +79,10 @@ def failure_metrics(functions: Sequence[str], timeouts_F: np.ndarray, errors_F: 
 _ANSWER_TAGS = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-def _last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...}, braces balanced; None when there is none."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for position in range(begin, len(text)):
-        if text[position] == "{":
-            depth += 1
-        elif text[position] == "}":
-            if depth == 0:
-                return text[begin:position].strip()
-            depth -= 1
-    return None  # unclosed: the response was cut off mid-answer
-
-
 def extract_answer(completion: str, answer_format: str) -> str | None:
     """The final answer in `answer_format` ('boxed' or 'answer_tags'); None when absent."""
     if answer_format == "boxed":
-        return _last_boxed(completion)
+        return boxed_content(completion)  # None also when unclosed: the response was cut off mid-answer
     matches = _ANSWER_TAGS.findall(completion)
     return matches[-1].strip() if matches else None
 
