@@ -37,6 +37,8 @@ from typing import Any
 
 import yaml
 
+from drgrpo_jax.train.run_log import read_metrics
+
 CURVE_KEYS = ("reward_mean", "accuracy", "response_length_correct", "response_length_incorrect",
               "truncated_fraction", "response_length_mean")
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}  # --device -> JAX_PLATFORMS
@@ -62,25 +64,14 @@ def run_config(args: argparse.Namespace, algorithm: str, seed: int, run_dir: pat
 
 
 def read_rows(run_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
-    """(training rows, evaluation rows) of RUN/metrics.jsonl by step; the last row of a repeated step wins (a run
-    resumed from a checkpoint logs again the steps after it)."""
-    train: dict[int, dict] = {}
-    evals: dict[int, dict] = {}
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    """(training rows, evaluation rows) of RUN/metrics.jsonl by step (none yet: empty); a line that is not JSON
+    stops the script naming it."""
+    if not (run_dir / "metrics.jsonl").is_file():
         return [], []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise SystemExit(f"length_bias.py: {path} line {number} is not JSON ({error})") from None
-        if "eval/accuracy" in row:
-            evals[row["step"]] = row
-        elif "loss" in row:
-            train[row["step"]] = row
-    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+    try:
+        return read_metrics(run_dir)
+    except ValueError as error:
+        raise SystemExit(f"length_bias.py: {error}") from None
 
 
 def curves(train_rows: Sequence[dict]) -> dict[str, list]:

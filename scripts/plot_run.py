@@ -9,7 +9,6 @@ one colour across panels; it is labelled by its folder name (or --labels).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -19,27 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
-    """(training rows, eval rows) of RUN_DIR/metrics.jsonl; the last row of a repeated step wins."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"RUN_DIR: {run_dir!r} has no metrics.jsonl")
-    train: dict[int, dict] = {}
-    evals: dict[int, dict] = {}
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path} line {number}: not JSON ({error})") from None
-            if "eval/accuracy" in row:
-                evals[row["step"]] = row
-            elif "loss" in row:
-                train[row["step"]] = row
-    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
+from drgrpo_jax.train.run_log import read_metrics  # noqa: E402
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from drgrpo_jax.train.trackers import Tracker, close_all, scalars
 
-__all__ = ["RunLog"]
+__all__ = ["RunLog", "read_metrics"]
 
 
 def _json_value(value: Any) -> Any:
@@ -94,3 +94,27 @@ class RunLog:
 # ---------------------------------------------------------------------------------------------
 
 
+def read_metrics(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, evaluation rows) of RUN_DIR/metrics.jsonl, each by step; the last row of a repeated step wins
+    (a run resumed from a checkpoint logs again the steps after it).
+
+    FileNotFoundError without metrics.jsonl; ValueError naming the line that is not JSON.
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{os.fspath(run_dir)!r} has no metrics.jsonl")
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number} is not JSON ({error})") from None
+            if "eval/accuracy" in row:
+                evals[row["step"]] = row
+            elif "loss" in row:
+                train[row["step"]] = row
+    return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
