@@ -356,9 +356,10 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh"), donate_argnames=("decoding",))
-def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding, mesh: Mesh | None = None
-                  ) -> _Decoding:
-    """Decodes until every row is done, the budget is spent or the cache's slots are full (one loop per shape).
+def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding, until_step: jax.Array,
+                  mesh: Mesh | None = None) -> _Decoding:
+    """Decodes until every row is done, the budget is spent, the cache's slots are full or the step count reaches
+    `until_step` (traced: pausing a phase to ask the host is the same program; one loop per shape).
 
     Weights and cache come split per layer and the RoPE tables are made before the loop, so its body reads them
     in place (`Transformer.decode`); the cache is the loop's carry, updated in place and donated.
@@ -374,7 +375,7 @@ def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding,
     rope_S = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_SB1)
 
     def keep_going(d: _Decoding) -> jax.Array:
-        return (d.step < max_new_tokens) & (d.cache.length < num_slots) & ~jnp.all(d.done_B)
+        return (d.step < jnp.minimum(max_new_tokens, until_step)) & (d.cache.length < num_slots) & ~jnp.all(d.done_B)
 
     def decode_one(d: _Decoding) -> _Decoding:
         positions_B1 = (d.rows.prompt_lengths_B + d.step - 1)[:, None]
@@ -440,18 +441,23 @@ def _unwanted_mask(unwanted: Callable[[], Sequence[bool]] | None, num_rows: int)
 
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
              cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
-             unwanted: Callable[[], Sequence[bool]] | None = None, mesh: Mesh | None = None) -> SamplerOutput:
+             unwanted: Callable[[], Sequence[bool]] | None = None, check_every: int | None = None,
+             mesh: Mesh | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
-    `unwanted`: called on the host before each decode phase, it names (True, in the batch's row order) the rows
-    whose tokens nobody waits for any more. They are finished where they are (their output so far is returned,
-    `stopped_B` False), which changes no other row's tokens; when no row is left the remaining phases are skipped.
+    `unwanted`: called on the host before each decode phase and, with `check_every`, after every `check_every`
+    decode steps within one, it names (True, in the batch's row order) the rows whose tokens nobody waits for any
+    more. They are finished where they are (their output so far is returned, `stopped_B` False), which changes no
+    other row's tokens; when no row is left the rest of the batch is skipped. The pauses run the same programs
+    (the step to pause at is traced), so they cost a host round trip each and no compile.
     `mesh`: a (data, fsdp=1, tensor) mesh that `state` is placed on (`sharding.param_shardings`): the batch's
     prompts and rows are split over `data` (their counts must divide by it: `mesh_rows`), heads, MLP and
     vocabulary over `tensor`. A row's tokens do not depend on the mesh: its draws are its own (`row_keys`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if check_every is not None and check_every < 1:
+        raise ValueError(f"check_every: must be >= 1 or None, got {check_every}")
     num_rows, prompt_len = batch.rows.live_B.shape[0], batch.prompt_ids_PU.shape[1]
     data = 1 if mesh is None else mesh.shape["data"]
     if num_rows % data or batch.prompt_ids_PU.shape[0] % data:
@@ -463,15 +469,23 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     collected, row_ids = _Collected(num_rows, max_new_tokens), np.arange(num_rows)
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
-    for index, span in enumerate(spans):
-        done_B, steps = jax.device_get((decoding.done_B, decoding.out.num_steps))
+    pause = max_new_tokens if unwanted is None or check_every is None else check_every
+
+    def drop_unwanted(decoding: _Decoding) -> tuple[_Decoding, np.ndarray, bool]:
+        """(decoding with the unwanted rows finished, done_B, whether any row is left)."""
+        done_B = jax.device_get(decoding.done_B)
         dropped_B = _unwanted_mask(unwanted, num_rows)[row_ids] & (row_ids >= 0) & ~done_B
-        if (done_B | dropped_B).all():
-            break
         if dropped_B.any():  # finished like a row that hit its budget: the same shapes, so no new program
             done_B = done_B | dropped_B
             # On the device array, so the flag keeps its placement (a new placement would be a new program).
             decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jnp.asarray(dropped_B))
+        return decoding, done_B, not done_B.all()
+
+    for index, span in enumerate(spans):
+        decoding, done_B, left = drop_unwanted(decoding)
+        if not left:
+            break
+        steps, step = (int(x) for x in jax.device_get((decoding.out.num_steps, decoding.step)))
         if index:
             kept = _kept_rows(done_B, data) if compact else None
             if kept is not None:
@@ -480,8 +494,18 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
             decoding = _regrow(decoding, jnp.arange(len(row_ids)) if kept is None else jnp.asarray(kept),
                                num_slots=span, mesh=mesh)
         phases.append((len(row_ids), span))
-        first_steps.append(int(steps))
-        decoding = _decode_phase(graphdef, state, decoding, mesh=mesh)
+        first_steps.append(steps)
+        while True:  # one pass unless paused every `check_every` steps; a pass that ends short ends the phase
+            until = step + pause
+            decoding = _decode_phase(graphdef, state, decoding, np.int32(min(until, max_new_tokens)), mesh=mesh)
+            step, slots = (int(x) for x in jax.device_get((decoding.step, decoding.cache.length)))
+            if step < until or step >= max_new_tokens or slots >= span:
+                break
+            decoding, done_B, left = drop_unwanted(decoding)
+            if not left:
+                break
+        if not left:
+            break
     num_steps = int(jax.device_get(decoding.out.num_steps))
     collected.save(decoding.out, row_ids)
     steps_run = np.diff([*first_steps, num_steps]).tolist()

@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
             ("--keep-alive-s", float, "an idle kept-alive connection is closed after this long"),
             ("--max-connections", int, "open connections beyond this are answered 503 and closed"),
             ("--max-header-bytes", int, "request line + headers beyond this: 400 and the connection closed"),
+            ("--cancel-check-steps", int, "a running batch asks every this many decode steps whether its rows' "
+                                          "clients are still there; the others stop there"),
             ("--short-request-tokens", int, "requests of one batch asking for at most this many new tokens have "
                                             "their own worker: they never wait behind a long batch (0 = off)")):
         name = flag[2:].replace("-", "_")

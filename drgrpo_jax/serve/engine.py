@@ -78,6 +78,7 @@ class ServeConfig:
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
     max_connections: int = 256  # open connections beyond this are answered 503 and closed
     max_header_bytes: int = 16 * 2**10  # request line + headers beyond this: the connection is refused (400)
+    cancel_check_steps: int = 32  # a running batch asks whether its rows' clients are still there this often
     short_request_tokens: int = 64  # requests of at most max_batch_size rows, none asking for more new tokens than
     # this, are sampled by a second worker: they do not wait behind a long batch (0 = one worker for everything)
 
@@ -89,7 +90,7 @@ class ServeConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not supported (supported: {sorted(DTYPES)})")
         for name in ("max_batch_size", "max_rows_per_request", "max_request_tokens", "max_queued_tokens",
                      "max_body_bytes", "default_max_tokens", "max_tokens_limit", "max_scoring_bytes",
-                     "max_connections", "max_header_bytes"):
+                     "max_connections", "max_header_bytes", "cancel_check_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
@@ -227,9 +228,9 @@ class Engine:
         self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
         self.batches_run = 0
         self.rows_dropped = 0  # rows of requests whose client went away, dropped before they were sampled
-        self.rows_cut = 0  # rows whose client went away while they were sampled, finished at a phase boundary
+        self.rows_cut = 0  # rows whose client went away while they were sampled, finished at the next check
         self.batches_stopped = 0  # batches that ended early because no client of theirs was left
-        self.phase_checks = 0  # times a running batch asked whether its clients are still there (between phases)
+        self.phase_checks = 0  # times a running batch asked whether its clients are still there
         self.phases_run = 0  # decode phases run by every batch so far
         for lane in self._lanes:
             lane.worker = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
@@ -451,8 +452,8 @@ class Engine:
                   unwanted: Callable[[], list[bool]] | None = None) -> list[RowResult]:
         """Samples one batch of rows on `weights`, padded to bucketed static shapes (that divide over --mesh's data).
 
-        `unwanted` (asked between decode phases) names the rows whose clients are gone: they finish at that
-        phase boundary (`aborted`), and the batch ends there when none is left.
+        `unwanted` (asked every --cancel-check-steps decode steps) names the rows whose clients are gone: they
+        finish there (`aborted`), and the batch ends there when none is left.
         """
         distinct = len({tuple(r.prompt_ids) for r in rows})
         batch = sampling.make_batch(
@@ -470,7 +471,8 @@ class Engine:
 
         out = sampling.generate(weights.graphdef, weights.state, batch,
                                 max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
-                                cache_dtype=DTYPES[self.config.dtype], unwanted=ask, mesh=self.mesh)
+                                cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
+                                check_every=self.config.cancel_check_steps, mesh=self.mesh)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
         # Python bools (not numpy's): the counters below are served as JSON by /get_model_info.
@@ -487,5 +489,5 @@ class Engine:
 
 def _clients_gone(taken: list[tuple[_Job, int]]) -> Callable[[], list[bool]]:
     """For each row of a batch, whether its request's client is gone (disconnected or past its deadline: the
-    handler cancelled the future), asked by the sampler between decode phases."""
+    handler cancelled the future), asked by the sampler every --cancel-check-steps decode steps."""
     return lambda: [job.future.cancelled() for job, _ in taken]

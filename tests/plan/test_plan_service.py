@@ -44,7 +44,8 @@ def _compiled(spec: str) -> dict[str, int]:
     kwargs = dict(max_new_tokens=NEW, num_slots=slots[-1], cache_dtype=jnp.float32, mesh=mesh)
     prefill = sampling._prefill.lower(graphdef, state, batch, **kwargs).compile().memory_analysis()
     decoding = sampling._prefill(graphdef, state, batch, **kwargs)
-    decode = sampling._decode_phase.lower(graphdef, state, decoding, mesh=mesh).compile().memory_analysis()
+    until_step = jnp.int32(NEW)
+    decode = sampling._decode_phase.lower(graphdef, state, decoding, until_step, mesh=mesh).compile().memory_analysis()
     return {"prefill_peak": prefill.argument_size_in_bytes + prefill.output_size_in_bytes
             + prefill.temp_size_in_bytes,
             "prefill_arguments": prefill.argument_size_in_bytes,

@@ -175,3 +175,41 @@ def test_unwanted_rows_end_at_a_phase_boundary_and_change_no_other_row(model, mi
     _same_rows(compacted, full, [b for b in everyone if b != 5])
     _is_prefix(compacted, full, [5])
     assert [rows for rows, _, _ in compacted.phases] == [8, 2]
+
+
+
+@pytest.mark.heavy
+def test_check_every_pauses_a_phase_without_changing_a_token_or_compiling(model, mixed):
+    """With `check_every`, the hook is also asked every few decode steps within a phase (the service's clients that
+    leave during a long phase): a row dropped there ends at that pause, a batch nobody waits for ends at once, the
+    rows still wanted come out as without pauses, and the pauses run the programs already compiled."""
+    batch, _ = mixed
+    graphdef, state = nnx.split(model)
+    everyone = list(range(7))
+
+    def run(unwanted=None, check_every=None):
+        return jax.tree.map(np.asarray, sampling.generate(graphdef, state, batch, max_new_tokens=128,
+                                                          unwanted=unwanted, check_every=check_every))
+
+    full = run()
+    compiled = sampling.compiled_programs()
+    assert full.phases[0][2] > 8  # the first phase outlives two pauses of 4 steps
+
+    paused = run(unwanted=lambda: [False] * 7, check_every=4)
+    _same_rows(paused, full, everyone)
+    assert paused.phases == full.phases and paused.num_steps == full.num_steps
+
+    # Asked at the first phase's start, after 4 steps and after 8: gone from the third question on.
+    all_gone = run(unwanted=_after(2, [True] * 7), check_every=4)
+    assert all_gone.num_steps == 8 and len(all_gone.phases) == 1
+    np.testing.assert_array_equal(all_gone.lengths_B, np.minimum(full.lengths_B, 1 + 8))
+    _is_prefix(all_gone, full, everyone)
+
+    row_5_gone = [b == 5 for b in everyone]
+    one_gone = run(unwanted=_after(2, row_5_gone), check_every=4)
+    _same_rows(one_gone, full, [b for b in everyone if b != 5])
+    _is_prefix(one_gone, full, [5])
+    assert one_gone.lengths_B[5] == 1 + 8 and not one_gone.stopped_B[5]
+    assert sampling.compiled_programs() == compiled  # the step to pause at is traced: no program depends on it
+    with pytest.raises(ValueError, match="check_every"):
+        run(check_every=0)

@@ -1,7 +1,7 @@
-"""Issue #44: a batch already decoding stops at its next phase boundary once every client of its rows is gone
-(disconnected, or answered at its deadline), and a row whose client left finishes there without changing its
-batch-mates' tokens. In process, a real Engine on a tiny model with a long context: an 8,192-token row has 9 decode
-phases (`span_schedule`), so a batch that ran to its end would show here as more phases than it was allowed."""
+"""Issue #44: a batch already decoding stops at its next check (every --cancel-check-steps decode steps) once every
+client of its rows is gone (disconnected, or answered at its deadline), and a row whose client left finishes there
+without changing its batch-mates' tokens. In process, a real Engine on a tiny model with a long context: an
+8,192-token row has 9 decode phases (`span_schedule`), so a batch that ran to its end would show here."""
 
 import threading
 import time
@@ -36,17 +36,38 @@ def _wait_for(condition, what: str, timeout_s: float = 300.0) -> None:
         time.sleep(0.005)
 
 
-def test_a_batch_whose_client_left_ends_within_one_phase_and_the_worker_goes_on(model):
+def test_a_batch_whose_client_left_ends_at_the_next_check_and_the_worker_goes_on(model):
+    """The running batch asks every --cancel-check-steps decode steps, within a phase too: a client that leaves
+    well into a long phase has its row stopped at the next question (main: at the end of the phase)."""
     assert LONG_PHASES == 9
-    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    every = 16
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0, cancel_check_steps=every))
+    results, real_run = [], engine.run_batch
+    future = None
+
+    def leaves_at_the_20th_question(weights, rows, unwanted):
+        questions = []
+
+        def asked() -> list[bool]:
+            questions.append(1)
+            if len(questions) == 20:
+                future.cancel()  # what the handler does when its client disconnects
+            return unwanted()
+
+        results.append(real_run(weights, rows, unwanted=asked))
+        return results[-1]
+
+    engine.run_batch = leaves_at_the_20th_question
     try:
         future = engine.submit([RowRequest((5, 9), LONG, seed=1)])
-        _wait_for(lambda: engine.phase_checks >= 1, "the batch to start decoding")
-        future.cancel()  # what the handler does when its client disconnects
-        checks_at_cancel = engine.phase_checks  # phases begun by now: at most this many may run in all
         _wait_for(lambda: engine.batches_run == 1 and engine.queued_tokens == 0, "the batch to end")
-        assert engine.batches_stopped == 1 and engine.rows_cut == 1
-        assert engine.phases_run <= checks_at_cancel < LONG_PHASES  # main: all 9 phases, 8,192 tokens
+        assert engine.batches_stopped == 1 and engine.rows_cut == 1 and engine.phase_checks == 20
+        (cut,) = results[0]
+        # Questions are at most 16 steps apart from step 1 on; the phase of slots 256-512 runs to step 497.
+        steps = sampling.span_schedule(sampling.bucket(2), LONG.max_new_tokens)
+        phase_ends = [1 + span - sampling.bucket(2) for span in steps]
+        assert 241 < len(cut.output_ids) <= 1 + every * 19 < phase_ends[4] == 497, len(cut.output_ids)
+        assert engine.phases_run == 5  # main: all 9 phases, 8,192 tokens
         # The worker serves the next request, in full.
         next_one = engine.submit([RowRequest((7, 3), SamplingParams(max_new_tokens=100, ignore_eos=True), seed=2)])
         (result,) = next_one.result(timeout=300)
