@@ -302,7 +302,16 @@ def _check_environment(config: Config) -> None:
     """environment.*: limits, tool names and the call format, checked only when episodes are on."""
     e = config.environment
     if not e.enabled:
+        if e.reward_components:
+            raise ConfigError("environment.reward_components", "needs episodes: set environment.tools or "
+                                                               "environment.factory")
         return
+    for i, name in enumerate(e.reward_components):
+        if name not in config.reward.components:
+            raise ConfigError(f"environment.reward_components[{i}]", f"{name!r} is not in reward.components "
+                                                                     f"{list(config.reward.components)}")
+    if len(set(e.reward_components)) != len(e.reward_components):
+        raise ConfigError("environment.reward_components", f"lists a component twice: {list(e.reward_components)}")
     for key, value in [("max_turns", e.max_turns), ("max_turn_tokens", e.max_turn_tokens),
                        ("max_model_tokens", e.max_model_tokens), ("python_memory_mb", e.python_memory_mb),
                        ("max_tool_calls", e.max_tool_calls)]:

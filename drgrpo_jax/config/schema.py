@@ -285,6 +285,10 @@ class EnvironmentConfig:
     close_tag: str = _f("</tool_call>", "the tag format's closing tag")
     few_shot: str | None = _f(None, "a JSON file of chat messages (a worked episode: user, assistant with a call, "
                                     "tool, assistant) put before every question; null = none")
+    reward_components: tuple[str, ...] = _f(
+        (), "reward components the episode gives, each summed over its turns: what an environment reports in "
+            "Observation.rewards, or the counts turns, tool_calls, tool_errors and malformed_calls; each is listed in "
+            "reward.components (weights, GDPO's per-component advantages) and given by no reward function")
     max_turns: int = _f(4, "model turns per episode at most")
     max_turn_tokens: int = _f(128, "tokens of one model turn at most")
     max_model_tokens: int = _f(256, "the model's tokens in a whole trajectory at most: Dr.GRPO's fixed budget; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from drgrpo_jax.config.schema import Config, EnvironmentConfig
@@ -17,7 +17,7 @@ from drgrpo_jax.environments.protocol import Environment
 from drgrpo_jax.environments.python_tool import PythonSandbox
 from drgrpo_jax.environments.tool_env import ToolEnvironment
 from drgrpo_jax.environments.tools import Tool, import_object, make_tool
-from drgrpo_jax.environments.trajectory import EpisodeLimits
+from drgrpo_jax.environments.trajectory import EpisodeLimits, Trajectory
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["Episodes", "build_episodes", "build_tools", "read_few_shot"]
@@ -67,6 +67,11 @@ class Episodes:
     renderer: Callable[[Environment], ChatRenderer]
     limits: EpisodeLimits
     template: str  # data.template: the user's opening message, {question} replaced
+    reward_components: tuple[str, ...] = ()  # environment.reward_components: scored from each episode itself
+
+    def given_rewards(self, trajectories: Sequence[Trajectory]) -> dict[str, list[float]]:
+        """The episodes' own reward components, for the scorer's `given` columns."""
+        return {name: [t.reward_component(name) for t in trajectories] for name in self.reward_components}
 
     def example(self, example: Example) -> dict[str, Any]:
         """The example as an environment reads it: `prompt` (the templated question), question, answer, id."""
@@ -95,4 +100,4 @@ def build_episodes(config: Config, tokenizer: Any) -> Episodes:
     limits = EpisodeLimits(max_turns=e.max_turns, max_turn_tokens=min(e.max_turn_tokens, e.max_model_tokens),
                            max_model_tokens=e.max_model_tokens, max_total_tokens=config.rollout.max_new_tokens)
     return Episodes(make_environment, lambda env: ChatRenderer(tokenizer, env.tools, call_format), limits,
-                    config.data.template)
+                    config.data.template, tuple(e.reward_components))

@@ -25,6 +25,7 @@ from drgrpo_jax.rollout.client import RolloutClient
 
 __all__ = ["EpisodeLimits", "Finish", "Trajectory", "episode_metrics", "run_episodes", "trajectory_arrays"]
 
+COUNTED_COMPONENTS = ("turns", "tool_calls", "tool_errors", "malformed_calls")  # counts usable as rewards
 Finish = Literal["done", "max_turns", "max_model_tokens", "max_total_tokens"]
 
 
@@ -67,6 +68,13 @@ class Trajectory:
     @property
     def model_tokens(self) -> int:
         return sum(self.model_mask)
+
+    def reward_component(self, name: str) -> float:
+        """The episode's `name` (environment.reward_components): the sum of its turns' Observation.rewards[name],
+        else its count of that name (turns, tool_calls, tool_errors, malformed_calls), else 0."""
+        if name in self.rewards:
+            return self.rewards[name]
+        return float(getattr(self, name)) if name in COUNTED_COMPONENTS else 0.0
 
     @property
     def environment_tokens(self) -> int:

@@ -70,8 +70,9 @@ class EvalSamples:
 
 def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Example], episodes: Episodes, *,
                     group: int, temperature: float, settings: EvalSettings, seed: int,
-                    expected_version: int | None) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(last model turns, model tokens, cut by a limit) of `group` episodes of each example."""
+                    expected_version: int | None) -> tuple[list[str], np.ndarray, np.ndarray, dict[str, list[float]]]:
+    """(last model turns, model tokens, cut by a limit, the episodes' own reward components) of `group` episodes
+    of each example."""
     from drgrpo_jax.environments.trajectory import run_episodes
 
     grouped = [e for e in examples for _ in range(group)]
@@ -79,7 +80,8 @@ def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Ex
                                 limits=episodes.limits, seed=seed, temperature=temperature, top_p=settings.top_p,
                                 renderer=episodes.renderer, expected_version=expected_version)
     return ([t.final_answer for t in trajectories], np.asarray([t.model_tokens for t in trajectories]),
-            np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]))
+            np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]),
+            episodes.given_rewards(trajectories))
 
 
 def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
@@ -98,10 +100,11 @@ def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer
     for start in range(0, len(prompts), settings.chunk_prompts):
         stop = min(start + settings.chunk_prompts, len(prompts))
         if episodes is not None:
-            chunk_texts, lengths, truncated = _episodes_chunk(
+            chunk_texts, lengths, truncated, given = _episodes_chunk(
                 client, tokenizer, examples[start:stop], episodes, group=group, temperature=temperature,
                 settings=settings, seed=settings.seed + start, expected_version=expected_version)
-            scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], lengths)
+            scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], lengths,
+                                  given=given)
             texts += chunk_texts
             parts.append((correct_mask(scored.names, scored.components_NK), scored.total_N(), lengths, truncated))
             if progress is not None:

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,13 +148,16 @@ class RewardScorer:
         self._workers[self._workers.index(worker)] = self._start()
 
     def score(self, completions: Sequence[str], examples: Sequence[Example],
-              lengths: Sequence[int] | np.ndarray | None = None) -> RewardResult:
+              lengths: Sequence[int] | np.ndarray | None = None,
+              given: Mapping[str, Sequence[float]] | None = None) -> RewardResult:
         """Scores completion i against examples[i] with every function; raises RewardError on a bad component.
 
         A missing or non-numeric component stops the run naming the prompt id and the component, unless the call
         that should have given it timed out or failed: that is already counted, and scores 0.
 
         `lengths`: each completion's length in tokens, needed by the length rewards (overlong).
+        `given`: components the caller already has, one value per completion (an episode's own rewards,
+        environment.reward_components); a reward function that gives one too stops the run.
         """
         if len(completions) != len(examples):
             raise ValueError(f"score: {len(completions)} completions for {len(examples)} examples")
@@ -170,6 +173,12 @@ class RewardScorer:
         problems: list[str] = []  # values that stop the run, raised once no call is in flight
         pending = collections.deque((i, f) for i in range(num) for f in range(num_functions)
                                     if f not in self._by_length)
+        for name, values in (given or {}).items():
+            if name not in self._column:
+                raise ValueError(f"score: given component {name!r} is not in reward.components {list(self.names)}")
+            if len(values) != num:
+                raise ValueError(f"score: {len(values)} values of given component {name!r} for {num} completions")
+            scores_NK[:, self._column[name]], given_NK[:, self._column[name]] = values, True
         for f in self._by_length:
             name = self.specs[f].name
             if name in self._column and self.budget is not None and lengths is not None:  # checked above
@@ -252,7 +261,7 @@ class RewardScorer:
         for key, v in items:
             k = self._column[key]
             if given_NK[i, k]:
-                return f"reward component {key!r} was given by two functions {where}"
+                return f"reward component {key!r} was given twice (by two functions, or by one and the episode) {where}"
             scores_NK[i, k], given_NK[i, k] = v, True
         return None
 

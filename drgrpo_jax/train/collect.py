@@ -83,7 +83,8 @@ def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts
                                "(an environment whose reset depends on more than the example?)")
     model_tokens = np.asarray([t.model_tokens for t in trajectories], np.int32)
     start = time.perf_counter()
-    scored = run.scorer.score([t.final_answer for t in trajectories], grouped, model_tokens)
+    scored = run.scorer.score([t.final_answer for t in trajectories], grouped, model_tokens,
+                              given=episodes.given_rewards(trajectories))
     counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
                             scored.errors_F, scored.error_messages)
     arrays = trajectory_arrays(trajectories, r.max_new_tokens)

@@ -18,7 +18,8 @@ def _overrides(model, prompts, output_dir):
     keep = [o for o in base if not o.startswith(("rollout.max_new_tokens", "rollout.max_prompt_tokens",
                                                  "train.eval_every"))]
     return keep + ["rollout.max_new_tokens=40", "rollout.max_prompt_tokens=48", "train.eval_every=2",
-                   "train.eval_samples=2",
+                   "train.eval_samples=2", "reward.components=[has_letter_a,format,turn]",
+                   "environment.reward_components=[turn]",
                    "environment.factory=support.chat_models:Chatty", "environment.max_turns=3",
                    "environment.max_turn_tokens=8", "environment.max_model_tokens=20"]
 
@@ -42,6 +43,8 @@ def test_the_trainer_trains_on_multi_turn_episodes(tmp_path):
         # over its two minibatches (16 rows, 8 a window).
         assert row["num_tokens"] == pytest.approx(row["episode/model_tokens"] * 8)
         assert row["loss"] == row["loss"]  # not NaN
+        # Chatty gives 0.5 a turn it answers (not one cut by a limit): the episode's sum is a reward component.
+        assert 0 < row["reward/turn"] <= 0.5 * row["episode/turns"]
 
 
 @pytest.mark.subprocess
@@ -72,6 +75,11 @@ def test_environment_config_errors_name_the_key(tmp_path):
                        (["environment.tools=[calculator,calculator]"],
                         "environment.tools"),
                        (["environment.factory=not a path"], "environment.factory"),
+                       (["environment.reward_components=[turns]"], "environment.reward_components"),
+                       (["environment.tools=[calculator]", "environment.reward_components=[turns]"],
+                        "environment.reward_components[0]"),
+                       (["environment.tools=[calculator]", "reward.components=[turns]",
+                         "environment.reward_components=[turns,turns]"], "environment.reward_components"),
                        (["environment.tools=[python]",
                          "environment.python_timeout_s=0"], "environment.python_timeout_s"),
                        (["environment.tools=[calculator]",

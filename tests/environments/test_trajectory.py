@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.environments.chat import ChatRenderer
-from drgrpo_jax.environments.trajectory import EpisodeLimits, episode_metrics, run_episodes, trajectory_arrays
+from drgrpo_jax.environments.trajectory import (
+    EpisodeLimits,
+    Trajectory,
+    episode_metrics,
+    run_episodes,
+    trajectory_arrays,
+)
 from drgrpo_jax.rollout.client import RolloutClient
 from drgrpo_jax.rollout.local_service import LocalServer
 
@@ -128,3 +134,13 @@ def test_episode_metrics_are_per_trajectory_means(episodes):
         pytest.approx(np.mean([len(t.ids) for t in trajectories]))
     assert sum(v for k, v in metrics.items() if k.startswith("episode/finish_")) == pytest.approx(1.0)
     assert episode_metrics([]) == {}
+
+
+def test_an_episodes_reward_components_are_its_turns_rewards_or_its_counts():
+    """environment.reward_components: what the turns reported (summed by the driver), else the episode's counts."""
+    episode = Trajectory(prompt_ids=[1], turns=3, tool_calls=2, malformed_calls=1,
+                         rewards={"found": 1.5, "tool_calls": -1.0})
+    assert episode.reward_component("found") == 1.5
+    assert episode.reward_component("tool_calls") == -1.0  # the environment's own value wins over the count
+    assert (episode.reward_component("turns"), episode.reward_component("malformed_calls")) == (3.0, 1.0)
+    assert episode.reward_component("never_reported") == 0.0

@@ -215,6 +215,23 @@ def test_a_missing_or_bad_dict_component_stops_with_prompt_and_component(dict_sc
 
 
 @pytest.mark.subprocess  # reward worker processes
+def test_given_components_fill_their_columns_and_a_function_may_not_give_one_too(examples):
+    """An episode's own rewards (environment.reward_components) come in as `given` columns beside the functions'."""
+    config = RewardConfig(functions=("format",), components=("format", "tool_calls"), weights=(1.0, 0.5),
+                          num_workers=1)
+    with RewardScorer(config) as scorer:
+        result = scorer.score(["so \\boxed{1}", "no"], examples[:2], given={"tool_calls": [2, 0]})
+        np.testing.assert_array_equal(result.components_NK, [[1.0, 2.0], [0.0, 0.0]])
+        np.testing.assert_array_equal(result.total_N(), [2.0, 0.0])
+        with pytest.raises(ValueError, match="given component 'turns' is not in reward.components"):
+            scorer.score(["no"], examples[:1], given={"turns": [1]})
+        with pytest.raises(ValueError, match="1 values of given component 'tool_calls' for 2 completions"):
+            scorer.score(["no", "no"], examples[:2], given={"tool_calls": [1]})
+        with pytest.raises(RewardError, match="'format' was given twice .* by one and the episode"):
+            scorer.score(["no"], examples[:1], given={"format": [1.0]})
+
+
+@pytest.mark.subprocess  # reward worker processes
 def test_a_dict_needs_reward_components_and_a_number_needs_its_name_listed(examples):
     with RewardScorer(RewardConfig(functions=("test_rewards:user_dict_reward",), num_workers=1)) as scorer:
         with pytest.raises(RewardError, match="'user_dict_reward' returned a dict .* list the keys to use in "
