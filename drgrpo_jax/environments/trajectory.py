@@ -21,7 +21,7 @@ import numpy as np
 
 from drgrpo_jax.environments.chat import ChatRenderer
 from drgrpo_jax.environments.protocol import Environment, Message
-from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.rollout.client import RolloutClient, prompt_seeds
 
 __all__ = ["EpisodeLimits", "Finish", "Trajectory", "episode_metrics", "run_episodes", "trajectory_arrays"]
 
@@ -99,11 +99,14 @@ def run_episodes(client: RolloutClient, tokenizer: Any, make_environment: Callab
                  examples: Sequence[Mapping[str, Any]], *, limits: EpisodeLimits, seed: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  renderer: Callable[[Environment], ChatRenderer] | None = None,
-                 expected_version: str | int | None = None, max_staleness: int = 0) -> list[Trajectory]:
+                 expected_version: str | int | None = None, max_staleness: int = 0,
+                 first_episode: int = 0) -> list[Trajectory]:
     """One episode per example (repeat an example G times for a group), all advancing turn by turn together: each
-    turn is one `client.generate` of every unfinished episode (trajectory i draws its turn-t seed from
-    (seed, t) and its place among them). `renderer`: the environment's ChatRenderer (default: its tools, Hermes
-    calls, the template's own tool rendering when it has one)."""
+    turn is one `client.generate` of every unfinished episode. Episode i's turn-t seed comes from (seed, t,
+    first_episode + i) alone, so an episode is the same whichever episodes share its requests: a host sampling its
+    share (`first_episode`: the index of examples[0] among all the rollout's episodes) or a chunk of an evaluation
+    draws what one client sampling everything would. `renderer`: the environment's ChatRenderer (default: its
+    tools, Hermes calls, the template's own tool rendering when it has one)."""
     make_renderer = renderer or (lambda env: ChatRenderer(tokenizer, env.tools))
     environments = [make_environment() for _ in examples]
     renderers = [make_renderer(env) for env in environments]
@@ -120,9 +123,10 @@ def run_episodes(client: RolloutClient, tokenizer: Any, make_environment: Callab
                        limits.max_total_tokens - len(trajectories[i].ids)) for i in active}
         stops = sorted({s for s in (renderers[i].turn_stop_id for i in active) if s is not None}
                        | ({eos} if isinstance(eos, int) else set()))
+        turn_seeds = prompt_seeds(_turn_seed(seed, turn), len(trajectories), first_episode)
         rollout = client.generate([trajectories[i].prompt_ids + trajectories[i].ids for i in active], 1,
                                   max_new_tokens=max(caps.values()), temperature=temperature, top_p=top_p,
-                                  top_k=top_k, stop_token_ids=stops, seed=_turn_seed(seed, turn),
+                                  top_k=top_k, stop_token_ids=stops, seeds=[turn_seeds[i] for i in active],
                                   expected_version=expected_version, max_staleness=max_staleness)
         for row, i in enumerate(active):
             trajectory, env, chat = trajectories[i], environments[i], renderers[i]

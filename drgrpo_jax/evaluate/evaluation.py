@@ -69,7 +69,7 @@ class EvalSamples:
 
 
 def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Example], episodes: Episodes, *,
-                    group: int, temperature: float, settings: EvalSettings, seed: int,
+                    group: int, temperature: float, settings: EvalSettings, first_problem: int,
                     expected_version: int | None) -> tuple[list[str], np.ndarray, np.ndarray, dict[str, list[float]]]:
     """(last model turns, model tokens, cut by a limit, the episodes' own reward components) of `group` episodes
     of each example."""
@@ -77,8 +77,9 @@ def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Ex
 
     grouped = [e for e in examples for _ in range(group)]
     trajectories = run_episodes(client, tokenizer, episodes.make_environment, [episodes.example(e) for e in grouped],
-                                limits=episodes.limits, seed=seed, temperature=temperature, top_p=settings.top_p,
-                                renderer=episodes.renderer, expected_version=expected_version)
+                                limits=episodes.limits, seed=settings.seed, first_episode=first_problem * group,
+                                temperature=temperature, top_p=settings.top_p, renderer=episodes.renderer,
+                                expected_version=expected_version)
     return ([t.final_answer for t in trajectories], np.asarray([t.model_tokens for t in trajectories]),
             np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]),
             episodes.given_rewards(trajectories))
@@ -92,8 +93,8 @@ def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer
 
     Seeds come from (settings.seed, problem index), so the samples do not depend on the chunk size.
     `progress(problems_done)` is called after each chunk. `episodes` (tools): each completion is a multi-turn
-    episode (environments/trajectory.py) scored on its last model turn, its length the model's tokens; their
-    seeds come from (settings.seed, the chunk's first problem), so they depend on the chunk size.
+    episode (environments/trajectory.py) scored on its last model turn, its length the model's tokens; an
+    episode's seeds come from (settings.seed, its turn, its index), so they do not depend on the chunk size either.
     """
     texts: list[str] = []
     parts: list[tuple[np.ndarray, ...]] = []
@@ -102,7 +103,7 @@ def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer
         if episodes is not None:
             chunk_texts, lengths, truncated, given = _episodes_chunk(
                 client, tokenizer, examples[start:stop], episodes, group=group, temperature=temperature,
-                settings=settings, seed=settings.seed + start, expected_version=expected_version)
+                settings=settings, first_problem=start, expected_version=expected_version)
             scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], lengths,
                                   given=given)
             texts += chunk_texts

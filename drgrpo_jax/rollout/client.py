@@ -204,19 +204,23 @@ class RolloutClient:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
                  expected_version: str | int | None = None, max_staleness: int = 0, prompt_offset: int = 0,
-                 first_url: int = 0, ignore_eos: bool = False) -> Rollout:
+                 first_url: int = 0, ignore_eos: bool = False, seeds: Sequence[int] | None = None) -> Rollout:
         """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version.
 
         `prompt_offset`: the index of prompts[0] in the whole rollout, so that a host sampling its share
         draws the same per-prompt seeds as one client sampling everything. `first_url`: the URL that
         takes the first share (hosts start at different URLs to spread the load). `ignore_eos`: SGLang's
-        sampling parameter, the model's EOS does not end a completion (stop_token_ids still do).
+        sampling parameter, the model's EOS does not end a completion (stop_token_ids still do). `seeds`: each
+        prompt's own sampling seed, in place of those drawn from `seed` and `prompt_offset`.
         """
         if group_size < 1 or max_new_tokens < 1:
             raise ValueError(f"group_size, max_new_tokens: must be >= 1, got {group_size}, {max_new_tokens}")
         if not prompts:
             raise ValueError("prompts: need at least one prompt")
-        seeds = prompt_seeds(random.getrandbits(32) if seed is None else seed, len(prompts), prompt_offset)
+        if seeds is None:
+            seeds = prompt_seeds(random.getrandbits(32) if seed is None else seed, len(prompts), prompt_offset)
+        elif len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         shares = _split(len(prompts), len(self.urls))
 
         def body(start: int, stop: int) -> dict:

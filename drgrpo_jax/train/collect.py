@@ -62,8 +62,8 @@ def _version_number(version: str | None) -> int:
     return int(version)
 
 
-def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int
-                     ) -> tuple[ScoredRollout, HostCounters]:
+def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
+                     offset: int) -> tuple[ScoredRollout, HostCounters]:
     """This process's share as G multi-turn episodes per prompt (environments/trajectory.py), scored on each
     episode's last model turn; the rows hold the whole trajectory and the model's tokens in `loss_mask`."""
     from drgrpo_jax.environments.trajectory import run_episodes, trajectory_arrays
@@ -75,7 +75,8 @@ def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts
     trajectories = run_episodes(run.client, run.tokenizer, episodes.make_environment,
                                 [episodes.example(e) for e in grouped], limits=episodes.limits, seed=seed,
                                 temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, renderer=episodes.renderer,
-                                expected_version=step, max_staleness=r.max_staleness)
+                                expected_version=step, max_staleness=r.max_staleness,
+                                first_episode=offset * r.group_size)
     rollout_seconds = time.perf_counter() - start
     for i, trajectory in enumerate(trajectories):
         if trajectory.prompt_ids != list(prompts[i // r.group_size]):
@@ -104,7 +105,7 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
     import jax
 
     if run.episodes is not None:
-        return _sample_episodes(run, step, examples, prompts, seed)
+        return _sample_episodes(run, step, examples, prompts, seed, offset)
     r = run.config.rollout
     start = time.perf_counter()
     sampled = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,

@@ -41,11 +41,23 @@ def episodes(model_dir, tokenizer):
     with LocalServer(model_dir) as server, RolloutClient(server.url) as client:
         first = run_episodes(client, tokenizer, Chatty, examples, limits=limits, seed=7)
         again = run_episodes(client, tokenizer, Chatty, examples, limits=limits, seed=7)
-    return first, again, limits
+        # Two hosts' shares (or two evaluation chunks), the second's first episode being the whole's third.
+        split = (run_episodes(client, tokenizer, Chatty, examples[:2], limits=limits, seed=7)
+                 + run_episodes(client, tokenizer, Chatty, examples[2:], limits=limits, seed=7, first_episode=2))
+    return first, again, limits, split
+
+
+def test_an_episode_does_not_depend_on_the_episodes_beside_it(episodes):
+    """Episode i's seeds come from (seed, turn, i): sampled in shares it is what it is sampled with every other."""
+    first, _, _, split = episodes
+    assert [t.ids for t in split] == [t.ids for t in first]
+    for alone, together in zip(split, first):
+        # Float32 rounding differs with the batch shape (the ids do not): the sampler tests use the same bound.
+        np.testing.assert_allclose(alone.behaviour_logprobs, together.behaviour_logprobs, atol=1e-4)
 
 
 def test_rows_are_token_exact_and_the_mask_covers_exactly_the_model_tokens(episodes, tokenizer):
-    trajectories, again, limits = episodes
+    trajectories, again, limits, _ = episodes
     assert [t.ids for t in trajectories] == [t.ids for t in again]  # the seed fixes every turn
     renderer = ChatRenderer(tokenizer)
     for t in trajectories:
@@ -94,7 +106,7 @@ def test_the_trainers_recomputed_logprobs_equal_the_services(episodes, model_dir
     from drgrpo_jax.models.pretrained import from_pretrained
     from drgrpo_jax.step.batch import response_logprobs
 
-    trajectories, _, limits = episodes
+    trajectories, _, limits, _ = episodes
     rows = trajectory_arrays(trajectories, limits.max_total_tokens)
     U = max(len(t.prompt_ids) for t in trajectories)
     prompt_ids = np.zeros((len(trajectories), U), np.int32)
