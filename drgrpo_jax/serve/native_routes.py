@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from drgrpo_jax.sampler.generate import RowRequest
+from drgrpo_jax.sampler.generate import RowRequest, compiled_programs
 from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import (
     GenerateRequest,
@@ -53,8 +53,9 @@ async def health(request: Request) -> JSONResponse:
 
 async def model_info(request: Request) -> dict:
     """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue, the rows and batches
-    cut short because their clients left, and LoRA adapter (null, or the merged adapter's path, rank, alpha and
-    targets) of this service."""
+    cut short because their clients left, the sampler programs compiled so far (one set per new batch shape: a
+    count that keeps growing means new shapes keep arriving), and LoRA adapter (null, or the merged adapter's path,
+    rank, alpha and targets) of this service."""
     engine = service_of(request).engine
     w = engine.weights
     return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
@@ -63,7 +64,8 @@ async def model_info(request: Request) -> dict:
             "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
             "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
-            "batches_stopped": engine.batches_stopped, "adapter": w.adapter}
+            "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),
+            "adapter": w.adapter}
 
 
 async def weight_version(request: Request) -> dict:

@@ -137,6 +137,7 @@ def test_concurrent_requests_share_batches(server):
     info = httpx.get(server.url + "/get_model_info").json()
     assert info["batches_run"] - before < len(prompts)  # fewer batches than requests: they were batched together
     assert info["rows_cut"] == info["batches_stopped"] == 0  # every client waited for its answer
+    assert info["compiled_programs"] >= 2  # a prefill and a decode phase at least
     for prompt, answer in zip(prompts, answers):  # and batching did not change any answer
         assert answer["output_ids"] == generate(server.url, greedy_body(prompt, 6)).json()["output_ids"]
 
