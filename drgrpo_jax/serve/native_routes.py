@@ -53,8 +53,8 @@ async def health(request: Request) -> JSONResponse:
 
 async def model_info(request: Request) -> dict:
     """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue, the rows and batches
-    cut short because their clients left, the sampler programs compiled so far (one set per new batch shape: a
-    count that keeps growing means new shapes keep arriving), and LoRA adapter (null, or the merged adapter's path,
+    cut short because their clients left, the sampler programs compiled and kept (one set per new batch shape) and
+    those dropped while idle (--max-kept-programs), and LoRA adapter (null, or the merged adapter's path,
     rank, alpha and targets) of this service."""
     engine = service_of(request).engine
     w = engine.weights
@@ -65,6 +65,7 @@ async def model_info(request: Request) -> dict:
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
             "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
             "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),
+            "programs_dropped": engine.programs_dropped,
             "adapter": w.adapter}
 
 

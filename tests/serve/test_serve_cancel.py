@@ -145,3 +145,28 @@ def test_an_idle_worker_hands_freed_memory_back(model, monkeypatch):
         _wait_for(lambda: trims, "the idle worker to trim")
     finally:
         engine.close()
+
+
+def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_after(model):
+    """--max-kept-programs: each new batch shape compiles programs the service keeps (the memory a burst of new
+    shapes leaves behind); once idle with more than the cap, it drops them all, and a shape that returns compiles
+    again and samples the same tokens. 0 (the default) keeps every one."""
+    row = [RowRequest((5, 9), SamplingParams(max_new_tokens=40, ignore_eos=True), seed=3)]
+    keeps = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    try:
+        (kept,) = keeps.submit(row).result(timeout=300)
+        assert sampling.compiled_programs() >= 2 and keeps.programs_dropped == 0  # a prefill and a decode phase
+    finally:
+        keeps.close()
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0, max_kept_programs=1))
+    try:
+        (first,) = engine.submit(row).result(timeout=300)
+        _wait_for(lambda: engine.programs_dropped >= 2, "the idle service to drop its programs")
+        assert sampling.compiled_programs() == 0
+        (again,) = engine.submit(row).result(timeout=300)
+        assert first.output_ids == again.output_ids == kept.output_ids
+        assert again.logprobs == pytest.approx(first.logprobs, abs=1e-6)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="max_kept_programs: must be >= 0"):
+        ServeConfig(model=model, max_kept_programs=-1)
