@@ -5,7 +5,7 @@ shape with random weights), then sends `--burst` concurrent chat requests that a
 allows (no max_tokens, long prompts, n > 1, log-probs with top entries), most of them dropped by their client
 after `--client-timeout-s`. While the burst runs, it probes GET /health and a one-token request every second.
 The same burst runs twice, the second measured and the first reported as `warmup_burst`. Each new batch shape
-compiles sampler programs the service keeps (`/get_model_info`'s `compiled_programs`, tens of MB each on a CPU);
+compiles sampler programs the service keeps (`/get_model_info`'s `compiled_programs`), each holding host memory;
 the service runs with `--max-kept-programs 4`, so once idle after a burst it drops them (`programs_dropped`),
 and `--max-kept-programs 0` shows what keeping them costs. Prints one JSON line:
 

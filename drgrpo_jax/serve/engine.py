@@ -192,7 +192,7 @@ class _Lane:
     queue: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # _Job, or None to stop
     pending: deque = dataclasses.field(default_factory=deque)  # (job, row index) gathered, not yet sampled
     worker: threading.Thread | None = None
-    busy: bool = False  # sampling a batch, or about to
+    busy: bool = False  # has taken work since it last waited for some
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity: the worker groups a failed batch's rows by request
@@ -385,6 +385,9 @@ class Engine:
         """Blocks for work, then gathers up to max_batch_size rows of live requests (None = shut down)."""
         while True:
             while not lane.pending:
+                if lane.busy and lane.queue.empty():  # about to wait for work, after some
+                    lane.busy = False
+                    self._when_idle()
                 job = lane.queue.get()
                 if job is None:
                     return None
@@ -402,13 +405,13 @@ class Engine:
             self._drop_cancelled(lane)  # the batch boundary: rows of clients gone are never sampled
             if lane.pending:
                 break
+        lane.busy = True
         count = min(len(lane.pending), self.config.max_batch_size)
         return [lane.pending.popleft() for _ in range(count)]
 
     def _run(self, lane: _Lane) -> None:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
         while (taken := self._take_rows(lane)) is not None:
-            lane.busy = True
             weights = self.weights  # one read: the whole batch uses one version
             start = time.perf_counter()
             for part, outcome in self._sample(weights, taken):
@@ -428,13 +431,10 @@ class Engine:
                 with self._budget_lock:
                     self.tokens_per_second = rate if not self.tokens_per_second else (
                         0.8 * self.tokens_per_second + 0.2 * rate)
-            if not lane.pending and lane.queue.empty():
-                lane.busy = False
-                self._when_idle()
 
     def _when_idle(self) -> None:
-        """A lane has no work: when no lane has any, the service sheds what a burst left behind. Each new batch
-        shape compiles programs the service keeps (tens of MB of host memory each); beyond max_kept_programs they
+        """A lane ran out of work: when no lane has any, the service sheds what a burst left behind. Each new batch
+        shape compiles programs the service keeps, each holding host memory; beyond max_kept_programs they
         are all dropped. A batch's host buffers are freed into glibc's arenas, which keep them; they go back to
         the OS."""
         if any(lane.busy for lane in self._lanes):

@@ -147,6 +147,24 @@ def test_an_idle_worker_hands_freed_memory_back(model, monkeypatch):
         engine.close()
 
 
+def test_a_worker_whose_queued_rows_were_all_abandoned_goes_idle(model, monkeypatch):
+    """A worker that finds only abandoned rows at its batch boundary waits for work like one that ran out of it:
+    it sheds memory then (before, it waited without, and a burst whose clients all left stayed in memory)."""
+    from drgrpo_jax.serve import engine as engine_module
+
+    trims = []
+    monkeypatch.setattr(engine_module, "return_freed_memory", lambda: trims.append(1))
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    try:
+        running = engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=2000, ignore_eos=True), seed=1)])
+        _wait_for(lambda: engine.phase_checks >= 1, "the first batch to start decoding")
+        engine.submit([RowRequest((7, 3), SamplingParams(max_new_tokens=4), seed=2)]).cancel()  # queued behind
+        running.result(timeout=300)
+        _wait_for(lambda: engine.rows_dropped == 1 and trims, "the worker to drop the row and go idle", 60)
+    finally:
+        engine.close()
+
+
 def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_after(model):
     """--max-kept-programs: each new batch shape compiles programs the service keeps (the memory a burst of new
     shapes leaves behind); once idle with more than the cap, it drops them all, and a shape that returns compiles
