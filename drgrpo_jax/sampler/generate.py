@@ -517,12 +517,3 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
 def compiled_programs() -> int:
     """How many sampler programs are compiled so far (prefill, decode phases, regrows): one set per batch shape."""
     return sum(f._cache_size() for f in (_prefill, _decode_phase, _regrow))  # type: ignore[attr-defined]
-
-
-def drop_compiled_programs() -> int:
-    """Forgets every compiled sampler program and the host memory it holds (a shape that comes back compiles
-    again); how many there were."""
-    count = compiled_programs()
-    for f in (_prefill, _decode_phase, _regrow):
-        f.clear_cache()  # type: ignore[attr-defined]
-    return count

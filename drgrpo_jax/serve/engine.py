@@ -434,14 +434,14 @@ class Engine:
 
     def _when_idle(self) -> None:
         """A lane ran out of work: when no lane has any, the service sheds what a burst left behind. Each new batch
-        shape compiles programs the service keeps, each holding host memory; beyond max_kept_programs they
-        are all dropped. A batch's host buffers are freed into glibc's arenas, which keep them; they go back to
-        the OS."""
+        shape compiles programs the service keeps, each holding host memory: beyond max_kept_programs sampler
+        programs, every compiled program is dropped. A batch's host buffers are freed into glibc's arenas, which
+        keep them: they go back to the OS."""
         if any(lane.busy for lane in self._lanes):
             return
         cap = self.config.max_kept_programs
-        if cap and sampling.compiled_programs() > cap:
-            dropped = sampling.drop_compiled_programs()
+        if cap and (dropped := sampling.compiled_programs()) > cap:
+            jax.clear_caches()  # every compiled program: the sampler's, the scorer's and the small ones beside them
             with self._budget_lock:
                 self.programs_dropped += dropped
         return_freed_memory()
