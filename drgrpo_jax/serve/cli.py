@@ -119,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
             ("--cancel-check-steps", int, "a running batch asks every this many decode steps whether its rows' "
                                           "clients are still there; the others stop there"),
             ("--max-kept-programs", int, "when the service goes idle holding more compiled sampler programs than "
-                                         "this (one set per new batch shape, each holding host memory), it drops them "
-                                         "all and compiles again as shapes return; 0 = keep every one"),
+                                         "this (one set per new batch shape, each holding host memory), it drops "
+                                         "every compiled program and compiles again as shapes return; 0 = keep all"),
             ("--short-request-tokens", int, "requests of one batch asking for at most this many new tokens have "
                                             "their own worker: they never wait behind a long batch (0 = off)")):
         name = flag[2:].replace("-", "_")

@@ -79,7 +79,7 @@ class ServeConfig:
     max_connections: int = 256  # open connections beyond this are answered 503 and closed
     max_header_bytes: int = 16 * 2**10  # request line + headers beyond this: the connection is refused (400)
     cancel_check_steps: int = 32  # a running batch asks whether its rows' clients are still there this often
-    max_kept_programs: int = 0  # an idle service holding more compiled sampler programs drops them all; 0 = keep all
+    max_kept_programs: int = 0  # an idle service holding more sampler programs drops every program; 0 = keep all
     short_request_tokens: int = 64  # requests of at most max_batch_size rows, none asking for more new tokens than
     # this, are sampled by a second worker: they do not wait behind a long batch (0 = one worker for everything)
 
