@@ -5,7 +5,8 @@
 Runs `python -m drgrpo_jax.train --config CONFIG run.output_dir=<temp> KEY=VALUE...` in its own
 process and prints one JSON line: the job's wall time (model load, compiles and evals included), the
 median seconds of a step after the first and of its phases (rollout, reward, update, weight push),
-the training reward and greedy accuracy curves from the run's metrics.jsonl, the peak RSS of the
+the training reward and greedy accuracy curves from the run's metrics.jsonl (a run with tools: its episodes'
+tool calls, malformed calls and model tokens by step too; sampled evaluations: avg@k), the peak RSS of the
 largest process (trainer or its generation service) and the trainer's own (metrics' peak_rss_gb), and
 the GEMM dtype the trainer resolved model.compute_dtype to.
 No peer: the same shape through TRL is `benchmarks/rl_step.py`'s job.
@@ -35,6 +36,11 @@ def summarise(rows: list[dict]) -> dict:
     train = [row for row in rows if "loss" in row]
     evals = [row for row in rows if any(key.startswith("eval/") for key in row)]
     later = train[1:]  # the first step pays the compiles
+    episodes = {key: [round(row[key], 3) for row in train]  # a run with tools: its episodes' means by step
+                for key in ("episode/tool_calls", "episode/malformed_calls", "episode/model_tokens")
+                if train and all(row.get(key) is not None for row in train)}
+    sampled = {key: {row["step"]: round(row[key], 3) for row in evals if key in row}  # eval/avg@k, k sampled
+               for key in sorted({key for row in evals for key in row if key.startswith("eval/avg@")})}
     return {
         "steps": len(train),
         "step_s_median_after_first": _median(later, "step_seconds"),
@@ -44,6 +50,8 @@ def summarise(rows: list[dict]) -> dict:
         "trainer_peak_rss_gb": train[-1].get("peak_rss_gb") if train else None,  # the trainer process alone
         "eval_accuracy_by_step": {row["step"]: round(row["eval/accuracy"], 3)
                                   for row in evals if "eval/accuracy" in row},
+        **{f"{key.removeprefix('episode/')}_by_step": values for key, values in episodes.items()},
+        **{f"{key.removeprefix('eval/')}_by_step": values for key, values in sampled.items()},
     }
 
 

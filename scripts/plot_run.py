@@ -1,9 +1,9 @@
 """Training curves of one or more runs, overlaid: `python scripts/plot_run.py RUN_DIR [RUN_DIR ...] -o out.png`.
 
 Panels: reward and accuracy (training, plus the held-out greedy accuracy, avg@k and largest pass@k when
-evaluated), response length split by correct and incorrect answers, KL to the reference (or the policy's
-approximate KL to the rollout policy when no reference is kept), and the gradient norm. Each run keeps
-one colour across panels; it is labelled by its folder name (or --labels).
+evaluated, and the tool calls per episode of a run with tools), response length split by correct and incorrect
+answers, KL to the reference (or the policy's approximate KL to the rollout policy when no reference is kept), and
+the gradient norm. Each run keeps one colour across panels; it is labelled by its folder name (or --labels).
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ def plot_runs(run_dirs: Sequence[str], output: str, labels: Sequence[str] | None
         color = f"C{index}"
         reward_ax.plot(*_series(train, "reward_mean"), color=color, label=f"{label} reward")
         reward_ax.plot(*_series(train, "accuracy"), color=color, linestyle="--", label=f"{label} accuracy")
+        if any(row.get("episode/tool_calls") is not None for row in train):  # a run with tools
+            reward_ax.plot(*_series(train, "episode/tool_calls"), color=color, linestyle="-.", marker="x",
+                           label=f"{label} tool calls per episode")
         if evals:
             reward_ax.plot(*_series(evals, "eval/accuracy"), color=color, linestyle=":", marker="o",
                            label=f"{label} eval accuracy (greedy)")

@@ -1,9 +1,11 @@
-"""How often a model calls its tools before any training: episodes of a tool config through its own child service.
+"""How often a model calls its tools, and one episode with its loss mask, through a child service of its own.
 
-    python scripts/probe_tool_use.py --config configs/tool_quickstart.yaml --episodes 16 [overrides...]
+    python scripts/probe_tool_use.py --config configs/tool_quickstart.yaml --episodes 16 [--held-out] [overrides...]
 
 Prints one JSON object: episodes, those with a call attempt, calls that ran, tool errors, malformed calls, mean
-turns and model tokens, and the share whose last turn math-verify scores right.
+turns and model tokens, how many math-verify scores right on their last turn, and the first episode as runs of
+its tokens with who wrote them (`model`: True where the loss mask is). A trained run's model is probed with the
+override `model.path=RUN/final`, on the problems it did not train on with --held-out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--held-out", action="store_true", help="the held-out problems (data.eval_size of them)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     config = load_config(args.config, args.overrides)
@@ -33,7 +36,8 @@ def main() -> None:
         raise SystemExit(f"{args.config}: environment.tools or environment.factory must be set")
     model = resolve_model_path(config.model.path)
     tokenizer = load_tokenizer(model, config.model.tokenizer_path)
-    examples = load_dataset(config.data, config.run.seed).train[:args.episodes]
+    dataset = load_dataset(config.data, config.run.seed)
+    examples = (dataset.eval if args.held_out else dataset.train)[:args.episodes]
     episodes = build_episodes(config, tokenizer)
     with LocalServer(model, dtype=config.model.dtype) as server, RolloutClient(server.url) as client:
         trajectories = run_episodes(client, tokenizer, episodes.make_environment,
@@ -45,7 +49,8 @@ def main() -> None:
               "episodes_with_a_call": sum(t.tool_calls + t.malformed_calls > 0 for t in trajectories),
               "episodes_with_a_call_that_ran": sum(t.tool_calls > 0 for t in trajectories),
               "correct": sum(c >= 1.0 for c in correct), **episode_metrics(trajectories),
-              "first_trajectory": trajectories[0].messages}
+              "first_episode": [{"model": by_model, "text": text}
+                                for by_model, text in trajectories[0].segments(tokenizer)]}
     print(json.dumps(report, indent=1))
 
 

@@ -14,6 +14,7 @@ A turn cut by a trajectory limit ends the episode (its sampled prefix is kept: a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -84,6 +85,12 @@ class Trajectory:
     def final_answer(self) -> str:
         """The last model turn's text."""
         return next((m["content"] for m in reversed(self.messages) if m.get("role") == "assistant"), "")
+
+    def segments(self, tokenizer: Any) -> list[tuple[bool, str]]:
+        """The trajectory after the prompt as runs of (the model wrote it, its text with special tokens): what the
+        loss mask covers, for reading one episode."""
+        runs = itertools.groupby(zip(self.model_mask, self.ids), key=lambda pair: pair[0])
+        return [(model, tokenizer.decode([t for _, t in run])) for model, run in runs]
 
     def _append(self, ids: Sequence[int], model: bool, logprobs: Sequence[float] | None = None) -> None:
         self.ids += [int(t) for t in ids]

@@ -125,6 +125,8 @@ def test_the_tool_quickstart_config_is_valid():
     import os
 
     from drgrpo_jax.environments.build import build_tools, read_few_shot
+    from drgrpo_jax.environments.calculator import calculator
+    from drgrpo_jax.environments.calls import CallFormat, parse_calls
 
     from support.paths import REPO
 
@@ -132,8 +134,38 @@ def test_the_tool_quickstart_config_is_valid():
     validate(config)
     assert config.environment.enabled and [t.name for t in build_tools(config.environment)] == ["calculator"]
     few_shot = read_few_shot(os.path.join(REPO, config.environment.few_shot))
-    assert [m["role"] for m in few_shot] == ["user", "assistant", "tool", "assistant"]
+    assert [m["role"] for m in few_shot] == ["user", "assistant", "tool", "assistant"] * 2
     assert step_budget(config) == config.environment.max_model_tokens < config.rollout.max_new_tokens
+    # the worked episodes are right: each call's result is the calculator's, and the answer boxes it
+    for user, call, result, answer in zip(*[iter(few_shot)] * 4):
+        (parsed,) = parse_calls(call["content"], CallFormat(config.environment.call_format))
+        assert parsed.name == "calculator" and parsed.arguments["expression"] in user["content"]
+        assert result["content"] == calculator(**parsed.arguments) and f"\\boxed{{{result['content']}}}" in \
+            answer["content"]
+
+
+def test_every_tool_quickstart_prompt_fits_its_max_prompt_tokens():
+    """The opening (system message with the tools, the worked episodes, the question) of every training and
+    held-out problem, through SmolLM2's own chat template: the trainer stops on a prompt over the limit."""
+    import os
+
+    from drgrpo_jax.config.load import resolve_model_path
+    from drgrpo_jax.data.sources import load_dataset
+    from drgrpo_jax.environments.build import build_episodes
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    from support.paths import REPO
+
+    config = load_config(os.path.join(REPO, "configs", "tool_quickstart.yaml"))
+    tokenizer = load_tokenizer(resolve_model_path(config.model.path), config.model.tokenizer_path)
+    episodes = build_episodes(config, tokenizer)
+    dataset = load_dataset(config.data, config.run.seed)
+    environment = episodes.make_environment()
+    renderer = episodes.renderer(environment)
+    lengths = [len(renderer.opening_ids(environment.reset(episodes.example(example))))
+               for example in dataset.train + dataset.eval]
+    assert len(lengths) == config.data.size + config.data.eval_size
+    assert max(lengths) <= config.rollout.max_prompt_tokens
 
 
 def step_budget(config):
@@ -174,3 +206,25 @@ def test_a_resumed_episode_run_reproduces_the_uninterrupted_one(tmp_path):
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.subprocess
+def test_the_tool_probe_reports_call_rates_and_an_episode_with_its_mask(tmp_path):
+    import subprocess
+    import sys
+
+    from support.paths import REPO
+    from support.trainer_runs import trainer_env
+
+    model = write_chat_model(str(tmp_path / "model"), max_position_embeddings=4096)  # characters: a long prompt
+    done = subprocess.run([sys.executable, "scripts/probe_tool_use.py", "--config", "configs/tool_quickstart.yaml",
+                           "--episodes", "3", "--held-out", f"model.path={model}", "data.size=8", "data.eval_size=4",
+                           "environment.max_turn_tokens=8"], cwd=REPO, env=trainer_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["episodes"] == 3 and 0 <= report["episodes_with_a_call"] <= 3 and report["correct"] >= 0
+    first = report["first_episode"]
+    assert first[0]["model"] and all(a["model"] != b["model"] for a, b in zip(first, first[1:]))  # alternating runs
+    model_text = "".join(run["text"] for run in first if run["model"])
+    assert 0 < len(model_text) and report["episode/model_tokens"] > 0

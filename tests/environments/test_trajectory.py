@@ -71,6 +71,7 @@ def test_rows_are_token_exact_and_the_mask_covers_exactly_the_model_tokens(episo
             if k == len(mask) or mask[k] != mask[start]:
                 runs.append((bool(mask[start]), t.ids[start:k]))
                 start = k
+        assert t.segments(tokenizer) == [(model, tokenizer.decode(ids)) for model, ids in runs]
         model_runs = [ids for model, ids in runs if model]
         env_runs = [ids for model, ids in runs if not model]
         assistant = [m["content"] for m in t.messages if m["role"] == "assistant"]

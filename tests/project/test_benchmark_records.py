@@ -236,3 +236,18 @@ def test_a_worker_reports_its_own_peak_memory_not_its_parents():
            "print(long_context.peak_rss_gb())"
     child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert held.sum() > 0 and child < 0.5, child
+
+
+def test_a_quickstart_summary_carries_the_episodes_of_a_run_with_tools():
+    summarise = _load("benchmarks/quickstart.py").summarise
+    train = [{"step": s, "loss": 0.1, "step_seconds": 10.0 + s, "reward_mean": r, "episode/tool_calls": c,
+              "episode/malformed_calls": 0.5 - c / 2, "episode/model_tokens": 40.0}
+             for s, r, c in ((1, 0.25, 0.3), (2, 0.5, 0.6), (3, 0.875, 0.9))]
+    evals = [{"step": 0, "eval/accuracy": 0.5, "eval/avg@2": 0.25}, {"step": 3, "eval/accuracy": 0.75,
+                                                                     "eval/avg@2": 0.625}]
+    summary = summarise([evals[0], *train, evals[1]])
+    assert summary["reward_mean_by_step"] == [0.25, 0.5, 0.875] and summary["step_s_median_after_first"] == 12.5
+    assert summary["tool_calls_by_step"] == [0.3, 0.6, 0.9] and summary["malformed_calls_by_step"] == [0.35, 0.2, 0.05]
+    assert summary["eval_accuracy_by_step"] == {0: 0.5, 3: 0.75} and summary["avg@2_by_step"] == {0: 0.25, 3: 0.625}
+    plain = summarise([{key: value for key, value in row.items() if not key.startswith("episode/")} for row in train])
+    assert not [key for key in plain if key.startswith(("tool_calls", "malformed", "model_tokens", "avg@"))]

@@ -370,6 +370,25 @@ def test_plot_run_overlays_runs_into_a_png(tmp_path):
     assert plot_run.main([str(tmp_path / "nope"), "-o", str(output)]) == 2
 
 
+def test_plot_run_draws_the_tool_calls_of_a_run_with_tools(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_run", os.path.join(REPO, "scripts", "plot_run.py"))
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    plain = _synthetic_run(tmp_path / "plain", 0.1)
+    tools = _synthetic_run(tmp_path / "tools", 0.1)
+    rows = [json.loads(line) for line in open(os.path.join(tools, "metrics.jsonl"))]
+    with open(os.path.join(tools, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(dict(row, **({"episode/tool_calls": 0.2 * row["step"]} if "loss" in row else {})))
+                     + "\n" for row in rows)
+    figures = []
+    monkeypatch.setattr(plot_run.plt, "close", figures.append)
+    plot_run.plot_runs([plain, tools], str(tmp_path / "curves.png"))
+    _, labels = figures[0].axes[0].get_legend_handles_labels()
+    assert [label for label in labels if "tool calls" in label] == ["tools tool calls per episode"]
+
+
 def test_weight_publisher_keeps_the_newest_versions_and_drops_stale_ones(tmp_path):
     from flax import nnx
 
