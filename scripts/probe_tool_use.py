@@ -38,6 +38,9 @@ def main() -> None:
     tokenizer = load_tokenizer(model, config.model.tokenizer_path)
     dataset = load_dataset(config.data, config.run.seed)
     examples = (dataset.eval if args.held_out else dataset.train)[:args.episodes]
+    if not examples:
+        raise SystemExit(f"{args.config}: no {'held-out' if args.held_out else 'training'} problems to probe"
+                         + (" (data.eval_size is 0)" if args.held_out else ""))
     episodes = build_episodes(config, tokenizer)
     with LocalServer(model, dtype=config.model.dtype) as server, RolloutClient(server.url) as client:
         trajectories = run_episodes(client, tokenizer, episodes.make_environment,
