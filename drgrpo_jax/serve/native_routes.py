@@ -65,8 +65,7 @@ async def model_info(request: Request) -> dict:
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
             "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
             "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),
-            "programs_dropped": engine.programs_dropped,
-            "adapter": w.adapter}
+            "programs_dropped": engine.programs_dropped, "adapter": w.adapter}
 
 
 async def weight_version(request: Request) -> dict:
