@@ -10,7 +10,7 @@ its time and its own peak RSS (VmHWM), so the two sides never share an allocator
   response) in --dtype (bfloat16: mixed precision on both sides, float32 master weights; ours
   `StepConfig.compute_dtype`, PyTorch `torch.autocast`): ours with `attention_impl: auto` (blockwise on a CPU at
   these lengths, cuDNN flash attention on a GPU in bfloat16) and the --remat policy (auto: what `model.remat:
-  auto` takes on a CPU at that length, drgrpo_jax/plan.py; none on a GPU), memory linear in length; PyTorch
+  auto` takes on a CPU at that length, drgrpo_jax/plan/remat.py; none on a GPU), memory linear in length; PyTorch
   with transformers' default (SDPA) attention; tokens/s, peak memory, and ours over PyTorch for both;
 - memory_series: our peak memory per step size, with a least-squares line through it (its slope in GB per 1k
   tokens, and the worst residual: a small residual is a linear series);
@@ -190,7 +190,7 @@ def train_entry(shape: str, folder: str, args: argparse.Namespace) -> dict:
     if remat == "auto" and args.device == "gpu":
         remat = "none"
     elif remat == "auto":  # the plan needs the trainer's config stack (omegaconf), which a GPU image may lack
-        from drgrpo_jax.plan.planner import cpu_auto_remat
+        from drgrpo_jax.plan.remat import cpu_auto_remat
 
         remat = cpu_auto_remat(length)
     spec = {"folder": folder, "rows": rows, "length": length, "repeats": args.repeats, "dtype": args.dtype,

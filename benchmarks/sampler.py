@@ -81,7 +81,8 @@ def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
 
 def time_weight_swap(folder: str, dtype: str) -> float:
     """Seconds for Engine.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
-    from drgrpo_jax.serve.engine import Engine, ServeConfig
+    from drgrpo_jax.config.serve import ServeConfig
+    from drgrpo_jax.serve.engine import Engine
 
     engine = Engine(ServeConfig(model=folder, dtype=dtype))
     try:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import os
+from collections.abc import Callable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -22,7 +24,8 @@ from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import TOKENIZER_FILES, hub_id, local_model
 
 __all__ = [
-    "check_paths", "config_from_argv", "describe_config", "dump_config", "load_config", "resolve_model_path"
+    "check_paths", "config_from_argv", "describe_config", "dump_config", "load_config", "read_config_file",
+    "resolve_model_path", "translate_error"
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -60,10 +63,10 @@ def _section_fields(path: str) -> list[str]:
     return [_key_name(f.name) for f in dataclasses.fields(cls)] if cls is not None else []
 
 
-def _unknown_key_error(full_key: str, where: str) -> ConfigError:
+def _unknown_key_error(full_key: str, where: str, section_fields: Callable[[str], list[str]]) -> ConfigError:
     """An unknown-key error with a did-you-mean drawn from the section's real fields."""
     parent, _, leaf = full_key.rpartition(".")
-    candidates = _section_fields(parent)
+    candidates = section_fields(parent)
     close = difflib.get_close_matches(leaf, candidates, n=1, cutoff=0.6)
     prefix = f"{parent}." if parent else ""
     if close:
@@ -73,12 +76,14 @@ def _unknown_key_error(full_key: str, where: str) -> ConfigError:
     return ConfigError(full_key, f"unknown key{where}{hint}")
 
 
-def _translate(error: OmegaConfBaseException, where: str) -> ConfigError:
-    """Turns an OmegaConf error into a one-line ConfigError naming the dotted key."""
+def translate_error(error: OmegaConfBaseException, where: str,
+                    section_fields: Callable[[str], list[str]] = _section_fields) -> ConfigError:
+    """Turns an OmegaConf error into a one-line ConfigError naming the dotted key; `section_fields`: a section's
+    keys by its dotted path (the did-you-mean of an unknown key)."""
     full_key = str(getattr(error, "full_key", "") or "") or "config"
     message = str(getattr(error, "msg", "") or error).splitlines()[0]
     if isinstance(error, (ConfigKeyError, ConfigAttributeError)):  # OmegaConf's two types for an unknown key
-        return _unknown_key_error(full_key, where)
+        return _unknown_key_error(full_key, where, section_fields)
     return ConfigError(full_key, f"{message}{where}")
 
 
@@ -95,7 +100,7 @@ def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
     try:
         merged = OmegaConf.merge(base, update)
     except OmegaConfBaseException as error:
-        raise _translate(error, where) from None
+        raise translate_error(error, where) from None
     assert isinstance(merged, DictConfig)
     return merged
 
@@ -109,30 +114,35 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as error:
-        raise _translate(error, " (command line)") from None
+        raise translate_error(error, " (command line)") from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Loads YAML `path` (None = defaults), applies dotted overrides, validates; raises ConfigError."""
     merged = OmegaConf.structured(Config)
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
-        try:
-            loaded = OmegaConf.load(os.fspath(path))  # load() reads any non-str, non-Path argument as a file object
-        except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
-            raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
-        if not isinstance(loaded, DictConfig):
-            raise ConfigError("--config", f"{os.fspath(path)!r} must hold a mapping of sections")
-        merged = _merge(merged, loaded, f" in {os.fspath(path)}")
+        merged = _merge(merged, read_config_file(path), f" in {os.fspath(path)}")
     merged = _merge(merged, _parse_overrides(list(overrides)), " (command line)")
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:  # e.g. a missing value or a bad interpolation
-        raise _translate(error, "") from None
+        raise translate_error(error, "") from None
     assert isinstance(config, Config)
     validate(config)
     return config
+
+
+def read_config_file(path: str | os.PathLike[str]) -> DictConfig:
+    """The YAML mapping at `path`, untyped; a missing, unreadable or non-mapping file is a ConfigError on --config."""
+    if not os.path.isfile(path):
+        raise ConfigError("--config", f"no such file {os.fspath(path)!r}")
+    try:
+        loaded = OmegaConf.load(os.fspath(path))  # load() reads any non-str, non-Path argument as a file object
+    except (yaml.YAMLError, OmegaConfBaseException, OSError, UnicodeDecodeError) as error:
+        raise ConfigError("--config", f"cannot parse {os.fspath(path)!r}: {error}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError("--config", f"{os.fspath(path)!r} must hold a mapping of sections")
+    return loaded
 
 
 def dump_config(config: Config) -> str:
@@ -178,8 +188,6 @@ def resolve_model_path(spec: str, key: str = "model.path") -> str:
             return spec
         raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder, a .gguf file, a Hub id "
                                "org/name[@revision] or pkg:PACKAGE)")
-    import importlib.util
-
     package = spec[len("pkg:"):]
     try:
         found = importlib.util.find_spec(package) if package else None

@@ -1,7 +1,7 @@
-"""`python -m drgrpo_jax.plan`: see drgrpo_jax.plan.planner."""
+"""`python -m drgrpo_jax.plan`: see drgrpo_jax.plan.cli."""
 
 import sys
 
-from drgrpo_jax.plan.planner import main
+from drgrpo_jax.plan.cli import main
 
 sys.exit(main())

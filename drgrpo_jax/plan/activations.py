@@ -7,16 +7,13 @@ model's backward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from drgrpo_jax.config.derived import pack_length
+from drgrpo_jax.config.schema import Config
 from drgrpo_jax.models.attention import BLOCKWISE_MIN_LENGTH, block_widths
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
-
-if TYPE_CHECKING:
-    from drgrpo_jax.config.schema import Config
 
 __all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "logprob_chunk_bytes",
            "model_call", "rows_per_device", "stores_probabilities"]
@@ -31,8 +28,6 @@ def rows_per_device(config: Config) -> int:
 def model_call(config: Config) -> tuple[int, int]:
     """(rows b, tokens S) of one device's model call per micro-batch: padded responses (prompt + budget - 1
     tokens), or the packed rows (train.pack_rows of train.pack_length)."""
-    from drgrpo_jax.config.derived import pack_length
-
     if config.train.pack_rows:
         return config.train.pack_rows, pack_length(config)
     return rows_per_device(config), config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1

@@ -1,39 +1,39 @@
-"""A run's mesh, partition specs and per-device memory, before anything runs (jax.eval_shape only).
-
-    python -m drgrpo_jax.plan --config PATH [section.key=value ...] [--device NAME | --device-memory GiB]
-                              [--model-config NAME|PATH] [--serve-batch-size ROWS] [--serve-mesh tensor=T[,data=D]]
-                              [--format text|json]
+"""The plan: a run's mesh, partition specs and per-device memory against a target device, as one JSON-able dict
+(`make_plan`), and the advice naming the config values that make it fit.
 
 Parameters and optimizer state are exact (`jax.eval_shape` of the real model and optax chain, split by the
 trainer's logical-axis rules); activations, log-prob chunks and the generation service are estimates
-(plan/activations.py, plan/service.py, docs/scaling_out.md). `model.remat: auto` is resolved here for the plan
-(`resolve_remat`) and for the trainer's own device (`auto_remat`).
+(plan/activations.py, plan/service.py, docs/scaling_out.md). `model.remat: auto` is chosen by plan/remat.py, for
+the plan and, through `auto_remat`, for the trainer's own device. The command line: plan/cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
 from typing import Any
 
-from drgrpo_jax.config.load import load_config, resolve_model_path
+import gguf
+
+from drgrpo_jax.config.load import resolve_model_path
+from drgrpo_jax.config.rules import validate
 from drgrpo_jax.config.schema import Config
-from drgrpo_jax.errors import ConfigError, MissingValueError
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import CONFIG_FILES, hub_id, snapshot
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.models.gguf_io import gguf_hf_config
+from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.plan.activations import (
     activation_bytes,
     activations_by_policy,
-    choose_remat,
     model_call,
     rows_per_device,
     stores_probabilities,
 )
-from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, device_spec, preset_name
+from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, preset_name
+from drgrpo_jax.plan.remat import resolve_remat
 from drgrpo_jax.plan.service import (
     indivisible,
     service_advice,
@@ -54,22 +54,17 @@ from drgrpo_jax.plan.state import (
 )
 from drgrpo_jax.sharding import parse_service_mesh
 
-__all__ = ["auto_remat", "make_plan", "format_text", "resolve_decoder_config", "resolve_remat", "main"]
+__all__ = ["HEADROOM", "auto_remat", "device_backend", "device_memory_bytes", "make_plan", "resolve_decoder_config",
+           "shares_one_device", "trainer_advice"]
 
 HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
 
 
 def _architecture(key: str, spec: str) -> tuple[DecoderConfig, str] | None:
     """(architecture, where from) of one spec, or None when it names none (a preset or a local file missing)."""
-    from drgrpo_jax.models.hf_io import load_hf_config
-
     if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
         return load_hf_config(spec), f"{spec}/config.json"
     if spec.startswith("pkg:") or spec.endswith(".gguf"):  # the architecture from the GGUF's header
-        import gguf
-
-        from drgrpo_jax.models.gguf_io import gguf_hf_config
-
         path = resolve_model_path(spec, key)
         return from_hf_config(gguf_hf_config(gguf.GGUFReader(path))), path
     if spec.endswith(".json") and os.path.isfile(spec):
@@ -108,7 +103,7 @@ def resolve_decoder_config(config: Config, model_config: str | None = None) -> t
 
 
 # ---------------------------------------------------------------------------------------------
-# Estimates (plan/activations.py, plan/service.py) and the remat policy
+# The device and the remat policy the trainer takes on it (plan/remat.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -117,36 +112,6 @@ def device_backend(device: DeviceSpec | None) -> str:
     if device is None or device.name not in DEVICES:
         return "cpu"
     return "tpu" if device.name.startswith("tpu") else "gpu"
-
-
-# On a CPU the backward that recomputes each layer is no slower than one that keeps its activations (the saved
-# tensors' memory traffic costs what the recompute does), at half the memory (benchmarks/results/train_step-*:
-# remat none vs full). So auto takes full on a CPU, except from CPU_KEEP_ATTENTION_FROM tokens a row, where
-# rerunning the attention's forward (quadratic) costs more than keeping its output; shorter rows gain nothing
-# from keeping it but the memory it takes.
-CPU_AUTO_REMAT = "full"
-CPU_LONG_AUTO_REMAT = "save_attention_out"
-CPU_KEEP_ATTENTION_FROM = 2048
-
-
-def cpu_auto_remat(seq_len: int, attention_impl: str = "auto") -> str:
-    """The policy auto prefers on a CPU for rows of `seq_len` tokens (before asking whether it fits)."""
-    keep = seq_len >= CPU_KEEP_ATTENTION_FROM and attention_impl != "reference"
-    return CPU_LONG_AUTO_REMAT if keep else CPU_AUTO_REMAT
-
-
-def resolve_remat(config: Config, by_policy: dict[str, int], budget: int | None, backend: str = "cpu") -> str:
-    """model.remat made concrete: a policy as set; for auto on a known device (`budget` bytes; None: no device, so
-    none) on a CPU `cpu_auto_remat`'s pick where it fits, else CPU_AUTO_REMAT; elsewhere the first policy whose
-    activations fit `budget`."""
-    if config.model.remat != "auto":
-        return config.model.remat
-    if budget is None:
-        return "none"
-    if backend != "cpu":
-        return choose_remat(by_policy, budget)
-    preferred = cpu_auto_remat(model_call(config)[1], config.model.attention_impl)
-    return preferred if by_policy[preferred] <= budget else CPU_AUTO_REMAT
 
 
 def device_memory_bytes(device: Any) -> int:
@@ -173,8 +138,6 @@ def auto_remat(config: Config, model: DecoderConfig, device: Any) -> str:
 
 def _try(config: Config, **changes: dict[str, Any]) -> Config | None:
     """The config with section changes applied, or None when it no longer validates."""
-    from drgrpo_jax.config.rules import validate
-
     sections = {name: dataclasses.replace(getattr(config, name), **fields) for name, fields in changes.items()}
     candidate = dataclasses.replace(config, **sections)
     try:
@@ -303,118 +266,3 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
             plan["advice"] += [f"service: {line}" for line in service_advice(
                 config, model, usable, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge)]
     return plan
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:9.2f} GiB"
-
-
-def format_text(plan: dict[str, Any]) -> str:
-    """The plan as a short human report."""
-    m, mo, tr, sv = plan["mesh"], plan["model"], plan["trainer"], plan["service"]
-    lora = (f"; LoRA rank {mo['lora_rank']}: {mo['adapter_parameters']:,} adapter parameters train, the base is "
-            "frozen" if mo["lora_rank"] else "")
-    lines = [f"model: {mo['source']}: {mo['family']}, {mo['parameters']:,} parameters, {mo['layers']} layers, "
-             f"dtype {mo['dtype']}, remat {mo['remat']} -> {mo['remat_policy']}{lora}",
-             f"mesh: data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} -> {m['devices']} devices "
-             f"over {m['processes']} process(es)", "", "parameter partition specs (per device):"]
-    for g in plan["param_groups"]:
-        spec = "P(" + ", ".join("None" if a is None else str(a) for a in g["spec"]) + ")"
-        mib = g["bytes_per_device"] / 2**20
-        lines.append(f"  {g['name']:<20} {str(tuple(g['shape'])):<24} {spec:<30} {mib:10.1f} MiB")
-    rows = (f"{tr['model_call_rows']} packed row(s) for {tr['rows_per_device']} response(s)" if tr["packed"] else
-            f"{tr['rows_per_device']} response(s)")
-    lines += ["", f"trainer, per device ({rows} of {tr['sequence']} tokens per micro-batch):"]
-    for key in ("params", "adapters", "optimizer", "gradients", "reference", "activations", "logprob_chunks", "batch",
-                "total"):
-        lines.append(f"  {key:<16} {_gib(tr[key])}")
-    attention = "[S, S] probabilities kept" if tr["attention_probabilities"] else "memory-linear attention"
-    lines.append(f"  activations by model.remat ({attention}): " + ", ".join(
-        f"{name} {_gib(size).strip()}" for name, size in tr["activations_by_remat"].items()))
-    where = "one device" if sv["devices"] == 1 else (
-        f"one of its {sv['devices']} devices (--mesh {sv['mesh']}: tensor={sv['tensor_ways']} splits heads, MLP "
-        f"and vocabulary, data={sv['data_ways']} the rows)")
-    lines += ["", f"generation service, {where} ({sv['rows']} rows at once):"]
-    for key in ("weights", "layer_split", "adapter_merge", "kv_cache", "prefill_attention", "decode_temporaries"):
-        lines.append(f"  {key:<19} {_gib(sv[key])}")
-    lines.append(f"  {'total':<19} {_gib(sv['total'])}  (the larger of prefill and decode temporaries counted)")
-    if plan["device"] is None:
-        lines += ["", "no target device: pass --device NAME or --device-memory GiB to check the fit"]
-        return "\n".join(lines)
-    d = plan["device"]
-    lines += ["", f"device: {d['name']} ({d['source']}); usable {_gib(d['usable_bytes']).strip()} "
-                  f"({HEADROOM:.0%} of {_gib(d['memory_bytes']).strip()})"]
-    for part in ("trainer", "service"):
-        verdict = "fits" if plan["fits"][part] else "DOES NOT FIT"
-        lines.append(f"  {part}: {_gib(plan[part]['total']).strip()} -> {verdict}")
-    if "together" in plan["fits"]:
-        together = plan["trainer"]["total"] + plan["service"]["total"]
-        verdict = "fits" if plan["fits"]["together"] else "DOES NOT FIT"
-        lines.append(f"  trainer + its child service on this one device: {_gib(together).strip()} -> {verdict}")
-    if sv["smallest_tensor"] is not None:
-        data = f",data={sv['data_ways']}" if sv["data_ways"] > 1 else ""
-        lines.append(f"  the smallest service mesh that fits: --mesh tensor={sv['smallest_tensor']}{data}")
-    else:
-        lines.append("  no service mesh up to tensor=64 fits: lower rollout.service_batch_size or the token budgets")
-    lines += [f"  change {line}" for line in plan["advice"]]
-    return "\n".join(lines)
-
-
-def _load(config_path: str | None, overrides: list[str]) -> tuple[Config, list[str]]:
-    """The config; model.path / data.path left empty are filled with a placeholder (the plan reads neither)."""
-    filled: list[str] = []
-    while True:
-        try:
-            return load_config(config_path, overrides + [f"{k}=unset" for k in filled]), filled
-        except ConfigError as error:
-            unset = isinstance(error, MissingValueError) and error.key in ("model.path", "data.path")
-            if not unset or error.key in filled:
-                raise
-            filled.append(error.key)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The CLI; a bad config or argument exits 2 with one line."""
-    parser = argparse.ArgumentParser(prog="python -m drgrpo_jax.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="the run's YAML (omit for the defaults)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, as for drgrpo_jax.train")
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--device", help=f"target device: {', '.join(DEVICES)}")
-    target.add_argument("--device-memory", type=float, help="target device memory in GiB")
-    parser.add_argument("--model-config", help=f"the architecture: an HF folder, a config.json, a Hub id "
-                                               f"org/name[@revision] (its config.json alone is fetched) or a preset "
-                                               f"({', '.join(PRESETS)}); default: model.path's")
-    parser.add_argument("--serve-batch-size", type=int,
-                        help="rows one generation service samples at once (default: rollout.service_batch_size)")
-    serve = parser.add_mutually_exclusive_group()
-    serve.add_argument("--serve-mesh", metavar="tensor=T[,data=D]",
-                       help="one generation service's mesh, as drgrpo_jax.serve --mesh takes it (default: "
-                            "rollout.service_mesh, else one device): its figures are per device of it")
-    serve.add_argument("--serve-tensor", type=int, default=1, metavar="T",
-                       help="the same as --serve-mesh tensor=T")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text: the plan as a table with advice (default); json: the same as one JSON object")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # eval_shape needs no accelerator
-    try:
-        config, filled = _load(args.config, args.overrides)
-        model, source = resolve_decoder_config(config if "model.path" not in filled else dataclasses.replace(
-            config, model=dataclasses.replace(config.model, path="")), args.model_config)
-        device = None
-        if args.device:
-            device = device_spec(args.device)
-        elif args.device_memory is not None:
-            if not args.device_memory > 0:
-                raise ConfigError("--device-memory", f"must be > 0 GiB, got {args.device_memory}")
-            device = DeviceSpec(f"{args.device_memory:g} GiB", int(args.device_memory * GIB), "--device-memory")
-        if args.serve_batch_size is not None and args.serve_batch_size < 1:
-            raise ConfigError("--serve-batch-size", f"must be >= 1, got {args.serve_batch_size}")
-        if args.serve_tensor < 1:
-            raise ConfigError("--serve-tensor", f"must be >= 1, got {args.serve_tensor}")
-        plan = make_plan(config, model, device=device, serve_batch_size=args.serve_batch_size, model_source=source,
-                         serve_mesh=args.serve_mesh, serve_tensor=args.serve_tensor)
-    except ConfigError as error:
-        print(f"python -m drgrpo_jax.plan: config error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(plan) if args.format == "json" else format_text(plan))
-    return 0

@@ -13,18 +13,16 @@ against the compiled programs' own memory analysis.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from drgrpo_jax.config.derived import child_service_batch_size
+from drgrpo_jax.config.schema import Config
+from drgrpo_jax.config.serve import DEFAULT_MAX_BATCH_SIZE
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.plan.hardware import GIB
 from drgrpo_jax.sampler.generate import batch_bucket, bucket, mesh_rows
 from drgrpo_jax.sharding import MeshShape, ShardingRules, logical_to_spec
-
-if TYPE_CHECKING:
-    from drgrpo_jax.config.schema import Config
 
 __all__ = ["SAMPLING_SHARD_COPIES", "SAMPLING_WHOLE_COPIES", "indivisible", "service_advice", "service_memory",
            "service_rows", "service_total", "smallest_tensor", "total"]
@@ -75,8 +73,6 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
 
     The default: the trainer's child takes what the trainer starts it with; URLs split a rollout.
     """
-    from drgrpo_jax.serve.engine import DEFAULT_MAX_BATCH_SIZE
-
     r = config.rollout
     if not serve_batch_size and r.service_batch_size is None and r.urls:
         # each service gets its share, capped by drgrpo_jax.serve's default --max-batch-size

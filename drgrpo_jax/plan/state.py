@@ -9,12 +9,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+from flax import nnx
+
 from drgrpo_jax.config.derived import lora_base_dtype, lora_spec
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.lora import add_adapters, store_base
 from drgrpo_jax.models.precision import DTYPES
+from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.plan.activations import batch_bytes, logprob_chunk_bytes
+from drgrpo_jax.seeds import init_key
+from drgrpo_jax.sharding import ShardingRules, logical_to_spec
+from drgrpo_jax.step.optimizer import make_optimizer
 
 __all__ = ["abstract_state", "adapted_bytes", "gradient_bytes", "mesh_sizes", "param_groups", "state_bytes",
            "trainer_memory", "variables"]
@@ -27,8 +35,6 @@ def mesh_sizes(config: Config) -> dict[str, int]:
 def _shard_elements(name: str, shape: tuple[int, ...], logical_axes: tuple[str | None, ...] | None,
                     sizes: dict[str, int]) -> tuple[int, tuple]:
     """(elements held by one device, PartitionSpec as a tuple); ConfigError when a mesh axis does not divide."""
-    from drgrpo_jax.sharding import ShardingRules, logical_to_spec
-
     if logical_axes is None:  # an optimizer counter: replicated
         return math.prod(shape), ()
     spec = tuple(logical_to_spec(logical_axes, ShardingRules()))
@@ -45,9 +51,6 @@ def _shard_elements(name: str, shape: tuple[int, ...], logical_axes: tuple[str |
 
 def variables(tree: Any) -> list[tuple[str, Any, tuple | None]]:
     """(path, ShapeDtypeStruct, logical axes or None) for every array leaf of an abstract state."""
-    import jax
-    from flax import nnx
-
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
         name = "/".join(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
@@ -61,19 +64,12 @@ def variables(tree: Any) -> list[tuple[str, Any, tuple | None]]:
 def abstract_state(config: Config, model: DecoderConfig) -> tuple[Any, Any, Any]:
     """(trainable params, optimizer state, frozen LoRA base or None) as abstract trees: the real model, its
     adapters (model.lora) and optax chain under eval_shape, split as `train_step.init_state` splits them."""
-    import jax
-    from flax import nnx
-
-    from drgrpo_jax.models.lora import add_adapters
-    from drgrpo_jax.models.transformer import Transformer
-    from drgrpo_jax.step.optimizer import make_optimizer
-
     dtype = DTYPES[config.model.dtype]
     spec = lora_spec(config)
 
     def build():
         base = Transformer(model, rngs=nnx.Rngs(0), dtype=dtype)
-        return base if spec is None else add_adapters(base, spec, jax.random.key(0))
+        return base if spec is None else add_adapters(base, spec, init_key(0))  # shapes only
 
     abstract_model = nnx.eval_shape(build)
     frozen = None
@@ -154,11 +150,6 @@ def gradient_bytes(config: Config, model: DecoderConfig, params: Any, frozen: An
 
 def stored_base_bytes(config: Config, model: DecoderConfig, sizes: dict[str, int]) -> int:
     """Per-device bytes of the frozen LoRA base as the trainer stores it (model.lora.base_dtype: `lora.store_base`)."""
-    from flax import nnx
-
-    from drgrpo_jax.models.lora import store_base
-    from drgrpo_jax.models.transformer import Transformer
-
     dtype = DTYPES[config.model.dtype]
     stored = nnx.eval_shape(lambda: store_base(Transformer(model, rngs=nnx.Rngs(0), dtype=dtype),
                                                lora_base_dtype(config)))

@@ -16,11 +16,13 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from drgrpo_jax.serve.engine import Engine, QueueFull
+from drgrpo_jax.config.serve import normalize_roots
+from drgrpo_jax.errors import BadRequest, ClientGone, QueueFull
+from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.native_routes import ROUTES as NATIVE_ROUTES
 from drgrpo_jax.serve.openai_routes import ROUTES as OPENAI_ROUTES
-from drgrpo_jax.serve.security import Guard, Keys, normalize_roots
-from drgrpo_jax.serve.service import BadRequest, ClientGone, Service, error_response
+from drgrpo_jax.serve.security import Guard, Keys
+from drgrpo_jax.serve.service import Service, error_response
 
 __all__ = ["build_app"]
 

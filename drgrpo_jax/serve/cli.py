@@ -15,15 +15,17 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+import uvicorn
+
+from drgrpo_jax.config.serve import ServeConfig, add_flags, load_serve_config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import local_model_and_tokenizer
-from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.pretrained import load_tokenizer
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.connections import guarded_protocol
-from drgrpo_jax.serve.engine import Engine, ServeConfig, load_config
+from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.security import read_keys
-from drgrpo_jax.sharding import SERVICE_MESH_EXAMPLE, parse_service_mesh, service_mesh
+from drgrpo_jax.sharding import parse_service_mesh, service_mesh
 
 __all__ = ["PROG", "bind_socket", "main", "parse_args", "served_tokenizer"]
 
@@ -64,69 +66,11 @@ def _fail(message: str) -> NoReturn:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The flags, each with its help (defaults from ServeConfig); the launcher's own flags hidden."""
-    defaults = ServeConfig()
+    """--config and ServeConfig's flags (config/serve.py: each with its help; the launcher's own hidden)."""
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
-    add = parser.add_argument
-    add("--config", metavar="YAML", help="a trainer config (model.path, model.dtype) and/or a serve: section; flags "
-        "given here override it")
-    add("--model", help="HF folder or .gguf file to serve, or a PEFT LoRA adapter folder (served on the base its "
-        "adapter_config.json names)")
-    add("--host", help=f"bind address (default {defaults.host}); beyond loopback a key is required")
-    add("--port", type=int, help=f"TCP port (default {defaults.port}, SGLang's); 0 = any free port")
-    add("--port-file", dest="port_file", help=argparse.SUPPRESS)  # the launcher's: where the bound port is written
-    add("--parent-pid", dest="parent_pid", type=int, help=argparse.SUPPRESS)  # the launcher's: exit when it is gone
-    add("--dtype", choices=sorted(DTYPES), help=f"parameter and KV-cache dtype (default {defaults.dtype})")
-    add("--mesh", metavar="tensor=T[,data=D]",
-        help=f"run the sampler over T x D of this host's devices: weights and KV cache split over heads, MLP and "
-             f"vocabulary on tensor (the trainer's rules), rows on data; a row's tokens do not depend on it (e.g. "
-             f"{SERVICE_MESH_EXAMPLE}; default: one device)")
-    add("--weight-version", dest="weight_version", help=f"version reported until the first weight update (default "
-        f"{defaults.weight_version})")
-    add("--max-batch-size", dest="max_batch_size", type=int, help=f"rows (prompts x n) per sampler call (default "
-        f"{defaults.max_batch_size})")
-    add("--batch-wait-ms", dest="batch_wait_ms", type=float, help=f"after a request, wait this long for others to "
-        f"batch with it (default {defaults.batch_wait_ms:g})")
-    add("--max-context", dest="max_context", type=int, help="prompt + new tokens limit (default: the model's "
-        "max_position_embeddings)")
-    add("--tokenizer", metavar="DIR", help="tokenizer folder (default: the model's own; without one only token-id "
-        "prompts are served)")
-    add("--api-key-env", dest="api_key_env", metavar="NAME",
-        help="every route but GET /health needs 'Authorization: Bearer <the value of $NAME>' (the key itself never "
-             "goes on the command line, which `ps` shows)")
-    add("--admin-key-env", dest="admin_key_env", metavar="NAME",
-        help="a separate key (in $NAME) that alone may call /update_weights_from_disk")
-    add("--allow-unauthenticated", dest="allow_unauthenticated", action="store_true", default=None,
-        help="serve beyond loopback without a key (only on a network you trust)")
-    add("--weights-root", dest="weights_roots", action="append", metavar="DIR",
-        help="weight updates load only from folders under DIR, with no symbolic link below it (repeatable; "
-             "gs://bucket/prefix too)")
-    limits = parser.add_argument_group("limits (docs/serving-limits.md)")
-    for flag, kind, text in (
-            ("--max-request-tokens", int, "per request: prompts x n x (prompt + new tokens)"),
-            ("--max-queued-tokens", int, "that measure over every request queued or running; beyond it: 429"),
-            ("--max-body-bytes", int, "largest request body, however it is sent (413 beyond)"),
-            ("--default-max-tokens", int, "new tokens of a chat completion that names no max_tokens"),
-            ("--max-tokens-limit", int, "OpenAI routes: a larger max_tokens / max_completion_tokens is refused"),
-            ("--request-timeout-s", float, "a request is answered by then: what was sampled, the rest with finish "
-                                           "reason abort"),
-            ("--max-scoring-bytes", int, "log-prob scoring's float32 temporaries per tile of positions x vocabulary"),
-            ("--header-timeout-s", float, "a connection must send its request's headers within this (408 after)"),
-            ("--body-timeout-s", float, "a request's body must arrive within this (408 after)"),
-            ("--keep-alive-s", float, "an idle kept-alive connection is closed after this long"),
-            ("--max-connections", int, "open connections beyond this are answered 503 and closed"),
-            ("--max-header-bytes", int, "request line + headers beyond this: 400 and the connection closed"),
-            ("--cancel-check-steps", int, "a running batch asks every this many decode steps whether its rows' "
-                                          "clients are still there; the others stop there"),
-            ("--max-kept-programs", int, "when the service goes idle holding more compiled sampler programs than "
-                                         "this (one set per new batch shape, each holding host memory), it drops "
-                                         "every compiled program and compiles again as shapes return; 0 = keep all"),
-            ("--short-request-tokens", int, "requests of one batch asking for at most this many new tokens have "
-                                            "their own worker: they never wait behind a long batch (0 = off)")):
-        name = flag[2:].replace("-", "_")
-        default = getattr(defaults, name)
-        limits.add_argument(flag, dest=name, type=kind, metavar="SECONDS" if kind is float else "N",
-                            help=f"{text} (default {default:g})" if kind is float else f"{text} (default {default})")
+    parser.add_argument("--config", metavar="YAML", help="a trainer config (model.path, model.dtype) and/or a serve: "
+                        "section; flags given here override it")
+    add_flags(parser)
     return parser
 
 
@@ -136,10 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
     args = vars(parser.parse_args(argv))
     config_path = args.pop("config")
     try:
-        if config_path:
-            config = load_config(config_path, args)
-        else:
-            config = ServeConfig(**{k: v for k, v in args.items() if v is not None})
+        config = load_serve_config(config_path, args)
     except (ValueError, TypeError, OSError) as error:
         _fail(" ".join(str(error).split()))
     if not config.model:
@@ -165,7 +106,6 @@ def _watch_parent(pid: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Loads the model, binds the port, serves until SIGINT/SIGTERM."""
-    import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
     try:

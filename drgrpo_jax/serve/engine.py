@@ -7,7 +7,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -16,18 +15,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import yaml
 
+from drgrpo_jax.config.serve import ServeConfig
+from drgrpo_jax.errors import InvalidWeights, QueueFull
 from drgrpo_jax.host_memory import return_freed_memory
 from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
-from drgrpo_jax.paths import local_folder
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest
-from drgrpo_jax.serve.security import is_loopback, normalize_roots
 from drgrpo_jax.serve.weights import (
-    InvalidWeights,
     Weights,
     check_compatible,
     check_newer,
@@ -37,115 +34,10 @@ from drgrpo_jax.serve.weights import (
     with_adapter,
 )
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh
+from drgrpo_jax.weight_folders import local_folder
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
-__all__ = ["DEFAULT_MAX_BATCH_SIZE", "Engine", "QueueFull", "RowResult", "ServeConfig", "load_config"]
-
-DEFAULT_MAX_BATCH_SIZE = 32  # --max-batch-size unless given (the plan assumes it for rollout.urls' services)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    """How the service loads its model and batches requests."""
-
-    model: str = ""  # HF folder (config.json + safetensors), .gguf file, or PEFT adapter folder (on its base)
-    host: str = "127.0.0.1"  # bind address; loopback unless told otherwise
-    port: int = 30000  # TCP port (SGLang's default); 0 = any free port (see port_file)
-    port_file: str = ""  # write the bound port here once serving (for parents that asked for port 0)
-    dtype: str = "float32"  # parameter and KV-cache dtype: float32 | bfloat16
-    mesh: str = ""  # "tensor=T[,data=D]": the sampler over T x D of this host's devices ("" = one device)
-    weight_version: str = "0"  # version reported until the first update
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # rows (prompts x n) per sampler call
-    batch_wait_ms: float = 5.0  # after the first request, wait this long for more to batch with it
-    max_context: int = 0  # prompt + new tokens limit; 0 = the model's max_position_embeddings
-    max_rows_per_request: int = 4096  # prompts x n accepted in one request
-    tokenizer: str = ""  # tokenizer folder; "" = the model folder (none: text prompts are refused)
-    served_model_name: str = ""  # name in OpenAI responses; "" = the model path
-    parent_pid: int = 0  # shut down when this process is gone (set by rollout.LocalServer); 0 = off
-    api_key_env: str = ""  # environment variable holding the API key (Authorization: Bearer); "" = no key
-    admin_key_env: str = ""  # environment variable of the key for /update_weights_from_disk; "" = the API key
-    allow_unauthenticated: bool = False  # serve beyond loopback without a key (only on a network you trust)
-    weights_roots: tuple[str, ...] = ()  # weight pushes only from folders under these (or gs://bucket/prefix)
-    max_request_tokens: int = 2**23  # per request: prompts x n x (prompt + new tokens)
-    max_queued_tokens: int = 2**24  # the same measure over every request queued or running; beyond it: 429
-    max_body_bytes: int = 32 * 2**20  # largest request body accepted (413 beyond)
-    default_max_tokens: int = 512  # chat completions that name no max_tokens get this many at most
-    max_tokens_limit: int = 8192  # OpenAI routes: a larger max_tokens / max_completion_tokens is refused (400)
-    request_timeout_s: float = 600.0  # a request is answered by then: what was generated, finish reason "abort"
-    max_scoring_bytes: int = 256 * 2**20  # log-prob scoring's float32 temporaries per tile (rows x positions x vocab)
-    header_timeout_s: float = 10.0  # a connection that has not sent its request's headers by then is closed
-    body_timeout_s: float = 30.0  # a request whose body has not arrived by then is answered 408
-    keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
-    max_connections: int = 256  # open connections beyond this are answered 503 and closed
-    max_header_bytes: int = 16 * 2**10  # request line + headers beyond this: the connection is refused (400)
-    cancel_check_steps: int = 32  # a running batch asks whether its rows' clients are still there this often
-    max_kept_programs: int = 0  # an idle service holding more sampler programs drops every program; 0 = keep all
-    short_request_tokens: int = 64  # requests of at most max_batch_size rows, none asking for more new tokens than
-    # this, are sampled by a second worker: they do not wait behind a long batch (0 = one worker for everything)
-
-    def __post_init__(self):
-        if isinstance(self.weights_roots, (list, str)):
-            roots = [self.weights_roots] if isinstance(self.weights_roots, str) else self.weights_roots
-            object.__setattr__(self, "weights_roots", tuple(roots))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not supported (supported: {sorted(DTYPES)})")
-        for name in ("max_batch_size", "max_rows_per_request", "max_request_tokens", "max_queued_tokens",
-                     "max_body_bytes", "default_max_tokens", "max_tokens_limit", "max_scoring_bytes",
-                     "max_connections", "max_header_bytes", "cancel_check_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
-            if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
-        for name in ("short_request_tokens", "max_kept_programs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit="
-                             f"{self.max_tokens_limit}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if self.batch_wait_ms < 0 or self.max_context < 0:
-            raise ValueError("batch_wait_ms, max_context: must be >= 0")
-        normalize_roots(self.weights_roots)  # a malformed root fails here, at start-up
-        parse_service_mesh(self.mesh, "mesh")
-        if not is_loopback(self.host) and not self.api_key_env and not self.allow_unauthenticated:
-            raise ValueError(f"host: {self.host} is reachable from other machines, so the service needs a key "
-                             "(--api-key-env NAME, the key in that environment variable); "
-                             "--allow-unauthenticated serves without one")
-
-    @property
-    def loopback(self) -> bool:
-        """Whether the service is bound to this machine only."""
-        return is_loopback(self.host)
-
-
-def load_config(path: str, overrides: dict[str, Any]) -> ServeConfig:
-    """ServeConfig from a YAML file (a trainer config's `model` section and an optional `serve:` section)."""
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    if not isinstance(raw, dict):
-        # ValueError like every other bad-config error here, so callers catch one type.
-        raise ValueError(f"{path}: must be a YAML mapping")  # noqa: TRY004
-    fields = {f.name for f in dataclasses.fields(ServeConfig)}
-    section = raw.get("serve", raw if "model" not in raw or isinstance(raw.get("model"), str) else {}) or {}
-    unknown = sorted(set(section) - fields)
-    if unknown:
-        raise ValueError(f"serve.{unknown[0]}: unknown key (known: {sorted(fields)})")
-    values = dict(section)
-    model_section = raw.get("model")
-    if isinstance(model_section, dict):  # a trainer config: model.path and model.dtype
-        values.setdefault("model", model_section.get("path", ""))
-        values.setdefault("dtype", model_section.get("dtype", "float32"))
-        values.setdefault("tokenizer", model_section.get("tokenizer_path") or "")
-    values.update({k: v for k, v in overrides.items() if v is not None and v != []})
-    if isinstance(model_section, dict) and not is_loopback(values.get("host", "127.0.0.1")):
-        run_section: dict = raw["run"] if isinstance(raw.get("run"), dict) else {}
-        # Beyond loopback, a trainer config names where its weight versions go: pushes load from there only.
-        weights = run_section.get("weights_dir") or os.path.join(run_section.get("output_dir") or "runs/default",
-                                                                 "weights")
-        values.setdefault("weights_roots", [weights])
-    return ServeConfig(**values)
+__all__ = ["Engine", "RowResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,14 +50,6 @@ class RowResult:
     weight_version: str
     aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty), or its
     # client left while it was sampled (output_ids: what was sampled until then; nobody reads it)
-
-
-class QueueFull(Exception):
-    """The queue holds max_queued_tokens of work already (HTTP 429); `retry_after_s`: when to try again."""
-
-    def __init__(self, retry_after_s: int):
-        self.retry_after_s = retry_after_s
-        super().__init__(f"the service is busy: retry in {retry_after_s} s")
 
 
 def row_cost(row: RowRequest) -> int:

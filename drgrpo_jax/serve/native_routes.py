@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from drgrpo_jax.errors import BadRequest, InvalidWeights, PathNotAllowed
 from drgrpo_jax.sampler.generate import RowRequest, compiled_programs
 from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import (
@@ -20,9 +21,8 @@ from drgrpo_jax.serve.schemas import (
     UpdateWeightsFromTensorRequest,
     UpdateWeightsRequest,
 )
-from drgrpo_jax.serve.security import PathNotAllowed, confine_weight_path, open_weight_folder
+from drgrpo_jax.serve.security import confine_weight_path, open_weight_folder
 from drgrpo_jax.serve.service import (
-    BadRequest,
     check_request,
     deadline_of,
     decode,
@@ -33,7 +33,7 @@ from drgrpo_jax.serve.service import (
     service_of,
 )
 from drgrpo_jax.serve.stops import Choice, apply_stop
-from drgrpo_jax.serve.weights import InvalidWeights, Weights, check_newer
+from drgrpo_jax.serve.weights import Weights, check_newer
 
 __all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
            "weight_version"]

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 from fastapi import HTTPException, Request
 
+from drgrpo_jax.errors import BadRequest
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
 from drgrpo_jax.serve.scoring import ScoredSequence, score_sequences
 from drgrpo_jax.serve.service import (
-    BadRequest,
     Service,
     check_request,
     deadline_of,

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import errno
 import hmac
-import ipaddress
 import json
 import os
 import stat
@@ -16,25 +15,12 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from drgrpo_jax.config.serve import LOOPBACK_NAMES, REMOTE_SCHEMES, clean_remote
+from drgrpo_jax.errors import PathNotAllowed
+
 OPEN_PATHS = frozenset({"/health"})  # GET /health answers without a key: launchers and load balancers probe it
 # The admin key, when one is set, is required here.
 ADMIN_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor"})
-LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-REMOTE_SCHEMES = ("gs://", "file://")  # URI schemes a weight root may name: a bucket prefix (file:// in tests)
-
-
-class PathNotAllowed(Exception):
-    """A weight path outside every --weights-root (HTTP 403); the message names the rule, never the disk."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding to `host` keeps the service on this machine."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,35 +102,31 @@ class Guard:
             await _reply(send, 413, f"body: {int(length)} bytes exceed the limit of {self.max_body_bytes}")
             return
         try:
-            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
-        except _TooLarge:
-            await _reply(send, 413, f"body: exceeds the limit of {self.max_body_bytes} bytes")
-            return
+            body, too_large = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
         except TimeoutError:
             await _reply(send, 408, f"body: not received within {self.body_timeout_s:g} s")
+            return
+        if too_large:
+            await _reply(send, 413, f"body: exceeds the limit of {self.max_body_bytes} bytes")
             return
         if body is None:
             return  # the client left while sending: nobody to answer
         await self.app(scope, _replay(body, receive), send)
 
-    async def _read_body(self, receive: Any) -> bytes | None:
-        """The whole body (None when the client disconnected); _TooLarge once it passes the limit."""
+    async def _read_body(self, receive: Any) -> tuple[bytes | None, bool]:
+        """(the whole body, None when the client disconnected; whether reading stopped as it passed the limit)."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return None
+                return None, False
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                raise _TooLarge
+                return None, True
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks)
-
-
-class _TooLarge(Exception):
-    """The body grew past the limit while being read."""
+                return b"".join(chunks), False
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -174,29 +156,6 @@ async def _reply(send: Any, status: int, message: str, *, code: str | int | None
 
 # ---------------------------------------------------------------- weight paths
 
-def _clean_remote(path: str) -> str | None:
-    """`scheme://rest` with no empty, `.` or `..` segment, else None."""
-    scheme, _, rest = path.partition("://")
-    parts = rest.split("/")
-    if not scheme or any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in (".", ".."):
-        return None
-    return f"{scheme}://{rest.rstrip('/')}"
-
-
-def normalize_roots(roots: Sequence[str]) -> tuple[str, ...]:
-    """Roots as compared: local ones absolute with symlinks resolved, bucket prefixes cleaned; ValueError if bad."""
-    out = []
-    for root in roots:
-        if "://" in root:
-            clean = _clean_remote(root)
-            if clean is None or not root.startswith(REMOTE_SCHEMES):
-                raise ValueError(f"weights_roots: {root!r} is neither a local folder nor a gs://bucket/prefix")
-            out.append(clean)
-        else:  # as resolved, and as written when a symbolic link leads to it (clients send either)
-            out += dict.fromkeys((os.path.realpath(os.path.abspath(root)), os.path.normpath(os.path.abspath(root))))
-    return tuple(out)
-
-
 def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> str:
     """`path` cleaned (bucket URIs) or normalized (local) when it lies under one of `roots` (normalized); else
     PathNotAllowed naming the rule. Total: any string a client sends gets an answer, never an exception of
@@ -215,7 +174,7 @@ def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> s
         return path
     rule = "model_path: not allowed: weights load only from folders under the service's --weights-root"
     if "://" in path:
-        clean = _clean_remote(path)
+        clean = clean_remote(path)
         if clean is not None and any(r.startswith(REMOTE_SCHEMES) and (clean == r or clean.startswith(r + "/"))
                                      for r in roots):
             return clean

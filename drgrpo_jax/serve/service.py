@@ -12,25 +12,18 @@ from typing import Any
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from drgrpo_jax.errors import BadRequest, ClientGone
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
-__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "BadRequest", "ClientGone", "Service", "check_request",
+__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "Service", "check_request",
            "deadline_of", "decode", "error_response", "greedy_below", "prompt_ids", "run_rows", "sampler_rows",
            "service_of", "tokenize"]
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: logits / t would overflow float32 (t ~ 1e-9)
 CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
-
-
-class BadRequest(Exception):
-    """A request the service refuses (HTTP 400); the message names the field and the reason."""
-
-
-class ClientGone(Exception):
-    """The client disconnected while its rows were queued or running (nobody reads the answer)."""
 
 
 @dataclasses.dataclass(frozen=True)

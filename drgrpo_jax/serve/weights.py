@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from drgrpo_jax.errors import InvalidWeights
 from drgrpo_jax.models.hf_io import build_model, load_hf_config
 from drgrpo_jax.models.lora import is_adapter_folder, load_adapter, merge_adapters, read_adapter_config
 from drgrpo_jax.models.precision import DTYPES  # ServeConfig.dtype -> parameter and KV-cache dtype
@@ -115,10 +116,6 @@ def weights_from_tensors(served: Weights, tensors: Mapping[str, np.ndarray], dty
         raise ValueError(f"tensors: {unknown[0]} is not a parameter of the served model")
     _, state = nnx.split(model)
     return Weights(served.graphdef, state, served.config, str(version), path, mesh=served.mesh)
-
-
-class InvalidWeights(ValueError):
-    """A weight update refused; the message is safe to show a client (no file-system detail)."""
 
 
 def check_newer(current: str, new: str) -> None:

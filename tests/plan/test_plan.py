@@ -15,7 +15,10 @@ from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 from drgrpo_jax.models.transformer import Transformer
+from drgrpo_jax.plan import cli, remat, report
 from drgrpo_jax.plan import planner as plan
+from drgrpo_jax.plan.activations import rows_per_device
+from drgrpo_jax.plan.hardware import PRESETS, device_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_7B_V5P = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
@@ -23,8 +26,8 @@ GIB = 2**30
 
 
 def _plan(path, model, overrides=(), **kwargs):
-    config, _ = plan._load(path, list(overrides))
-    return plan.make_plan(config, from_hf_config(plan.PRESETS[model]), **kwargs)
+    config, _ = cli._load(path, list(overrides))
+    return plan.make_plan(config, from_hf_config(PRESETS[model]), **kwargs)
 
 
 def test_7b_plan_matches_the_hand_calculation():
@@ -37,7 +40,7 @@ def test_7b_plan_matches_the_hand_calculation():
     params_device = (count - biases) * 2 // 32 + biases * 2
     adam_device = 2 * (params_device * 2) + 2 * 4  # mu and nu in float32 (twice the bf16 bytes), two int32 counts
 
-    result = _plan(CONFIG_7B_V5P, "Qwen2.5-Math-7B", device=plan.device_spec("v5p"), serve_batch_size=32)
+    result = _plan(CONFIG_7B_V5P, "Qwen2.5-Math-7B", device=device_spec("v5p"), serve_batch_size=32)
     trainer, service = result["trainer"], result["service"]
     assert result["model"]["parameters"] == count
     assert trainer["params"] == params_device
@@ -105,7 +108,7 @@ def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
 
 def test_presets_have_the_published_sizes():
     sizes = {name: plan.make_plan(load_config(None, ["model.path=x"]), from_hf_config(hf))["model"]["parameters"]
-             for name, hf in plan.PRESETS.items()}
+             for name, hf in PRESETS.items()}
     assert sizes == {"Qwen2.5-Math-1.5B": 1_543_714_304, "Qwen2.5-Math-7B": 7_615_616_512}
 
 
@@ -114,9 +117,9 @@ def test_service_rows_are_what_the_services_are_started_with():
     rollout.urls gets its share of a rollout, capped by drgrpo_jax.serve's own default; shapes bucket as the
     sampler's."""
     from drgrpo_jax.config.derived import child_service_batch_size
+    from drgrpo_jax.config.serve import DEFAULT_MAX_BATCH_SIZE, ServeConfig
     from drgrpo_jax.plan.service import service_rows
     from drgrpo_jax.sampler.generate import batch_bucket
-    from drgrpo_jax.serve.engine import DEFAULT_MAX_BATCH_SIZE, ServeConfig
 
     assert ServeConfig().max_batch_size == DEFAULT_MAX_BATCH_SIZE
     big = ["model.path=x", "rollout.prompts_per_step=16", "rollout.group_size=8", "data.eval_size=100"]
@@ -134,7 +137,7 @@ def test_service_rows_are_what_the_services_are_started_with():
 def test_advice_names_values_that_make_it_fit():
     """Without remat the 1.5B trainer overflows a v5e chip; the advised values, applied, fit."""
     base = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_1.5b_dr_grpo_v5e8.yaml")
-    v5e = plan.device_spec("tpu-v5e")
+    v5e = device_spec("tpu-v5e")
     broken = _plan(base, "Qwen2.5-Math-1.5B", ["model.remat=none", "train.micro_batches=2"], device=v5e,
                    serve_batch_size=64)
     assert broken["fits"] == {"trainer": False, "service": False}
@@ -159,7 +162,7 @@ def test_config_headers_state_the_planned_memory(name, model, device, rows):
     stated = re.search(r"-> trainer ([\d.]+) GiB.*\n#\s+service ([\d.]+) GiB", header)
     assert stated, f"{name}: no plan line in the header"
     assert f"--device {device} --serve-batch-size {rows}" in header
-    result = _plan(path, model, device=plan.device_spec(device), serve_batch_size=rows)
+    result = _plan(path, model, device=device_spec(device), serve_batch_size=rows)
     assert _plan(path, model)["service"]["rows"] == rows  # rollout.service_batch_size says the same as the header
     assert float(stated.group(1)) == round(result["trainer"]["total"] / GIB, 2)
     assert float(stated.group(2)) == round(result["service"]["total"] / GIB, 2)
@@ -168,27 +171,27 @@ def test_config_headers_state_the_planned_memory(name, model, device, rows):
 
 
 def test_cli_text_json_and_one_line_errors(capsys, tmp_path):
-    assert plan.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen/Qwen2.5-Math-7B", "--device-memory", "8",
+    assert cli.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen/Qwen2.5-Math-7B", "--device-memory", "8",
                       "--format", "json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"]["memory_bytes"] == 8 * GIB and result["fits"]["service"] is False
     assert {g["name"]: g["spec"] for g in result["param_groups"]}["blocks/q_proj"] == [None, "fsdp", "tensor", None]
 
-    assert plan.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen2.5-Math-7B", "--device", "v5p"]) == 0
+    assert cli.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen2.5-Math-7B", "--device", "v5p"]) == 0
     text = capsys.readouterr().out
     assert "mesh: data=1 fsdp=32 tensor=1 -> 32 devices" in text and "P(None, fsdp, tensor, None)" in text
     assert "trainer:" in text and "-> fits" in text
 
     hf_dir = tmp_path / "model"
     hf_dir.mkdir()
-    (hf_dir / "config.json").write_text(json.dumps(plan.PRESETS["Qwen2.5-Math-1.5B"]))
-    assert plan.main(["--config", CONFIG_7B_V5P, f"model.path={hf_dir}", "--format", "json"]) == 0
+    (hf_dir / "config.json").write_text(json.dumps(PRESETS["Qwen2.5-Math-1.5B"]))
+    assert cli.main(["--config", CONFIG_7B_V5P, f"model.path={hf_dir}", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["parameters"] == 1_543_714_304
 
     for argv, key in [(["--device", "tpu-v9"], "--device"), (["mesh.tensor=3", "mesh.fsdp=1", "train.micro_batches=1"],
                                                               "mesh.tensor"),
                       (["--model-config", str(tmp_path / "nothing")], "--model-config")]:
-        assert plan.main(["--config", CONFIG_7B_V5P, *([] if key == "--model-config" else
+        assert cli.main(["--config", CONFIG_7B_V5P, *([] if key == "--model-config" else
                                                        ["--model-config", "Qwen2.5-Math-7B"]), *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"python -m drgrpo_jax.plan: config error: {key}:") and "\n" not in err, err
@@ -225,16 +228,16 @@ def _fits_first(result) -> None:
 def test_auto_remat_saves_only_where_the_7b_configs_do_not_fit(name, device):
     """remat=auto: none where everything fits (one response per device), a saving policy where it does not."""
     path = os.path.join(REPO, "configs", "recipes", name)
-    spec = plan.device_spec(device)
+    spec = device_spec(device)
     tight = _plan(path, "Qwen2.5-Math-7B", ["model.remat=auto"], device=spec)
     _fits_first(tight)
     assert tight["model"]["remat_policy"] != "none" and tight["fits"]["trainer"]
-    config, _ = plan._load(path, ["model.remat=auto"])
-    one_each = config.train.micro_batches * plan.rows_per_device(config)  # micro-batches of one response per device
+    config, _ = cli._load(path, ["model.remat=auto"])
+    one_each = config.train.micro_batches * rows_per_device(config)  # micro-batches of one response per device
     loose = _plan(path, "Qwen2.5-Math-7B", ["model.remat=auto", f"train.micro_batches={one_each}"], device=spec)
     _fits_first(loose)
     assert loose["model"]["remat_policy"] == "none" and loose["trainer"]["rows_per_device"] == 1
-    text = plan.format_text(tight)
+    text = report.format_text(tight)
     assert f"remat auto -> {tight['model']['remat_policy']}" in text and "activations by model.remat" in text
 
 
@@ -287,14 +290,14 @@ def test_the_trainer_resolves_auto_on_its_own_device():
     assert config.model.remat == "auto"
     assert plan.device_memory_bytes(jax.devices()[0]) > 2**30
     # Rows under CPU_KEEP_ATTENTION_FROM tokens on a CPU: full, whatever fits.
-    assert plan.auto_remat(config, tiny, jax.devices()[0]) == plan.CPU_AUTO_REMAT == "full"
-    assert plan.resolve_remat(config, {"none": 1, "full": 1}, budget=2**40, backend="gpu") == "none"  # all fits
+    assert plan.auto_remat(config, tiny, jax.devices()[0]) == remat.CPU_AUTO_REMAT == "full"
+    assert remat.resolve_remat(config, {"none": 1, "full": 1}, budget=2**40, backend="gpu") == "none"  # all fits
     # From 2048 tokens a row a CPU keeps the attention output where it fits (not the reference's: no gain).
     long = ["model.path=tiny", "rollout.max_prompt_tokens=256", "rollout.max_new_tokens=1793"]
     by_policy = {"save_attention_out": 2, "full": 1}
-    assert plan.resolve_remat(load_config(None, long), by_policy, budget=2) == "save_attention_out"
-    assert plan.resolve_remat(load_config(None, long), by_policy, budget=1) == "full"
-    assert plan.resolve_remat(load_config(None, [*long[:2], "rollout.max_new_tokens=1792"]), by_policy, 2) == "full"
-    assert plan.resolve_remat(load_config(None, [*long, "model.attention_impl=reference"]), by_policy, 2) == "full"
+    assert remat.resolve_remat(load_config(None, long), by_policy, budget=2) == "save_attention_out"
+    assert remat.resolve_remat(load_config(None, long), by_policy, budget=1) == "full"
+    assert remat.resolve_remat(load_config(None, [*long[:2], "rollout.max_new_tokens=1792"]), by_policy, 2) == "full"
+    assert remat.resolve_remat(load_config(None, [*long, "model.attention_impl=reference"]), by_policy, 2) == "full"
     fixed = load_config(None, ["model.path=tiny", "model.remat=full"])
-    assert plan.resolve_remat(fixed, {}, budget=0) == "full"  # a set policy is kept whatever the budget
+    assert remat.resolve_remat(fixed, {}, budget=0) == "full"  # a set policy is kept whatever the budget

@@ -14,7 +14,9 @@ from flax import nnx
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
 from drgrpo_jax.models.transformer import Transformer
+from drgrpo_jax.plan import cli
 from drgrpo_jax.plan import planner as plan
+from drgrpo_jax.plan.hardware import PRESETS, device_spec
 from drgrpo_jax.plan.service import service_memory, service_total
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh, shard_model
@@ -78,7 +80,7 @@ def test_the_7b_lora_v5e8_recipe_fits_with_the_sharded_service(capsys):
     """Its header's command and figures are the plan's; one chip cannot hold it, its rollout.service_mesh can, and
     the header says which backends were verified."""
     header = open(RECIPE).read()
-    assert plan.main(["--config", RECIPE, "--model-config", "Qwen2.5-Math-7B", "--device", "v5e", "--format",
+    assert cli.main(["--config", RECIPE, "--model-config", "Qwen2.5-Math-7B", "--device", "v5e", "--format",
                       "json"]) == 0
     result = json.loads(capsys.readouterr().out)
     service = result["service"]
@@ -89,16 +91,16 @@ def test_the_7b_lora_v5e8_recipe_fits_with_the_sharded_service(capsys):
     assert stated and float(stated.group(1)) == round(service["total"] / 2**30, 2)
     assert "--serve-chips 4 --serve-mesh tensor=4" in header and "SGLang, SGLang-JAX and vLLM were not run" in header
     assert "Backends verified: drgrpo_jax.serve (ours) only, over HTTP in tests" in header
-    config, _ = plan._load(RECIPE, [])
+    config, _ = cli._load(RECIPE, [])
     one_chip = plan.make_plan(config, plan.resolve_decoder_config(config, "Qwen2.5-Math-7B")[0],
-                              device=plan.device_spec("v5e"), serve_mesh="")
+                              device=device_spec("v5e"), serve_mesh="")
     assert not one_chip["fits"]["service"] and one_chip["service"]["smallest_tensor"] == 4
     assert any("--mesh tensor=4" in line for line in one_chip["advice"])
 
 
 def test_the_plan_splits_figures_by_tensor_and_data_and_names_the_smallest_tensor(capsys):
     config = load_config(None, ["model.path=x", "rollout.max_prompt_tokens=256", "rollout.max_new_tokens=1024"])
-    qwen = from_hf_config(plan.PRESETS["Qwen2.5-Math-7B"])
+    qwen = from_hf_config(PRESETS["Qwen2.5-Math-7B"])
     one = service_memory(config, qwen, 32)
     four = service_memory(config, qwen, 32, tensor=4)
     both = service_memory(config, qwen, 32, tensor=2, data=2)
@@ -108,12 +110,12 @@ def test_the_plan_splits_figures_by_tensor_and_data_and_names_the_smallest_tenso
     assert four["kv_cache"] * 4 == pytest.approx(one["kv_cache"], rel=1e-3)  # heads split
     assert both["kv_cache"] * 4 == pytest.approx(one["kv_cache"], rel=1e-3)  # half the heads of half the rows
     assert both["weights"] == service_memory(config, qwen, 32, tensor=2)["weights"]  # data replicates weights
-    assert plan.main(["--model-config", "Qwen2.5-Math-7B", "model.path=x", "--device", "v5e", "--serve-mesh",
+    assert cli.main(["--model-config", "Qwen2.5-Math-7B", "model.path=x", "--device", "v5e", "--serve-mesh",
                       "tensor=2,data=2"]) == 0
     text = capsys.readouterr().out
     assert "one of its 4 devices (--mesh tensor=2,data=2" in text and "the smallest service mesh that fits" in text
     for argv, reason in ((["--serve-mesh", "heads=2"], "'heads=2' is not tensor=N"),
                          (["--serve-mesh", "tensor=3"], "does not split over 3 devices")):
-        assert plan.main(["--model-config", "Qwen2.5-Math-7B", "model.path=x", *argv]) == 2
+        assert cli.main(["--model-config", "Qwen2.5-Math-7B", "model.path=x", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("python -m drgrpo_jax.plan: config error: --serve-mesh: ") and reason in err, err

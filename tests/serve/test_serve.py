@@ -214,12 +214,12 @@ def test_config_file_and_health(tmp_path, folders):
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({"model": {"path": folders["v0"], "dtype": "float32"},
                                   "serve": {"max_batch_size": 4, "weight_version": "7"}}))
-    from drgrpo_jax.serve.engine import load_config
-    loaded = load_config(str(config), {"port": 0})
+    from drgrpo_jax.config.serve import load_serve_config
+    loaded = load_serve_config(str(config), {"port": 0})
     assert (loaded.model, loaded.max_batch_size, loaded.weight_version, loaded.port) == (folders["v0"], 4, "7", 0)
     config.write_text(json.dumps({"serve": {"model": folders["v0"], "max_btch_size": 4}}))
     with pytest.raises(ValueError, match="serve.max_btch_size"):
-        load_config(str(config), {})
+        load_serve_config(str(config), {})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,8 +305,9 @@ def test_openapi_documents_400_not_422(server):
 
 def test_one_failing_request_does_not_fail_its_batch_mates(folders):
     """The engine, in process: a row that makes the sampler raise fails its own request; the other is answered."""
+    from drgrpo_jax.config.serve import ServeConfig
     from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
-    from drgrpo_jax.serve.engine import Engine, ServeConfig
+    from drgrpo_jax.serve.engine import Engine
 
     engine = Engine(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))
     real = engine.run_batch
@@ -325,7 +326,7 @@ def test_one_failing_request_does_not_fail_its_batch_mates(folders):
         with pytest.raises(RuntimeError, match="poisoned"):
             bad.result(timeout=120)
         # The queue bound: beyond max_queued_tokens of outstanding work, submit refuses with a retry delay.
-        from drgrpo_jax.serve.engine import QueueFull
+        from drgrpo_jax.errors import QueueFull
         slow = engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=40), 0, 0, 0)])
         with pytest.raises(QueueFull) as busy:
             engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=60), 0, 0, 0)])
@@ -459,8 +460,9 @@ def test_budgets_bodies_queue_and_disconnects(keyed):
 
 
 def test_non_loopback_needs_a_key_and_keys_come_from_the_environment():
+    from drgrpo_jax.config.serve import normalize_roots
     from drgrpo_jax.serve import parse_args
-    from drgrpo_jax.serve.security import Keys, confine_weight_path, normalize_roots, read_keys
+    from drgrpo_jax.serve.security import Keys, confine_weight_path, read_keys
 
     for argv in (["--host", "0.0.0.0"], ["--host", "10.1.2.3"], ["--host", "myhost.internal"]):
         with pytest.raises(SystemExit):
@@ -492,7 +494,8 @@ def test_non_loopback_refusal_is_one_line(tmp_path):
 
 
 def test_the_tokenizer_comes_from_the_projects_loader_and_none_means_token_ids_only(tmp_path, caplog):
-    from drgrpo_jax.serve import ServeConfig, served_tokenizer
+    from drgrpo_jax.config.serve import ServeConfig
+    from drgrpo_jax.serve import served_tokenizer
 
     from support.tiny_models import save_char_tokenizer
 

@@ -9,10 +9,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine, ServeConfig
+from drgrpo_jax.serve.engine import Engine
 
 from support.tiny_models import write_tiny_llama
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine, ServeConfig
+from drgrpo_jax.serve.engine import Engine
 
 from support.tiny_models import write_tiny_llama
 

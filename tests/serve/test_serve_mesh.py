@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from drgrpo_jax import named_tensors as tensor_segment
+from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.models.config import LoraSpec
 from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.models.lora import adapter_specs, save_adapter
@@ -21,7 +22,7 @@ from drgrpo_jax.rollout.weight_push import host_tensors
 from drgrpo_jax.sampler.generate import check_mesh, mesh_rows
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.cli import parse_args
-from drgrpo_jax.serve.engine import Engine, ServeConfig
+from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.weights import load_weights
 from drgrpo_jax.sharding import MeshShape, make_mesh, parse_service_mesh, service_mesh
 
