@@ -11,14 +11,15 @@ import dataclasses
 from typing import Any
 
 from drgrpo_jax.algorithms import ALGORITHMS, check_algorithm_options
-from drgrpo_jax.config.schema import AlgorithmConfig, Config
+from drgrpo_jax.config.schema import AlgorithmConfig, Config, RewardConfig
 from drgrpo_jax.errors import ConfigError, FieldError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.config import LoraSpec
 from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.optimizer import make_optimizer
 
-__all__ = ["child_service_batch_size", "lora_base_dtype", "lora_spec", "one_window_per_rollout", "optimizer_of",
-           "pack_length", "step_configs"]
+__all__ = ["child_service_batch_size", "component_names", "function_name", "lora_base_dtype", "lora_spec",
+           "one_window_per_rollout", "optimizer_of", "pack_length", "reward_weights", "step_configs"]
 
 # Where each field of the library's configs comes from in the run config: FieldError(owner, field) -> key.
 _LIBRARY_KEYS: dict[tuple[str, str], str] = {
@@ -124,10 +125,23 @@ def pack_length(config: Config) -> int:
 
 def optimizer_of(config: Config) -> tuple[Any, Any]:
     """(optax optimizer, learning-rate schedule) over every update of the run."""
-    from drgrpo_jax.step.optimizer import make_optimizer
-
     o, a = config.optimizer, config.algorithm
     updates = config.train.steps * a.ppo_epochs * a.minibatches_per_rollout
     return make_optimizer(o.learning_rate, total_steps=updates, warmup_steps=o.warmup_steps, decay=o.decay,
                           weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps,
                           max_grad_norm=o.max_grad_norm or None)
+
+
+def function_name(target: str) -> str:
+    """A reward function's component name: the built-in's name or the import path's function name."""
+    return target.rpartition(":")[2]
+
+
+def component_names(reward: RewardConfig) -> tuple[str, ...]:
+    """The K reward components, in order: reward.components, else one per function."""
+    return tuple(reward.components) or tuple(function_name(t) for t in reward.functions)
+
+
+def reward_weights(config: Config) -> tuple[float, ...]:
+    """reward.weights, or 1 for every component."""
+    return tuple(config.reward.weights) or (1.0,) * len(component_names(config.reward))

@@ -13,13 +13,13 @@ import re
 import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
-from drgrpo_jax.config.derived import lora_spec, pack_length, step_configs
-from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, Config, RewardConfig, RunConfig
+from drgrpo_jax.config.derived import component_names, lora_spec, pack_length, step_configs
+from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, Config, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sharding import parse_service_mesh
 
-__all__ = ["TRACKERS", "component_names", "function_name", "reward_weights", "validate"]
+__all__ = ["validate"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation: cross-field rules OmegaConf's typing cannot express
@@ -219,7 +219,6 @@ def _check_rest(config: Config) -> None:
                                           "host, so start the services apart (scripts/launch_*.sh --serve-*)")
 
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
 _HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
@@ -234,16 +233,6 @@ def _check_run_outputs(run: RunConfig) -> None:
         raise ConfigError("run.report_to", f"lists a tracker twice: {list(run.report_to)}")
     if run.push_to_hub is not None and not _HUB_REPO.match(run.push_to_hub):
         raise ConfigError("run.push_to_hub", f"{run.push_to_hub!r} is not a Hub repo id (user/name)")
-
-
-def function_name(target: str) -> str:
-    """A reward function's component name: the built-in's name or the import path's function name."""
-    return target.rpartition(":")[2]
-
-
-def component_names(reward: RewardConfig) -> tuple[str, ...]:
-    """The K reward components, in order: reward.components, else one per function."""
-    return tuple(reward.components) or tuple(function_name(t) for t in reward.functions)
 
 
 def _check_float32_weights(config: Config) -> None:
@@ -352,8 +341,3 @@ def validate(config: Config) -> None:
     step_configs(config)
     _check_batches(config)
     _check_rest(config)
-
-
-def reward_weights(config: Config) -> tuple[float, ...]:
-    """reward.weights, or 1 for every component."""
-    return tuple(config.reward.weights) or (1.0,) * len(component_names(config.reward))

@@ -14,8 +14,8 @@ from drgrpo_jax.models.precision import DtypeName
 from drgrpo_jax.models.remat import REMAT_POLICIES
 
 __all__ = [
-    "BUILTIN_REWARDS", "BUILTIN_TOOLS", "AlgorithmConfig", "Config", "DataConfig", "EnvironmentConfig", "LoraConfig",
-    "MeshConfig", "ModelConfig",
+    "BUILTIN_REWARDS", "BUILTIN_TOOLS", "TRACKERS", "AlgorithmConfig", "Config", "DataConfig", "EnvironmentConfig",
+    "LoraConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig"
 ]
 
@@ -24,11 +24,14 @@ __all__ = [
 BUILTIN_REWARDS = ("math_verify", "format", "task", "overlong")
 # The tools environment.tools may name without an import path (drgrpo_jax/environments/build.py builds them).
 BUILTIN_TOOLS = ("calculator", "python")
+# The trackers run.report_to may name (drgrpo_jax/train/trackers.py opens them; tests/config checks the two agree).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
-def _f(default: Any, help: str) -> Any:
-    """A dataclass field with a default and its one-line description (shown by describe_config)."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, **more: Any) -> Any:
+    """A dataclass field with a default and its one-line description (shown by describe_config); `more`: what
+    else a command line made from the fields needs (config/serve.py's flags)."""
+    return dataclasses.field(default=default, metadata={"help": help, **more})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +47,7 @@ class RunConfig:
               "gs://bucket/path (needs gcsfs); null = run.output_dir/weights"
     )
     report_to: tuple[str, ...] = _f(
-        ("tensorboard",), "experiment trackers, any of tensorboard, wandb, mlflow (wandb and mlflow need their "
+        ("tensorboard",), f"experiment trackers, any of {', '.join(TRACKERS)} (wandb and mlflow need their "
                           "extras: pip install -e '.[wandb]'); metrics.jsonl is always written"
     )
     project: str = _f("drgrpo_jax", "W&B project and MLflow experiment name")

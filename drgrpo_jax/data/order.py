@@ -6,13 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from drgrpo_jax.data.examples import Example, PromptDataset
+from drgrpo_jax.seeds import epoch_permutation
 
 __all__ = ["PromptStream", "batch_at"]
-
-
-def _epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-    """The permutation used in `epoch` (each epoch reshuffled, reproducibly)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_examples)
 
 
 def batch_at(dataset: PromptDataset, position: int, batch_size: int, seed: int) -> tuple[Example, ...]:
@@ -25,7 +21,7 @@ def batch_at(dataset: PromptDataset, position: int, batch_size: int, seed: int) 
     for k in range(position * batch_size, (position + 1) * batch_size):
         epoch, offset = divmod(k, num)
         if epoch not in cache:
-            cache[epoch] = _epoch_order(num, seed, epoch)
+            cache[epoch] = epoch_permutation(num, seed, epoch)
         batch.append(dataset.train[int(cache[epoch][offset])])
     return tuple(batch)
 

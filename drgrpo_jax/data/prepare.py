@@ -3,7 +3,7 @@
 Each recipe names its Hub dataset (the default `--source`), subset and split, the field holding the problem and
 how its reference answer is found: GSM8K's text after `####` (thousands separators dropped), MATH's `answer`
 field or the last `\\boxed{}` of its `solution`, AIME's integer. The answer is written as the math_verify reward
-reads it (rewards/functions.py wraps a bare answer in `$...$`), and a row whose answer math_verify cannot parse
+reads it (both parse it with data/answers.py's `parse_reference`), and a row whose answer math_verify cannot parse
 is left out and counted, since the reward could never score it.
 """
 
@@ -16,28 +16,10 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from drgrpo_jax.data.answers import GSM8K_MARKER, boxed_content, parse_reference, text_after
 from drgrpo_jax.errors import ConfigError
 
-__all__ = [
-    "RECIPES", "Prepared", "Recipe", "aime_answer", "boxed_content", "gsm8k_answer", "math_answer", "prepare_rows",
-    "write_jsonl"
-]
-
-
-def boxed_content(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`), braces balanced; None when there is none."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    begin, depth = text.index("{", start) + 1, 0
-    for position in range(begin, len(text)):
-        if text[position] == "{":
-            depth += 1
-        elif text[position] == "}":
-            if depth == 0:
-                return text[begin:position].strip()
-            depth -= 1
-    return None
+__all__ = ["RECIPES", "Prepared", "Recipe", "aime_answer", "gsm8k_answer", "math_answer", "prepare_rows", "write_jsonl"]
 
 
 def _field(row: Mapping[str, Any], names: Iterable[str]) -> Any:
@@ -69,9 +51,9 @@ _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 def gsm8k_answer(row: Mapping[str, Any]) -> str | None:
     """GSM8K: the text after the last `####` of the `answer` solution, without thousands separators."""
     text = str(_field(row, ("answer",)) or "")
-    if "####" not in text:
+    if GSM8K_MARKER not in text:
         return None
-    return _THOUSANDS.sub("", text.rsplit("####", 1)[1]).strip() or None
+    return _THOUSANDS.sub("", text_after(text, GSM8K_MARKER)) or None
 
 
 def aime_answer(row: Mapping[str, Any]) -> str | None:
@@ -96,7 +78,7 @@ class Recipe:
 
 
 # Field names from the datasets' cards on the Hub (dataset_info features) and the code that reads them: see
-# tests/infra/test_prepare.py for each source.
+# tests/data/test_prepare.py for each source.
 RECIPES: dict[str, Recipe] = {
     "math12k": Recipe("hiyouga/math12k", "", "train", ("problem",), math_answer,
                       "MATH's 12k training problems (train + test minus MATH500), as Dr.GRPO trains; training"),
@@ -107,14 +89,6 @@ RECIPES: dict[str, Recipe] = {
     "aime24": Recipe("HuggingFaceH4/aime_2024", "", "train", ("problem", "Problem"), aime_answer,
                      "the 30 problems of AIME 2024 I and II; evaluation"),
 }
-
-
-def _parses(answer: str) -> bool:
-    """Whether math_verify reads a reference answer, wrapped as rewards/functions.py's _parse_gold wraps it."""
-    from math_verify import parse
-
-    text = answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
-    return bool(parse(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +113,7 @@ def prepare_rows(recipe: Recipe, rows: Iterable[Mapping[str, Any]], key: str = "
         answer = recipe.answer(row)
         if answer is None:
             without_answer += 1
-        elif not _parses(answer):
+        elif not parse_reference(answer):
             unparsable += 1
         else:
             out.append({"problem": str(problem).strip(), "answer": answer})

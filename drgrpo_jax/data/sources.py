@@ -8,42 +8,52 @@ cached is a one-line error naming the key and the `hf download` command (drgrpo_
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from drgrpo_jax.config.schema import DataConfig
+from drgrpo_jax.data.answers import text_after
 from drgrpo_jax.data.examples import Example, PromptDataset
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import HubId, hub_id, offline, snapshot
+from drgrpo_jax.jsonl import read_jsonl
+from drgrpo_jax.seeds import shuffle_permutation
 
-__all__ = ["DATA_KEYS", "Keys", "load_dataset", "read_rows"]
+__all__ = ["DATA_KEYS", "Keys", "RowFields", "load_dataset", "read_rows", "row_examples", "source_name",
+           "task_examples"]
+
+
+def task_examples(task: str, options: Mapping[str, Any], size: int, seed: int,
+                  keys: tuple[str, str] = ("data.task", "data.task_options")) -> list[Example]:
+    """`size` problems of a reasoning-gym task generated with `seed`, ids `task/seed/index`; ConfigError naming
+    `keys` (the config keys or flags of the task and its options) for an unknown task or a bad option."""
+    # start-up: reasoning_gym costs ~1.5 s, paid only by runs and suites that generate problems.
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, list(DATASETS), n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known tasks: {', '.join(sorted(DATASETS)[:12])}, ..."
+        raise ConfigError(keys[0], f"unknown reasoning-gym task {task!r}{hint}")
+    try:
+        dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **dict(options))
+    except (TypeError, ValueError, AssertionError) as error:  # task configs assert on their own ranges
+        raise ConfigError(keys[1], f"{task}: {error}") from None
+    examples = []
+    for index in range(size):
+        entry = dataset[index]
+        answer = entry.get("answer")
+        examples.append(Example(f"{task}/{seed}/{index}", str(entry["question"]),
+                                "" if answer is None else str(answer), entry))
+    return examples
 
 
 def _reasoning_gym(config: DataConfig, seed: int) -> PromptDataset:
     """Generates size + eval_size entries with one seed; the last eval_size are held out."""
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
-
-    if config.task not in DATASETS:
-        close = difflib.get_close_matches(config.task, list(DATASETS), n=1)
-        hint = f"; did you mean {close[0]}?" if close else f"; known tasks: {', '.join(sorted(DATASETS)[:12])}, ..."
-        raise ConfigError("data.task", f"unknown reasoning-gym task {config.task!r}{hint}")
-    total = config.size + config.eval_size
-    try:
-        dataset = reasoning_gym.create_dataset(config.task, size=total, seed=seed, **dict(config.task_options))
-    except (TypeError, ValueError, AssertionError) as error:  # task configs assert on their own ranges
-        raise ConfigError("data.task_options", f"{config.task}: {error}") from None
-    examples = []
-    for index in range(total):
-        entry = dataset[index]
-        answer = entry.get("answer")
-        answer_text = "" if answer is None else str(answer)
-        examples.append(Example(f"{config.task}/{seed}/{index}", str(entry["question"]), answer_text, entry))
+    examples = task_examples(config.task, config.task_options, config.size + config.eval_size, seed)
     return PromptDataset(config.task, tuple(examples[: config.size]), tuple(examples[config.size :]))
 
 
@@ -52,26 +62,21 @@ def _reasoning_gym(config: DataConfig, seed: int) -> PromptDataset:
 # ---------------------------------------------------------------------------------------------
 
 
-def _jsonl_rows(path: str, key: str) -> list[Mapping[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ConfigError(key, f"{path} line {number} is not JSON: {error}") from None
-    return rows
-
-
 # The config keys (or flags) errors name: the path, its split and its subset.
 Keys = tuple[str, str, str]
 DATA_KEYS: Keys = ("data.path", "data.split", "data.subset")
 
 
+def _jsonl_rows(path: str, key: str) -> list[Mapping[str, Any]]:
+    try:
+        return list(read_jsonl(path))
+    except ValueError as error:  # a line that is not a JSON object
+        raise ConfigError(key, str(error)) from None
+
+
 def _split_rows(target: str, revision: str | None, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """The rows of one split of an HF dataset (a folder or a Hub id), the subset and split checked by name first."""
-    import datasets
+    import datasets  # start-up: ~1 s, paid only by runs that read HF datasets
 
     what = target if revision is None else f"{target}@{revision}"
     configs = datasets.get_dataset_config_names(target, revision=revision)
@@ -88,7 +93,7 @@ def _split_rows(target: str, revision: str | None, subset: str, split: str, keys
 
 def _local_hf_rows(path: str, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """A save_to_disk folder, else a dataset folder (data files, or a Hub snapshot with its README configs)."""
-    import datasets
+    import datasets  # start-up: ~1 s, paid only by runs that read HF datasets
 
     try:
         loaded = datasets.load_from_disk(path)
@@ -103,7 +108,7 @@ def _local_hf_rows(path: str, subset: str, split: str, keys: Keys) -> list[Mappi
 
 def _hub_rows(hub: HubId, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """A Hub dataset's split: through `datasets` online (only the files that split needs), else the cached snapshot."""
-    from datasets.exceptions import DatasetNotFoundError
+    from datasets.exceptions import DatasetNotFoundError  # start-up: as _split_rows
 
     if not offline():
         try:
@@ -126,7 +131,7 @@ def read_rows(path: str, source: str, *, subset: str = "", split: str = "train",
         if source == "jsonl":
             return _jsonl_rows(path, keys[0])
         if source == "parquet":
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # start-up: paid only by runs that read Parquet
 
             return pq.read_table(path).to_pylist()
         return _local_hf_rows(path, subset, split, keys)
@@ -141,28 +146,36 @@ def read_rows(path: str, source: str, *, subset: str = "", split: str = "train",
 # ---------------------------------------------------------------------------------------------
 
 
-def _answer_text(value: Any, marker: str) -> str:
-    """The reference answer as text, cut after the last `marker` when present (GSM8K's '#### 42')."""
-    text = str(value)
-    if marker and marker in text:
-        text = text.rsplit(marker, 1)[1]
-    return text.strip()
+@dataclasses.dataclass(frozen=True)
+class RowFields:
+    """Where a row holds its prompt and reference answer, and the config keys (or flags) that name them."""
+
+    prompts: tuple[str, ...]  # the first of these a row holds is the prompt
+    answer: str
+    answer_after: str  # keep only the text after the last occurrence of this marker (GSM8K's ####); "" = all
+    keys: tuple[str, str] = ("data.prompt_field", "data.answer_field")
+
+    @classmethod
+    def of(cls, config: DataConfig) -> RowFields:
+        return cls((config.prompt_field,), config.answer_field, config.answer_after)
 
 
-def _examples(rows: Sequence[Mapping[str, Any]], name: str, config: DataConfig, key: str) -> list[Example]:
-    """Rows -> Examples with ids `name/row`; a missing field is a ConfigError naming the field."""
+def row_examples(rows: Sequence[Mapping[str, Any]], name: str, fields: RowFields, where: str) -> list[Example]:
+    """Rows -> Examples with ids `name/row`; a missing field is a ConfigError naming the field's key."""
     examples = []
     for index, row in enumerate(rows):
-        fields = [("data.prompt_field", config.prompt_field), ("data.answer_field", config.answer_field)]
-        for field_key, field in fields:
-            if field not in row:
-                raise ConfigError(field_key, f"{field!r} missing in row {index} of {key} (fields: {', '.join(row)})")
-        answer = _answer_text(row[config.answer_field], config.answer_after)
-        examples.append(Example(f"{name}/{index}", str(row[config.prompt_field]), answer))
+        missing = f"missing in row {index} of {where} (fields: {', '.join(row)})"
+        prompt = next((field for field in fields.prompts if field in row), None)
+        if prompt is None:
+            raise ConfigError(fields.keys[0], f"{' or '.join(map(repr, fields.prompts))} {missing}")
+        if fields.answer not in row:
+            raise ConfigError(fields.keys[1], f"{fields.answer!r} {missing}")
+        answer = text_after(str(row[fields.answer]), fields.answer_after)
+        examples.append(Example(f"{name}/{index}", str(row[prompt]), answer))
     return examples
 
 
-def _name(path: str) -> str:
+def source_name(path: str) -> str:
     """A dataset's short name: its file or folder name, or a Hub id's name."""
     return os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
 
@@ -182,15 +195,16 @@ def _held_out(config: DataConfig) -> tuple[str, str, Keys] | None:
 def _from_files(config: DataConfig, seed: int) -> PromptDataset:
     """A seeded permutation of the rows: the first eval_size held out (unless a separate held-out set is named),
     then `size` to train."""
-    name = _name(config.path)
+    name = source_name(config.path)
     rows = read_rows(config.path, config.source, subset=config.subset, split=config.split)
-    examples = _examples(rows, name, config, "data.path")
-    order = np.random.default_rng(seed).permutation(len(examples))
+    examples = row_examples(rows, name, RowFields.of(config), config.path)
+    order = shuffle_permutation(len(examples), seed)
     separate = _held_out(config)
     if separate is not None:
         path, split, keys = separate
         eval_rows = read_rows(path, config.source, subset=config.subset, split=split, keys=keys)
-        held_out = _examples(eval_rows, f"{_name(path)}-eval", config, keys[0])[: config.eval_size]
+        held_out = row_examples(eval_rows, f"{source_name(path)}-eval", RowFields.of(config), path)
+        held_out = held_out[: config.eval_size]
         train_order = order
     else:
         held_out = [examples[i] for i in order[: config.eval_size]]

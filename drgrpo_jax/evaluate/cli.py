@@ -17,17 +17,33 @@ import tempfile
 import time
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from drgrpo_jax.checkpoint import Checkpointer
+from drgrpo_jax.config.derived import optimizer_of
 from drgrpo_jax.config.load import load_config, resolve_model_path
 from drgrpo_jax.config.schema import Config, DataConfig, EnvironmentConfig, RewardConfig
+from drgrpo_jax.data.prompts import tokenize_prompt
+from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.evaluate.evaluation import EvalSettings, evaluate_problems
+from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
+from drgrpo_jax.evaluate.suites import load_suite
 from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.models.precision import DTYPES
+from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
+from drgrpo_jax.rewards.scorer import RewardScorer
+from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.rollout.local_service import LocalServer
+from drgrpo_jax.rollout.weight_push import WeightPublisher
+from drgrpo_jax.seeds import init_key
+from drgrpo_jax.step.train_step import init_state
 
 __all__ = ["ModelSource", "main", "resolve_model"]
 
 PROG = "python -m drgrpo_jax.evaluate"
 # Problems per request, and the rows of the evaluator's own child service, so that one request's greedy
-# completions are one sampler call. Not drgrpo_jax.serve's default (serve/engine.py DEFAULT_MAX_BATCH_SIZE): this
+# completions are one sampler call. Not drgrpo_jax.serve's default (config/serve.py DEFAULT_MAX_BATCH_SIZE): this
 # child serves the evaluation alone, its batches sized to the evaluation's requests.
 BATCH_PROMPTS = 64
 
@@ -85,18 +101,10 @@ def resolve_model(specs: list[str], step: int | None = None) -> ModelSource:
 
 def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> str:
     """The policy of orbax checkpoint `step` of a run, written as an HF folder at `output`."""
-    import jax
-
-    from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.config.derived import optimizer_of
-    from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
-    from drgrpo_jax.rollout.weight_push import WeightPublisher
-    from drgrpo_jax.step.train_step import init_state
-
     model_path = resolve_model_path(config.model.path, key=f"{run_dir}/config.yaml model.path")
     dtype = DTYPES[config.model.dtype]
     optimizer, _ = optimizer_of(config)
-    graphdef, state = init_state(from_pretrained(model_path, dtype=dtype), optimizer, jax.random.key(0),
+    graphdef, state = init_state(from_pretrained(model_path, dtype=dtype), optimizer, init_key(config.run.seed),
                                  with_reference=config.algorithm.kl_coef > 0)
     with Checkpointer(os.path.join(run_dir, "checkpoints"), save_every=1, keep=1 << 30) as checkpointer:
         if step not in checkpointer.all_steps():
@@ -107,10 +115,8 @@ def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> s
     return WeightPublisher(output, graphdef).export(restored.state.params, output, tokenizer=tokenizer)
 
 
-def _settings(args: argparse.Namespace, config: Config | None):
+def _settings(args: argparse.Namespace, config: Config | None) -> EvalSettings:
     """EvalSettings from the flags (the run's budget when --max-new-tokens is not given)."""
-    from drgrpo_jax.evaluate.evaluation import EvalSettings
-
     budget = args.max_new_tokens or (config.rollout.max_new_tokens if config else 512)
     try:
         return EvalSettings(max_new_tokens=budget, samples=args.k, temperature=args.temperature, top_p=args.top_p,
@@ -145,10 +151,8 @@ def _reward_config(args: argparse.Namespace, config: Config | None) -> RewardCon
 
 
 def _episodes(args: argparse.Namespace, config: Config | None, data: DataConfig, max_new_tokens: int,
-              tokenizer: Any) -> Any:
+              tokenizer: Any) -> Episodes | None:
     """--tools, else the run's environment section: each completion a multi-turn episode; None = plain ones."""
-    from drgrpo_jax.environments.build import build_episodes
-
     environment = config.environment if config is not None else EnvironmentConfig()
     if args.tools:
         environment = dataclasses.replace(environment, tools=tuple(args.tools), factory=None)
@@ -162,10 +166,8 @@ def _episodes(args: argparse.Namespace, config: Config | None, data: DataConfig,
     return build_episodes(episode_config, tokenizer)
 
 
-def _tokenizer(args: argparse.Namespace, source: ModelSource, client: Any) -> Any:
+def _tokenizer(args: argparse.Namespace, source: ModelSource, client: RolloutClient) -> Any:
     """The tokenizer of the model (or --tokenizer); for URLs, the service's own when it is a local folder."""
-    from drgrpo_jax.models.pretrained import load_tokenizer
-
     if source.path is not None:
         return load_tokenizer(source.path, args.tokenizer)
     path = args.tokenizer or client.model_info().get("tokenizer_path") or ""
@@ -177,16 +179,6 @@ def _tokenizer(args: argparse.Namespace, source: ModelSource, client: Any) -> An
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the evaluation the flags describe; returns results.json's content."""
-    from tqdm.auto import tqdm
-
-    from drgrpo_jax.data.prompts import tokenize_prompt
-    from drgrpo_jax.evaluate.evaluation import evaluate_problems
-    from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
-    from drgrpo_jax.evaluate.suites import load_suite
-    from drgrpo_jax.rewards.scorer import RewardScorer
-    from drgrpo_jax.rollout.client import RolloutClient
-    from drgrpo_jax.rollout.local_service import LocalServer
-
     source = resolve_model(args.model, args.step)
     config = source.run_config
     settings = _settings(args, config)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from drgrpo_jax.environments.trajectory import run_episodes
 from drgrpo_jax.evaluate.passk import sampled_report
 from drgrpo_jax.rollout.record import correct_mask, response_stats
 
@@ -73,8 +74,6 @@ def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Ex
                     expected_version: int | None) -> tuple[list[str], np.ndarray, np.ndarray, dict[str, list[float]]]:
     """(last model turns, model tokens, cut by a limit, the episodes' own reward components) of `group` episodes
     of each example."""
-    from drgrpo_jax.environments.trajectory import run_episodes
-
     grouped = [e for e in examples for _ in range(group)]
     trajectories = run_episodes(client, tokenizer, episodes.make_environment, [episodes.example(e) for e in grouped],
                                 limits=episodes.limits, seed=settings.seed, first_episode=first_problem * group,
@@ -114,7 +113,7 @@ def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer
         sampled = client.generate(prompts[start:stop], group, max_new_tokens=settings.max_new_tokens,
                                   temperature=temperature, top_p=settings.top_p, stop_token_ids=stop_token_ids,
                                   seed=settings.seed, expected_version=expected_version, prompt_offset=start)
-        chunk_texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.output_ids, sampled.lengths)],
+        chunk_texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.response_ids, sampled.lengths)],
                                              skip_special_tokens=True)
         scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], sampled.lengths)
         texts += chunk_texts

@@ -2,19 +2,19 @@
 
 `--suite` is one of: a named mix (`SUITES`), `rg:TASK[,TASK...]` (reasoning-gym tasks with their default
 options), or a path to a JSONL file with `problem` (or `question`) and `answer` fields (MATH500, AIME,
-GSM8K: answers after a `####` marker are cut there).
+GSM8K: answers after a `####` marker are cut there). Both load through data/sources.py, as training's data does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
+from drgrpo_jax.data.answers import GSM8K_MARKER
 from drgrpo_jax.data.examples import Example
+from drgrpo_jax.data.sources import RowFields, read_rows, row_examples, source_name, task_examples
 from drgrpo_jax.errors import ConfigError
 
 __all__ = ["SUITES", "Suite", "load_suite"]
@@ -49,60 +49,20 @@ class Suite:
 
 def _reasoning_gym(name: str, tasks: tuple[tuple[str, dict[str, Any]], ...], size: int, seed: int) -> Suite:
     """`size` problems of each task, generated with `seed` (the same seed gives the same problems)."""
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
-
     examples, labels = [], []
     for task, options in tasks:
-        if task not in DATASETS:
-            close = difflib.get_close_matches(task, list(DATASETS), n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError("--suite", f"unknown reasoning-gym task {task!r}{hint}")
-        try:
-            dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **options)
-        except (TypeError, ValueError, AssertionError) as error:
-            raise ConfigError("--suite", f"{task}: {error}") from None
-        for index in range(size):
-            entry = dataset[index]
-            answer = entry.get("answer")
-            examples.append(Example(f"{task}/{seed}/{index}", str(entry["question"]),
-                                    "" if answer is None else str(answer), entry))
-            labels.append(task)
+        examples += task_examples(task, options, size, seed, keys=("--suite", "--suite"))
+        labels += [task] * size
     return Suite(name, tuple(examples), tuple(labels))
-
-
-def _problem_field(row: Mapping[str, Any], field: str | None, where: str) -> str:
-    """The row's problem field: `field` when given, else `problem`, else `question`."""
-    for candidate in [field] if field else ["problem", "question"]:
-        if candidate in row:
-            return candidate
-    wanted = repr(field) if field else "'problem' or 'question'"
-    raise ConfigError("--problem-field", f"{where} has no {wanted} field (fields: {', '.join(map(str, row))})")
 
 
 def _jsonl(path: str, size: int, problem_field: str | None, answer_field: str) -> Suite:
     """The first `size` rows (0 = all) of a JSONL file of problems and answers."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    examples: list[Example] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ConfigError("--suite", f"{path} line {number} is not JSON: {error}") from None
-            if not isinstance(row, dict):
-                raise ConfigError("--suite", f"{path} line {number} is not a JSON object")
-            field = _problem_field(row, problem_field, f"{path} line {number}")
-            if answer_field not in row:
-                raise ConfigError("--answer-field", f"{path} line {number} has no {answer_field!r} field "
-                                                    f"(fields: {', '.join(row)})")
-            answer = str(row[answer_field])
-            answer = answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
-            examples.append(Example(f"{name}/{len(examples)}", str(row[field]), answer))
-            if size and len(examples) == size:
-                break
+    name = source_name(path)
+    fields = RowFields((problem_field,) if problem_field else ("problem", "question"), answer_field, GSM8K_MARKER,
+                       keys=("--problem-field", "--answer-field"))
+    rows = read_rows(path, "jsonl", keys=("--suite", "--suite", "--suite"))
+    examples = row_examples(rows[:size] if size else rows, name, fields, path)
     if not examples:
         raise ConfigError("--suite", f"{path} holds no problems")
     return Suite(name, tuple(examples), (name,) * len(examples))

@@ -9,11 +9,13 @@ a call that raises or kills its worker. A NaN or infinite reward stops the run (
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.config.rules import component_names
+from drgrpo_jax.config.derived import component_names
 from drgrpo_jax.config.schema import RewardConfig
 from drgrpo_jax.data.examples import Example
 from drgrpo_jax.errors import RewardError
@@ -56,9 +58,6 @@ def _checked(value: Any) -> tuple[str, Any]:
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: SIGKILL this worker when its parent dies, so a hung call cannot outlive a killed trainer."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the EOF on the pipe still ends an idle worker
         return

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from drgrpo_jax.train.trackers import Tracker, close_all, scalars
+from drgrpo_jax.jsonl import read_jsonl
+from drgrpo_jax.train.trackers import TensorBoardTracker, Tracker, close_all, scalars
 
 __all__ = ["RunLog", "read_metrics"]
 
@@ -58,8 +59,6 @@ class RunLog:
         if enabled:
             for path in (self.metrics_path, self.samples_path):
                 _truncate_jsonl(path, start_step)
-            from drgrpo_jax.train.trackers import TensorBoardTracker
-
             self.trackers = list(trackers) if trackers is not None else [TensorBoardTracker(output_dir, start_step)]
 
     def _append(self, path: str, row: dict[str, Any]) -> None:
@@ -105,16 +104,9 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]],
         raise FileNotFoundError(f"{os.fspath(run_dir)!r} has no metrics.jsonl")
     train: dict[int, dict[str, Any]] = {}
     evals: dict[int, dict[str, Any]] = {}
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path} line {number} is not JSON ({error})") from None
-            if "eval/accuracy" in row:
-                evals[row["step"]] = row
-            elif "loss" in row:
-                train[row["step"]] = row
+    for row in read_jsonl(path):
+        if "eval/accuracy" in row:
+            evals[row["step"]] = row
+        elif "loss" in row:
+            train[row["step"]] = row
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]

@@ -12,12 +12,13 @@ from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import step_configs
 from drgrpo_jax.config.load import check_paths, config_from_argv, describe_config, dump_config, load_config
 from drgrpo_jax.config.rules import validate
-from drgrpo_jax.config.schema import Config, LoraConfig, ModelConfig
+from drgrpo_jax.config.schema import TRACKERS, Config, LoraConfig, ModelConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.train import trackers
 
 from support.paths import REPO
 
@@ -125,6 +126,10 @@ def test_the_algorithm_choices_are_the_tables():
         assert load_config(None, [*BASE, f"algorithm.name={name}"]).algorithm.name == name
     _assert_one_line(_error(["algorithm.name=ppo"]), "algorithm.name", "'ppo'", *ALGORITHMS)
     assert ", ".join(ALGORITHMS) in describe_config()
+
+
+def test_the_tracker_choices_are_the_trackers_implemented():
+    assert set(trackers._PACKAGES) == set(TRACKERS)
 
 
 def test_the_dtype_choices_are_the_precision_table():
@@ -411,7 +416,7 @@ def test_long_quickstart_sets_the_long_context_options():
 
     from drgrpo_jax.models.attention import choose_impl
     from drgrpo_jax.plan.activations import model_call
-    from drgrpo_jax.plan.planner import resolve_remat
+    from drgrpo_jax.plan.remat import resolve_remat
 
     path = os.path.join(REPO, "configs", "quickstarts", "long_quickstart.yaml")
     config = load_config(path)

@@ -6,7 +6,9 @@ import os
 import numpy as np
 import pytest
 
+from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.data.examples import Example
+from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.evaluate.evaluation import (
     EvalSamples,
@@ -19,7 +21,8 @@ from drgrpo_jax.evaluate.evaluation import (
 from drgrpo_jax.evaluate.report import markdown_table, report_rows, write_report
 from drgrpo_jax.evaluate.suites import load_suite
 from drgrpo_jax.rewards.functions import RewardResult
-from drgrpo_jax.rollout.client import Rollout, prompt_seeds
+from drgrpo_jax.rollout.client import Completions
+from drgrpo_jax.seeds import prompt_seeds
 
 BUDGET = 6
 
@@ -45,8 +48,9 @@ class StandInClient:
                 ids[p * group_size + g, :n] = rng.integers(3, 5, n)  # tokens 3 and 4
                 lengths[p * group_size + g] = n
         mask = np.arange(max_new_tokens)[None, :] < lengths[:, None]
-        return Rollout(ids, np.zeros(ids.shape, np.float32), mask, lengths, lengths == max_new_tokens,
-                       ("0",) * rows, group_size)
+        return Completions(response_ids=ids, behaviour_logprobs=np.zeros(ids.shape, np.float32), response_mask=mask,
+                           lengths=lengths, truncated=lengths == max_new_tokens, weight_versions=("0",) * rows,
+                           group_size=group_size)
 
 
 class StandInTokenizer:
@@ -159,6 +163,18 @@ def test_jsonl_suites_read_problem_or_question_and_cut_gsm8k_answers(tmp_path):
         with pytest.raises(ConfigError) as error:
             load_suite(str(bad), size=0, seed=0, **kwargs)
         assert error.value.key == flag
+
+
+def test_suites_are_what_the_training_data_path_loads(tmp_path):
+    """One data path: a suite's examples (ids, questions, answers, entries) are data/sources.py's for the same
+    reasoning-gym task and seed, or the same file."""
+    config = DataConfig(source="reasoning_gym", task="products", size=3, eval_size=0)
+    assert load_suite("rg:products", size=3, seed=5).examples == load_dataset(config, 5).train
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i} + 1?", "answer": f"so\n#### {i + 1}"}) + "\n"
+                            for i in range(4)))
+    files = DataConfig(source="jsonl", path=str(path), size=0, eval_size=0)
+    assert load_suite(str(path), size=0, seed=0).examples == load_dataset(files, 0).train
 
 
 def test_report_rows_table_and_files(tmp_path):

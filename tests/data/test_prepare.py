@@ -24,7 +24,7 @@ import pytest
 
 from drgrpo_jax.data.cli import main
 from drgrpo_jax.data.examples import Example
-from drgrpo_jax.data.prepare import RECIPES, boxed_content, prepare_rows
+from drgrpo_jax.data.prepare import RECIPES, prepare_rows
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.rewards.functions import math_verify_reward
 
@@ -87,13 +87,6 @@ def _prepare(name: str, source: str, output, *flags: str) -> list[dict]:
 def _scores(row: dict, completion: str, answer_format: str = "boxed") -> float:
     return math_verify_reward(completion, Example("prepared/0", row["problem"], row["answer"]),
                               answer_format=answer_format)
-
-
-def test_boxed_content_balances_braces():
-    assert boxed_content("so $\\boxed{\\frac{1}{2}}$ and later \\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.") == \
-        "\\left( 3, \\frac{\\pi}{2} \\right)"
-    assert boxed_content("\\fbox{7}") == "7"
-    assert boxed_content("no answer") is None and boxed_content("\\boxed{cut off") is None
 
 
 def test_math500_and_math12k(tmp_path):
