@@ -9,6 +9,8 @@ import resource
 import sys
 from typing import Any
 
+import jax
+
 __all__ = ["peak_rss_gb", "return_freed_memory", "returning_compile_memory"]
 
 
@@ -49,8 +51,6 @@ def returning_compile_memory():
     (`benchmarks/train_step.py` reports the peak RSS).
     """
     global _trimming_after_compiles
-    import jax
-
     _register_once(jax.monitoring.register_event_duration_secs_listener)
     _trimming_after_compiles = True
     try:

@@ -10,7 +10,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from drgrpo_jax.errors import ConfigError, HostFailure, RewardError, RolloutError
 
@@ -23,12 +25,8 @@ def gather_hosts(tree: Any) -> Any:
     A collective: every process must call it. dtypes come back as they went in (the all-gather
     itself narrows 64-bit values when jax_enable_x64 is off).
     """
-    import jax
-
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.asarray(x)[None], tree)
-    from jax.experimental import multihost_utils
-
     gathered = multihost_utils.process_allgather(tree, tiled=False)
     return jax.tree.map(lambda g, x: np.asarray(g).astype(np.asarray(x).dtype), gathered, tree)
 
@@ -81,8 +79,6 @@ def _all_hosts_ok(error: Exception | None, what: str) -> None:
 
     Also a barrier: no process passes it before every process has reached it.
     """
-    import jax
-
     code = failure_code(error)
     codes = gather_hosts(np.asarray([code], np.int32))[:, 0] if jax.process_count() > 1 else np.asarray([code])
     if error is not None:
@@ -94,10 +90,6 @@ def _all_hosts_ok(error: Exception | None, what: str) -> None:
 
 def host_array(x: Any) -> np.ndarray:
     """A whole array as numpy on this host (gathered across processes when it spans several)."""
-    import jax
-
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))

@@ -83,6 +83,7 @@ def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str
     `files`: the file patterns to fetch (None = the whole repository). ConfigError naming `key` when the id is not
     on the Hub, not in the cache offline, or its cached snapshot lacks the files asked for.
     """
+    # train extra: huggingface_hub comes with transformers; the core library (models/pretrained) imports without it
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

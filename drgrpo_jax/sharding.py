@@ -171,17 +171,25 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: ShardingRules = ShardingRu
     return nnx.merge(graphdef, jax.device_put(state, shardings))
 
 
-def batch_sharding(mesh: Mesh, ndim: int = 2, rules: ShardingRules = ShardingRules()) -> NamedSharding:
-    """Sharding of a [B, ...] batch: batch over the rules' batch axes, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(rules.batch, *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> NamedSharding:
+    """Sharding of a [B, ...] array: B over the rules' batch axes, the rest replicated. The spec names only B,
+    so one sharding fits every field of a batch whatever its rank."""
+    return NamedSharding(mesh, PartitionSpec(rules.batch))
+
+
+def batch_shards(mesh: Mesh, rules: ShardingRules = ShardingRules()) -> int:
+    """How many shards a batch's B dimension is split into on `mesh` (the rules' batch axes' sizes multiplied)."""
+    return int(np.prod([mesh.shape[axis] for axis in _as_tuple(rules.batch)]))
 
 
 def place(tree: Any, shardings: Any) -> Any:
-    """Puts a tree on global shardings, in one process or many (where device_put cannot).
+    """Puts a tree on global shardings, in one process or many (where device_put cannot): the one way host
+    values (a batch's rows, a state) reach the mesh.
 
     Arrays already spanning several processes (e.g. loaded straight onto the mesh) must carry
-    the asked sharding and are kept; other jax arrays move with device_put in one process; host
-    values identical on every process become global arrays shard by shard.
+    the asked sharding and are kept; other jax arrays and host values move with device_put in one
+    process; in several, host values identical on every process (every host's rows after
+    `hosts.gather_hosts`) become global arrays shard by shard.
     """
 
     def one(x, sharding):

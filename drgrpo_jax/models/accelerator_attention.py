@@ -68,6 +68,7 @@ def splash_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, po
     see the padding keys before them: finite, ignored outputs. Single device: under a sharded jit the kernel
     needs a shard_map over the batch, which this module does not add yet. `interpret` runs it on CPU (tests).
     """
+    # start-up: Pallas's TPU kernels (~60 ms) load only when splash is picked, not with every model import
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 

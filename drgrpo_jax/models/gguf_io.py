@@ -150,6 +150,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     trainer must not need torch, so the metadata comes from the `gguf` package and only the
     conversion is transformers'.
     """
+    # train extra: the core library imports without transformers
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
 

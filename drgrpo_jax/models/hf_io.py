@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from drgrpo_jax.hosts import host_array
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config, to_hf_config
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import Transformer
@@ -258,15 +259,6 @@ def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
 # ---------------------------------------------------------------- export
 
 
-def _host(array: jax.Array) -> np.ndarray:
-    """A whole array on this host (gathered across processes when it spans several)."""
-    if isinstance(array, jax.Array) and not array.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        array = multihost_utils.process_allgather(array, tiled=True)
-    return np.asarray(jax.device_get(array))
-
-
 def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     """Every parameter under its HF name and layout."""
     config = model.config
@@ -274,7 +266,7 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for path, variable in nnx.to_flat_state(state):
         name = "/".join(str(p) for p in path)
-        value = _host(variable[...])
+        value = host_array(variable[...])
         if name == "embed":
             out["model.embed_tokens.weight"] = value
         elif name == "final_norm":

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import TOKENIZER_FILES, local_model
+from drgrpo_jax.models.gguf_io import load_gguf, load_gguf_tokenizer
 from drgrpo_jax.models.hf_io import load_hf
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules
@@ -28,8 +29,6 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
     """
     path = local_model(os.fspath(path), "model.path")
     if path.endswith(".gguf"):
-        from drgrpo_jax.models.gguf_io import load_gguf  # the gguf package is only imported for GGUF files
-
         return load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat, attention_impl=attention_impl)
     return load_hf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat, attention_impl=attention_impl)
 
@@ -37,7 +36,7 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
 def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
     """The HF tokenizer of an HF folder, of a .gguf file (read without torch), or of tokenizer_path; either may be
     a Hub id."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # train extra: the core library imports without transformers
 
     key = "model.tokenizer_path" if tokenizer_path else "model.path"
     if tokenizer_path:
@@ -48,8 +47,6 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None) -> Any:
         if tokenizer_path:
             return AutoTokenizer.from_pretrained(tokenizer_path)
         if model_path.endswith(".gguf"):
-            from drgrpo_jax.models.gguf_io import load_gguf_tokenizer
-
             return load_gguf_tokenizer(model_path)
         return AutoTokenizer.from_pretrained(model_path)
     except Exception as error:  # OSError, ValueError, missing files: the message names the key

@@ -41,7 +41,7 @@ from drgrpo_jax.models.kv_cache import (
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import layer_params, rope_for_layers
 from drgrpo_jax.sampler.draws import row_keys, sample_step
-from drgrpo_jax.sharding import ShardingRules, batch_sharding, logical_to_spec, named_sharding
+from drgrpo_jax.sharding import ShardingRules, batch_sharding, logical_to_spec, named_sharding, place
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
            "batch_bucket", "bucket", "check_mesh", "compiled_programs", "generate", "make_batch", "mesh_rows",
@@ -169,12 +169,12 @@ def place_batch(batch: SamplerBatch, mesh: Mesh | None) -> SamplerBatch:
     """The batch on the mesh: prompts and rows split over the rules' batch axes (`data`), the rest replicated."""
     if mesh is None:
         return batch
-    return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))), batch)
+    return place(batch, batch_sharding(mesh))
 
 
 def _rows_split(x: jax.Array, mesh: Mesh) -> jax.Array:
     """`x` [B, ...] with its rows on the rules' batch axes."""
-    return jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim))
+    return jax.lax.with_sharding_constraint(x, batch_sharding(mesh))
 
 
 def _constrain(decoding: _Decoding, mesh: Mesh | None) -> _Decoding:

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
@@ -26,23 +25,14 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
-from drgrpo_jax.step.batch import (
-    Batch,
-    merge_model,
-    pack_demand,
-    pack_spec,
-    policy_logprobs,
-    response_logprobs,
-    split_micro_batches,
-)
+from drgrpo_jax.sharding import batch_sharding, batch_shards
+from drgrpo_jax.step.batch import Batch, pack_demand, pack_spec, split_micro_batches
 from drgrpo_jax.step.config import StepConfig, importance_weights
 from drgrpo_jax.step.optimizer import AdamW
 from drgrpo_jax.step.packing import PackSpec
+from drgrpo_jax.step.policy import merge_model, policy_logprobs, response_logprobs
 
-__all__ = ["TrainState", "data_shards", "init_state", "jit_policy_logprobs", "jit_train_step", "shard_batch",
-           "train_step"]
-
-BATCH_AXES = ("data", "fsdp")  # mesh axes the response dimension N is split over
+__all__ = ["TrainState", "init_state", "jit_policy_logprobs", "jit_train_step", "train_step"]
 
 
 @struct.dataclass
@@ -212,14 +202,6 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 # ------------------------------------------------------------------ jit with explicit shardings
 
 
-def batch_shardings(mesh: Mesh, *, loss_mask: bool = False) -> Batch:
-    """Every batch field split over the data-parallel axes on its leading (response) dimension; `loss_mask`:
-    for a batch that has one (multi-turn rows)."""
-    rows = NamedSharding(mesh, P(BATCH_AXES))
-    return Batch(**{f.name: rows for f in dataclasses.fields(Batch) if f.name != "loss_mask"},
-                 loss_mask=rows if loss_mask else None)
-
-
 def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh,
                     frozen_shardings: nnx.State | None = None) -> TrainState:
     """Shardings of a state: optimizer moments shaped like the params follow them, the rest is replicated.
@@ -243,18 +225,13 @@ def state_shardings(state: TrainState, params_shardings: nnx.State, mesh: Mesh,
     )
 
 
-def data_shards(mesh: Mesh) -> int:
-    """The data-parallel shards of a batch's response dimension on `mesh`."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 def _refusing_overflow(fn: Callable, config: StepConfig, mesh: Mesh, batch_index: int) -> Callable:
     """`fn` that first raises PackingError when its batch (argument `batch_index`) does not fit the packed rows."""
     if not config.pack_rows:
         return fn
     replicated = NamedSharding(mesh, P())
-    demand = jax.jit(functools.partial(pack_demand, config, shards=data_shards(mesh)),
-                     in_shardings=(NamedSharding(mesh, P(BATCH_AXES)),), out_shardings=(replicated, replicated))
+    demand = jax.jit(functools.partial(pack_demand, config, shards=batch_shards(mesh)),
+                     in_shardings=(batch_sharding(mesh),), out_shardings=(replicated, replicated))
 
     def checked(*args):
         rows, longest = (int(x) for x in demand(args[batch_index]))  # replicated: readable on every process
@@ -274,9 +251,9 @@ def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings:
                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """train_step jitted with explicit in/out shardings, donating the state (packing: refusing overflows first)."""
     replicated = NamedSharding(mesh, P())
-    step = functools.partial(train_step, graphdef, optimizer, schedule, config, shards=data_shards(mesh))
+    step = functools.partial(train_step, graphdef, optimizer, schedule, config, shards=batch_shards(mesh))
     # One sharding for every field of the batch (a pytree prefix): batches with and without a loss mask both fit.
-    rows = NamedSharding(mesh, P(BATCH_AXES))
+    rows = batch_sharding(mesh)
     jitted = jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, replicated), donate_argnums=0)
     return _refusing_overflow(jitted, config, mesh, batch_index=1)
 
@@ -287,17 +264,10 @@ def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.Stat
 
     With `frozen_shardings` (LoRA) the function takes the frozen base as its third argument.
     """
-    rows = NamedSharding(mesh, P(BATCH_AXES))
-    logprobs = functools.partial(policy_logprobs, graphdef, config, shards=data_shards(mesh))
+    rows = batch_sharding(mesh)
+    logprobs = functools.partial(policy_logprobs, graphdef, config, shards=batch_shards(mesh))
     if frozen_shardings is None:
         jitted = jax.jit(logprobs, in_shardings=(params_shardings, rows), out_shardings=rows)
         return _refusing_overflow(lambda params, batch, frozen=None: jitted(params, batch), config, mesh, 1)
     return _refusing_overflow(jax.jit(logprobs, in_shardings=(params_shardings, rows, frozen_shardings),
                                       out_shardings=rows), config, mesh, 1)
-
-
-def shard_batch(local: dict[str, Any] | Batch, mesh: Mesh) -> Batch:
-    """A global Batch from this process's rows (every process passes its own share, in process order)."""
-    local = local if isinstance(local, Batch) else Batch(**local)
-    rows = NamedSharding(mesh, P(BATCH_AXES))
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows, np.asarray(x)), local)

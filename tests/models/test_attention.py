@@ -14,10 +14,10 @@ from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models import attention as attn
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
+from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
 from drgrpo_jax.step.batch import Batch
 from drgrpo_jax.step.config import StepConfig
-from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_train_step, state_shardings
+from drgrpo_jax.step.train_step import init_state, jit_train_step, state_shardings
 
 from support.compiled import compiled_dots
 
@@ -336,7 +336,7 @@ def test_train_step_blockwise_equals_reference(monkeypatch):
         shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
         state = jax.device_put(state, shardings)
         step = jit_train_step(graphdef, optimizer, optax.constant_schedule(1.0), config, shardings, mesh)
-        state, metrics = step(state, jax.device_put(batch, batch_shardings(mesh)))
+        state, metrics = step(state, place(batch, batch_sharding(mesh)))
         results.append((jax.device_get(state.params), jax.device_get(metrics)))
     (ref_params, ref_metrics), (got_params, got_metrics) = results
     assert ref_metrics["grad_norm"] > 0

@@ -204,7 +204,7 @@ def test_adapter_folders_we_cannot_apply_are_refused_by_name(tmp_path):
 def test_service_serves_a_pushed_adapter_with_the_trainers_logprobs(tiny_model, tmp_path):
     from drgrpo_jax.rollout.client import RolloutClient
     from drgrpo_jax.rollout.local_service import LocalServer
-    from drgrpo_jax.step.batch import response_logprobs
+    from drgrpo_jax.step.policy import response_logprobs
 
     model = with_adapters(from_pretrained(tiny_model), b_scale=0.5)
     save_adapter(adapters_of(model), model.config, str(tmp_path / "weights" / "v1"), base_model=tiny_model)
@@ -224,8 +224,9 @@ def test_service_serves_a_pushed_adapter_with_the_trainers_logprobs(tiny_model, 
                              json={"model_path": str(tmp_path / "weights" / "bad"), "weight_version": "2"})
         assert refused.status_code == 400 and "lora_A.weight has shape" in refused.json()["message"]
         assert client.model_info()["weight_version"] == "1"
-    tokens, logprobs = after.output_ids[0][:after.lengths[0]].tolist(), after.logprobs[0][:after.lengths[0]]
-    assert after.weight_versions[0] == "1" and tokens != before.output_ids[0][:before.lengths[0]].tolist()
+    length = after.lengths[0]
+    tokens, logprobs = after.response_ids[0][:length].tolist(), after.behaviour_logprobs[0][:length]
+    assert after.weight_versions[0] == "1" and tokens != before.response_ids[0][:before.lengths[0]].tolist()
     graphdef, params = nnx.split(model)
     ids = np.asarray([tokens])
     ours, _ = response_logprobs(graphdef, params, np.asarray([prompt]), np.ones((1, 4), bool), ids,
@@ -307,8 +308,9 @@ LORA_CONFIGS = [("qwen2.5_math_7b_dr_grpo_lora_v5e8.yaml", "tpu-v5e"),
 def test_plan_counts_base_adapters_and_optimizer_for_lora():
     from drgrpo_jax.models.config import from_hf_config
     from drgrpo_jax.plan import planner as plan
+    from drgrpo_jax.plan.hardware import PRESETS
 
-    model = from_hf_config(plan.PRESETS["Qwen2.5-Math-7B"])
+    model = from_hf_config(PRESETS["Qwen2.5-Math-7B"])
     full = plan.make_plan(load_config(None, ["model.path=x", "model.dtype=bfloat16", "mesh.fsdp=1"]), model)
     lora = plan.make_plan(load_config(None, ["model.path=x", "model.dtype=bfloat16", "mesh.fsdp=1",
                                              "model.lora.rank=16", "algorithm.kl_coef=0.01"]), model)
@@ -329,13 +331,15 @@ def test_plan_counts_base_adapters_and_optimizer_for_lora():
 @pytest.mark.parametrize("name, device", LORA_CONFIGS)
 def test_7b_lora_configs_fit_their_hardware_as_their_headers_say(name, device):
     from drgrpo_jax.plan import planner as plan
+    from drgrpo_jax.plan.cli import _load
+    from drgrpo_jax.plan.hardware import device_spec
 
     path = os.path.join(REPO, "configs", "recipes", name)
     header = open(path).read()
-    config, _ = plan._load(path, [])
+    config, _ = _load(path, [])
     tensor = int(found.group(1)) if (found := re.search(r"--serve-tensor (\d+)", header)) else 1
     result = plan.make_plan(config, plan.resolve_decoder_config(config, "Qwen2.5-Math-7B")[0],
-                            device=plan.device_spec(device), serve_tensor=tensor)
+                            device=device_spec(device), serve_tensor=tensor)
     assert config.model.lora.rank > 0 and all(result["fits"].values()), result["fits"]
     stated = re.search(r"-> trainer ([\d.]+) GiB", header)
     assert stated and float(stated.group(1)) == round(result["trainer"]["total"] / 2**30, 2)

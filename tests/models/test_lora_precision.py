@@ -103,8 +103,8 @@ def test_int8_dequantised_matmul_matches_float32_within_its_quantisation_step():
 
 def _lora_sgd_step(compute_dtype: str, base_dtype: str | None = None):
     """(loss, float64 adapter gradients, state after, lowered HLO) of one SGD(lr=1) LoRA step with KL, off-policy."""
-    from drgrpo_jax.step.batch import policy_logprobs
     from drgrpo_jax.step.config import StepConfig
+    from drgrpo_jax.step.policy import policy_logprobs
     from drgrpo_jax.step.train_step import init_state, train_step
 
     optimizer = optax.sgd(1.0)  # adapters_after = adapters - grad: the update is the window's gradient
@@ -260,8 +260,9 @@ def test_stored_base_step_trains_only_adapters_shards_and_resumes_exactly(base_d
 def test_plan_counts_the_stored_base_by_base_dtype():
     from drgrpo_jax.models.config import from_hf_config
     from drgrpo_jax.plan import planner as plan
+    from drgrpo_jax.plan.hardware import PRESETS
 
-    model = from_hf_config(plan.PRESETS["Qwen2.5-Math-7B"])
+    model = from_hf_config(PRESETS["Qwen2.5-Math-7B"])
     D, I, Q, C, H, L = 3584, 18944, 28, 4, 128, 28
     projections = L * (2 * D * Q * H + 2 * D * C * H + 3 * D * I)  # q, o; k, v; gate, up, down
     scales = L * (Q * H + 2 * C * H + D + 2 * I + D)  # one float32 per output channel: q, k, v, o, gate, up, down

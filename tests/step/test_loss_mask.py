@@ -12,10 +12,10 @@ from flax import nnx
 
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
-from drgrpo_jax.step.batch import policy_logprobs
+from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
 from drgrpo_jax.step.config import StepConfig
-from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_train_step, state_shardings
+from drgrpo_jax.step.policy import policy_logprobs
+from drgrpo_jax.step.train_step import init_state, jit_train_step, state_shardings
 
 from support.oracles import aggregate, token_losses
 from support.tiny_models import tiny_decoder_config
@@ -51,7 +51,7 @@ def run(mesh_shape, micro_batches, batch, aggregation="fixed_budget", kl_coef=0.
                         micro_batches=micro_batches, logprob_chunk=5)
     shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
-    placed = jax.device_put(batch, batch_shardings(mesh, loss_mask=batch.loss_mask is not None))
+    placed = place(batch, batch_sharding(mesh))
     new_state, metrics = step(jax.device_put(state, shardings), placed)
     return jax.device_get(new_state.params), jax.device_get(metrics)
 

@@ -13,10 +13,10 @@ from flax import nnx
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
+from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.packing import first_fit, pack_cell, sequence_lengths
-from drgrpo_jax.step.train_step import batch_shardings, init_state, jit_policy_logprobs, train_step
+from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, train_step
 
 from support.tiny_models import tiny_decoder_config
 from support.tiny_step import STEP_PROMPT, STEP_RESPONSE, assert_same, initial_old_logprobs, make_step_batch, run_step
@@ -114,7 +114,7 @@ def test_packed_old_logprobs_equal_the_padded_ones():
     model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), mesh)
     graphdef, state = init_state(model, optax.sgd(0.1), jax.random.key(0))
     shardings = param_shardings(state.params, mesh)
-    batch = jax.device_put(make_step_batch(), batch_shardings(mesh))
+    batch = place(make_step_batch(), batch_sharding(mesh))
     plain = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), micro_batches=2, logprob_chunk=5)
     padded = jit_policy_logprobs(graphdef, plain, shardings, mesh)(state.params, batch)
     config = dataclasses.replace(plain, **packed((2, 2, 1), 2))

@@ -14,9 +14,9 @@ from flax import nnx
 from drgrpo_jax.errors import FieldError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.step.batch import policy_logprobs
 from drgrpo_jax.step.config import StepConfig, importance_weights
 from drgrpo_jax.step.optimizer import make_optimizer
+from drgrpo_jax.step.policy import policy_logprobs
 from drgrpo_jax.step.train_step import init_state, train_step
 
 from support.compiled import compiled_dots

@@ -2,8 +2,9 @@
 
     python tests/support/multihost_worker.py PROCESS_ID PORT OUT.npz
 
-Each process owns 4 fake CPU devices and feeds its own half of the window's rows; process 0
-writes the updated parameters and metrics for the test to compare with a one-process run.
+Each process owns 4 fake CPU devices and holds every row of the window, as the trainer's processes do
+(`hosts.gather_hosts`); `sharding.place` puts each process's shards on its devices. Process 0 writes the
+updated parameters and metrics for the test to compare with a one-process run.
 """
 
 import os
@@ -31,9 +32,9 @@ def main(process_id: int, port: int, out: str) -> None:
 
     from drgrpo_jax.losses import LossConfig
     from drgrpo_jax.models.transformer import Transformer
-    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, place
+    from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place
     from drgrpo_jax.step.config import StepConfig
-    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, shard_batch, state_shardings
+    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 
     from support.tiny_models import tiny_decoder_config
     from support.tiny_step import STEP_RESPONSE, make_step_batch
@@ -48,10 +49,7 @@ def main(process_id: int, port: int, out: str) -> None:
     shardings = state_shardings(state, params_shardings, mesh)
     state = place(state, shardings)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
-    whole = make_step_batch()
-    half = len(whole.row_valid) // 2
-    local = jax.tree.map(lambda x: x[process_id * half:(process_id + 1) * half], whole)
-    batch = shard_batch(local, mesh)
+    batch = place(make_step_batch(), batch_sharding(mesh))
     old = jit_policy_logprobs(graphdef, config, params_shardings, mesh)(state.params, batch)
     batch = dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old)
     state, metrics = step(state, batch)

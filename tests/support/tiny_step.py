@@ -70,8 +70,8 @@ def initial_old_logprobs(lengths: tuple[int, ...] | None) -> np.ndarray:
 
     from drgrpo_jax.losses import LossConfig
     from drgrpo_jax.models.transformer import Transformer
-    from drgrpo_jax.step.batch import policy_logprobs
     from drgrpo_jax.step.config import StepConfig
+    from drgrpo_jax.step.policy import policy_logprobs
 
     graphdef, params = nnx.split(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0)), nnx.Param)
     config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), logprob_chunk=5)
@@ -100,15 +100,9 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
 
     from drgrpo_jax.losses import LossConfig
     from drgrpo_jax.models.transformer import Transformer
-    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, shard_model
+    from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
     from drgrpo_jax.step.config import StepConfig
-    from drgrpo_jax.step.train_step import (
-        batch_shardings,
-        init_state,
-        jit_policy_logprobs,
-        jit_train_step,
-        state_shardings,
-    )
+    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 
     _count_compiles()
     # With the default optimizer the jitted functions depend only on these options (the lengths, the behaviour
@@ -139,7 +133,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
             _STEP_FUNCTIONS[config_key] = mesh, optimizer, shardings, step, old_logprobs
     state = jax.device_put(state, shardings)
     key = None if lengths is None else tuple(int(n) for n in lengths)
-    batch = jax.device_put(make_step_batch(lengths=lengths), batch_shardings(mesh))
+    batch = place(make_step_batch(lengths=lengths), batch_sharding(mesh))
     history = []
     for i in range(steps):
         old = jax.device_put(initial_old_logprobs(key), batch.old_logprobs.sharding) if i == 0 else \
@@ -160,15 +154,9 @@ def lora_step_fn(model, mesh_shape, micro_batches):
     import optax
 
     from drgrpo_jax.losses import LossConfig
-    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings
+    from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place
     from drgrpo_jax.step.config import StepConfig
-    from drgrpo_jax.step.train_step import (
-        batch_shardings,
-        init_state,
-        jit_policy_logprobs,
-        jit_train_step,
-        state_shardings,
-    )
+    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 
     data, fsdp, tensor = mesh_shape
     mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:data * fsdp * tensor])
@@ -180,7 +168,7 @@ def lora_step_fn(model, mesh_shape, micro_batches):
     shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.01), config, shardings, mesh)
     logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh, frozen_shardings)
-    batch = jax.device_put(make_step_batch(), batch_shardings(mesh))
+    batch = place(make_step_batch(), batch_sharding(mesh))
 
     def one(state):
         old = logprobs(state.params, batch, state.frozen)

@@ -12,6 +12,8 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+from etils import epath
+
 __all__ = ["copy_folder", "is_remote", "local_folder", "remove_folder", "versions_in"]
 
 
@@ -20,9 +22,7 @@ def is_remote(path: str) -> bool:
     return "://" in os.fspath(path)
 
 
-def _epath(path: str):
-    from etils import epath
-
+def _epath(path: str) -> epath.Path:
     path = os.fspath(path)
     return epath.Path(path[len("file://"):] if path.startswith("file://") else path)
 

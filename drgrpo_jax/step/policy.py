@@ -1,0 +1,98 @@
+"""The policy's forward over a batch: per-token log-probs and entropies of the responses, padded or packed rows.
+
+Shape letters (docs/shape_letters.md): N responses, U prompt positions (left-padded), T response positions
+(right-padded), S = U + T - 1 positions of one forward, D model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from drgrpo_jax.models.grad_sums import into_sums
+from drgrpo_jax.models.logprobs import token_logprobs
+from drgrpo_jax.models.precision import DTYPES, DtypeName, matmul_weights_in
+from drgrpo_jax.step.batch import Batch, join_micro_batches, pack_spec, split_micro_batches
+from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.packing import PackSpec, packed_hidden_states
+
+__all__ = ["merge_model", "policy_logprobs", "response_logprobs"]
+
+
+def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> Any:
+    """The model from its trainable params and, with LoRA, the frozen base."""
+    return nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, params, frozen)
+
+
+def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
+    """Tokens, positions and segment ids of prompt + response (the last response token is never an input)."""
+    tokens = jnp.concatenate([prompt_ids, response_ids], axis=1)[:, :-1]
+    real = jnp.concatenate([prompt_mask, response_mask], axis=1)[:, :-1]
+    positions = jnp.maximum(jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
+    return tokens, positions, real.astype(jnp.int32)
+
+
+def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
+                      response_mask, *, temperature: float, chunk: int, compute_dtype: DtypeName = "float32",
+                      frozen: nnx.State | None = None, lora_key: jax.Array | None = None,
+                      packing: PackSpec | None = None, row_valid=None, grad_sums: nnx.State | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
+
+    `compute_dtype="bfloat16"`: every GEMM (the layers', attention's, the vocabulary's, forward and backward)
+    rounds its operands to bfloat16 and accumulates in float32 (models/gemm.py), the weights cast inside each
+    layer so their gradients come straight from float32 accumulators; the log-softmax, log-probs and entropies
+    stay float32. With LoRA (`frozen`: the base weights; `lora_key`: the adapters' dropout, training only) the
+    frozen base is cast once up front (`matmul_weights_in`), the adapters like full weights.
+    `packing`: the model runs on packed rows (step/packing.py; padding rows, `row_valid` False, are left
+    out), with the same values at every response token.
+    `grad_sums` (float32 like params; remat `full`, no LoRA) take the gradient, sums + d/d(params) (grad_sums.py).
+    """
+    low = None if compute_dtype == "float32" else DTYPES[compute_dtype]
+    if low is not None and frozen is not None:
+        frozen = matmul_weights_in(frozen, low)  # no gradient: one cast for every layer and micro-batch
+    layer_sums = unembed = None
+    if grad_sums is not None:
+        params, layer_sums, unembed = into_sums(params, grad_sums, unembed_by_caller=True)
+    unembed_sum, sum_layout = unembed or (None, "DV")
+    model = merge_model(graphdef, params, frozen)
+    if low is not None:
+        model.config = dataclasses.replace(model.config, compute_dtype=compute_dtype)
+    hidden_NTD = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing,
+                                  row_valid, layer_sums)
+    return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
+                          final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low,
+                          unembed_sum=unembed_sum, sum_layout=sum_layout)
+
+
+def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid,
+                     layer_sums=None):
+    """[N, T, D]: the final hidden state before each response token (it predicts that token)."""
+    if packing is not None:
+        valid = jnp.ones(prompt_ids.shape[0], bool) if row_valid is None else row_valid
+        return packed_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, valid, packing,
+                                    lora_key, layer_sums)
+    tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key, layer_sums)
+    return hidden_NSD[:, prompt_ids.shape[1] - 1:]
+
+
+def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch,
+                    frozen: nnx.State | None = None, *, shards: int = 1) -> jax.Array:
+    """The policy's log-probs [N, T] of a batch's responses (the trainer's old log-probs).
+
+    `shards`: the batch's data-parallel shards (the mesh's data x fsdp), each packing its own responses.
+    """
+    packing = pack_spec(config, shards)
+
+    def one(micro):
+        return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
+                                 micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk,
+                                 compute_dtype=config.compute_dtype, frozen=frozen, packing=packing,
+                                 row_valid=micro.row_valid)[0]
+
+    return join_micro_batches(jax.lax.map(one, split_micro_batches(batch, config.micro_batches)))
