@@ -22,9 +22,11 @@ import numpy as np
 
 from drgrpo_jax.environments.chat import ChatRenderer
 from drgrpo_jax.environments.protocol import Environment, Message
-from drgrpo_jax.rollout.client import RolloutClient, prompt_seeds
+from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.seeds import prompt_seeds, turn_seed
 
-__all__ = ["EpisodeLimits", "Finish", "Trajectory", "episode_metrics", "run_episodes", "trajectory_arrays"]
+__all__ = ["EpisodeLimits", "Finish", "Trajectory", "TrajectoryRows", "episode_metrics", "run_episodes",
+           "trajectory_arrays"]
 
 COUNTED_COMPONENTS = ("turns", "tool_calls", "tool_errors", "malformed_calls")  # counts usable as rewards
 Finish = Literal["done", "max_turns", "max_model_tokens", "max_total_tokens"]
@@ -98,10 +100,6 @@ class Trajectory:
         self.behaviour_logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids)
 
 
-def _turn_seed(seed: int, turn: int) -> int:
-    return int(np.random.SeedSequence([seed & 0xFFFFFFFF, turn]).generate_state(1)[0])
-
-
 def run_episodes(client: RolloutClient, tokenizer: Any, make_environment: Callable[[], Environment],
                  examples: Sequence[Mapping[str, Any]], *, limits: EpisodeLimits, seed: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
@@ -130,22 +128,22 @@ def run_episodes(client: RolloutClient, tokenizer: Any, make_environment: Callab
                        limits.max_total_tokens - len(trajectories[i].ids)) for i in active}
         stops = sorted({s for s in (renderers[i].turn_stop_id for i in active) if s is not None}
                        | ({eos} if isinstance(eos, int) else set()))
-        turn_seeds = prompt_seeds(_turn_seed(seed, turn), len(trajectories), first_episode)
-        rollout = client.generate([trajectories[i].prompt_ids + trajectories[i].ids for i in active], 1,
+        turn_seeds = prompt_seeds(turn_seed(seed, turn), len(trajectories), first_episode)
+        sampled = client.generate([trajectories[i].prompt_ids + trajectories[i].ids for i in active], 1,
                                   max_new_tokens=max(caps.values()), temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop_token_ids=stops, seeds=[turn_seeds[i] for i in active],
                                   expected_version=expected_version, max_staleness=max_staleness)
         for row, i in enumerate(active):
             trajectory, env, chat = trajectories[i], environments[i], renderers[i]
-            sampled = int(rollout.lengths[row])
-            kept = min(sampled, caps[i])
-            out = rollout.output_ids[row, :kept].tolist()
-            trajectory._append(out, True, rollout.logprobs[row, :kept].tolist())
-            trajectory.weight_versions.append(rollout.weight_versions[row])
+            length = int(sampled.lengths[row])
+            kept = min(length, caps[i])
+            out = sampled.response_ids[row, :kept].tolist()
+            trajectory._append(out, True, sampled.behaviour_logprobs[row, :kept].tolist())
+            trajectory.weight_versions.append(sampled.weight_versions[row])
             trajectory.turns += 1
             text = tokenizer.decode(out, skip_special_tokens=True)
             trajectory.messages.append({"role": "assistant", "content": text})
-            if kept < sampled or kept == caps[i] < limits.max_turn_tokens:
+            if kept < length or kept == caps[i] < limits.max_turn_tokens:
                 trajectory.finish = _limit_hit(trajectory, limits)
                 continue
             observation = env.step(text)
@@ -180,23 +178,31 @@ def _limit_hit(trajectory: Trajectory, limits: EpisodeLimits) -> Finish:
     return "max_total_tokens"
 
 
-def trajectory_arrays(trajectories: Sequence[Trajectory], length: int) -> dict[str, np.ndarray]:
-    """The rows of a training batch, right-padded to `length` (the limits' max_total_tokens): `response_ids`,
-    `response_mask` (every real token: the model reads them all), `loss_mask` (the model's tokens only) and
-    `behaviour_logprobs` (0 off the model's tokens)."""
-    rows = len(trajectories)
-    arrays = {"response_ids": np.zeros((rows, length), np.int32), "response_mask": np.zeros((rows, length), bool),
-              "loss_mask": np.zeros((rows, length), bool),
-              "behaviour_logprobs": np.zeros((rows, length), np.float32)}
+@dataclasses.dataclass(frozen=True)
+class TrajectoryRows:
+    """Episodes as rows of a training batch, right-padded to T positions, under the rollout record's names."""
+
+    response_ids: np.ndarray  # int32 [N, T]
+    response_mask: np.ndarray  # bool [N, T]: every real token (the model reads them all)
+    loss_mask: np.ndarray  # bool [N, T]: the model's tokens only
+    behaviour_logprobs: np.ndarray  # float32 [N, T]: 0 off the model's tokens
+
+
+def trajectory_arrays(trajectories: Sequence[Trajectory], length: int) -> TrajectoryRows:
+    """The trajectories' rows, right-padded to `length` (the limits' max_total_tokens)."""
+    rows = TrajectoryRows(response_ids=np.zeros((len(trajectories), length), np.int32),
+                          response_mask=np.zeros((len(trajectories), length), bool),
+                          loss_mask=np.zeros((len(trajectories), length), bool),
+                          behaviour_logprobs=np.zeros((len(trajectories), length), np.float32))
     for r, trajectory in enumerate(trajectories):
         n = len(trajectory.ids)
         if n > length:
             raise ValueError(f"trajectory {r}: {n} tokens exceed the row length {length}")
-        arrays["response_ids"][r, :n] = trajectory.ids
-        arrays["response_mask"][r, :n] = True
-        arrays["loss_mask"][r, :n] = trajectory.model_mask
-        arrays["behaviour_logprobs"][r, :n] = trajectory.behaviour_logprobs
-    return arrays
+        rows.response_ids[r, :n] = trajectory.ids
+        rows.response_mask[r, :n] = True
+        rows.loss_mask[r, :n] = trajectory.model_mask
+        rows.behaviour_logprobs[r, :n] = trajectory.behaviour_logprobs
+    return rows
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -24,11 +24,12 @@ import httpx
 import numpy as np
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
-from drgrpo_jax.paths import is_remote
 from drgrpo_jax.rollout.local_service import LocalServer
+from drgrpo_jax.seeds import prompt_seeds
+from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["Rollout", "RolloutClient", "check_versions", "prompt_seeds", "retryable"]
+__all__ = ["Completions", "RolloutClient", "check_versions", "retryable"]
 
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
@@ -45,22 +46,17 @@ def retryable(status: int | None) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rollout:
-    """P prompts x G completions, prompt-major (row p * G + g), padded to the generation budget."""
+class Completions:
+    """What one `generate` call sampled: G completions of each of P prompts, prompt-major (row p * G + g), padded
+    to the generation budget T; the arrays carry the rollout record's names (`rollout/record.py`)."""
 
-    output_ids: np.ndarray  # int32 [P * G, budget], 0 after each completion's end
-    logprobs: np.ndarray  # float32 [P * G, budget]: behaviour log-probs (temperature-scaled), 0 on padding
-    mask: np.ndarray  # bool [P * G, budget]: True on generated tokens
-    lengths: np.ndarray  # int32 [P * G]
-    truncated: np.ndarray  # bool [P * G]: hit the budget without a stop token
-    weight_versions: tuple[str | None, ...]  # per completion, as the service reported it
+    response_ids: np.ndarray  # int32 [N, T], 0 after each completion's end
+    behaviour_logprobs: np.ndarray  # float32 [N, T]: the sampler's (temperature-scaled), 0 on padding
+    response_mask: np.ndarray  # bool [N, T]: True on generated tokens
+    lengths: np.ndarray  # int32 [N]
+    truncated: np.ndarray  # bool [N]: hit the budget without a stop token
+    weight_versions: tuple[str | None, ...]  # [N] as the service reported them
     group_size: int  # G
-
-
-def prompt_seeds(seed: int, num_prompts: int, offset: int = 0) -> list[int]:
-    """One uint32 seed per prompt from (seed, global prompt index): independent of how prompts are split."""
-    return [int(np.random.SeedSequence([seed & 0xFFFFFFFF, offset + i]).generate_state(1)[0])
-            for i in range(num_prompts)]
 
 
 def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
@@ -204,7 +200,7 @@ class RolloutClient:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
                  expected_version: str | int | None = None, max_staleness: int = 0, prompt_offset: int = 0,
-                 first_url: int = 0, ignore_eos: bool = False, seeds: Sequence[int] | None = None) -> Rollout:
+                 first_url: int = 0, ignore_eos: bool = False, seeds: Sequence[int] | None = None) -> Completions:
         """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version.
 
         `prompt_offset`: the index of prompts[0] in the whole rollout, so that a host sampling its share
@@ -235,13 +231,13 @@ class RolloutClient:
             try:
                 items = self._gather_shares(shares, [body(a, b) for a, b in shares], first_url, group_size)
                 break
-            except RolloutError as error:  # the same prompts and seeds again: the redone rollout is the same
+            except RolloutError as error:  # the same prompts and seeds again: the redone request samples the same
                 if not (retryable(error.status) and self._restart_local_server()):
                     raise
-        rollout = _to_rollout(items, group_size, max_new_tokens)
+        completions = _to_completions(items, group_size, max_new_tokens)
         if expected_version is not None:
-            check_versions(rollout.weight_versions, expected_version, max_staleness)
-        return rollout
+            check_versions(completions.weight_versions, expected_version, max_staleness)
+        return completions
 
     def _gather_shares(self, shares: list[tuple[int, int]], bodies: list[dict], first_url: int, group_size: int
                        ) -> list[dict]:
@@ -364,11 +360,11 @@ def _finite_logprobs(row: int, pairs: list) -> list[float]:
     return values
 
 
-def _to_rollout(items: list[dict], group_size: int, budget: int) -> Rollout:
-    """Pads SGLang /generate items into a Rollout; checks ids and log-probs line up."""
+def _to_completions(items: list[dict], group_size: int, budget: int) -> Completions:
+    """Pads SGLang /generate items (`output_ids`, `meta_info`) into Completions; checks ids and log-probs line up."""
     rows = len(items)
-    output_ids = np.zeros((rows, budget), np.int32)
-    logprobs = np.zeros((rows, budget), np.float32)
+    response_ids = np.zeros((rows, budget), np.int32)
+    behaviour_logprobs = np.zeros((rows, budget), np.float32)
     lengths = np.zeros(rows, np.int32)
     truncated = np.zeros(rows, bool)
     versions = []
@@ -380,11 +376,12 @@ def _to_rollout(items: list[dict], group_size: int, budget: int) -> Rollout:
             raise RolloutError(f"completion {r}: output_token_logprobs missing or not aligned with output_ids")
         if len(ids) > budget:
             raise RolloutError(f"completion {r}: {len(ids)} tokens exceed max_new_tokens={budget}")
-        output_ids[r, :len(ids)] = ids
-        logprobs[r, :len(ids)] = _finite_logprobs(r, pairs)
+        response_ids[r, :len(ids)] = ids
+        behaviour_logprobs[r, :len(ids)] = _finite_logprobs(r, pairs)
         lengths[r] = len(ids)
         truncated[r] = _finish_is_length(meta.get("finish_reason"))
         version = meta.get("weight_version")
         versions.append(None if version is None else str(version))
-    mask = np.arange(budget)[None, :] < lengths[:, None]
-    return Rollout(output_ids, logprobs, mask, lengths, truncated, tuple(versions), group_size)
+    response_mask = np.arange(budget)[None, :] < lengths[:, None]
+    return Completions(response_ids=response_ids, behaviour_logprobs=behaviour_logprobs, response_mask=response_mask,
+                       lengths=lengths, truncated=truncated, weight_versions=tuple(versions), group_size=group_size)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.rewards.functions import CORRECTNESS_REWARDS
+from drgrpo_jax.rewards.functions import CORRECTNESS_REWARDS, failure_metrics
+from drgrpo_jax.step.batch import Batch
 
 if TYPE_CHECKING:
     from drgrpo_jax.algorithms import Algorithm
     from drgrpo_jax.data.examples import Example
-    from drgrpo_jax.step.batch import Batch
 
 __all__ = ["EPISODE_COLUMNS", "HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad",
            "merge_host_rows", "response_stats"]
@@ -30,28 +30,33 @@ __all__ = ["EPISODE_COLUMNS", "HostCounters", "ScoredRollout", "correct_mask", "
 EPISODE_COLUMNS = ("turns", "tool_calls", "tool_errors", "malformed_calls", "tool_seconds", "model_tokens",
                    "environment_tokens")
 
+_PER_ROW = {"per_row": True}  # a field with one entry per response: what take, concat and the hosts' gather carry
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoredRollout:
-    """P prompts x G responses, prompt-major (row p * G + g), padded to the generation budget B."""
+    """P prompts x G responses, prompt-major (row p * G + g), padded to T token positions (the generation budget).
+
+    Each array has the name it has everywhere (`Completions` of rollout/client.py, `Batch` of step/batch.py);
+    `row_arrays` and `from_prompts` carry the per-row fields by name through the hosts' gather.
+    """
 
     examples: tuple[Example, ...]  # [P]
     prompt_ids: tuple[tuple[int, ...], ...]  # [P] chat-templated prompt token ids
-    response_ids: np.ndarray  # int32 [N, B], 0 after each response's end
-    behaviour_logprobs: np.ndarray  # float32 [N, B]: the sampler's (temperature-scaled), 0 on padding
-    response_mask: np.ndarray  # bool [N, B]: generated tokens
-    lengths: np.ndarray  # int32 [N]
-    truncated: np.ndarray  # bool [N]: hit the budget without a stop token
-    versions: np.ndarray  # int64 [N]: the weight version each response was sampled with
-    components: np.ndarray  # float32 [N, K]: reward components
     group_valid: np.ndarray  # bool [P]: False = a padding group (no loss, no statistics)
-    # Multi-turn rows: bool [N, B] True on the model's tokens (None: every response token) and float32 [N, E]
-    # the episode counts (EPISODE_COLUMNS; None: zeros, a single-turn rollout).
-    loss_mask: np.ndarray | None = None
-    episodes: np.ndarray | None = None
-
-    ROW_FIELDS = ("response_ids", "behaviour_logprobs", "response_mask", "lengths", "truncated", "versions",
-                  "components", "loss_mask", "episodes")
+    response_ids: np.ndarray = dataclasses.field(metadata=_PER_ROW)  # int32 [N, T], 0 after each response's end
+    # float32 [N, T]: the sampler's (temperature-scaled), 0 on padding
+    behaviour_logprobs: np.ndarray = dataclasses.field(metadata=_PER_ROW)
+    response_mask: np.ndarray = dataclasses.field(metadata=_PER_ROW)  # bool [N, T]: generated tokens
+    lengths: np.ndarray = dataclasses.field(metadata=_PER_ROW)  # int32 [N]
+    truncated: np.ndarray = dataclasses.field(metadata=_PER_ROW)  # bool [N]: hit the budget without a stop token
+    # int64 [N]: the weight version each response was sampled with
+    weight_versions: np.ndarray = dataclasses.field(metadata=_PER_ROW)
+    components: np.ndarray = dataclasses.field(metadata=_PER_ROW)  # float32 [N, K]: reward components
+    # Multi-turn rows: bool [N, T] True on the model's tokens (None: every response token) and float32
+    # [N, len(EPISODE_COLUMNS)] the episode counts (None: zeros, a single-turn rollout).
+    loss_mask: np.ndarray | None = dataclasses.field(default=None, metadata=_PER_ROW)
+    episodes: np.ndarray | None = dataclasses.field(default=None, metadata=_PER_ROW)
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -64,7 +69,7 @@ class ScoredRollout:
                              f"{len(self.group_valid)} group_valid flags")
         if num_prompts == 0 or num_rows % num_prompts:
             raise ValueError(f"ScoredRollout: {num_rows} responses do not form groups of {num_prompts} prompts")
-        for name, value in self.rows().items():
+        for name, value in self.row_arrays().items():
             if len(value) != num_rows:
                 raise ValueError(f"ScoredRollout.{name}: {len(value)} rows, expected {num_rows}")
 
@@ -78,16 +83,15 @@ class ScoredRollout:
         """bool [N]: responses of real (not padding) groups."""
         return np.repeat(self.group_valid, self.group_size)
 
-    def rows(self) -> dict[str, np.ndarray]:
-        """The per-row arrays by name (what the hosts all-gather)."""
-        return {name: getattr(self, name) for name in self.ROW_FIELDS}
+    def row_arrays(self) -> dict[str, np.ndarray]:
+        """The per-row fields by name (what the hosts all-gather)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("per_row")}
 
     @classmethod
-    def from_rows(cls, examples: Sequence[Example], prompt_ids: Sequence[Sequence[int]],
-                  rows: dict[str, np.ndarray]) -> ScoredRollout:
-        """A rollout of these prompts from its per-row arrays (`ROW_FIELDS`), every group valid."""
-        return cls(tuple(examples), tuple(tuple(p) for p in prompt_ids), **rows,
-                             group_valid=np.ones(len(examples), bool))
+    def from_prompts(cls, examples: Sequence[Example], prompt_ids: Sequence[Sequence[int]],
+                     **row_arrays: np.ndarray) -> ScoredRollout:
+        """The rollout of these prompts, every group valid, from its per-row fields by name."""
+        return cls(tuple(examples), tuple(tuple(p) for p in prompt_ids), np.ones(len(examples), bool), **row_arrays)
 
     def take(self, groups: Sequence[int]) -> ScoredRollout:
         """The groups at these indices, in this order, with their rows and validity."""
@@ -96,7 +100,7 @@ class ScoredRollout:
         return dataclasses.replace(self, examples=tuple(self.examples[g] for g in picked),
                                    prompt_ids=tuple(self.prompt_ids[g] for g in picked),
                                    group_valid=self.group_valid[picked],
-                                   **{name: value[row_index] for name, value in self.rows().items()})
+                                   **{name: value[row_index] for name, value in self.row_arrays().items()})
 
     @staticmethod
     def concat(parts: Sequence[ScoredRollout]) -> ScoredRollout:
@@ -106,7 +110,7 @@ class ScoredRollout:
                                    prompt_ids=tuple(ids for p in parts for ids in p.prompt_ids),
                                    group_valid=np.concatenate([p.group_valid for p in parts]),
                                    **{name: np.concatenate([getattr(p, name) for p in parts])
-                                      for name in first.ROW_FIELDS})
+                                      for name in first.row_arrays()})
 
     def components_PGK(self) -> np.ndarray:
         """float32 [P, G, K]: the reward components by group."""
@@ -132,8 +136,6 @@ class ScoredRollout:
 
     def to_batch(self, advantages_N: np.ndarray, prompt_length: int) -> Batch[np.ndarray]:
         """The step's host batch (numpy): prompts left-padded to prompt_length; old log-probs still zero."""
-        from drgrpo_jax.step.batch import Batch
-
         prompt_ids, prompt_mask = left_pad(self.prompt_ids, prompt_length, self.group_size)
         return Batch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=self.response_ids,
                      response_mask=self.response_mask, advantages=np.asarray(advantages_N, np.float32),
@@ -168,20 +170,18 @@ class HostCounters:
                 "errors_F": np.asarray(self.reward_errors_F, np.int64)}
 
     def across_hosts(self, stacked: dict[str, np.ndarray]) -> HostCounters:
-        """Every host's `arrays()` stacked [H, ...] -> parallel work: the slowest host's time, summed counts."""
+        """Every host's `arrays()` stacked [hosts, ...] -> parallel work: the slowest host's time, summed counts."""
         seconds = stacked["seconds"].max(axis=0)
         return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]),
                             stacked["timeouts_F"].sum(axis=0), stacked["errors_F"].sum(axis=0), self.error_messages)
 
     def metrics(self) -> dict[str, int]:
         """Per-function and total reward timeouts and errors, for metrics.jsonl."""
-        from drgrpo_jax.rewards.functions import failure_metrics
-
         return failure_metrics(self.reward_functions, self.reward_timeouts_F, self.reward_errors_F)
 
 
 def merge_host_rows(stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Every host's rows stacked on a leading host axis [H, rows, ...] -> the whole rollout [H * rows, ...].
+    """Every host's rows stacked on a leading host axis [hosts, N, ...] -> the whole rollout [hosts * N, ...].
 
     Host h's rows follow host h - 1's, which is the prompt order of a one-host rollout because the
     shares are contiguous (`host_share`).

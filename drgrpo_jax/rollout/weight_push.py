@@ -19,15 +19,18 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+import jax
 import numpy as np
+from flax import nnx
 
 from drgrpo_jax import named_tensors
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, host_array
-from drgrpo_jax.paths import copy_folder, is_remote, remove_folder, versions_in
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.lora import adapter_arrays, merged_model, save_adapter
+from drgrpo_jax.weight_folders import copy_folder, is_remote, remove_folder, versions_in
 
 if TYPE_CHECKING:
-    from flax import nnx
 
     from drgrpo_jax.config.schema import Config
     from drgrpo_jax.rollout.client import RolloutClient
@@ -53,8 +56,6 @@ def check_room(config: Config, mode: Literal["shm", "disk"], params: nnx.State, 
                ) -> Literal["shm", "disk"]:
     """`mode`, or disk when shared memory cannot hold two versions of the pushed model (the loaded one and the
     next) under auto; a ConfigError under rollout.weight_sync=shm."""
-    import jax
-
     if mode == "disk":
         return mode
     pushed = frozen if frozen is not None else params  # a merged LoRA push is the size of the base
@@ -72,13 +73,7 @@ def host_tensors(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | 
                  ) -> dict[str, np.ndarray]:
     """Every parameter as a host array under its path ("layers/q_proj"); given `frozen` (LoRA with
     model.lora.push=merged), the base with the adapters merged in, as `WeightPublisher.export_merged` writes it."""
-    from flax import nnx
-
     if frozen is not None:
-        import jax
-
-        from drgrpo_jax.models.lora import merged_model
-
         host_params, host_frozen = jax.tree.map(host_array, (params, frozen))
         params = nnx.state(merged_model(nnx.merge(graphdef, host_params, host_frozen)), nnx.Param)
     return {"/".join(str(p) for p in path): host_array(variable[...]) for path, variable in nnx.to_flat_state(params)}
@@ -86,7 +81,6 @@ def host_tensors(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | 
 
 class SegmentPusher:
     """Pushes whole-model versions to the trainer's own child service through shared memory."""
-
     def __init__(self, graphdef: nnx.GraphDef, *, merged_lora: bool = False):
         self.graphdef, self.merged_lora = graphdef, merged_lora
         self._current: str | None = None  # the segment the child loaded last (kept for a restarted child)
@@ -137,7 +131,6 @@ class WeightPublisher:
     With `lora` (the model's DecoderConfig, which carries the adapters' spec), params are LoRA adapters
     and each version is a PEFT adapter folder naming `base_model`, a few MB instead of the whole model.
     """
-
     def __init__(self, root: str, graphdef: Any, keep: int = 2, mirror: str | None = None, *,
                  lora: Any = None, base_model: str = "", push_merged: bool = False):
         self.root, self.graphdef, self.keep = os.path.abspath(root), graphdef, keep
@@ -146,12 +139,6 @@ class WeightPublisher:
 
     def export(self, params: Any, path: str, tokenizer: Any = None) -> str:
         """Writes `params` as an HF folder (a PEFT adapter folder with LoRA) at `path` atomically."""
-        import jax
-        from flax import nnx
-
-        from drgrpo_jax.models.hf_io import save_pretrained
-        from drgrpo_jax.models.lora import adapter_arrays, save_adapter
-
         host_params = jax.tree.map(host_array, params)  # a collective in multi-host runs
         if jax.process_index() == 0:
             with _atomic_folder(path) as tmp:
@@ -165,12 +152,6 @@ class WeightPublisher:
 
     def export_merged(self, params: Any, frozen: Any, path: str, tokenizer: Any = None) -> str:
         """Writes the base with the LoRA adapters merged in as an HF folder at `path` atomically."""
-        import jax
-        from flax import nnx
-
-        from drgrpo_jax.models.hf_io import save_pretrained
-        from drgrpo_jax.models.lora import merged_model
-
         host_params, host_frozen = jax.tree.map(host_array, (params, frozen))
         if jax.process_index() == 0:
             with _atomic_folder(path) as tmp:
@@ -187,8 +168,6 @@ class WeightPublisher:
 
         With LoRA and `push_merged`, the version is the merged model (`frozen`: the base), not the adapter.
         """
-        import jax
-
         if self.lora is not None and self.push_merged:
             path = self.export_merged(params, frozen, self.local_path(version))
         else:
@@ -237,8 +216,6 @@ def publish_weights(publisher: WeightPublisher, client: RolloutClient | None, pa
     Every process waits for it and raises with it if it fails anywhere, so no host samples before the
     services hold the new weights.
     """
-    import jax
-
     with fail_together(f"publishing weight version {version}"):
         if pusher is not None and client is not None:  # one process: no disk round trip
             return pusher.push(client, params, version, rollback=rollback, frozen=frozen)

@@ -1,7 +1,7 @@
 """A training step's rollout: prompts drawn and templated, completions sampled from the generation service(s)
 (each process its contiguous share), scored, gathered onto every host in prompt order; dynamic sampling's
 extra rounds; and rollout.async's first round launched a step ahead (`prefetch`, `prime`; the timeline is in
-drgrpo_jax.train.async_rollout). Every random choice derives from (run.seed, step, purpose)."""
+drgrpo_jax.train.prefetch). Every random choice derives from (run.seed, step, purpose)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,22 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
-from drgrpo_jax.config.rules import reward_weights
+from drgrpo_jax.config.derived import reward_weights
+from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data.examples import Example
 from drgrpo_jax.data.prompts import tokenize_prompt
+from drgrpo_jax.environments.build import Episodes
+from drgrpo_jax.environments.trajectory import run_episodes, trajectory_arrays
 from drgrpo_jax.errors import ConfigError, RolloutError
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, host_share, merge_host_rows
 from drgrpo_jax.rollout.weight_push import publish_weights
-from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher
-from drgrpo_jax.train.seeds import rollout_seed
+from drgrpo_jax.seeds import rollout_seed
+from drgrpo_jax.train.prefetch import PendingRound, Prefetcher
 
 if TYPE_CHECKING:
     from drgrpo_jax.step.train_step import TrainState
@@ -30,19 +34,19 @@ if TYPE_CHECKING:
 __all__ = ["collect_rollout", "prefetch", "prime", "prompt_ids", "sample", "stop_ids"]
 
 
-def _episode_opening(run: Run, example: Example) -> list[int]:
+def _episode_opening(episodes: Episodes, example: Example) -> list[int]:
     """An episode's prompt: its environment's opening messages through the chat template (tools described)."""
-    assert run.episodes is not None
-    environment = run.episodes.make_environment()
-    return run.episodes.renderer(environment).opening_ids(environment.reset(run.episodes.example(example)))
+    environment = episodes.make_environment()
+    return episodes.renderer(environment).opening_ids(environment.reset(episodes.example(example)))
 
 
-def prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
+def prompt_ids(examples: tuple[Example, ...], config: Config, tokenizer: Any,
+               episodes: Episodes | None) -> list[list[int]]:
     """Chat-templated prompt ids (episodes: the environment's opening); a prompt over rollout.max_prompt_tokens is
     an error naming it."""
-    limit = run.config.rollout.max_prompt_tokens
-    prompts = [_episode_opening(run, example) if run.episodes is not None else
-               tokenize_prompt(example, run.config.data, run.tokenizer) for example in examples]
+    limit = config.rollout.max_prompt_tokens
+    prompts = [_episode_opening(episodes, example) if episodes is not None else
+               tokenize_prompt(example, config.data, tokenizer) for example in examples]
     for example, ids in zip(examples, prompts):
         if len(ids) > limit:
             raise ConfigError("rollout.max_prompt_tokens", f"prompt {example.prompt_id} has {len(ids)} tokens, "
@@ -50,8 +54,9 @@ def prompt_ids(run: Run, examples: tuple[Example, ...]) -> list[list[int]]:
     return prompts
 
 
-def stop_ids(run: Run) -> list[int]:
-    eos = getattr(run.tokenizer, "eos_token_id", None)
+def stop_ids(tokenizer: Any) -> list[int]:
+    """The token ids that end a completion: the tokenizer's EOS, if it has one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
     return [int(eos)] if eos is not None else []
 
 
@@ -66,8 +71,6 @@ def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts
                      offset: int) -> tuple[ScoredRollout, HostCounters]:
     """This process's share as G multi-turn episodes per prompt (environments/trajectory.py), scored on each
     episode's last model turn; the rows hold the whole trajectory and the model's tokens in `loss_mask`."""
-    from drgrpo_jax.environments.trajectory import run_episodes, trajectory_arrays
-
     r, episodes = run.config.rollout, run.episodes
     assert episodes is not None
     grouped = [e for e in examples for _ in range(r.group_size)]
@@ -88,43 +91,45 @@ def _sample_episodes(run: Run, step: int, examples: tuple[Example, ...], prompts
                               given=episodes.given_rewards(trajectories))
     counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
                             scored.errors_F, scored.error_messages)
-    arrays = trajectory_arrays(trajectories, r.max_new_tokens)
-    rows = {**arrays, "lengths": np.asarray([len(t.ids) for t in trajectories], np.int32),
-            "truncated": np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]),
-            "versions": np.asarray([min(_version_number(v) for v in t.weight_versions) for t in trajectories],
+    rows = trajectory_arrays(trajectories, r.max_new_tokens)
+    share = ScoredRollout.from_prompts(
+        examples, prompts, response_ids=rows.response_ids, behaviour_logprobs=rows.behaviour_logprobs,
+        response_mask=rows.response_mask, loss_mask=rows.loss_mask,
+        lengths=np.asarray([len(t.ids) for t in trajectories], np.int32),
+        truncated=np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]),
+        weight_versions=np.asarray([min(_version_number(v) for v in t.weight_versions) for t in trajectories],
                                    np.int64),
-            "components": scored.components_NK,
-            "episodes": np.asarray([[getattr(t, column) for column in EPISODE_COLUMNS] for t in trajectories],
-                                   np.float32)}
-    return ScoredRollout.from_rows(examples, prompts, rows), counters
+        components=scored.components_NK,
+        episodes=np.asarray([[getattr(t, column) for column in EPISODE_COLUMNS] for t in trajectories], np.float32))
+    return share, counters
 
 
 def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
                   offset: int) -> tuple[ScoredRollout, HostCounters]:
     """This process's share of the prompts: sampled from the service(s) and scored here."""
-    import jax
-
     if run.episodes is not None:
         return _sample_episodes(run, step, examples, prompts, seed, offset)
     r = run.config.rollout
     start = time.perf_counter()
     sampled = run.client.generate(prompts, r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                  top_p=r.top_p, top_k=r.top_k, stop_token_ids=[] if r.ignore_eos else stop_ids(run),
+                                  top_p=r.top_p, top_k=r.top_k,
+                                  stop_token_ids=[] if r.ignore_eos else stop_ids(run.tokenizer),
                                   ignore_eos=r.ignore_eos, seed=seed,
                                   expected_version=step, max_staleness=r.max_staleness, prompt_offset=offset,
                                   first_url=jax.process_index())
     rollout_seconds = time.perf_counter() - start
-    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.output_ids, sampled.lengths)],
+    texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.response_ids, sampled.lengths)],
                                        skip_special_tokens=True)
     start = time.perf_counter()
     scored = run.scorer.score(texts, [e for e in examples for _ in range(r.group_size)], sampled.lengths)
     counters = HostCounters(scored.functions, rollout_seconds, time.perf_counter() - start, scored.timeouts_F,
                             scored.errors_F, scored.error_messages)
-    rows = {"response_ids": sampled.output_ids, "behaviour_logprobs": sampled.logprobs,
-            "response_mask": sampled.mask, "lengths": sampled.lengths, "truncated": sampled.truncated,
-            "versions": np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
-            "components": scored.components_NK}
-    return ScoredRollout.from_rows(examples, prompts, rows), counters
+    share = ScoredRollout.from_prompts(
+        examples, prompts, response_ids=sampled.response_ids, behaviour_logprobs=sampled.behaviour_logprobs,
+        response_mask=sampled.response_mask, lengths=sampled.lengths, truncated=sampled.truncated,
+        weight_versions=np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
+        components=scored.components_NK)
+    return share, counters
 
 
 def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,
@@ -136,18 +141,16 @@ def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[lis
     on every process together: the hosts all-gather a failure flag before the rows, so no host
     waits in a collective forever. Counters are the slowest host's times and the hosts' summed counts.
     """
-    import jax
-
     host, hosts = jax.process_index(), jax.process_count()
     start, stop = host_share(len(prompts), hosts, host)
     with fail_together(f"sampling or scoring step {step + 1}"):
         share, counters = pending.future.result() if pending is not None else _sample_share(
             run, step, examples[start:stop], prompts[start:stop], seed, start)
-    stacked_rows, stacked_counters = gather_hosts((share.rows(), counters.arrays()))
+    stacked_rows, stacked_counters = gather_hosts((share.row_arrays(), counters.arrays()))
     if hosts > 1 and (step + 1) % run.config.run.log_every == 0:
         print(f"[process {host}/{hosts}] step {step + 1}: sampled and scored prompts {start}-{stop - 1} "
               f"({len(share.lengths)} responses)", file=sys.stderr, flush=True)
-    rollout = ScoredRollout.from_rows(examples, prompts, merge_host_rows(stacked_rows))
+    rollout = ScoredRollout.from_prompts(examples, prompts, **merge_host_rows(stacked_rows))
     return rollout, counters.across_hosts(stacked_counters)
 
 
@@ -169,7 +172,7 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
     while True:
         first = pending if not rounds else None
         examples = first.examples if first is not None else next(run.stream)
-        prompts = first.prompts if first is not None else prompt_ids(run, examples)
+        prompts = first.prompts if first is not None else prompt_ids(examples, c, run.tokenizer, run.episodes)
         seed = rollout_seed(c.run.seed, step, len(rounds))
         rollout, counted = sample(run, step, examples, prompts, seed, first)
         rounds.append(rollout)
@@ -194,11 +197,9 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
 
 
 def prefetch(run: Run, prefetcher: Prefetcher, step: int) -> PendingRound:
-    """Step `step`'s first sampling round, launched in the background now (rollout.async; see async_rollout)."""
-    import jax
-
+    """Step `step`'s first sampling round, launched in the background now (rollout.async; see train/prefetch.py)."""
     position, examples = run.stream.state(), next(run.stream)
-    prompts = prompt_ids(run, examples)
+    prompts = prompt_ids(examples, run.config, run.tokenizer, run.episodes)
     start, stop = host_share(len(prompts), jax.process_count(), jax.process_index())
     return prefetcher.launch(step, examples, prompts, position, _sample_share, run, step, examples[start:stop],
                              prompts[start:stop], rollout_seed(run.config.run.seed, step), start)

@@ -7,6 +7,7 @@ another Hub (a private mirror). The check runs at set-up, so an offline machine 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,8 +27,6 @@ def check_hub(repo_id: str | None) -> None:
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ConfigError("run.push_to_hub", "HF_HUB_OFFLINE is set, so the final policy could not be uploaded "
                                              "(unset it, or set run.push_to_hub=null)")
-    import importlib.util
-
     if importlib.util.find_spec("huggingface_hub") is None:
         raise ConfigError("run.push_to_hub", "huggingface_hub is not installed: pip install 'huggingface_hub>=0.34'")
 
@@ -47,7 +46,7 @@ def push_folder(folder: str, repo_id: str, *, private: bool = True, commit_messa
         with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as file:
             file.write(card)
     if api is None:
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi  # optional: check_hub says how to install it when it is missing
 
         api = HfApi()
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)

@@ -16,21 +16,23 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from drgrpo_jax.algorithms import ALGORITHMS
-from drgrpo_jax.config.derived import one_window_per_rollout
-from drgrpo_jax.config.rules import reward_weights
+from drgrpo_jax.config.derived import one_window_per_rollout, reward_weights
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.evaluate.evaluation import EvalSettings, eval_metrics, eval_summary
 from drgrpo_jax.host_memory import peak_rss_gb, return_freed_memory, returning_compile_memory
 from drgrpo_jax.hosts import fail_together, host_array
 from drgrpo_jax.rollout.weight_push import publish_weights
-from drgrpo_jax.train.async_rollout import PendingRound, Prefetcher, check_fresh, snapshot
+from drgrpo_jax.seeds import eval_seed, minibatch_permutation
+from drgrpo_jax.sharding import batch_sharding, place
 from drgrpo_jax.train.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
 from drgrpo_jax.train.hub import model_card, push_folder
 from drgrpo_jax.train.metrics import UpdateResult, sample_rows, step_metrics
-from drgrpo_jax.train.seeds import eval_seed, minibatch_seed
+from drgrpo_jax.train.prefetch import PendingRound, Prefetcher, check_fresh, snapshot
 from drgrpo_jax.train.setup import Run, setup
 
 if TYPE_CHECKING:
@@ -45,18 +47,6 @@ __all__ = ["train", "train_one_step", "update"]
 # ---------------------------------------------------------------------------------------------
 
 
-def _global_batch(batch: Batch, mesh: Any) -> Batch:
-    """The host batch as global arrays split over the data-parallel axes (every process holds all rows)."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from drgrpo_jax.step.train_step import BATCH_AXES
-
-    rows = NamedSharding(mesh, P(BATCH_AXES))
-    return jax.tree.map(lambda v: jax.make_array_from_callback(v.shape, rows, lambda index: v[index]), batch)
-
-
 def update(run: Run, state: TrainState, step: int, batch: Batch,
            signal_N: np.ndarray) -> tuple[TrainState, UpdateResult]:
     """Old log-probs (when several windows share the rollout), then ppo_epochs x minibatches_per_rollout
@@ -64,27 +54,25 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
 
     Each window's advantages pass the algorithm's window step (`Algorithm.window_advantages`) on its own rows.
     """
-    import jax
-
     a = run.config.algorithm
     algorithm = ALGORITHMS[a.name]
     start = time.perf_counter()
     if not one_window_per_rollout(a):  # else the step uses its own forward's log-probs (StepConfig.on_policy)
-        old_logprobs = host_array(run.logprob_fn(state.params, _global_batch(batch, run.mesh), state.frozen))
+        old_logprobs = host_array(run.logprob_fn(state.params, place(batch, batch_sharding(run.mesh)), state.frozen))
         batch = dataclasses.replace(batch, old_logprobs=old_logprobs)
     old_logprob_seconds = time.perf_counter() - start
     num = batch.row_valid.shape[0]
     size = num // a.minibatches_per_rollout
     history, window_reports = [], []
     for epoch in range(a.ppo_epochs):
-        order = np.random.default_rng(minibatch_seed(run.config.run.seed, step, epoch)).permutation(num)
+        order = minibatch_permutation(num, run.config.run.seed, step, epoch)
         for m in range(a.minibatches_per_rollout):
             rows = order[m * size:(m + 1) * size]
             window = jax.tree.map(lambda v, rows=rows: v[rows], batch)
             advantages, report = algorithm.window_advantages(window.advantages, window.row_valid, signal_N[rows])
             window = dataclasses.replace(window, advantages=np.asarray(advantages, np.float32))
             window_reports.append({k: float(v) for k, v in report.items()})
-            state, metrics = run.train_fn(state, _global_batch(window, run.mesh))
+            state, metrics = run.train_fn(state, place(window, batch_sharding(run.mesh)))
             history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
     return state, UpdateResult(history, window_reports, old_logprob_seconds)
 
@@ -112,12 +100,12 @@ def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetche
     (the local child unless rollout.urls is set; several hosts need rollout.urls) and scores them, and the hosts
     all-gather the rows in prompt order (`train.collect`); the old log-probs are recomputed, ppo_epochs x
     minibatches_per_rollout jitted updates run, and the new weights go to every service (`rollout.weight_push`).
-    With rollout.async the next step's rollout is sampled during the update, one version stale (`async_rollout`).
+    With rollout.async the next step's rollout is sampled during the update, one version stale (`train.prefetch`).
     """
     c = run.config
     started = time.perf_counter()
     rollout, signal_P, counters, sampling = collect_rollout(run, step, pending)
-    check_fresh(rollout.versions, step, c.rollout.max_staleness)  # never trains on a rollout older than allowed
+    check_fresh(rollout.weight_versions, step, c.rollout.max_staleness)  # never trains on a rollout older than allowed
     advantages_N = rollout.advantages_N(ALGORITHMS[c.algorithm.name], reward_weights(c),
                                         scale_rewards=c.algorithm.scale_rewards,
                                         whiten_advantages=c.algorithm.whiten_advantages)
@@ -143,7 +131,7 @@ def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetche
     row.update(sampling, data_position=run.stream.state(), service_restarts=run.client.service_restarts,
                peak_rss_gb=peak_rss_gb())
     if run.log.enabled and c.run.sample_every and (step + 1) % c.run.sample_every == 0:
-        run.log.samples(sample_rows(run, step + 1, rollout))
+        run.log.samples(sample_rows(c, run.tokenizer, step + 1, rollout))
     return state, row, ahead
 
 
@@ -153,8 +141,6 @@ def periodic_eval(run: Run, step: int) -> dict[str, Any] | None:
     The other processes wait for it (and raise with it if it fails), so none runs ahead into the
     next step's collectives.
     """
-    import jax
-
     row = None
     with fail_together(f"evaluation after step {step}"):
         if jax.process_index() == 0 and run.dataset.eval:
@@ -169,8 +155,9 @@ def _periodic_eval(run: Run, step: int) -> dict[str, Any]:
     settings = EvalSettings(max_new_tokens=c.rollout.max_new_tokens, samples=c.train.eval_samples,
                             temperature=c.train.eval_temperature, seed=eval_seed(c.run.seed, step),
                             chunk_prompts=max(len(run.dataset.eval), 1))
-    row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, prompt_ids(run, run.dataset.eval),
-                       settings, stop_token_ids=stop_ids(run), expected_version=step, episodes=run.episodes)
+    prompts = prompt_ids(run.dataset.eval, c, run.tokenizer, run.episodes)
+    row = eval_metrics(run.client, run.tokenizer, run.scorer, run.dataset.eval, prompts, settings,
+                       stop_token_ids=stop_ids(run.tokenizer), expected_version=step, episodes=run.episodes)
     return {"step": step, **row, "eval_seconds": time.perf_counter() - start}
 
 
@@ -179,12 +166,9 @@ def _periodic_eval(run: Run, step: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _progress(run: Run) -> Any:
+def _progress(steps: int, start_step: int) -> Any:
     """A tqdm bar on process 0 (a no-op object elsewhere)."""
-    import jax
-    from tqdm.auto import tqdm
-
-    return tqdm(total=run.config.train.steps, initial=run.start_step, desc="train", unit="step", dynamic_ncols=True,
+    return tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
                 disable=jax.process_index() != 0, file=sys.stderr)
 
 
@@ -200,7 +184,7 @@ def train(config: Config, command: str = "") -> str:
         stack.enter_context(returning_compile_memory())
         run, state = setup(config, stack)
         c = run.config
-        bar = stack.enter_context(_progress(run))
+        bar = stack.enter_context(_progress(c.train.steps, run.start_step))
         if run.log.enabled:  # process 0; beside the progress bar on stderr
             print(f"model.compute_dtype: {run.compute_dtype} (GEMMs of the train step and the local service)",
                   file=sys.stderr, flush=True)

@@ -7,13 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.config.rules import component_names, reward_weights
+from drgrpo_jax.config.derived import component_names, reward_weights
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, correct_mask, response_stats
 
 if TYPE_CHECKING:
     from drgrpo_jax.step.batch import Batch
-    from drgrpo_jax.train.setup import Run
 
 __all__ = ["UpdateResult", "sample_rows", "step_metrics"]
 
@@ -37,7 +36,7 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
     names, valid = component_names(config.reward), rollout.row_valid
     components = rollout.components[valid]  # the trained responses (padding groups left out)
     total = components @ np.asarray(reward_weights(config), np.float32)
-    generated = int(rollout.lengths.sum())
+    generated, oldest = int(rollout.lengths.sum()), rollout.weight_versions.min()
     trained = int(batch.prompt_mask[valid].sum() + batch.response_mask[valid].sum()) * config.algorithm.ppo_epochs
     history = updates.metrics
     row: dict[str, Any] = {
@@ -46,7 +45,7 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         "reward_mean": float(total.mean()), "reward_std": float(total.std()),
         **response_stats(rollout.lengths[valid], rollout.truncated[valid], correct_mask(names, components)),
         "advantage_abs_mean": float(np.abs(batch.advantages[valid]).mean()),
-        "weight_version": int(rollout.versions.min()), "staleness": int(step - 1 - rollout.versions.min()),
+        "weight_version": int(oldest), "staleness": int(step - 1 - oldest),
         "tokens_per_second": generated / seconds["step"],
         "rollout_tokens_per_second": generated / max(counters.rollout_seconds, 1e-9),
         "train_tokens_per_second": trained / seconds["train"],
@@ -64,14 +63,14 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
     return row | counters.metrics()
 
 
-def sample_rows(run: Run, step: int, rollout: ScoredRollout) -> list[dict[str, Any]]:
+def sample_rows(config: Config, tokenizer: Any, step: int, rollout: ScoredRollout) -> list[dict[str, Any]]:
     """samples.jsonl rows: every completion of the step's first two prompts (decoded here: any host sampled them)."""
     rows, group = [], rollout.group_size
-    names = component_names(run.config.reward)
-    total = rollout.components @ np.asarray(reward_weights(run.config), np.float32)
+    names = component_names(config.reward)
+    total = rollout.components @ np.asarray(reward_weights(config), np.float32)
     for p, example in enumerate(rollout.examples[:2]):
         picked = range(p * group, (p + 1) * group)
-        texts = run.tokenizer.batch_decode([rollout.response_ids[i][:rollout.lengths[i]] for i in picked],
+        texts = tokenizer.batch_decode([rollout.response_ids[i][:rollout.lengths[i]] for i in picked],
                                            skip_special_tokens=True)
         for i, text in zip(picked, texts):
             rows.append({"step": step, "prompt_id": example.prompt_id, "question": example.question,

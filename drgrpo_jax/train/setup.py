@@ -11,6 +11,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import jax
+
+from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.config.derived import (
     child_service_batch_size,
     lora_base_dtype,
@@ -22,24 +25,29 @@ from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data.examples import PromptDataset
 from drgrpo_jax.data.order import PromptStream
+from drgrpo_jax.data.sources import load_dataset
+from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together
-from drgrpo_jax.rollout.weight_push import WeightPublisher, publish_weights
+from drgrpo_jax.models.lora import add_adapters, store_base
+from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
+from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
+from drgrpo_jax.plan.planner import auto_remat
+from drgrpo_jax.rewards.scorer import RewardScorer
+from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.rollout.local_service import LocalServer
+from drgrpo_jax.rollout.weight_push import SegmentPusher, WeightPublisher, check_room, publish_weights, sync_mode
+from drgrpo_jax.seeds import init_key, lora_init_key
+from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, parse_service_mesh, place, service_mesh
+from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 from drgrpo_jax.train.hub import check_hub
 from drgrpo_jax.train.run_log import RunLog
-from drgrpo_jax.train.seeds import lora_init_key
 from drgrpo_jax.train.trackers import check_trackers, open_trackers
+from drgrpo_jax.weight_folders import is_remote
 
 if TYPE_CHECKING:
-    import jax
     from flax import nnx
 
-    from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.environments.build import Episodes
-    from drgrpo_jax.rewards.scorer import RewardScorer
-    from drgrpo_jax.rollout.client import RolloutClient
-    from drgrpo_jax.rollout.local_service import LocalServer
-    from drgrpo_jax.rollout.weight_push import SegmentPusher
     from drgrpo_jax.step.batch import Batch
     from drgrpo_jax.step.train_step import TrainState
 
@@ -73,10 +81,6 @@ class Run:
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
     """The (data, fsdp, tensor) mesh: the first data*fsdp*tensor devices (all of them on several hosts)."""
-    import jax
-
-    from drgrpo_jax.sharding import MeshShape, make_mesh
-
     m = config.mesh
     ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
     if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
@@ -92,8 +96,6 @@ def check_service_mesh(config: Config) -> None:
     """ConfigError naming rollout.service_mesh when this host has fewer devices than the child service's mesh
     (checked before anything loads or compiles; the model's heads are checked by the child before it loads).
     Services of rollout.urls run elsewhere: their devices are not this host's."""
-    from drgrpo_jax.sharding import parse_service_mesh, service_mesh
-
     if config.rollout.urls:
         return
     try:
@@ -121,8 +123,6 @@ def api_key(config: Config) -> str | None:
 
 def connect_urls(config: Config) -> RolloutClient:
     """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
-    from drgrpo_jax.rollout.client import RolloutClient
-
     client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s, api_key=api_key(config))
     for url, ok in zip(client.urls, client.healthy()):
         if not ok:
@@ -135,7 +135,7 @@ def weights_roots(config: Config) -> list[str]:
     """The folders the trainer's own child service may load weight pushes from: this run's versions only."""
     roots = [os.path.abspath(os.path.join(config.run.output_dir, "weights"))]
     if config.run.weights_dir:
-        roots.append(config.run.weights_dir if "://" in config.run.weights_dir else
+        roots.append(config.run.weights_dir if is_remote(config.run.weights_dir) else
                      os.path.abspath(config.run.weights_dir))
     return roots
 
@@ -144,27 +144,12 @@ def _initialize_distributed(config: Config) -> None:
     """jax.distributed.initialize when mesh.coordinator_address is set (before any device is touched)."""
     m = config.mesh
     if m.coordinator_address:
-        import jax
-
         jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
 
 
 def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
     """(the run, the train state to start from): fresh, or the last checkpoint's when resuming."""
-    _initialize_distributed(config)
-    import jax
-
-    from drgrpo_jax.checkpoint import Checkpointer
-    from drgrpo_jax.data.sources import load_dataset
-    from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
-    from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
-    from drgrpo_jax.rewards.scorer import RewardScorer
-    from drgrpo_jax.rollout.client import RolloutClient
-    from drgrpo_jax.rollout.local_service import LocalServer
-    from drgrpo_jax.rollout.weight_push import SegmentPusher, check_room, sync_mode
-    from drgrpo_jax.sharding import param_shardings, place
-    from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
-
+    _initialize_distributed(config)  # first, before any device is touched (importing a module touches none)
     c, main_process = config, jax.process_index() == 0
     if jax.process_count() > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
@@ -192,8 +177,6 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None
     if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error
-        from drgrpo_jax.environments.build import build_episodes
-
         episodes = build_episodes(c, tokenizer)
 
     mesh = build_mesh(c)
@@ -203,16 +186,12 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
                             attention_impl=c.model.attention_impl)
     if c.model.remat == "auto":  # the plan's pick for this device's memory (python -m drgrpo_jax.plan shows it)
-        from drgrpo_jax.plan.planner import auto_remat
-
         model.config = dataclasses.replace(model.config, remat=auto_remat(c, model.config, jax.devices()[0]))
     if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
-        from drgrpo_jax.models.lora import add_adapters, store_base
-
         model = add_adapters(model, spec, lora_init_key(c.run.seed))
         model = store_base(model, stored_dtype)  # deterministic: a resumed run rebuilds the same stored base
     optimizer, schedule = optimizer_of(c)
-    graphdef, state = init_state(model, optimizer, jax.random.key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
+    graphdef, state = init_state(model, optimizer, init_key(c.run.seed), with_reference=c.algorithm.kl_coef > 0)
     model_config = model.config
     del model
     params_shardings = param_shardings(state.params, mesh)
@@ -223,7 +202,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     start_step, position, behaviour = 0, 0, None
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
-        # rollout.async also saves the params that sample the pending round (drgrpo_jax.train.async_rollout).
+        # rollout.async also saves the params that sample the pending round (drgrpo_jax.train.prefetch).
         target = (state.checkpointed(), state.params) if c.rollout.async_ else state.checkpointed()
         restored = checkpointer.restore_latest(target)
         if restored is None:  # should_resume saw a checkpoint; none is left

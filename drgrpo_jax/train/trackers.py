@@ -17,6 +17,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from omegaconf import OmegaConf
+from tensorboardX import SummaryWriter
+
+from drgrpo_jax.config.load import dump_config
 from drgrpo_jax.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -72,8 +76,6 @@ class TensorBoardTracker:
     """tensorboardX event files in output_dir/tensorboard; config and samples as text."""
 
     def __init__(self, output_dir: str, start_step: int, config_yaml: str = ""):
-        from tensorboardX import SummaryWriter
-
         # purge_step hides events a killed run wrote past its last checkpoint.
         self._writer = SummaryWriter(os.path.join(output_dir, "tensorboard"),
                                      purge_step=start_step + 1 if start_step else None)
@@ -100,7 +102,7 @@ class WandbTracker:
     """A W&B run (WANDB_MODE=offline works without a network: `wandb sync` uploads it later)."""
 
     def __init__(self, output_dir: str, project: str, name: str, config: dict[str, Any]):
-        import wandb
+        import wandb  # optional extra: wandb
 
         run_id, new = _stable_id(output_dir, ".wandb_run_id", lambda: secrets.token_hex(6))
         self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=output_dir, config=config)
@@ -144,7 +146,7 @@ class MlflowTracker:
 
     def __init__(self, output_dir: str, tracking_uri: str, experiment: str, name: str, config: dict[str, Any],
                  config_yaml: str):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # optional extra: mlflow
 
         if tracking_uri.startswith("file:"):  # chosen explicitly: MLflow 3 refuses file stores without this opt-in
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -154,7 +156,7 @@ class MlflowTracker:
         self._run_id, new = _stable_id(
             output_dir, ".mlflow_run_id", lambda: self._client.create_run(experiment_id, run_name=name).info.run_id)
         if new:  # parameters are immutable in MLflow: a resumed run keeps those it started with
-            from mlflow.entities import Param
+            from mlflow.entities import Param  # optional extra: mlflow
 
             params = [Param(k, v) for k, v in _flatten(config).items()]
             for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
@@ -163,7 +165,7 @@ class MlflowTracker:
             _save_id(output_dir, ".mlflow_run_id", self._run_id)
 
     def metrics(self, row: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # optional extra: mlflow
 
         now = int(time.time() * 1000)
         metrics = [Metric(mlflow_key(k), v, now, step) for k, v in row.items()]
@@ -189,10 +191,6 @@ def check_trackers(config: Config) -> None:
 
 def open_trackers(config: Config, output_dir: str, start_step: int) -> list[Tracker]:
     """The trackers run.report_to lists, each given the resolved config."""
-    from omegaconf import OmegaConf
-
-    from drgrpo_jax.config.load import dump_config
-
     check_trackers(config)
     run = config.run
     name = run.name or os.path.basename(os.path.normpath(output_dir))

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
-from drgrpo_jax.rollout.client import RolloutClient, check_versions, prompt_seeds, retryable
+from drgrpo_jax.rollout.client import RolloutClient, check_versions, retryable
 from drgrpo_jax.rollout.local_service import LocalServer
+from drgrpo_jax.seeds import prompt_seeds
 
 
 def fake_generate(request: httpx.Request, version: str = "3") -> httpx.Response:
@@ -40,14 +41,14 @@ PROMPTS = [[10, 1], [20, 2, 2], [30], [40, 4]]
 
 def test_rollout_is_prompt_major_padded_and_aligned():
     with client_with(fake_generate) as client:
-        rollout = client.generate(PROMPTS, 2, max_new_tokens=5, seed=0)
-    assert rollout.output_ids.shape == (8, 5) and rollout.group_size == 2
-    np.testing.assert_array_equal(rollout.output_ids[:, 0], [10, 10, 20, 20, 30, 30, 40, 40])
-    np.testing.assert_array_equal(rollout.output_ids[:, 2], [0, 1] * 4)
-    assert rollout.lengths.tolist() == [3] * 8 and rollout.mask.sum() == 24
-    np.testing.assert_array_equal(rollout.logprobs[0], [-0.5, -1.0, -1.5, 0, 0])
-    assert rollout.truncated.tolist() == [False, True] * 4
-    assert rollout.weight_versions == ("3",) * 8
+        sampled = client.generate(PROMPTS, 2, max_new_tokens=5, seed=0)
+    assert sampled.response_ids.shape == (8, 5) and sampled.group_size == 2
+    np.testing.assert_array_equal(sampled.response_ids[:, 0], [10, 10, 20, 20, 30, 30, 40, 40])
+    np.testing.assert_array_equal(sampled.response_ids[:, 2], [0, 1] * 4)
+    assert sampled.lengths.tolist() == [3] * 8 and sampled.response_mask.sum() == 24
+    np.testing.assert_array_equal(sampled.behaviour_logprobs[0], [-0.5, -1.0, -1.5, 0, 0])
+    assert sampled.truncated.tolist() == [False, True] * 4
+    assert sampled.weight_versions == ("3",) * 8
 
 
 def test_ignore_eos_is_sent_only_when_asked():
@@ -71,8 +72,8 @@ def test_seeds_do_not_depend_on_how_the_fleet_splits_prompts():
         a = one.generate(PROMPTS, 3, max_new_tokens=4, seed=5)
         b = three.generate(PROMPTS, 3, max_new_tokens=4, seed=5)
         c = one.generate(PROMPTS, 3, max_new_tokens=4, seed=6)
-    np.testing.assert_array_equal(a.output_ids, b.output_ids)
-    assert not np.array_equal(a.output_ids, c.output_ids)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    assert not np.array_equal(a.response_ids, c.response_ids)
     assert len(set(prompt_seeds(5, 4))) == 4 and prompt_seeds(5, 2, offset=2) == prompt_seeds(5, 4)[2:]
 
 
@@ -101,7 +102,7 @@ def test_a_hosts_share_samples_as_the_whole_rollout_does():
         seen.clear()
         halves = [client.generate(PROMPTS[a:b], 2, max_new_tokens=3, seed=7, prompt_offset=a, first_url=h)
                   for h, (a, b) in enumerate([(0, 2), (2, 4)])]
-    np.testing.assert_array_equal(np.concatenate([r.output_ids for r in halves]), whole.output_ids)
+    np.testing.assert_array_equal(np.concatenate([r.response_ids for r in halves]), whole.response_ids)
     # host 0 starts at URL a, host 1 at URL b: each service gets one prompt of each host
     assert sorted(seen) == [("a", 10), ("a", 40), ("b", 20), ("b", 30)]
 
@@ -143,7 +144,7 @@ def test_transient_errors_are_retried_with_backoff():
         return fake_generate(request)
 
     with client_with(handler, max_retries=3) as client:
-        assert client.generate(PROMPTS[:1], 1, max_new_tokens=3, seed=0).output_ids.shape == (1, 3)
+        assert client.generate(PROMPTS[:1], 1, max_new_tokens=3, seed=0).response_ids.shape == (1, 3)
     assert len(calls) == 4
 
 
@@ -171,8 +172,8 @@ def test_a_url_that_keeps_answering_429_fails_over_to_the_next():
         return fake_generate(request)
 
     with client_with(handler, ["http://busy", "http://ok"], max_retries=2) as client:
-        rollout = client.generate(PROMPTS, 1, max_new_tokens=3, seed=0, first_url=0)
-    np.testing.assert_array_equal(rollout.output_ids[:, 0], [10, 20, 30, 40])
+        sampled = client.generate(PROMPTS, 1, max_new_tokens=3, seed=0, first_url=0)
+    np.testing.assert_array_equal(sampled.response_ids[:, 0], [10, 20, 30, 40])
     assert calls.count("busy") == 3  # the first share: 1 + 2 retries on http://busy, then http://ok
     assert calls.count("ok") == 2  # its own share and the failed-over one
     with client_with(handler, ["http://busy"], max_retries=1) as client:
@@ -220,8 +221,8 @@ def test_a_dead_url_fails_over_and_all_dead_raises():
         return fake_generate(request)
 
     with client_with(handler, ["http://dead", "http://alive"], max_retries=1) as client:
-        rollout = client.generate(PROMPTS, 1, max_new_tokens=3, seed=0)
-    np.testing.assert_array_equal(rollout.output_ids[:, 0], [10, 20, 30, 40])
+        sampled = client.generate(PROMPTS, 1, max_new_tokens=3, seed=0)
+    np.testing.assert_array_equal(sampled.response_ids[:, 0], [10, 20, 30, 40])
     with client_with(handler, ["http://dead"], max_retries=2) as client:
         with pytest.raises(RolloutError, match="failed after 3 attempts"):
             client.generate(PROMPTS, 1, max_new_tokens=3)
@@ -298,12 +299,13 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
         pid = server._process.pid
         with RolloutClient([server.url]) as client, RolloutClient([server.url, server.url]) as fleet:
             assert client.healthy() == [True]
-            rollout = client.generate(PROMPTS, 3, max_new_tokens=8, seed=1, expected_version=5)
-            assert rollout.output_ids.shape == (12, 8) and rollout.weight_versions == ("5",) * 12
-            assert (rollout.logprobs[rollout.mask] < 0).all() and (rollout.logprobs[~rollout.mask] == 0).all()
-            assert ((rollout.lengths == 8) | ~rollout.truncated).all()
-            np.testing.assert_array_equal(rollout.output_ids,
-                                          fleet.generate(PROMPTS, 3, max_new_tokens=8, seed=1).output_ids)
+            sampled = client.generate(PROMPTS, 3, max_new_tokens=8, seed=1, expected_version=5)
+            assert sampled.response_ids.shape == (12, 8) and sampled.weight_versions == ("5",) * 12
+            mask = sampled.response_mask
+            assert (sampled.behaviour_logprobs[mask] < 0).all() and (sampled.behaviour_logprobs[~mask] == 0).all()
+            assert ((sampled.lengths == 8) | ~sampled.truncated).all()
+            np.testing.assert_array_equal(sampled.response_ids,
+                                          fleet.generate(PROMPTS, 3, max_new_tokens=8, seed=1).response_ids)
             client.update_weights(model_dir, 6)
             assert client.model_info()["weight_version"] == "6"
             # A URI (gs://... in a real run) is copied to a local temp folder first: file:// takes that path here.
@@ -389,7 +391,7 @@ def test_a_killed_local_service_is_restarted_on_the_pushed_weights_and_the_rollo
         assert client.service_restarts == 1 and server._process.pid != first_pid
         assert client.model_info()["weight_version"] == "1"
         again = client.generate(PROMPTS, 8, max_new_tokens=100, seed=3, expected_version=1)
-        np.testing.assert_array_equal(redone.output_ids, again.output_ids)  # the redone rollout is the same one
+        np.testing.assert_array_equal(redone.response_ids, again.response_ids)  # the redone request samples the same
         # Killed between steps: the next push restarts it directly on the pushed weights.
         os.kill(server._process.pid, signal.SIGKILL)
         server._process.wait()

@@ -190,9 +190,10 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
     import jax
     from fastapi.testclient import TestClient
 
+    from drgrpo_jax.config.serve import ServeConfig
     from drgrpo_jax.rollout.weight_push import WeightPublisher
     from drgrpo_jax.serve.app import build_app
-    from drgrpo_jax.serve.engine import Engine, ServeConfig
+    from drgrpo_jax.serve.engine import Engine
 
     graphdef, params = tiny_state
     new = _perturbed(params, 1)
@@ -226,8 +227,9 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
 def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model, tiny_state):
     from fastapi.testclient import TestClient
 
+    from drgrpo_jax.config.serve import ServeConfig
     from drgrpo_jax.serve.app import build_app
-    from drgrpo_jax.serve.engine import Engine, ServeConfig
+    from drgrpo_jax.serve.engine import Engine
 
     graphdef, params = tiny_state
     tensors = host_tensors(graphdef, params)
@@ -305,8 +307,8 @@ def test_a_child_restarted_after_a_shared_memory_push_reloads_the_segment(tiny_m
             time.sleep(0.05)
         again = client.generate([[1, 5, 9]], 2, max_new_tokens=6, seed=7, expected_version=3)
         assert client.service_restarts == 1 and again.weight_versions == ("3", "3")
-        np.testing.assert_array_equal(again.output_ids, first.output_ids)
-        np.testing.assert_array_equal(again.logprobs, first.logprobs)
+        np.testing.assert_array_equal(again.response_ids, first.response_ids)
+        np.testing.assert_array_equal(again.behaviour_logprobs, first.behaviour_logprobs)
     assert _ours() == []
 
 

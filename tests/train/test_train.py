@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from drgrpo_jax.rollout.record import HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats
-from drgrpo_jax.train.seeds import step_seed
+from drgrpo_jax.seeds import step_seed
 
 from support.paths import REPO
 from support.trainer_runs import start_trainer, trainer_overrides

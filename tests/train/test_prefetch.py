@@ -12,7 +12,7 @@ import pytest
 
 from drgrpo_jax.config.load import dump_config, load_config
 from drgrpo_jax.errors import ConfigError, StaleWeightsError
-from drgrpo_jax.train.async_rollout import Prefetcher, check_fresh
+from drgrpo_jax.train.prefetch import Prefetcher, check_fresh
 
 from support.trainer_runs import kill_and_resume, start_trainer, trainer_overrides
 

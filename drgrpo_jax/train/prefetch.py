@@ -1,4 +1,4 @@
-"""One-step-off rollouts (rollout.async=true): step s+1's first sampling round runs in a background thread (the
+"""The one-step-off prefetch (rollout.async=true): step s+1's first sampling round runs in a background thread (the
 HTTP call and the scoring; the hosts' collectives stay on the main thread) while step s's update runs:
 
     collect R_s (pending since step s-1) -> launch R_{s+1} (the service holds version s = the policy after s
@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from drgrpo_jax.errors import StaleWeightsError
@@ -79,7 +81,4 @@ def check_fresh(versions: Sequence[int] | np.ndarray, step: int, max_staleness: 
 def snapshot(params: Any) -> Any:
     """A copy of the params on their devices (the update donates the originals): the pending round's
     sampler, saved with the step's checkpoint."""
-    import jax
-    import jax.numpy as jnp
-
     return jax.tree.map(jnp.copy, params)
