@@ -2,21 +2,30 @@
 
 Imports nothing else of ours, so the math (losses, algorithms), the step and the host code can all
 raise them: library values refused at construction (`FieldError`), run config values (`ConfigError`),
-rewards (`RewardError`), the generation service (`RolloutError`) and other hosts (`HostFailure`).
+rewards (`RewardError`), the generation service (`RolloutError`), other hosts (`HostFailure`), the service's
+requests and weights, and the tools an episode calls.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BadRequest",
+    "CalculatorError",
+    "ClientGone",
     "ConfigError",
     "FieldError",
     "FieldTypeError",
     "HostFailure",
+    "InvalidWeights",
     "MissingValueError",
     "PackingError",
+    "PathNotAllowed",
+    "PythonToolError",
+    "QueueFull",
     "RewardError",
     "RolloutError",
     "StaleWeightsError",
+    "ToolArgumentError",
 ]
 
 
@@ -80,6 +89,33 @@ class StaleWeightsError(RolloutError):
     """Completions came from weights other than the ones the trainer expects."""
 
 
+class BadRequest(Exception):
+    """A request the generation service refuses (HTTP 400); the message names the field and the reason."""
+
+
+class ClientGone(Exception):
+    """The client disconnected while its rows were queued or running (nobody reads the answer)."""
+
+
+class QueueFull(Exception):
+    """The service's queue holds max_queued_tokens of work already (HTTP 429); `retry_after_s`: when to try again."""
+
+    def __init__(self, retry_after_s: int):
+        self.retry_after_s = retry_after_s
+        super().__init__(f"the service is busy: retry in {retry_after_s} s")
+
+    def __reduce__(self):
+        return type(self), (self.retry_after_s,)
+
+
+class InvalidWeights(ValueError):
+    """A weight update the service refuses; the message is safe to show a client (no file-system detail)."""
+
+
+class PathNotAllowed(Exception):
+    """A weight path outside every --weights-root (HTTP 403); the message names the rule, never the disk."""
+
+
 class HostFailure(RuntimeError):
     """`what` failed on process `process` with an error of type `kind`; this process stops with it."""
 
@@ -89,3 +125,15 @@ class HostFailure(RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.what, self.process, self.kind)
+
+
+class ToolArgumentError(ValueError):
+    """A tool call's arguments do not fit the tool's schema (the model's mistake: it becomes an error message)."""
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator refuses: not arithmetic, too large, or dividing by zero."""
+
+
+class PythonToolError(RuntimeError):
+    """The python tool's code failed or hit a limit; the message is what the model is told."""

@@ -12,15 +12,13 @@ import fractions
 import operator
 from collections.abc import Callable
 
-__all__ = ["CalculatorError", "calculate", "calculator"]
+from drgrpo_jax.errors import CalculatorError
+
+__all__ = ["calculate", "calculator"]
 
 MAX_EXPRESSION_CHARS = 500
 MAX_DIGITS = 200  # of any operand or result (numerator and denominator alike)
 MAX_EXPONENT = 1000
-
-
-class CalculatorError(ValueError):
-    """An expression the calculator refuses: not arithmetic, too large, or dividing by zero."""
 
 
 Number = fractions.Fraction

@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 
-__all__ = ["PythonSandbox", "PythonToolError", "SandboxResult", "namespaces_available"]
+from drgrpo_jax.errors import PythonToolError
+
+__all__ = ["PythonSandbox", "SandboxResult", "namespaces_available"]
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -96,10 +98,6 @@ PRELOAD = ("socket", "subprocess", "math", "cmath", "fractions", "decimal", "sta
            "functools", "collections",
            "json", "re", "string", "datetime", "heapq", "bisect", "operator", "numbers", "textwrap", "unicodedata",
            "encodings.idna", "traceback", "linecache", "tokenize")
-
-
-class PythonToolError(RuntimeError):
-    """The code failed or hit a limit; the message is what the model is told."""
 
 
 def _unshare(flags: int) -> bool:

@@ -16,7 +16,8 @@ from typing import Any
 
 from drgrpo_jax.environments.calls import CallFormat, MalformedCall, parse_calls
 from drgrpo_jax.environments.protocol import Message, Observation
-from drgrpo_jax.environments.tools import Tool, ToolArgumentError
+from drgrpo_jax.environments.tools import Tool
+from drgrpo_jax.errors import ToolArgumentError
 
 __all__ = ["ToolEnvironment", "tool_message"]
 

@@ -7,20 +7,16 @@ arguments of every call, so a call the schema refuses never reaches the function
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pydantic
 
-from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.errors import ConfigError, ToolArgumentError
 
-__all__ = ["Tool", "ToolArgumentError", "import_object", "make_tool"]
-
-
-class ToolArgumentError(ValueError):
-    """A call's arguments do not fit the tool's schema (the model's mistake: it becomes an error message)."""
+__all__ = ["Tool", "import_object", "make_tool"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +92,8 @@ def import_object(path: str, key: str) -> Any:
     if not colon or not module_name or not attribute:
         raise ConfigError(key, f"{path!r} is not 'package.module:name'")
     try:
-        module = importlib.import_module(module_name)
+        return pkgutil.resolve_name(path)
+    except AttributeError:
+        raise ConfigError(key, f"{module_name!r} has no {attribute!r}") from None
     except Exception as error:  # ImportError or the module's own import-time failure
         raise ConfigError(key, f"cannot import {module_name!r}: {type(error).__name__}: {error}") from None
-    if not hasattr(module, attribute):
-        raise ConfigError(key, f"{module_name!r} has no {attribute!r}")
-    return getattr(module, attribute)

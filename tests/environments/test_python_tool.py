@@ -5,9 +5,10 @@ import time
 
 import pytest
 
-from drgrpo_jax.environments.python_tool import PythonSandbox, PythonToolError, namespaces_available
+from drgrpo_jax.environments.python_tool import PythonSandbox, namespaces_available
 from drgrpo_jax.environments.tool_env import ToolEnvironment
 from drgrpo_jax.environments.tools import make_tool
+from drgrpo_jax.errors import PythonToolError
 
 pytestmark = pytest.mark.subprocess  # every call starts a worker process
 

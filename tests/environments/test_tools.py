@@ -6,11 +6,11 @@ from typing import Annotated
 import pydantic
 import pytest
 
-from drgrpo_jax.environments.calculator import CalculatorError, calculate, calculator
+from drgrpo_jax.environments.calculator import calculate, calculator
 from drgrpo_jax.environments.calls import CallFormat, MalformedCall, ToolCall, parse_calls
 from drgrpo_jax.environments.tool_env import ToolEnvironment
-from drgrpo_jax.environments.tools import ToolArgumentError, import_object, make_tool
-from drgrpo_jax.errors import ConfigError, FieldError
+from drgrpo_jax.environments.tools import import_object, make_tool
+from drgrpo_jax.errors import CalculatorError, ConfigError, FieldError, ToolArgumentError
 
 
 def add(a: int, b: Annotated[int, pydantic.Field(description="the second term")] = 1) -> int:

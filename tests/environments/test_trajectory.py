@@ -105,7 +105,7 @@ def test_the_trainers_recomputed_logprobs_equal_the_services(episodes, model_dir
     from flax import nnx
 
     from drgrpo_jax.models.pretrained import from_pretrained
-    from drgrpo_jax.step.batch import response_logprobs
+    from drgrpo_jax.step.policy import response_logprobs
 
     trajectories, _, limits, _ = episodes
     rows = trajectory_arrays(trajectories, limits.max_total_tokens)
@@ -118,11 +118,11 @@ def test_the_trainers_recomputed_logprobs_equal_the_services(episodes, model_dir
     model = from_pretrained(model_dir, dtype=jnp.float32)
     graphdef, params = nnx.split(model, nnx.Param)
     logprobs, _ = response_logprobs(graphdef, params, jnp.asarray(prompt_ids), jnp.asarray(prompt_mask),
-                                    jnp.asarray(rows["response_ids"]), jnp.asarray(rows["response_mask"]),
+                                    jnp.asarray(rows.response_ids), jnp.asarray(rows.response_mask),
                                     temperature=1.0, chunk=16)
-    mask = rows["loss_mask"]
+    mask = rows.loss_mask
     assert mask.sum() == sum(t.model_tokens for t in trajectories)
-    np.testing.assert_allclose(np.asarray(logprobs)[mask], rows["behaviour_logprobs"][mask], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logprobs)[mask], rows.behaviour_logprobs[mask], atol=1e-5, rtol=0)
 
 
 def test_arrays_refuse_a_trajectory_longer_than_the_row(episodes):

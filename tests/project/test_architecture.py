@@ -1,6 +1,9 @@
-"""The package's layout: no import circles, layers that point one way, no re-export shims, modules sized by concept."""
+"""docs/architecture.md's claims: no import circles, layers that point one way, no re-export shims, modules sized
+by concept, error types and seeds each in one module, the service reached only over HTTP, imports at the top, tests
+that mirror the packages."""
 
 import ast
+import builtins
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "drgrpo_jax"
@@ -63,7 +66,8 @@ def test_no_import_circles():
 LAYERS = (
     ("errors",),
     ("advantages", "losses", "algorithms"),  # the public math: usable in any JAX trainer
-    ("sharding", "hosts", "host_memory", "paths", "hub_ids", "named_tensors", "checkpoint"),  # shared infrastructure
+    ("sharding", "hosts", "host_memory", "weight_folders", "hub_ids", "named_tensors", "checkpoint", "seeds",
+     "jsonl"),  # shared infrastructure
     ("models",),
     ("sampler",), ("step",),
     ("config",), ("serve",),
@@ -171,3 +175,104 @@ def test_modules_past_the_soft_limit_say_why():
         if len(text.splitlines()) > SOFT_MAX_LINES and "# Size:" not in text:
             unexplained[str(path.relative_to(PACKAGE.parent))] = len(text.splitlines())
     assert not unexplained, f"split by concept, or say why it is one (# Size: ...): {unexplained}"
+
+
+def test_nothing_outside_serve_imports_serve():
+    """The trainer, the planner and evaluation reach a generation service only over HTTP."""
+    reaching = [f"{module} -> {dep}" for module, deps in import_graph().items() if _package(module) != "serve"
+                for dep in deps if _package(dep) == "serve"]
+    assert not reaching, "imports of serve/ from outside it: " + "; ".join(sorted(reaching))
+
+
+def _base_names(node: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+            if isinstance(b, (ast.Name, ast.Attribute))}
+
+
+def test_every_error_type_is_in_errors():
+    """errors.py holds every exception class of the package (a class whose base is a built-in exception or one
+    of errors.py's)."""
+    errors_tree = ast.parse((PACKAGE / "errors.py").read_text())
+    ours = {node.name for node in errors_tree.body if isinstance(node, ast.ClassDef)}
+    builtin = {name for name, value in vars(builtins).items() if isinstance(value, type)
+               and issubclass(value, BaseException)}
+    elsewhere = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and _base_names(node) & (builtin | ours):
+                elsewhere.append(f"{path.relative_to(PACKAGE.parent)}: {node.name}")
+    assert not elsewhere, "error types outside errors.py: " + "; ".join(sorted(elsewhere))
+
+
+# What starts a random stream: only seeds.py derives seeds from run.seed, and the sampler turns a request's seed
+# into per-token keys (sampler/draws.py).
+SEED_SOURCES = {"SeedSequence", "default_rng", "PRNGKey", "key", "Random"}
+SEED_MODULES = {"drgrpo_jax.seeds", "drgrpo_jax.sampler.draws"}
+
+
+def test_seeds_are_derived_in_one_module():
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found = []
+    for module, path in modules.items():
+        if module in SEED_MODULES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = node.func if isinstance(node, ast.Call) else None
+            if isinstance(func, ast.Attribute) and func.attr in SEED_SOURCES and (
+                    ast.unparse(func.value).endswith("random")):  # np.random.X, jax.random.X, random.X
+                found.append(f"{module}:{node.lineno} {ast.unparse(func)}")
+    assert not found, "random streams started outside drgrpo_jax/seeds.py: " + "; ".join(sorted(found))
+
+
+def _imports_in_functions(tree: ast.Module):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    yield inner
+
+
+def _has_reason(lines: list[str], lineno: int) -> bool:
+    """A `#` comment on the import's line, or on a line of the run of imports and comments just above it."""
+    index = lineno - 1
+    if "#" in lines[index]:
+        return True
+    while index > 0:
+        index -= 1
+        text = lines[index].strip()
+        if text.startswith("#"):
+            return True
+        if not text.startswith(("import ", "from ")):
+            return False
+    return False
+
+
+def test_imports_inside_functions_say_why():
+    """A module's header shows what it depends on: an import stays inside a function only for an optional extra
+    or a start-up cost, and says which beside it."""
+    silent = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in _imports_in_functions(ast.parse(text)):
+            if not _has_reason(lines, node.lineno):
+                silent.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not silent, "imports inside functions with no reason beside them: " + ", ".join(sorted(silent))
+
+
+TESTS = PACKAGE.parent / "tests"
+# tests/<package>/ for each package; the top-level modules by layer: the math (layer 1) and the infrastructure
+# (layer 2); the repository as a whole; support code.
+TEST_DIRS_OF_MODULES = {"math": LAYERS[1], "infra": LAYERS[2], "project": (), "support": ()}
+
+
+def test_tests_mirror_the_packages():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    dirs = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert dirs - set(TEST_DIRS_OF_MODULES) == packages, (
+        f"test folders without a package: {sorted(dirs - packages - set(TEST_DIRS_OF_MODULES))}; "
+        f"packages without a test folder: {sorted(packages - dirs)}")
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    assert modules == {m for layer in LAYERS[:3] for m in layer}, "a top-level module with no layer"
