@@ -22,6 +22,7 @@ from drgrpo_jax.config.schema import _f
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.sharding import SERVICE_MESH_EXAMPLE, parse_service_mesh
+from drgrpo_jax.weight_folders import is_remote
 
 __all__ = ["DEFAULT_MAX_BATCH_SIZE", "LIMITS", "LOOPBACK_NAMES", "REMOTE_SCHEMES", "ServeConfig", "add_flags",
            "clean_remote", "is_loopback", "load_serve_config", "normalize_roots"]
@@ -58,7 +59,7 @@ def normalize_roots(roots: Sequence[str]) -> tuple[str, ...]:
     """Roots as compared: local ones absolute with symlinks resolved, bucket prefixes cleaned; ValueError if bad."""
     out = []
     for root in roots:
-        if "://" in root:
+        if is_remote(root):
             clean = clean_remote(root)
             if clean is None or not root.startswith(REMOTE_SCHEMES):
                 raise ValueError(f"weights_roots: {root!r} is neither a local folder nor a gs://bucket/prefix")

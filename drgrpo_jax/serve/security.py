@@ -17,6 +17,7 @@ from typing import Any
 
 from drgrpo_jax.config.serve import LOOPBACK_NAMES, REMOTE_SCHEMES, clean_remote
 from drgrpo_jax.errors import PathNotAllowed
+from drgrpo_jax.weight_folders import is_remote
 
 OPEN_PATHS = frozenset({"/health"})  # GET /health answers without a key: launchers and load balancers probe it
 # The admin key, when one is set, is required here.
@@ -173,7 +174,7 @@ def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> s
                                  "weight updates")
         return path
     rule = "model_path: not allowed: weights load only from folders under the service's --weights-root"
-    if "://" in path:
+    if is_remote(path):
         clean = clean_remote(path)
         if clean is not None and any(r.startswith(REMOTE_SCHEMES) and (clean == r or clean.startswith(r + "/"))
                                      for r in roots):
@@ -192,7 +193,7 @@ def confine_weight_path(path: str, roots: Sequence[str], *, required: bool) -> s
 def _root_of(path: str, roots: Sequence[str]) -> str | None:
     """The local root that `path` (normalized) lies in or is, else None."""
     for root in roots:
-        if "://" not in root and (path == root or path.startswith(root.rstrip(os.sep) + os.sep)):
+        if not is_remote(root) and (path == root or path.startswith(root.rstrip(os.sep) + os.sep)):
             return root
     return None
 
