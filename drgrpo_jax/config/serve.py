@@ -83,8 +83,8 @@ class ServeConfig:
                             "0 = off", hidden=True)
     dtype: str = _f("float32", "parameter and KV-cache dtype", choices=sorted(DTYPES))
     mesh: str = _f("", "run the sampler over T x D of this host's devices: weights and KV cache split over heads, "
-                       "MLP and vocabulary on tensor (the trainer's rules), rows on data; a row's tokens do not "
-                       f"depend on it (e.g. {SERVICE_MESH_EXAMPLE}; default: one device)",
+                       "MLP and vocabulary on tensor (the trainer's rules), rows on data; only the order of float sums "
+                       f"changes (e.g. {SERVICE_MESH_EXAMPLE}; default: one device)",
                    metavar="tensor=T[,data=D]")
     weight_version: str = _f("0", "version reported until the first weight update")
     max_batch_size: int = _f(DEFAULT_MAX_BATCH_SIZE, "rows (prompts x n) per sampler call")

@@ -452,7 +452,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     (the step to pause at is traced), so they cost a host round trip each and no compile.
     `mesh`: a (data, fsdp=1, tensor) mesh that `state` is placed on (`sharding.param_shardings`): the batch's
     prompts and rows are split over `data` (their counts must divide by it: `mesh_rows`), heads, MLP and
-    vocabulary over `tensor`. A row's tokens do not depend on the mesh: its draws are its own (`row_keys`).
+    vocabulary over `tensor`. A row's draws are its own (`row_keys`); the mesh changes only the order of float sums.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
