@@ -20,12 +20,14 @@ __all__ = [
     "MissingValueError",
     "PackingError",
     "PathNotAllowed",
+    "Preempted",
     "PythonToolError",
     "QueueFull",
     "RewardError",
     "RolloutError",
     "StaleWeightsError",
     "ToolArgumentError",
+    "UnsafeSegment",
 ]
 
 
@@ -112,6 +114,11 @@ class InvalidWeights(ValueError):
     """A weight update the service refuses; the message is safe to show a client (no file-system detail)."""
 
 
+class UnsafeSegment(ValueError):
+    """A shared-memory weight segment that is not a fresh, private, regular file of this user's: a name already
+    taken (a planted link or folder), a folder or file another user owns or may write, a symbolic link."""
+
+
 class PathNotAllowed(Exception):
     """A weight path outside every --weights-root (HTTP 403); the message names the rule, never the disk."""
 
@@ -127,6 +134,18 @@ class HostFailure(RuntimeError):
         return type(self), (self.what, self.process, self.kind)
 
 
+class Preempted(Exception):
+    """The run was preempted (SIGTERM, or another process's notice) and saved `step` on every process; the same
+    command resumes it (`python -m drgrpo_jax.train` exits with checkpoint.RESTART_EXIT_CODE)."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"preempted: saved step {step}; relaunch the same command to resume")
+
+    def __reduce__(self):
+        return type(self), (self.step,)
+
+
 class ToolArgumentError(ValueError):
     """A tool call's arguments do not fit the tool's schema (the model's mistake: it becomes an error message)."""
 
@@ -137,3 +156,7 @@ class CalculatorError(ValueError):
 
 class PythonToolError(RuntimeError):
     """The python tool's code failed or hit a limit; the message is what the model is told."""
+
+
+class PythonSandboxUnavailable(RuntimeError):
+    """The python tool's jail cannot start here (no bwrap, user namespaces or libseccomp): the message says why."""

@@ -18,7 +18,7 @@ from drgrpo_jax.environments.python_tool import PythonSandbox
 from drgrpo_jax.environments.tool_env import ToolEnvironment
 from drgrpo_jax.environments.tools import Tool, import_object, make_tool
 from drgrpo_jax.environments.trajectory import EpisodeLimits, Trajectory
-from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.errors import ConfigError, PythonSandboxUnavailable
 
 __all__ = ["Episodes", "build_episodes", "build_tools", "read_few_shot"]
 
@@ -43,8 +43,14 @@ def _tool(name: str, key: str, config: EnvironmentConfig) -> Tool:
     if name == "calculator":
         return make_tool(calculator)
     if name == "python":
-        sandbox = PythonSandbox(timeout_s=config.python_timeout_s, memory_mb=config.python_memory_mb)
-        return make_tool(sandbox.tool_function())
+        sandbox = PythonSandbox(timeout_s=config.python_timeout_s, memory_mb=config.python_memory_mb,
+                                containment=config.python_sandbox)
+        try:
+            return make_tool(sandbox.tool_function())
+        except PythonSandboxUnavailable as error:
+            raise ConfigError("environment.python_sandbox", f"jail: {error}; or set environment.python_sandbox=weak, "
+                                                            "which does not contain model-written code "
+                                                            "(docs/security.md)") from None
     target = import_object(name, key)
     if isinstance(target, Tool):
         return target
