@@ -4,7 +4,8 @@ Models and tokenizers resolve with huggingface_hub's `snapshot_download` (its ca
 its progress bars); datasets through `datasets` (data/sources.py), whose Hub files land in the same cache. A
 local path that exists always wins over an id of the same spelling. Offline (HF_HUB_OFFLINE=1), or when the Hub
 cannot be reached and the id is not cached, the error is one line naming the config key, the id and the
-`hf download` command that fetches it.
+`hf download` command that fetches it. An id's repo must be one the Hub allows and its revision a commit sha or
+a git ref name, and the snapshot it resolves to must lie in the cache: `refs/../..` reads nothing outside it.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import re
 from drgrpo_jax.errors import ConfigError
 
 __all__ = [
-    "CONFIG_FILES", "MODEL_FILES", "TOKENIZER_FILES", "HubId", "download_command", "hub_id", "local_model",
-    "local_model_and_tokenizer", "not_cached", "offline", "snapshot"
+    "CONFIG_FILES", "MODEL_FILES", "TOKENIZER_FILES", "HubId", "check_hub_id", "download_command", "hub_id",
+    "local_model", "local_model_and_tokenizer", "not_cached", "offline", "revision_problem", "snapshot"
 ]
 
 # org/name, each part as the Hub allows it; @revision: a branch, tag or commit sha (branches may hold '/').
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w.][\w./-]*))?$")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# What git's check-ref-format refuses anywhere in a ref name: '..', '@{', '//', control characters, space and ~^:?*[\\
+_NOT_IN_REF = re.compile(r"\.\.|@\{|//|[\x00-\x20\x7f~^:?*\[\\]")
 # A name ending like a file is a local path written without ./ (data/train.jsonl), never a Hub repo.
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".gguf", ".yaml", ".yml", ".txt", ".arrow")
 
@@ -77,14 +81,44 @@ def not_cached(key: str, hub: HubId, repo_type: str, why: str) -> ConfigError:
                             f"({why}); fetch it with: {download_command(hub, repo_type)}")
 
 
+def revision_problem(revision: str) -> str | None:
+    """Why `revision` is neither a commit sha (40 hex digits) nor a ref name git's check-ref-format accepts; None
+    when it is one."""
+    if _COMMIT.fullmatch(revision):
+        return None
+    if not revision.isascii() or _NOT_IN_REF.search(revision):
+        return "a ref name holds no '..', '@{', '//', space, control or non-ASCII character, nor any of ~^:?*[\\"
+    if revision == "@" or revision.startswith("/") or revision.endswith(("/", ".")):
+        return "a ref name is not '@' and does not start with '/' or end with '/' or '.'"
+    if any(part.startswith(".") or part.endswith(".lock") for part in revision.split("/")):
+        return "no part of a ref name starts with '.' or ends with '.lock'"
+    return None
+
+
+def check_hub_id(hub: HubId, key: str) -> None:
+    """ConfigError naming `key` unless `hub` is a repo id the Hub allows and a commit sha or ref name."""
+    # train extra: huggingface_hub comes with transformers; the core library (models/pretrained) imports without it
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(hub.repo_id)
+    except HFValidationError as error:
+        raise ConfigError(key, f"{str(hub)!r} is not a Hub id: {' '.join(str(error).split())}") from None
+    why = None if hub.revision is None else revision_problem(hub.revision)
+    if why is not None:
+        raise ConfigError(key, f"{str(hub)!r}: {hub.revision!r} is neither a commit sha nor a ref name ({why})")
+
+
 def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str, ...] | None = None) -> str:
     """The local snapshot folder of `hub` (downloaded when online; the cache alone offline).
 
-    `files`: the file patterns to fetch (None = the whole repository). ConfigError naming `key` when the id is not
-    on the Hub, not in the cache offline, or its cached snapshot lacks the files asked for.
+    `files`: the file patterns to fetch (None = the whole repository). ConfigError naming `key` when the id is
+    malformed (`check_hub_id`), not on the Hub, not in the cache offline, resolves outside the cache, or its cached
+    snapshot lacks the files asked for.
     """
     # train extra: huggingface_hub comes with transformers; the core library (models/pretrained) imports without it
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -92,9 +126,12 @@ def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.file_download import repo_folder_name  # train extra: as above
 
+    check_hub_id(hub, key)
+    cache = constants.HF_HUB_CACHE  # read at each call, as snapshot_download reads it
     try:
-        folder = snapshot_download(hub.repo_id, repo_type=repo_type, revision=hub.revision,
+        folder = snapshot_download(hub.repo_id, repo_type=repo_type, revision=hub.revision, cache_dir=cache,
                                    allow_patterns=list(files) if files else None)
     except LocalEntryNotFoundError:  # offline, or the Hub unreachable, and nothing (complete) cached
         why = "HF_HUB_OFFLINE is set" if offline() else "the Hub could not be reached"
@@ -109,6 +146,11 @@ def snapshot(hub: HubId, key: str, *, repo_type: str = "model", files: tuple[str
                                "hf auth login, or set HF_TOKEN)") from None
     except (HfHubHTTPError, OSError) as error:
         raise ConfigError(key, f"cannot fetch the Hub {repo_type} {hub}: {type(error).__name__}: {error}") from None
+    repo_folder = repo_folder_name(repo_id=hub.repo_id, repo_type=repo_type)
+    snapshots = os.path.join(os.path.realpath(os.path.expanduser(cache)), repo_folder, "snapshots")
+    resolved = os.path.realpath(folder)
+    if resolved == snapshots or os.path.commonpath([resolved, snapshots]) != snapshots:  # a ref naming ../elsewhere
+        raise ConfigError(key, f"the Hub {repo_type} {hub} resolves outside the Hugging Face cache's snapshots of it")
     if files and not _has_any(folder, files[0]):
         raise not_cached(key, hub, repo_type, f"its cached snapshot {folder} has no {files[0]}")
     return folder

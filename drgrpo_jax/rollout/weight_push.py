@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import os
 import shutil
 import sys
@@ -80,11 +79,12 @@ def host_tensors(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | 
 
 
 class SegmentPusher:
-    """Pushes whole-model versions to the trainer's own child service through shared memory."""
+    """Pushes whole-model versions to the trainer's own child service through shared memory, each a new segment
+    in a private folder of this pusher's (`named_tensors.make_folder`), made at the first push."""
     def __init__(self, graphdef: nnx.GraphDef, *, merged_lora: bool = False):
         self.graphdef, self.merged_lora = graphdef, merged_lora
         self._current: str | None = None  # the segment the child loaded last (kept for a restarted child)
-        self._count = itertools.count()  # a fresh name per push, even when a version is pushed again
+        self._folder: str | None = None
         named_tensors.remove_orphans()
         atexit.register(self.close)
 
@@ -96,7 +96,9 @@ class SegmentPusher:
         error raised; the previous one stays until the next push or `close`.
         """
         tensors = host_tensors(self.graphdef, params, frozen if self.merged_lora else None)
-        name = named_tensors.segment_name(f"{version}.{next(self._count)}")
+        if self._folder is None:
+            self._folder = named_tensors.make_folder()
+        name = named_tensors.segment_name(self._folder, version)  # a fresh name per push, even of one version
         try:
             entries = named_tensors.write_segment(name, tensors)
             del tensors
@@ -110,10 +112,10 @@ class SegmentPusher:
         return f"shm:{name}"
 
     def close(self) -> None:
-        """Deletes the last segment (idempotent; also run at interpreter exit)."""
-        current, self._current = self._current, None
-        if current is not None:
-            named_tensors.remove_segment(current)
+        """Deletes the last segment and the folder (idempotent; also run at interpreter exit)."""
+        folder, self._folder, self._current = self._folder, None, None
+        if folder is not None:
+            named_tensors.remove_folder(folder)
         atexit.unregister(self.close)
 
     def __enter__(self) -> SegmentPusher:
@@ -186,12 +188,23 @@ class WeightPublisher:
 
 @contextlib.contextmanager
 def _atomic_folder(path: str) -> Iterator[str]:
-    """A temporary folder that replaces `path` once the block has written it (a crash leaves `path` as it was)."""
+    """A new temporary folder that replaces `path` once the block has written it (a crash leaves `path` as it was).
+    A link at either name is removed, never written through."""
     tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove_entry(tmp)  # a crash's leftover
+    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    os.mkdir(tmp)  # created new: whatever appears there after the removal fails the export, not receives it
     yield tmp
-    shutil.rmtree(path, ignore_errors=True)
+    _remove_entry(path)
     os.replace(tmp, path)
+
+
+def _remove_entry(path: str) -> None:
+    """Deletes the folder at `path`, or the link or file there (rmtree refuses a link and would leave it)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _prune(root: str, version: int, keep: int) -> None:

@@ -217,3 +217,73 @@ def test_an_unreachable_hub_falls_back_to_the_cache(offline, monkeypatch):
     message = _one_line_error(lambda: load_dataset(_data(path="org/absent"), 0), "data.path",
                               "hf download org/absent --repo-type dataset")
     assert "HF_HUB_OFFLINE" not in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile ids (issue #57): a revision that walks out of the cache, ids the Hub refuses
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def escaping_cache(tmp_path, monkeypatch) -> dict[str, str]:
+    """A cache whose org/tiny has a PR ref (refs/refs/pr/1, as huggingface_hub stores one) and a ref `evil` whose
+    content walks out of snapshots/; beside the cache, a model and a ref file an attacker wrote."""
+    home = tmp_path / "home"
+    hub = home / "hub"
+    commit(hub, "model", "org/tiny", MAIN, ("main",), lambda f: write_tiny_llama(f, seed=0))
+    refs = hub / "models--org--tiny" / "refs"
+    (refs / "refs" / "pr").mkdir(parents=True)
+    (refs / "refs" / "pr" / "1").write_text(MAIN)
+    (refs / "evil").write_text("../../../outside/model")  # snapshots/../../../outside/model
+    outside = home / "outside"
+    write_tiny_llama(str(outside / "model"), seed=3)
+    (outside / "evilsnap").write_text("../../../outside/model")
+    read_only_offline(monkeypatch, str(home))
+    return {"outside": str(outside / "model")}
+
+
+def test_a_revision_cannot_walk_out_of_the_cache(escaping_cache):
+    escape = "org/tiny@refs/../../../../outside/evilsnap"
+    _one_line_error(lambda: resolve_model_path(escape), "model.path", "neither a commit sha nor a ref name", "'..'")
+    _one_line_error(lambda: local_model_and_tokenizer(escape), "--model", "neither a commit sha nor a ref name")
+    # A ref name that passes, but whose ref file names a folder outside the repo's snapshots.
+    _one_line_error(lambda: resolve_model_path("org/tiny@evil"), "model.path", "outside the Hugging Face cache")
+    assert resolve_model_path("org/tiny@refs/pr/1").endswith(MAIN)  # a PR ref still resolves
+
+
+@pytest.mark.parametrize("revision", ["a..b", "/main", "main/", "main.", "x.lock", "a/.hidden", "@", "a@{1}",
+                                      "a//b", "ma in", "tab\tx", "a~1", "a^", "a:b", "a?", "a*", "a[", "a\\b", "mäin"])
+def test_revisions_git_refuses_are_refused(revision):
+    from drgrpo_jax.hub_ids import check_hub_id, revision_problem
+
+    assert revision_problem(revision) is not None
+    _one_line_error(lambda: check_hub_id(HubId("org/tiny", revision), "model.path"), "model.path", repr(revision))
+
+
+def test_commit_shas_and_ref_names_pass():
+    from drgrpo_jax.hub_ids import revision_problem
+
+    for revision in [MAIN, "main", "v1.0", "refs/pr/1", "release/2024-01", "a.b_c-d"]:
+        assert revision_problem(revision) is None, revision
+
+
+@pytest.mark.parametrize("spec", ["org/na..me", "org/" + "n" * 97, "org/nämé", "org/na--me", "org/name.git"])
+def test_ids_the_hub_refuses_are_one_line_naming_the_key(offline, spec):
+    _one_line_error(lambda: resolve_model_path(spec), "model.path", "is not a Hub id")
+    _one_line_error(lambda: check_paths(load_config(None, ["model.path=org/tiny", f"model.tokenizer_path={spec}"])),
+                    "model.tokenizer_path", "is not a Hub id")
+    _one_line_error(lambda: local_model_and_tokenizer("org/tiny", spec), "--tokenizer", "is not a Hub id")
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("command", [
+    ["drgrpo_jax.train", "model.path=org/na..me", "run.output_dir={tmp}/run"],
+    ["drgrpo_jax.serve", "--model", "org/tiny@refs/../../../../outside/evilsnap", "--port", "0"],
+])
+def test_the_clis_refuse_hostile_ids_in_one_line(offline, tmp_path, command):
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2]), "JAX_PLATFORMS": "cpu"}
+    argv = [sys.executable, "-m", *(arg.replace("{tmp}", str(tmp_path)) for arg in command)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and ("is not a Hub id" in lines[0] or "nor a ref name" in lines[0]), done.stderr

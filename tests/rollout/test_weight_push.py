@@ -10,16 +10,29 @@ import pytest
 
 from drgrpo_jax import named_tensors as tensor_segment
 from drgrpo_jax.config.load import load_config
-from drgrpo_jax.errors import ConfigError, RolloutError
+from drgrpo_jax.errors import ConfigError, RolloutError, UnsafeSegment
 from drgrpo_jax.rollout.weight_push import SegmentPusher, host_tensors, sync_mode
 
 pytestmark = pytest.mark.skipif(not tensor_segment.available(), reason="needs a writable /dev/shm")
 
 
 def _ours() -> list[str]:
-    """This process's segments in /dev/shm."""
-    prefix = f"drgrpo_weights_{os.getpid()}_"
-    return sorted(n for n in os.listdir(tensor_segment.SEGMENT_DIR) if n.startswith(prefix))
+    """This process's segment folders in /dev/shm, and the segments in them."""
+    prefix, root = f"drgrpo_weights_{os.getpid()}_", tensor_segment.SEGMENT_DIR
+    folders = [n for n in os.listdir(root) if n.startswith(prefix)]
+    return sorted([*folders, *(f"{f}/{n}" for f in folders for n in os.listdir(os.path.join(root, f)))])
+
+
+def _segments() -> list[str]:
+    return [name for name in _ours() if "/" in name]
+
+
+@pytest.fixture
+def folder():
+    """A private segment folder, removed with whatever is left in it."""
+    made = tensor_segment.make_folder()
+    yield made
+    tensor_segment.remove_folder(made)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -27,14 +40,14 @@ def _ours() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_segment_reads_back_every_tensor_bit_for_bit():
+def test_a_segment_reads_back_every_tensor_bit_for_bit(folder):
     import ml_dtypes
 
     rng = np.random.default_rng(0)
     tensors = {"embed": rng.normal(size=(5, 3)).astype(np.float32),
                "layers/q_proj": rng.normal(size=(2, 3, 4)).astype(ml_dtypes.bfloat16),
                "final_norm": np.arange(3, dtype=np.float16), "empty": np.zeros((0, 4), np.float32)}
-    name = tensor_segment.segment_name("7.0")
+    name = tensor_segment.segment_name(folder, "7.0")
     try:
         entries = tensor_segment.write_segment(name, tensors)
         assert all(e.offset % 64 == 0 for e in entries)
@@ -49,11 +62,14 @@ def test_a_segment_reads_back_every_tensor_bit_for_bit():
             tensor_segment.read_segment(name, tensor_segment.parse_index(too_long))
     finally:
         tensor_segment.remove_segment(name)
-    assert _ours() == []
+    assert _segments() == []
 
 
 @pytest.mark.parametrize("bad", ["../etc/passwd", "drgrpo_weights_1_a/b", "other_1_2", "drgrpo_weights_x_1", "",
-                                 "drgrpo_weights_1_1\n"])
+                                 "drgrpo_weights_1_1\n", "drgrpo_weights_1_1.0",  # the old, predictable form
+                                 "drgrpo_weights_1_abcdefgh/v1_0123456789abcdef\n",
+                                 "drgrpo_weights_1_abcdefgh/../v1_0123456789abcdef",
+                                 "/dev/shm/drgrpo_weights_1_abcdefgh/v1_0123456789abcdef"])
 def test_segment_names_cannot_leave_the_shared_memory_folder(bad):
     with pytest.raises(ValueError, match="segment"):
         tensor_segment.read_segment(bad, [])
@@ -67,19 +83,124 @@ def test_bad_index_entries_are_named():
         tensor_segment.parse_index([{"name": "a", "dtype": "float32", "offset": 0}])
 
 
-def test_orphaned_segments_of_dead_writers_are_removed_and_live_ones_kept():
+def test_orphaned_segments_of_dead_writers_are_removed_and_live_ones_kept(folder):
+    import tempfile
+
     dead_pid = 2**22 + 4321  # above Linux's largest pid: no such process
-    dead = tensor_segment.segment_name(3, pid=dead_pid)
-    mine = tensor_segment.segment_name("3.9")
+    dead_folder = os.path.basename(tempfile.mkdtemp(prefix=f"drgrpo_weights_{dead_pid}_",
+                                                    dir=tensor_segment.SEGMENT_DIR))
+    dead, mine = tensor_segment.segment_name(dead_folder, 3), tensor_segment.segment_name(folder, "3.9")
     try:
         for name in (dead, mine):
             tensor_segment.write_segment(name, {"x": np.ones(2, np.float32)})
-        assert dead in tensor_segment.remove_orphans()
-        assert not os.path.exists(os.path.join(tensor_segment.SEGMENT_DIR, dead))
+        assert dead_folder in tensor_segment.remove_orphans()
+        assert not os.path.exists(os.path.join(tensor_segment.SEGMENT_DIR, dead_folder))
         assert os.path.exists(os.path.join(tensor_segment.SEGMENT_DIR, mine))
     finally:
-        tensor_segment.remove_segment(dead)
-        tensor_segment.remove_segment(mine)
+        tensor_segment.remove_folder(dead_folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile shared memory (issue #57): any local process may create files in /dev/shm first
+# ---------------------------------------------------------------------------------------------
+
+
+def _victim(tmp_path) -> str:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    return str(victim)
+
+
+def test_names_are_unpredictable_and_a_taken_one_is_never_written_through(folder, tmp_path):
+    victim, root = _victim(tmp_path), tensor_segment.SEGMENT_DIR
+    assert oct(os.stat(os.path.join(root, folder)).st_mode & 0o777) == "0o700"
+    assert tensor_segment.segment_name(folder, 1) != tensor_segment.segment_name(folder, 1)
+    link, planted = tensor_segment.segment_name(folder, 1), tensor_segment.segment_name(folder, 2)
+    os.symlink(victim, os.path.join(root, link))  # as if the name had been guessed (root may write here)
+    os.mkdir(os.path.join(root, planted))
+    for name in (link, planted):
+        with pytest.raises(UnsafeSegment, match="the name is taken"):
+            tensor_segment.write_segment(name, {"x": np.ones(4, np.float32)})
+    assert open(victim, "rb").read() == b"precious"
+    assert os.path.islink(os.path.join(root, link)) and os.path.isdir(os.path.join(root, planted))  # left as found
+
+
+def test_links_and_folders_planted_at_the_old_predictable_names_are_not_written_through(tiny_state, tmp_path):
+    """Before: the pusher wrote /dev/shm/drgrpo_weights_<pid>_<version>.<n> through whatever was there."""
+    graphdef, params = tiny_state
+    victim, root = _victim(tmp_path), tensor_segment.SEGMENT_DIR
+    link, planted = (os.path.join(root, f"drgrpo_weights_{os.getpid()}_{name}") for name in ("1.0", "2.1"))
+    os.symlink(victim, link)
+    os.mkdir(planted)
+    try:
+        with SegmentPusher(graphdef) as pusher:
+            for version in (1, 2):
+                assert pusher.push(_Client(), params, version).startswith("shm:drgrpo_weights_")
+                assert open(victim, "rb").read() == b"precious"  # before: the model's bytes
+    finally:
+        os.unlink(link)
+        os.rmdir(planted)
+
+
+def test_the_reader_maps_only_private_regular_files_of_its_own_user(folder):
+    root = tensor_segment.SEGMENT_DIR
+    name = tensor_segment.segment_name(folder, 1)
+    entries = tensor_segment.write_segment(name, {"x": np.arange(4, dtype=np.float32)})
+    path = os.path.join(root, name)
+    for mode in (0o620, 0o602, 0o666):  # group or others may write it
+        os.chmod(path, mode)
+        with pytest.raises(UnsafeSegment, match="open to others"):
+            tensor_segment.read_segment(name, entries)
+    os.chmod(path, 0o640)
+    assert tensor_segment.read_segment(name, entries)["x"].tolist() == [0, 1, 2, 3]
+    os.chmod(os.path.join(root, folder), 0o755)  # the folder must stay private
+    with pytest.raises(UnsafeSegment, match="its folder"):
+        tensor_segment.read_segment(name, entries)
+    os.chmod(os.path.join(root, folder), 0o700)
+    alias = tensor_segment.segment_name(folder, 2)  # a link to a good segment is refused, not followed
+    os.symlink(path, os.path.join(root, alias))
+    with pytest.raises(UnsafeSegment, match="symbolic link"):
+        tensor_segment.read_segment(alias, entries)
+    other = tensor_segment.segment_name(folder, 3)
+    os.mkdir(os.path.join(root, other))
+    with pytest.raises(UnsafeSegment, match="not a regular file"):
+        tensor_segment.read_segment(other, entries)
+    linked_folder = folder[:-8] + "linkedxx"  # a folder name that is a link to a private folder
+    os.symlink(os.path.join(root, folder), os.path.join(root, linked_folder))
+    try:
+        with pytest.raises(UnsafeSegment, match="its folder is a link"):
+            tensor_segment.read_segment(name.replace(folder, linked_folder), entries)
+    finally:
+        os.unlink(os.path.join(root, linked_folder))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_the_reader_refuses_a_segment_or_folder_another_user_owns(folder):
+    root = tensor_segment.SEGMENT_DIR
+    name = tensor_segment.segment_name(folder, 1)
+    entries = tensor_segment.write_segment(name, {"x": np.arange(4, dtype=np.float32)})
+    os.chown(os.path.join(root, name), 65534, 65534)
+    with pytest.raises(UnsafeSegment, match="owned by another user"):
+        tensor_segment.read_segment(name, entries)
+    os.chown(os.path.join(root, name), 0, 0)
+    os.chown(os.path.join(root, folder), 65534, 65534)
+    with pytest.raises(UnsafeSegment, match="owned by another user"):
+        tensor_segment.read_segment(name, entries)
+    os.chown(os.path.join(root, folder), 0, 0)
+    assert tensor_segment.read_segment(name, entries)["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_link_planted_at_a_versions_temporary_folder_is_not_written_through(tiny_state, tmp_path):
+    """Before: the export's v<N>.tmp was rmtree'd (which skips a link) and then written through the link."""
+    from drgrpo_jax.rollout.weight_push import WeightPublisher
+
+    graphdef, params = tiny_state
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "v1.tmp").symlink_to(elsewhere)
+    path = WeightPublisher(str(tmp_path / "weights"), graphdef).publish(params, 1)
+    assert os.listdir(elsewhere) == [] and not os.path.islink(path) and "config.json" in os.listdir(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +215,7 @@ class _Client:
         self.fail, self.calls = fail, []
 
     def update_weights_from_segment(self, segment, tensors, version, *, rollback=False):
-        assert os.path.exists(os.path.join(tensor_segment.SEGMENT_DIR, segment))  # written before the call
+        assert os.path.isfile(os.path.join(tensor_segment.SEGMENT_DIR, segment))  # written before the call
         self.calls.append((segment, version, rollback))
         if self.fail:
             raise RolloutError("refused", status=400)
@@ -114,13 +235,13 @@ def test_the_pusher_keeps_only_the_last_segment_and_none_after_close_or_a_failed
     client = _Client()
     with SegmentPusher(graphdef) as pusher:
         assert pusher.push(client, params, 1).startswith("shm:drgrpo_weights_")
-        first = _ours()
+        first = _segments()
         pusher.push(client, params, 2)
-        assert len(first) == 1 and len(_ours()) == 1 and _ours() != first  # the previous segment is gone
+        assert len(first) == 1 and len(_segments()) == 1 and _segments() != first  # the previous segment is gone
         with pytest.raises(RolloutError):
             pusher.push(_Client(fail=True), params, 3)
-        assert len(_ours()) == 1  # the failed push's segment is deleted; the loaded one stays for a restart
-    assert _ours() == []
+        assert len(_segments()) == 1  # the failed push's segment is deleted; the loaded one stays for a restart
+    assert _ours() == []  # the folder too
     assert [(v, r) for _, v, r in client.calls] == [(1, False), (2, False)]
 
 
@@ -186,7 +307,7 @@ def _generate(http, version: str) -> dict:
 @pytest.mark.heavy  # an in-process service: the sampler compiles
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_disk_push(tiny_model, tiny_state,
-                                                                                       tmp_path, dtype):
+                                                                                       tmp_path, dtype, folder):
     import jax
     from fastapi.testclient import TestClient
 
@@ -205,7 +326,7 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
         answer = http.post("/update_weights_from_disk", json={"model_path": path, "weight_version": 1})
         assert answer.status_code == 200, answer.text
         by_disk, disk_state = _generate(http, "1"), jax.device_get(jax.tree.leaves(engine.weights.state))
-        name = tensor_segment.segment_name("2.0")
+        name = tensor_segment.segment_name(folder, "2.0")
         entries = tensor_segment.write_segment(name, host_tensors(graphdef, new))
         try:
             answer = http.post("/update_weights_from_tensor", json={
@@ -224,7 +345,7 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
 
 
 @pytest.mark.heavy  # an in-process service
-def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model, tiny_state):
+def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model, tiny_state, folder):
     from fastapi.testclient import TestClient
 
     from drgrpo_jax.config.serve import ServeConfig
@@ -234,7 +355,7 @@ def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model,
     graphdef, params = tiny_state
     tensors = host_tensors(graphdef, params)
     engine = Engine(ServeConfig(model=tiny_model))
-    name = tensor_segment.segment_name("5.0")
+    name = tensor_segment.segment_name(folder, "5.0")
     try:
         http = TestClient(build_app(engine), base_url="http://127.0.0.1")
         entries = [e.to_json() for e in tensor_segment.write_segment(name, tensors)]
@@ -246,7 +367,7 @@ def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model,
         cases = {"is missing": push(tensors=entries[1:]),
                  "not a parameter": push(tensors=[*entries, dict(entries[0], name="extra")]),
                  "shape": push(tensors=[dict(entries[0], shape=[1])] + entries[1:]),
-                 "no such shared-memory segment": push(segment=tensor_segment.segment_name("6.0")),
+                 "no such shared-memory segment": push(segment=tensor_segment.segment_name(folder, "6.0")),
                  "not a weight segment name": push(segment="../../etc/passwd")}
         for reason, answer in cases.items():
             assert answer.status_code == 400 and reason in answer.json()["message"], (reason, answer.text)
