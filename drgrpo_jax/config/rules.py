@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
+import tempfile
+import threading
 
 import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import component_names, lora_spec, pack_length, step_configs
-from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, Config, RunConfig
+from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, Config, MeshConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sharding import parse_service_mesh
 
-__all__ = ["validate"]
+__all__ = ["check_output_dir", "validate"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation: cross-field rules OmegaConf's typing cannot express
@@ -27,6 +30,13 @@ __all__ = ["validate"]
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
+
+
+# The bounds of the run's own numeric fields, one rule per family (the library configs check theirs: step_configs).
+# NaN fails every comparison, so each bound also refuses it.
+INT32_MAX = 2**31 - 1  # counts and token totals reach int32 arrays (JAX indexes with int32)
+SEED_MAX = 2**32 - 1  # seeds.py derives uint32 seeds; numpy refuses a negative one
+WAIT_MAX = threading.TIMEOUT_MAX  # the longest wait Python's locks and queues accept
 
 
 def _at_least(key: str, value: float, low: float) -> None:
@@ -39,12 +49,20 @@ def _finite(key: str, value: float) -> None:
         raise ConfigError(key, f"must be a finite number, got {value}")
 
 
-def _check_ranges(config: Config) -> None:
-    """Per-field bounds of the run's own fields (the library configs check theirs: step_configs)."""
-    c = config
-    for key, value, low in [
+def _count(key: str, value: int, low: int) -> None:
+    """A count or size: an int in [low, INT32_MAX]."""
+    _at_least(key, value, low)
+    if value > INT32_MAX:
+        raise ConfigError(key, f"must be <= {INT32_MAX} (counts reach int32 arrays), got {value}")
+
+
+def _counts(config: Config) -> list[tuple[str, int, int]]:
+    """(key, value, lowest) of every count and size of the run's own fields."""
+    c, e = config, config.environment
+    return [
         ("run.log_every", c.run.log_every, 1),
         ("run.sample_every", c.run.sample_every, 0),
+        ("model.lora.rank", c.model.lora.rank, 0),
         ("data.size", c.data.size, 0),
         ("data.eval_size", c.data.eval_size, 0),
         ("rollout.group_size", c.rollout.group_size, 1),
@@ -57,11 +75,10 @@ def _check_ranges(config: Config) -> None:
         ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
         ("algorithm.minibatches_per_rollout", c.algorithm.minibatches_per_rollout, 1),
         ("reward.num_workers", c.reward.num_workers, 1),
-        ("optimizer.learning_rate", c.optimizer.learning_rate, 0.0),
+        ("reward.overlong_buffer", c.reward.overlong_buffer, 0),
         ("optimizer.warmup_steps", c.optimizer.warmup_steps, 0),
-        ("optimizer.weight_decay", c.optimizer.weight_decay, 0.0),
-        ("optimizer.max_grad_norm", c.optimizer.max_grad_norm, 0.0),
         ("train.steps", c.train.steps, 1),
+        ("train.micro_batches", c.train.micro_batches, 1),
         ("train.eval_every", c.train.eval_every, 0),
         ("train.eval_samples", c.train.eval_samples, 0),
         ("train.save_every", c.train.save_every, 1),
@@ -71,19 +88,40 @@ def _check_ranges(config: Config) -> None:
         ("mesh.data", c.mesh.data, 1),
         ("mesh.fsdp", c.mesh.fsdp, 1),
         ("mesh.tensor", c.mesh.tensor, 1),
+        ("mesh.dcn_data", c.mesh.dcn_data, 1),
         ("mesh.num_processes", c.mesh.num_processes, 1),
         ("mesh.process_id", c.mesh.process_id, 0),
-    ]:
-        _at_least(key, value, low)
-    for key, value in [
+        ("environment.max_turns", e.max_turns, 1),
+        ("environment.max_turn_tokens", e.max_turn_tokens, 1),
+        ("environment.max_model_tokens", e.max_model_tokens, 1),
+        ("environment.max_tool_calls", e.max_tool_calls, 0),
+        ("environment.python_memory_mb", e.python_memory_mb, 1),
+    ]
+
+
+def _check_ranges(config: Config) -> None:
+    """Per-field bounds of the run's own fields, by family: counts, seconds, scales, fractions, the seed."""
+    c = config
+    for key, count, low in _counts(c):
+        _count(key, count, low)
+    for key, seconds in [  # waits: finite, > 0 and no longer than a thread may wait
         ("rollout.timeout_s", c.rollout.timeout_s),
         ("reward.timeout_s", c.reward.timeout_s),
-        ("optimizer.eps", c.optimizer.eps),
+        ("environment.tool_timeout_s", c.environment.tool_timeout_s),
+        ("environment.python_timeout_s", c.environment.python_timeout_s),
     ]:
-        _finite(key, value)
-        if value <= 0:
-            raise ConfigError(key, f"must be > 0, got {value}")
-    _finite("train.eval_temperature", c.train.eval_temperature)
+        if not 0 < seconds <= WAIT_MAX:
+            raise ConfigError(key, f"must be > 0 and <= {WAIT_MAX:.0f} seconds, got {seconds}")
+    for key, scale, positive, high in [  # scales: finite, > 0 (or >= 0) and at most `high`
+        ("optimizer.learning_rate", c.optimizer.learning_rate, True, 1.0),  # Adam moves a weight ~lr a step
+        ("optimizer.eps", c.optimizer.eps, True, math.inf),
+        ("optimizer.weight_decay", c.optimizer.weight_decay, False, math.inf),
+        ("optimizer.max_grad_norm", c.optimizer.max_grad_norm, False, math.inf),  # 0 = no clipping
+        ("train.eval_temperature", c.train.eval_temperature, False, math.inf),
+    ]:
+        if not (math.isfinite(scale) and (scale > 0 if positive else scale >= 0) and scale <= high):
+            bound = ("> 0" if positive else ">= 0") + (f" and <= {high}" if high < math.inf else "")
+            raise ConfigError(key, f"must be finite and {bound}, got {scale}")
     if c.train.eval_samples and c.train.eval_temperature <= 0:
         raise ConfigError("train.eval_temperature", f"must be > 0 to sample train.eval_samples = "
                           f"{c.train.eval_samples} completions, got {c.train.eval_temperature}")
@@ -92,6 +130,20 @@ def _check_ranges(config: Config) -> None:
     for key, value in [("optimizer.b1", c.optimizer.b1), ("optimizer.b2", c.optimizer.b2)]:
         if not 0.0 <= value < 1.0:
             raise ConfigError(key, f"must be in [0, 1), got {value}")
+    if not 0 <= c.run.seed <= SEED_MAX:
+        raise ConfigError("run.seed", f"must be in [0, {SEED_MAX}] (seeds are uint32), got {c.run.seed}")
+    _check_rollout_size(c)
+
+
+def _check_rollout_size(config: Config) -> None:
+    """A rollout's tokens, P * G rows of the longest prompt and budget, fit the int32 arrays that hold them."""
+    r = config.rollout
+    tokens = r.prompts_per_step * r.group_size * (r.max_prompt_tokens + r.max_new_tokens)
+    if tokens > INT32_MAX:
+        key = "rollout.group_size" if r.group_size >= r.prompts_per_step else "rollout.prompts_per_step"
+        raise ConfigError(key, f"rollout.prompts_per_step * rollout.group_size * (rollout.max_prompt_tokens + "
+                               f"rollout.max_new_tokens) = {tokens} tokens a rollout; its int32 arrays hold at most "
+                               f"{INT32_MAX}")
 
 
 def _check_base_dtype(config: Config) -> None:
@@ -207,16 +259,37 @@ def _check_rest(config: Config) -> None:
         raise ConfigError("reward.weights", f"has {len(c.reward.weights)} entries for {len(names)} {what}")
     for i, weight in enumerate(c.reward.weights):
         _finite(f"reward.weights[{i}]", weight)
+    if c.reward.weights and not any(c.reward.weights):
+        raise ConfigError("reward.weights", "are all 0: every reward would be 0 and no step would learn")
     _check_float32_weights(c)
     _check_run_outputs(c.run)
-    if c.mesh.process_id >= c.mesh.num_processes:
-        raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {c.mesh.num_processes}")
+    _check_mesh_start_up(c.mesh)
     if c.mesh.num_processes > 1 and not c.mesh.coordinator_address:
         raise MissingValueError("mesh.coordinator_address", "must be set (host:port) when mesh.num_processes > 1")
     if c.mesh.num_processes > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services when mesh.num_processes = "
                                           f"{c.mesh.num_processes}: the trainer's mesh takes every device of every "
                                           "host, so start the services apart (scripts/launch_*.sh --serve-*)")
+
+
+def _check_mesh_start_up(m: MeshConfig) -> None:
+    """The DCN split and the start-up: explicit (host:port, count, id), auto (all detected) or one host."""
+    if m.data % m.dcn_data:
+        raise ConfigError("mesh.dcn_data", f"{m.dcn_data} does not divide mesh.data = {m.data} (each slice holds "
+                                           "mesh.data / mesh.dcn_data of the data ways)")
+    if m.coordinator_address == "auto":
+        for key, value, default in [("mesh.num_processes", m.num_processes, 1), ("mesh.process_id", m.process_id, 0)]:
+            if value != default:
+                raise ConfigError(key, "is detected with mesh.coordinator_address=auto; leave it unset")
+    elif m.coordinator_port is not None:
+        raise ConfigError("mesh.coordinator_port", "is for mesh.coordinator_address=auto; give the port in the "
+                                                   "address (host:port)")
+    elif m.coordinator_address and not re.fullmatch(r".+:\d+", m.coordinator_address):
+        raise ConfigError("mesh.coordinator_address", f"{m.coordinator_address!r} is not host:port or auto")
+    if m.coordinator_port is not None and not 0 < m.coordinator_port < 65536:
+        raise ConfigError("mesh.coordinator_port", f"{m.coordinator_port} is not a port (1-65535)")
+    if m.process_id >= m.num_processes:
+        raise ConfigError("mesh.process_id", f"must be < mesh.num_processes = {m.num_processes}")
 
 
 _HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
@@ -259,8 +332,6 @@ def _check_float32_weights(config: Config) -> None:
                     f"{float(cast[i])!r}; "
                     f"{name} would weight the two components the same",
                 )
-    if weights and not np.any(cast):
-        raise ConfigError("reward.weights", f"{name} needs at least one nonzero weight (all are 0: no learning signal)")
 
 
 def _check_rollout_modes(config: Config) -> None:
@@ -288,7 +359,8 @@ def _check_rollout_modes(config: Config) -> None:
 
 
 def _check_environment(config: Config) -> None:
-    """environment.*: limits, tool names and the call format, checked only when episodes are on."""
+    """environment.*: tool names, the call format and the model's budget, checked only when episodes are on (the
+    limits' ranges always: _check_ranges)."""
     e = config.environment
     if not e.enabled:
         if e.reward_components:
@@ -301,14 +373,6 @@ def _check_environment(config: Config) -> None:
                                                                      f"{list(config.reward.components)}")
     if len(set(e.reward_components)) != len(e.reward_components):
         raise ConfigError("environment.reward_components", f"lists a component twice: {list(e.reward_components)}")
-    for key, value in [("max_turns", e.max_turns), ("max_turn_tokens", e.max_turn_tokens),
-                       ("max_model_tokens", e.max_model_tokens), ("python_memory_mb", e.python_memory_mb),
-                       ("max_tool_calls", e.max_tool_calls)]:
-        _at_least(f"environment.{key}", value, 0 if key == "max_tool_calls" else 1)
-    for key, seconds in [("tool_timeout_s", e.tool_timeout_s), ("python_timeout_s", e.python_timeout_s)]:
-        _finite(f"environment.{key}", seconds)
-        if not seconds > 0:
-            raise ConfigError(f"environment.{key}", f"must be > 0, got {seconds}")
     if e.max_model_tokens > config.rollout.max_new_tokens:
         raise ConfigError("environment.max_model_tokens", f"{e.max_model_tokens} exceeds rollout.max_new_tokens = "
                                                           f"{config.rollout.max_new_tokens}, the trajectory's whole "
@@ -335,9 +399,25 @@ def validate(config: Config) -> None:
     _check_ranges(config)
     _check_environment(config)
     _check_rollout_modes(config)
-    _at_least("model.lora.rank", config.model.lora.rank, 0)
     lora_spec(config)
     _check_base_dtype(config)
     step_configs(config)
     _check_batches(config)
     _check_rest(config)
+
+
+def check_output_dir(run: RunConfig) -> None:
+    """ConfigError naming run.output_dir when the run could not create or write it (a file, /proc, a read-only
+    disk). The one rule that reads the disk, so only the commands that write a run ask it (train, config), not
+    those that read one back (evaluate --model RUN_DIR): a folder is made and removed in its nearest existing
+    ancestor."""
+    path = os.path.abspath(run.output_dir)
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError("run.output_dir", f"{existing} is not a folder")
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write-check-"))
+    except OSError as error:
+        raise ConfigError("run.output_dir", f"cannot create a folder in {existing}: {error.strerror}") from None

@@ -39,7 +39,7 @@ class RunConfig:
     """Where the run writes and how it seeds."""
 
     output_dir: str = _f("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints, samples")
-    seed: int = _f(0, "root PRNG seed; data order, sampling and init all derive from it")
+    seed: int = _f(0, "root PRNG seed in [0, 2**32 - 1]; data order, sampling and init all derive from it")
     log_every: int = _f(1, "print a progress line every N steps (metrics.jsonl gets every step)")
     sample_every: int = _f(10, "write sample completions every N steps (0 = never)")
     weights_dir: str | None = _f(
@@ -145,7 +145,8 @@ class RolloutConfig:
     """Sampling G completions per prompt from the generation service."""
 
     urls: tuple[str, ...] = _f((), "generation service URLs; empty = start a local child service")
-    group_size: int = _f(8, "completions per prompt (G)")
+    group_size: int = _f(8, "completions per prompt (G); a rollout's P * G * (max_prompt_tokens + max_new_tokens) "
+                                   "tokens stay under 2**31 (int32 arrays)")
     prompts_per_step: int = _f(8, "prompts drawn per rollout (P); P * G responses per rollout")
     max_new_tokens: int = _f(256, "generation budget B; Dr.GRPO's loss divides by it")
     ignore_eos: bool = _f(
@@ -223,7 +224,7 @@ class RewardConfig:
         (), "component names: a function's name (it returns a number) or a key of the dict a function "
             "returns (empty = one component per function, named after it)"
     )
-    weights: tuple[float, ...] = _f((), "one weight per component for the scalar reward (empty = all 1.0)")
+    weights: tuple[float, ...] = _f((), "one weight per component for the scalar reward, not all 0 (empty = all 1.0)")
     answer_format: Literal["boxed", "answer_tags"] = _f(
         "boxed", "where the final answer sits: \\boxed{...} or <answer>...</answer>"
     )
@@ -238,14 +239,14 @@ class RewardConfig:
 class OptimizerConfig:
     """AdamW with warmup and decay."""
 
-    learning_rate: float = _f(1e-6, "peak learning rate")
+    learning_rate: float = _f(1e-6, "peak learning rate, in (0, 1]")
     warmup_steps: int = _f(0, "linear warmup steps from 0 to the peak")
     decay: Literal["constant", "cosine", "linear"] = _f("constant", "schedule after warmup, to 0 at train.steps")
     weight_decay: float = _f(0.0, "decoupled weight decay")
     b1: float = _f(0.9, "Adam beta1")
     b2: float = _f(0.999, "Adam beta2")
     eps: float = _f(1e-8, "Adam epsilon")
-    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 = no clipping)")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this, >= 0 (0 = no clipping)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +301,10 @@ class EnvironmentConfig:
     tool_timeout_s: float = _f(30.0, "seconds an in-process tool may take before its call is answered with an error")
     python_timeout_s: float = _f(10.0, "the python tool: wall-clock seconds per call")
     python_memory_mb: int = _f(512, "the python tool: address space per call")
+    python_sandbox: Literal["jail", "weak"] = _f(
+        "jail", "the python tool's containment: jail (bubblewrap namespaces and a seccomp filter; the tool refuses "
+                "to start without them) or weak (rlimits, a process group and an audit hook only: model-written code "
+                "can escape it; docs/security.md)")
 
     @property
     def enabled(self) -> bool:
@@ -313,9 +318,16 @@ class MeshConfig:
     data: int = _f(1, "data-parallel ways (batch split, parameters replicated)")
     fsdp: int = _f(1, "fully-sharded data-parallel ways (batch and parameters split)")
     tensor: int = _f(1, "tensor-parallel ways (heads and MLP split)")
-    coordinator_address: str | None = _f(None, "host:port of process 0 for jax.distributed (null = single host)")
-    num_processes: int = _f(1, "JAX processes (hosts) in the run")
-    process_id: int = _f(0, "this process's index in [0, num_processes)")
+    dcn_data: int = _f(1, "of mesh.data's ways, how many cross slices over the data-center network (multi-slice "
+                          "TPU pods; divides mesh.data): each slice holds data/dcn_data x fsdp x tensor devices")
+    coordinator_address: str | None = _f(
+        None, "process 0's host:port for jax.distributed (with mesh.num_processes and mesh.process_id); auto = "
+              "JAX detects the cluster (TPU VM pods and multi-slice, GKE JobSet/indexed Job, SLURM, Open MPI) and "
+              "every host runs the same command; null = single host")
+    coordinator_port: int | None = _f(None, "with coordinator_address=auto: the port process 0 listens on "
+                                            "(null = JAX's default for the detected cluster)")
+    num_processes: int = _f(1, "JAX processes (hosts) in the run (detected with coordinator_address=auto)")
+    process_id: int = _f(0, "this process's index in [0, num_processes) (detected with coordinator_address=auto)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,11 @@ import argparse
 import os
 import sys
 
-from drgrpo_jax.data.prepare import RECIPES, prepare_rows, write_jsonl
+from drgrpo_jax.data.prepare import RECIPES, prepare_rows
 from drgrpo_jax.data.sources import read_rows
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import hub_id
+from drgrpo_jax.jsonl import check_output_file, write_jsonl
 
 __all__ = ["PROG", "main"]
 
@@ -30,26 +31,28 @@ def _source_format(source: str) -> str:
 
 
 def prepare(name: str, output: str, source: str | None, subset: str | None, split: str | None, limit: int) -> str:
-    """Writes `output`; returns the line that says what was written."""
+    """Writes `output` (a new or regular file, replaced whole); returns the line that says what was written."""
+    try:
+        check_output_file(output)  # before the source is read: a device, FIFO or link is never replaced
+    except ValueError as error:
+        raise ConfigError("OUT.jsonl", str(error)) from None
     recipe = RECIPES[name]
     source = source or recipe.hub_id
     hub = None if os.path.exists(source) else hub_id(source)
     if subset is None:  # the recipe's subset for its own dataset at any revision; a copy's only one otherwise
         subset = recipe.subset if hub is not None and hub.repo_id == recipe.hub_id else ""
     split = split or recipe.split
-    try:
-        rows = read_rows(source, _source_format(source), subset=subset, split=split,
-                         keys=("--source", "--split", "--subset"))
-    except ConfigError:
-        raise
-    except (OSError, ValueError, KeyError) as error:  # a file that is no dataset: unreadable Parquet, bad folder
-        raise ConfigError("--source", f"cannot read {source}: {type(error).__name__}: {error}") from None
+    keys = ("--source", "--split", "--subset")
+    rows = read_rows(source, _source_format(source), subset=subset, split=split, keys=keys)
     if limit:
         rows = rows[:limit]
     prepared = prepare_rows(recipe, rows)
     if not prepared.rows:
         raise ConfigError("--source", f"{source} gave no row with an answer ({len(rows)} rows read)")
-    write_jsonl(prepared.rows, output)
+    try:
+        write_jsonl(prepared.rows, output)
+    except ValueError as error:  # the output became a link or a device while the source was read
+        raise ConfigError("OUT.jsonl", str(error)) from None
     left_out = prepared.without_answer + prepared.unparsable
     note = (f"; left out {left_out} ({prepared.without_answer} without an answer, {prepared.unparsable} that "
             "math_verify cannot parse)") if left_out else ""

@@ -4,22 +4,21 @@ Each recipe names its Hub dataset (the default `--source`), subset and split, th
 how its reference answer is found: GSM8K's text after `####` (thousands separators dropped), MATH's `answer`
 field or the last `\\boxed{}` of its `solution`, AIME's integer. The answer is written as the math_verify reward
 reads it (both parse it with data/answers.py's `parse_reference`), and a row whose answer math_verify cannot parse
-is left out and counted, since the reward could never score it.
+is left out and counted, since the reward could never score it. A reference longer than MAX_REFERENCE_CHARS stops
+the run naming its row: math_verify could take minutes over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from drgrpo_jax.data.answers import GSM8K_MARKER, boxed_content, parse_reference, text_after
+from drgrpo_jax.data.answers import GSM8K_MARKER, MAX_REFERENCE_CHARS, boxed_content, parse_reference, text_after
 from drgrpo_jax.errors import ConfigError
 
-__all__ = ["RECIPES", "Prepared", "Recipe", "aime_answer", "gsm8k_answer", "math_answer", "prepare_rows", "write_jsonl"]
+__all__ = ["RECIPES", "Prepared", "Recipe", "aime_answer", "gsm8k_answer", "math_answer", "prepare_rows"]
 
 
 def _field(row: Mapping[str, Any], names: Iterable[str]) -> Any:
@@ -62,7 +61,8 @@ def aime_answer(row: Mapping[str, Any]) -> str | None:
     if answer is None:
         return None
     text = _strip_math(str(answer))
-    return str(int(text)) if text.isdigit() else text or None
+    digits = text.isascii() and text.isdigit()  # not int(): past 4300 digits it raises
+    return (text.lstrip("0") or "0") if digits else text or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,8 @@ class Prepared:
 
 
 def prepare_rows(recipe: Recipe, rows: Iterable[Mapping[str, Any]], key: str = "--source") -> Prepared:
-    """Source rows -> problem/answer rows; ConfigError naming `key` when a row lacks every problem field."""
+    """Source rows -> problem/answer rows; ConfigError naming `key` when a row lacks every problem field or its
+    answer is longer than MAX_REFERENCE_CHARS."""
     out: list[dict[str, str]] = []
     without_answer = unparsable = 0
     for index, row in enumerate(rows):
@@ -111,6 +112,9 @@ def prepare_rows(recipe: Recipe, rows: Iterable[Mapping[str, Any]], key: str = "
             raise ConfigError(key, f"row {index} has no {wanted} field (fields: {', '.join(map(str, row))}); is it "
                                    f"{recipe.hub_id}'s schema?")
         answer = recipe.answer(row)
+        if answer is not None and len(answer) > MAX_REFERENCE_CHARS:
+            raise ConfigError(key, f"row {index}'s answer has {len(answer)} characters, more than the "
+                                   f"{MAX_REFERENCE_CHARS} math_verify is given (a reference is a short final answer)")
         if answer is None:
             without_answer += 1
         elif not parse_reference(answer):
@@ -119,13 +123,3 @@ def prepare_rows(recipe: Recipe, rows: Iterable[Mapping[str, Any]], key: str = "
             out.append({"problem": str(problem).strip(), "answer": answer})
     return Prepared(tuple(out), without_answer, unparsable)
 
-
-def write_jsonl(rows: Iterable[Mapping[str, str]], path: str) -> None:
-    """One JSON object a line, written to a temporary name and renamed (a failed run leaves no half file)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w", encoding="utf-8") as file:
-        for row in rows:
-            file.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(partial, path)

@@ -18,7 +18,7 @@ from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.data.answers import text_after
 from drgrpo_jax.data.examples import Example, PromptDataset
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.hub_ids import HubId, hub_id, offline, snapshot
+from drgrpo_jax.hub_ids import HubId, check_hub_id, hub_id, offline, snapshot
 from drgrpo_jax.jsonl import read_jsonl
 from drgrpo_jax.seeds import shuffle_permutation
 
@@ -67,13 +67,6 @@ Keys = tuple[str, str, str]
 DATA_KEYS: Keys = ("data.path", "data.split", "data.subset")
 
 
-def _jsonl_rows(path: str, key: str) -> list[Mapping[str, Any]]:
-    try:
-        return list(read_jsonl(path))
-    except ValueError as error:  # a line that is not a JSON object
-        raise ConfigError(key, str(error)) from None
-
-
 def _split_rows(target: str, revision: str | None, subset: str, split: str, keys: Keys) -> list[Mapping[str, Any]]:
     """The rows of one split of an HF dataset (a folder or a Hub id), the subset and split checked by name first."""
     import datasets  # start-up: ~1 s, paid only by runs that read HF datasets
@@ -110,6 +103,7 @@ def _hub_rows(hub: HubId, subset: str, split: str, keys: Keys) -> list[Mapping[s
     """A Hub dataset's split: through `datasets` online (only the files that split needs), else the cached snapshot."""
     from datasets.exceptions import DatasetNotFoundError  # start-up: as _split_rows
 
+    check_hub_id(hub, keys[0])  # online too: `datasets` takes the revision as given
     if not offline():
         try:
             return _split_rows(hub.repo_id, hub.revision, subset, split, keys)
@@ -125,20 +119,28 @@ def read_rows(path: str, source: str, *, subset: str = "", split: str = "train",
     """All rows of a local JSONL file, Parquet file or HF dataset (`source`), or of a Hub dataset id's split.
 
     A local path that exists wins over a Hub id of the same spelling. `keys`: the config keys (or flags) of the
-    path, the split and the subset, named by the errors.
+    path, the split and the subset, named by the errors; any file that cannot be read (a line that is not a JSON
+    object, bytes that are not UTF-8, a corrupt Parquet file or dataset folder) is a one-line ConfigError on the path.
     """
-    if os.path.exists(path):
-        if source == "jsonl":
-            return _jsonl_rows(path, keys[0])
-        if source == "parquet":
-            import pyarrow.parquet as pq  # start-up: paid only by runs that read Parquet
+    try:
+        if os.path.exists(path):
+            if source == "jsonl":
+                return list(read_jsonl(path))  # its errors name the file and line
+            if source == "parquet":
+                import pyarrow.parquet as pq  # start-up: paid only by runs that read Parquet
 
-            return pq.read_table(path).to_pylist()
-        return _local_hf_rows(path, subset, split, keys)
-    hub = hub_id(path)
-    if hub is None:
-        raise ConfigError(keys[0], f"no such file or folder {path!r} (nor a Hub dataset id org/name[@revision])")
-    return _hub_rows(hub, subset, split, keys)
+                return pq.read_table(path).to_pylist()
+            return _local_hf_rows(path, subset, split, keys)
+        hub = hub_id(path)
+        if hub is None:
+            raise ConfigError(keys[0], f"no such file or folder {path!r} (nor a Hub dataset id org/name[@revision])")
+        return _hub_rows(hub, subset, split, keys)
+    except ConfigError:
+        raise
+    except ValueError as error:  # read_jsonl's, naming the file and line; pyarrow's ArrowInvalid
+        raise ConfigError(keys[0], str(error) if source == "jsonl" else f"cannot read {path}: {error}") from None
+    except (OSError, KeyError, RecursionError) as error:  # unreadable Parquet (ArrowIOError), a broken folder
+        raise ConfigError(keys[0], f"cannot read {path}: {type(error).__name__}: {error}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,10 +40,19 @@ _DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
 def _read_header(path: str) -> tuple[dict[str, Any], int]:
-    """(tensor table, byte offset of the data section) of one safetensors file."""
+    """(tensor table, byte offset of the data section) of one safetensors file; ValueError naming the file when it
+    is not one (empty, cut short, a header that is not a JSON object)."""
     with open(path, "rb") as f:
-        (size,) = pystruct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        length, prefix = os.fstat(f.fileno()).st_size, f.read(8)
+        size = pystruct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        if not 0 < size <= length - 8:
+            raise ValueError(f"{path} is not a safetensors file ({length} bytes, no header)")
+        try:
+            header = json.loads(f.read(size))
+        except (ValueError, RecursionError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
     return header, 8 + size
 

@@ -3,21 +3,24 @@
 import dataclasses
 import glob
 import os
+import runpy
+import sys
 import textwrap
 import typing
 
 import pytest
 
 from drgrpo_jax.algorithms import ALGORITHMS
-from drgrpo_jax.config.derived import step_configs
+from drgrpo_jax.config.derived import optimizer_of, step_configs
 from drgrpo_jax.config.load import check_paths, config_from_argv, describe_config, dump_config, load_config
-from drgrpo_jax.config.rules import validate
+from drgrpo_jax.config.rules import check_output_dir, validate
 from drgrpo_jax.config.schema import TRACKERS, Config, LoraConfig, ModelConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.train import cli as train_cli
 from drgrpo_jax.train import trackers
 
 from support.paths import REPO
@@ -195,7 +198,7 @@ def test_missing_or_broken_config_file(tmp_path):
         (["rollout.timeout_s=0"], "rollout.timeout_s", "> 0"),
         (["reward.timeout_s=-1"], "reward.timeout_s", "> 0"),
         (["reward.num_workers=0"], "reward.num_workers", ">= 1"),
-        (["optimizer.learning_rate=-1e-6"], "optimizer.learning_rate", ">= 0"),
+        (["optimizer.learning_rate=-1e-6"], "optimizer.learning_rate", "> 0 and <= 1.0"),
         (["optimizer.b2=1.0"], "optimizer.b2", "[0, 1)"),
         (["optimizer.eps=0"], "optimizer.eps", "> 0"),
         (["optimizer.max_grad_norm=-1"], "optimizer.max_grad_norm", ">= 0"),
@@ -462,3 +465,61 @@ def test_packing_and_remat_reach_the_step_and_the_model():
     assert load_config(None, BASE).model.remat == "auto"
     for policy in REMAT_POLICIES:
         assert load_config(None, [*BASE, f"model.remat={policy}"]).model.remat == policy
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("optimizer.learning_rate=inf", "finite and > 0 and <= 1.0, got inf"),
+    ("optimizer.learning_rate=0", "> 0 and <= 1.0, got 0.0"),
+    ("optimizer.learning_rate=1e30", "<= 1.0, got 1e+30"),
+    ("optimizer.learning_rate=nan", "finite"),
+    ("optimizer.max_grad_norm=inf", "finite and >= 0"),
+    ("optimizer.weight_decay=inf", "finite and >= 0"),
+    ("optimizer.eps=inf", "finite and > 0"),
+    ("train.eval_temperature=-1", ">= 0"),
+    ("run.seed=-1", "[0, 4294967295]"),
+    ("run.seed=4294967296", "[0, 4294967295]"),
+    ("reward.weights=[0]", "all 0"),
+    ("environment.python_timeout_s=0", "> 0"),
+    ("environment.python_timeout_s=inf", "<= 9223372036 seconds"),
+    ("environment.tool_timeout_s=nan", "> 0"),
+    ("rollout.timeout_s=1e30", "<= 9223372036 seconds"),
+    ("environment.python_memory_mb=-1", ">= 1"),
+    ("environment.max_tool_calls=-1", ">= 0"),
+    ("environment.max_turns=0", ">= 1"),
+    ("reward.overlong_buffer=-1", ">= 0"),
+    ("train.steps=2147483648", "<= 2147483647 (counts reach int32 arrays)"),
+    ("rollout.group_size=1000000000", "= 4096000000000 tokens a rollout; its int32 arrays hold at most 2147483647"),
+])
+def test_numbers_that_fail_later_are_refused_naming_the_key(override, fragment):
+    """Each was accepted and failed mid-run (lr=inf: a weight push refused after a step) or never: the environment's
+    limits are checked whether or not episodes are on, one rule per family of fields."""
+    _assert_one_line(_error([override]), override.split("=")[0], fragment)
+
+
+def test_max_grad_norm_0_means_no_clipping_as_its_help_says():
+    config = load_config(None, BASE + ["optimizer.max_grad_norm=0"])
+    field = next(f for f in dataclasses.fields(config.optimizer) if f.name == "max_grad_norm")
+    assert "0 = no clipping" in field.metadata["help"]
+    assert optimizer_of(config)[0].hyper.max_grad_norm is None
+
+
+@pytest.mark.parametrize("output_dir", ["/proc/self/x", "/dev/full/run", "{file}/run"])
+def test_an_output_dir_the_run_cannot_create_exits_2_before_training(tmp_path, capsys, monkeypatch, output_dir):
+    """`python -m drgrpo_jax.config` and `python -m drgrpo_jax.train` both refuse it in one line, exit status 2."""
+    (tmp_path / "file").write_text("")
+    output_dir = output_dir.format(file=tmp_path / "file")
+    argv = ["model.path=some/model", f"run.output_dir={output_dir}"]
+    monkeypatch.setattr(sys, "argv", ["drgrpo_jax.config", *argv])
+    with pytest.raises(SystemExit) as info:
+        runpy.run_module("drgrpo_jax.config", run_name="__main__")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m drgrpo_jax.config: config error: run.output_dir: ") and err.count("\n") == 1
+    monkeypatch.setattr(train_cli, "train", lambda *args: pytest.fail("training started"))
+    assert train_cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith("python -m drgrpo_jax.train: config error: run.output_dir: ")
+
+
+def test_a_writable_output_dir_is_checked_without_being_created(tmp_path):
+    check_output_dir(load_config(None, BASE + [f"run.output_dir={tmp_path / 'a' / 'b'}"]).run)
+    assert os.listdir(tmp_path) == []

@@ -1,6 +1,8 @@
 """The one answer parser of data preparation and the rewards: boxed answers, GSM8K's marker, reference answers."""
 
-from drgrpo_jax.data.answers import GSM8K_MARKER, boxed_content, parse_reference, text_after
+import pytest
+
+from drgrpo_jax.data.answers import GSM8K_MARKER, MAX_REFERENCE_CHARS, boxed_content, parse_reference, text_after
 
 
 def test_boxed_content_balances_braces():
@@ -19,3 +21,8 @@ def test_text_after_the_last_marker():
 def test_parse_reference_wraps_a_bare_answer():
     assert parse_reference("\\frac{1}{2}") and parse_reference("$2$") and parse_reference("\\boxed{3}")
     assert not parse_reference("")
+
+
+def test_parse_reference_refuses_a_reference_math_verify_could_take_minutes_over():
+    with pytest.raises(ValueError, match=f"of {2 * MAX_REFERENCE_CHARS} characters"):
+        parse_reference("(" * MAX_REFERENCE_CHARS + ")" * MAX_REFERENCE_CHARS)

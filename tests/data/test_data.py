@@ -6,6 +6,7 @@ import json
 import pytest
 
 from drgrpo_jax.config.schema import DataConfig
+from drgrpo_jax.data import sources
 from drgrpo_jax.data.examples import Example, PromptDataset
 from drgrpo_jax.data.order import PromptStream, batch_at
 from drgrpo_jax.data.prompts import render_prompt, tokenize_prompt
@@ -177,3 +178,31 @@ def test_prompts_with_and_without_chat_template():
     assert render_prompt(example, off, chat) == "Be brief\n\nWhat is 2 + 2 ? Answer"
     latex = DataConfig(template="{question}\nPut your final answer within \\boxed{}.")
     assert render_prompt(example, latex).endswith("\\boxed{}.")
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("row.jsonl", b'{"problem": "p", "solution": "1"}\n7\n', "line 2 is not a JSON object"),
+    ("null.jsonl", b"null\n", "line 1 is not a JSON object"),
+    ("deep.jsonl", b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 1 is nested too deep"),
+    ("latin1.jsonl", b'{"problem": "caf\xe9", "solution": "1"}\n', "line 1 is not UTF-8"),
+    ("digits.jsonl", b'{"problem": "p", "solution": ' + b"7" * 5000 + b"}\n", "line 1 is not JSON"),
+    ("corrupt.parquet", b"PAR1" + b"\0" * 64 + b"PAR1", "cannot read"),
+])
+def test_hostile_files_are_one_line_naming_the_file(tmp_path, name, content, words):
+    """What the trainer's set-up reads before anything compiles: a ConfigError on data.path, never a traceback."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_dataset(_file_config(path, source=name.rsplit(".", 1)[1]), 0)
+    message = str(info.value)
+    assert message.startswith("data.path: ") and str(path) in message and words in message and "\n" not in message
+
+
+def test_a_hub_dataset_revision_is_checked_before_datasets_sees_it_online(monkeypatch):
+    called = []
+    monkeypatch.setattr(sources, "offline", lambda: False)
+    monkeypatch.setattr(sources, "_split_rows", lambda *args: called.append(args) or [])
+    config = DataConfig(source="jsonl", path="org/set@refs/../../../outside")
+    with pytest.raises(ConfigError, match="data.path"):
+        load_dataset(config, 0)
+    assert not called

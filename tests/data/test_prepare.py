@@ -17,6 +17,9 @@ Where each schema comes from (field names as the datasets publish them):
 """
 
 import json
+import os
+import pathlib
+import stat
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -165,3 +168,53 @@ def test_every_recipe_has_its_hub_id_and_split():
     assert set(RECIPES) == {"math12k", "math500", "gsm8k", "aime24"}
     with pytest.raises(ConfigError, match="has no 'problem' field"):
         prepare_rows(RECIPES["math500"], [{"question": "q", "answer": "1"}])
+
+
+def _one_line_error(capsys) -> str:
+    error = capsys.readouterr().err.strip()
+    assert error.splitlines() == [error], error
+    return error
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"42\n", "line 1 is not a JSON object"),
+    (b'"a string"\n', "line 1 is not a JSON object"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", "line 1 is nested too deep"),
+    (b'{"problem": "\xff", "answer": "1"}\n', "line 1 is not UTF-8"),
+    (b'{"problem": "p", "answer": ' + b"9" * 5000 + b"}\n", "line 1 is not JSON"),
+])
+def test_hostile_sources_exit_2_in_one_line_naming_file_and_line(tmp_path, capsys, content, words):
+    source = tmp_path / "source.jsonl"
+    source.write_bytes(content)
+    assert main(["prepare", "math12k", str(tmp_path / "out.jsonl"), "--source", str(source)]) == 2
+    assert f"--source: {source} {words}" in _one_line_error(capsys)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("answer", ["(" * 20_000 + ")" * 20_000, "9" * 5000])
+def test_a_reference_math_verify_could_take_minutes_over_is_refused_naming_its_row(tmp_path, capsys, answer):
+    """40 KB of nested parentheses took 274 s and 1.7 GB in math_verify; a 5000-digit integer passes Python's
+    int-str limit. Either is refused before math_verify sees it."""
+    source = _jsonl(tmp_path / "aime.jsonl", [AIME_MIRROR[0], {"Problem": "p", "Answer": answer}])
+    assert main(["prepare", "aime24", str(tmp_path / "out.jsonl"), "--source", source]) == 2
+    assert f"--source: row 1's answer has {len(answer)} characters, more than the 1000" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "device"])
+def test_an_output_that_is_not_a_regular_file_is_refused_and_left_alone(tmp_path, capsys, kind):
+    """prepare used to write OUT.partial and rename it over OUT: a device node, a FIFO or a symlink was replaced."""
+    target = tmp_path / "target.txt"
+    target.write_text("keep")
+    output = tmp_path / "out.jsonl"
+    if kind == "symlink":
+        output.symlink_to(target)
+    elif kind == "fifo":
+        os.mkfifo(output)
+    else:
+        output = pathlib.Path("/dev/full")
+    source = _jsonl(tmp_path / "m.jsonl", MATH12K)
+    assert main(["prepare", "math12k", str(output), "--source", source]) == 2
+    assert f"OUT.jsonl: {output} exists and is" in _one_line_error(capsys)
+    assert target.read_text() == "keep" and output.is_symlink() == (kind == "symlink")
+    assert (kind != "fifo" or stat.S_ISFIFO(output.lstat().st_mode)) and (kind != "device" or output.is_char_device())
+    assert not [name for name in os.listdir(tmp_path) if "partial" in name]

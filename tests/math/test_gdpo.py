@@ -155,7 +155,7 @@ BASE = ["model.path=x", "algorithm.name=gdpo", "reward.functions=[math_verify,fo
     [
         (["reward.weights=[1.0,1e39]"], "reward.weights[1]", "overflows float32"),
         (["reward.weights=[1.0,1.00000001]"], "reward.weights[1]", "collapse to one float32 value"),
-        (["reward.weights=[0.0,0.0]"], "reward.weights", "at least one nonzero"),
+        (["reward.weights=[0.0,0.0]"], "reward.weights", "are all 0"),
         (["reward.weights=[1.0,1e-50]"], "reward.weights[1]", "underflows"),
         (["reward.weights=[1.0,.nan]"], "reward.weights[1]", "finite"),
         (["reward.weights=[1.0]"], "reward.weights", "1 entries for 2"),

@@ -12,7 +12,7 @@ import transformers
 from flax import nnx
 
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config
-from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.hf_io import SafetensorsIndex, save_pretrained
 from drgrpo_jax.models.kv_cache import init_cache, split_cache, stack_cache, write_slots
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import Transformer, layer_params, rope_for_layers
@@ -305,6 +305,15 @@ def test_load_errors_name_the_tensor(tmp_path):
         from_pretrained(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="path"):
         from_pretrained(str(tmp_path / "nowhere"))
+
+
+
+@pytest.mark.parametrize("content", [b"", b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]", b"\xff" * 8 + b"{}"])
+def test_a_file_that_is_not_safetensors_is_one_line_naming_it(tmp_path, content):
+    """An empty safetensors file in a cached Hub repo gave struct's "unpack requires a buffer of 8 bytes"."""
+    (tmp_path / "model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'model.safetensors'} is not a safetensors file"):
+        SafetensorsIndex(str(tmp_path))
 
 
 def test_bfloat16_save_is_bit_exact_in_transformers(tmp_path):
