@@ -127,7 +127,8 @@ class ServeConfig:
     short_request_tokens: int = _f(64, "requests of one batch asking for at most this many new tokens have their "
                                        "own worker: they never wait behind a long batch (0 = off)", group=LIMITS)
     max_rows_per_request: int = _f(4096, "prompts x n accepted in one request", flag=None)
-    served_model_name: str = _f("", "name in OpenAI responses; empty = the model path", flag=None)
+    served_model_name: str = _f("", "the model's name in responses (/v1/models, /get_model_info); empty = the "
+                                    "Hub id as given, or the model folder's name (never a server path)", flag=None)
 
     def __post_init__(self):
         if isinstance(self.weights_roots, (list, str)):

@@ -39,7 +39,7 @@ from drgrpo_jax.models.kv_cache import (
     split_cache,
 )
 from drgrpo_jax.models.params import param_specs
-from drgrpo_jax.models.transformer import layer_params, rope_for_layers
+from drgrpo_jax.models.transformer import Transformer, layer_params, rope_for_layers
 from drgrpo_jax.sampler.draws import row_keys, sample_step
 from drgrpo_jax.sharding import ShardingRules, batch_sharding, logical_to_spec, named_sharding, place
 
@@ -48,6 +48,7 @@ __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOu
            "place_batch", "span_schedule"]
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
+PREFILL_CHUNK = 1024  # prompt columns per prefill program when the caller may stop it (`generate`'s `unwanted`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,21 +326,44 @@ def _take_and_grow(cache: KVCache, index_B: jax.Array, num_slots: int) -> KVCach
     return KVCache(k=keys, v=values, positions_BS=positions_BS, length=cache.length)
 
 
+def _prompt_cache(model: Transformer, num_prompts: int, prompt_len: int, cache_dtype: jnp.dtype,
+                  mesh: Mesh | None) -> KVCache:
+    """The distinct prompts' empty cache, split per layer (prompts on `data`, heads on `tensor`)."""
+    cache = init_cache(model.config, num_prompts, prompt_len, dtype=cache_dtype)
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    return split_cache(cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "cache_dtype", "mesh"))
+def _prefill_part(graphdef: nnx.GraphDef, state: nnx.State, ids_PC: jax.Array, positions_PC: jax.Array,
+                  cache: KVCache | None, *, prompt_len: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None
+                  ) -> KVCache:
+    """The prompts' cache (None: a new one of `prompt_len` slots) with the next PREFILL_CHUNK columns written."""
+    model = nnx.merge(graphdef, state)
+    if cache is None:
+        cache = _prompt_cache(model, ids_PC.shape[0], prompt_len, cache_dtype, mesh)
+    _, cache = model.decode(ids_PC, positions_PC, cache, layer_params(model.blocks.arrays(), model.config.num_layers))
+    return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype", "mesh"))
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
-             num_slots: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None) -> _Decoding:
-    """Prefills each distinct prompt once, copies its slots to its rows (a cache of `num_slots`), samples token 0."""
+             num_slots: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None, cache: KVCache | None = None
+             ) -> _Decoding:
+    """Prefills each distinct prompt once, copies its slots to its rows (a cache of `num_slots`), samples token 0.
+    `cache`: the prompts' cache with their first columns written already (`_prefill_part`), the rest written here."""
     model = nnx.merge(graphdef, state)
     num_prompts, prompt_len = batch.prompt_ids_PU.shape
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
-    cache = init_cache(model.config, num_prompts, prompt_len, dtype=cache_dtype)
-    if mesh is not None:  # the prompts' cache: prompts on `data`, heads on `tensor`
-        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
-    cache = split_cache(cache)
+    done = 0 if cache is None else prompt_len - PREFILL_CHUNK
+    if cache is None:
+        cache = _prompt_cache(model, num_prompts, prompt_len, cache_dtype, mesh)
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
     # then feed the last column alone: only [P, 1, V] logits are ever made, not [P, U, V].
-    if prompt_len > 1:
-        _, cache = model.decode(batch.prompt_ids_PU[:, :-1], batch.prompt_positions_PU[:, :-1], cache, layers)
+    if prompt_len - done > 1:
+        _, cache = model.decode(batch.prompt_ids_PU[:, done:-1], batch.prompt_positions_PU[:, done:-1], cache,
+                                layers)
     logits_P1V, cache = model.decode(batch.prompt_ids_PU[:, -1:], batch.prompt_positions_PU[:, -1:], cache, layers)
     rows = batch.rows
     num_rows = rows.live_B.shape[0]
@@ -439,16 +463,24 @@ def _unwanted_mask(unwanted: Callable[[], Sequence[bool]] | None, num_rows: int)
     return mask
 
 
+def _nothing_sampled(num_rows: int, max_new_tokens: int) -> SamplerOutput:
+    """What a batch returns when its prefill stopped because no row was wanted any more."""
+    return SamplerOutput(jnp.zeros((num_rows, max_new_tokens), jnp.int32),
+                         jnp.zeros((num_rows, max_new_tokens), jnp.float32), jnp.zeros((num_rows,), jnp.int32),
+                         jnp.zeros((num_rows,), bool), jnp.int32(0))
+
+
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
              cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
              unwanted: Callable[[], Sequence[bool]] | None = None, check_every: int | None = None,
              mesh: Mesh | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
-    `unwanted`: called on the host before each decode phase and, with `check_every`, after every `check_every`
-    decode steps within one, it names (True, in the batch's row order) the rows whose tokens nobody waits for any
-    more. They are finished where they are (their output so far is returned, `stopped_B` False), which changes no
-    other row's tokens; when no row is left the rest of the batch is skipped. The pauses run the same programs
+    `unwanted`: called on the host between the prefill's programs of a prompt longer than PREFILL_CHUNK, before
+    each decode phase and, with `check_every`, after every `check_every` decode steps within one, it names (True,
+    in the batch's row order) the rows whose tokens nobody waits for any more. They are finished where they are
+    (their output so far is returned, `stopped_B` False), which changes no other row's tokens; when no row is left
+    the rest of the batch (or of the prefill) is skipped. The pauses run the same programs
     (the step to pause at is traced), so they cost a host round trip each and no compile.
     `mesh`: a (data, fsdp=1, tensor) mesh that `state` is placed on (`sharding.param_shardings`): the batch's
     prompts and rows are split over `data` (their counts must divide by it: `mesh_rows`), heads, MLP and
@@ -464,8 +496,21 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         raise ValueError(f"batch: {num_rows} rows and {batch.prompt_ids_PU.shape[0]} prompts must both divide over "
                          f"data={data} devices (make_batch with mesh_rows)")
     spans = span_schedule(prompt_len, max_new_tokens)
-    decoding = _prefill(graphdef, state, place_batch(batch, mesh), max_new_tokens=max_new_tokens,
-                        num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh)
+    placed = place_batch(batch, mesh)
+    cache = None
+    if unwanted is not None and prompt_len > PREFILL_CHUNK:
+        # A long prompt is prefilled PREFILL_CHUNK columns a program, asking between them: a prefill nobody waits
+        # for any more stops there, as a decode phase does (its cost grows with the prompt's square).
+        live_B = jax.device_get(batch.rows.live_B)
+        for start in range(0, prompt_len - PREFILL_CHUNK, PREFILL_CHUNK):
+            if (_unwanted_mask(unwanted, num_rows) | ~live_B).all():
+                return _nothing_sampled(num_rows, max_new_tokens)
+            columns = slice(start, start + PREFILL_CHUNK)
+            cache = _prefill_part(graphdef, state, placed.prompt_ids_PU[:, columns],
+                                  placed.prompt_positions_PU[:, columns], cache, prompt_len=prompt_len,
+                                  cache_dtype=cache_dtype, mesh=mesh)
+    decoding = _prefill(graphdef, state, placed, max_new_tokens=max_new_tokens,
+                        num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh, cache=cache)
     collected, row_ids = _Collected(num_rows, max_new_tokens), np.arange(num_rows)
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
@@ -516,4 +561,4 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
 
 def compiled_programs() -> int:
     """How many sampler programs are compiled so far (prefill, decode phases, regrows): one set per batch shape."""
-    return sum(f._cache_size() for f in (_prefill, _decode_phase, _regrow))  # type: ignore[attr-defined]
+    return sum(f._cache_size() for f in (_prefill, _prefill_part, _decode_phase, _regrow))  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.native_routes import ROUTES as NATIVE_ROUTES
 from drgrpo_jax.serve.openai_routes import ROUTES as OPENAI_ROUTES
 from drgrpo_jax.serve.security import Guard, Keys
-from drgrpo_jax.serve.service import Service, error_response
+from drgrpo_jax.serve.service import Service, error_response, shown_name
 
 __all__ = ["build_app"]
 
@@ -134,7 +134,7 @@ def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None
     config = engine.config
     app = FastAPI(title="drgrpo_jax generation service",
                   lifespan=functools.partial(_publish_port, port_file=port_file, port=port))
-    app.state.service = Service(engine, tokenizer, config.served_model_name or config.model,
+    app.state.service = Service(engine, tokenizer, config.served_model_name or shown_name(config.model),
                                 normalize_roots(config.weights_roots))
     # Starlette types a handler as taking any Exception; each of these takes only the type it is registered for.
     handlers: list[tuple[type[Exception], Any]] = [(RequestValidationError, _invalid_request),

@@ -25,6 +25,7 @@ from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.connections import guarded_protocol
 from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.security import read_keys
+from drgrpo_jax.serve.service import shown_name
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh
 
 __all__ = ["PROG", "bind_socket", "main", "parse_args", "served_tokenizer"]
@@ -93,7 +94,9 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         model, tokenizer = local_model_and_tokenizer(config.model, config.tokenizer)
     except ConfigError as error:
         _fail(str(error))
-    return dataclasses.replace(config, model=model, tokenizer=tokenizer)
+    # Responses name the model as given (the Hub id, or its folder's name), never its folder on this server.
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer,
+                               served_model_name=config.served_model_name or shown_name(config.model))
 
 
 def _watch_parent(pid: int) -> None:

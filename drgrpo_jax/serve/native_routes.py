@@ -4,7 +4,6 @@ updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the train
 from __future__ import annotations
 
 import asyncio
-import re
 import secrets
 import time
 from typing import Any
@@ -13,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from drgrpo_jax.errors import BadRequest, InvalidWeights, PathNotAllowed
+from drgrpo_jax.named_tensors import NAME_FORM, SEGMENT_NAME
 from drgrpo_jax.sampler.generate import RowRequest, compiled_programs
 from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import (
@@ -31,14 +31,13 @@ from drgrpo_jax.serve.service import (
     run_rows,
     sampler_rows,
     service_of,
+    shown_name,
 )
 from drgrpo_jax.serve.stops import Choice, apply_stop
 from drgrpo_jax.serve.weights import Weights, check_newer
 
 __all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
            "weight_version"]
-
-SEGMENT_NAME = re.compile(r"drgrpo_weights_[0-9]+_[A-Za-z0-9._+:-]{1,64}")  # named_tensors.segment_name's form
 
 
 # ---------------------------------------------------------------- the service's state
@@ -54,18 +53,20 @@ async def health(request: Request) -> JSONResponse:
 async def model_info(request: Request) -> dict:
     """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue, the rows and batches
     cut short because their clients left, the sampler programs compiled and kept (one set per new batch shape) and
-    those dropped while idle (--max-kept-programs), and LoRA adapter (null, or the merged adapter's path,
-    rank, alpha and targets) of this service."""
-    engine = service_of(request).engine
-    w = engine.weights
-    return {"model_path": w.path, "tokenizer_path": engine.config.tokenizer or engine.config.model,
+    those dropped while idle (--max-kept-programs), and LoRA adapter (null, or the merged adapter's name,
+    rank, alpha and targets) of this service. The paths are names (`Service.shown`): no server path is shown."""
+    service = service_of(request)
+    engine, w = service.engine, service.engine.weights
+    adapter = w.adapter and {**w.adapter, "path": service.shown(w.adapter["path"])}
+    tokenizer = shown_name(engine.config.tokenizer) if engine.config.tokenizer else service.name
+    return {"model_path": service.shown(w.path), "tokenizer_path": tokenizer,
             "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
             "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
             "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
             "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
             "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),
-            "programs_dropped": engine.programs_dropped, "adapter": w.adapter}
+            "programs_dropped": engine.programs_dropped, "adapter": adapter}
 
 
 async def weight_version(request: Request) -> dict:
@@ -134,8 +135,8 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, reque
     if not engine.config.loopback:
         return _update_answer(403, "segment: shared-memory updates are served on loopback only",
                               engine.weights.version)
-    if not SEGMENT_NAME.fullmatch(body.segment):  # whole: a trailing newline or a path is no segment name
-        return _update_answer(400, "segment: not a weight segment name (drgrpo_weights_<pid>_<version>)",
+    if not SEGMENT_NAME.fullmatch(body.segment):  # whole: a trailing newline or another path is no segment name
+        return _update_answer(400, f"segment: not a weight segment name ({NAME_FORM})",
                               engine.weights.version)
     version = str(body.weight_version) if body.weight_version is not None else _next_version(engine.weights.version)
     index = [entry.model_dump() for entry in body.tensors]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -26,6 +27,7 @@ from drgrpo_jax.serve.service import (
     sampler_rows,
     service_of,
     tokenize,
+    wait_while_wanted,
 )
 from drgrpo_jax.serve.stops import Choice, apply_stop
 
@@ -40,10 +42,12 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
 
 
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
-                 choices: list[Choice], deadline: float) -> tuple[list[ScoredSequence] | None, list[Choice]]:
+                 choices: list[Choice], request: Request, deadline: float
+                 ) -> tuple[list[ScoredSequence] | None, list[Choice]]:
     """(log-probs of each sequence under the weights that sampled it, the choices); 503 when the weights were
     swapped meanwhile. When scoring is not done by `deadline` the log-probs are None and every choice's finish
-    reason is abort: the request is answered by its deadline all the same.
+    reason is abort: the request is answered by its deadline all the same, and the scoring stops there (within
+    one call of --max-batch-size rows), as it does when the client leaves.
 
     Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
     request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
@@ -52,13 +56,16 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
     weights, config = service.engine.weights, service.engine.config
     if any(c.weight_version != weights.version for c in choices):
         raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
-    scoring = asyncio.to_thread(score_sequences, weights.graphdef, weights.state, sequences,
-                                [temperature] * len(sequences), top, weights.config.vocab_size,
-                                config.max_scoring_bytes)
-    try:
-        return await asyncio.wait_for(scoring, max(deadline - time.monotonic(), 0.0)), choices
-    except TimeoutError:  # the thread finishes on its own; nobody waits for it
+    stop = threading.Event()
+    scoring = asyncio.ensure_future(asyncio.to_thread(
+        score_sequences, weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
+        weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=config.max_batch_size,
+        stopped=stop.is_set))
+    scored = scoring.result() if await wait_while_wanted(scoring, request, deadline, stop.set) else None
+    if scored is None:
+        stop.set()
         return None, [dataclasses.replace(c, finish_reason="abort") for c in choices]
+    return scored, choices
 
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -153,7 +160,8 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     sequences = [prompts[p] + c.token_ids for p, c in zip(prompt_of, choices)]
     scored = None
     if body.logprobs is not None:
-        scored, choices = await _score(service, sequences, params.temperature, body.logprobs, choices, deadline)
+        scored, choices = await _score(service, sequences, params.temperature, body.logprobs, choices, request,
+                                        deadline)
     out = []
     for index, (p, choice) in enumerate(zip(prompt_of, choices)):
         prefix = _echo_prefix(body.prompt, p, prompts[p], tokenizer) if body.echo else ""
@@ -244,7 +252,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     sequences = [prompt + c.token_ids for c in choices]
     scored = None
     if body.logprobs:
-        scored, choices = await _score(service, sequences, params.temperature, top, choices, deadline)
+        scored, choices = await _score(service, sequences, params.temperature, top, choices, request, deadline)
     out = [{"index": j, "message": {"role": "assistant", "content": choice.text},
             "logprobs": None if scored is None else _chat_logprobs(tokenizer, sequences[j], scored[j], len(prompt),
                                                                    top),

@@ -145,8 +145,6 @@ class UpdateWeightsFromTensorRequest(_Request):
     allow_rollback: StrictBool = False  # a trainer resuming from a checkpoint re-pushes an older version
 
 
-
-
 class CompletionRequest(_Request):
     """OpenAI's `/v1/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
 
@@ -163,6 +161,9 @@ class CompletionRequest(_Request):
     echo: StrictBool = False  # the prompt (and, with logprobs, its tokens' log-probs) before the completion
     stop: Stop | None = None  # strings that end a completion, matched on the decoded text, left out of it
     user: Name | None = None
+    # OpenAI's penalties, which its clients send at 0: accepted at that neutral value, refused otherwise.
+    presence_penalty: Annotated[float | None, _only(0.0)] = None
+    frequency_penalty: Annotated[float | None, _only(0.0)] = None
     top_k: TopK = -1
     stop_token_ids: StopIds | None = None
     ignore_eos: StrictBool = False
@@ -199,6 +200,9 @@ class ChatCompletionRequest(_Request):
     stream: Literal[False] = False
     stop: Stop | None = None
     user: Name | None = None
+    # OpenAI's penalties, which its clients send at 0: accepted at that neutral value, refused otherwise.
+    presence_penalty: Annotated[float | None, _only(0.0)] = None
+    frequency_penalty: Annotated[float | None, _only(0.0)] = None
     top_k: TopK = -1
     stop_token_ids: StopIds | None = None
     ignore_eos: StrictBool = False

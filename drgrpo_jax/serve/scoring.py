@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -112,10 +112,28 @@ def _score(graphdef: nnx.GraphDef, state: nnx.State, ids_BS: jax.Array, segments
 
 
 def score_sequences(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequence[int]],
-                    temperatures: Sequence[float], top: int, vocab_size: int, max_bytes: int = 256 * 2**20
-                    ) -> list[ScoredSequence]:
+                    temperatures: Sequence[float], top: int, vocab_size: int, max_bytes: int = 256 * 2**20, *,
+                    rows_per_call: int = 32, stopped: Callable[[], bool] | None = None
+                    ) -> list[ScoredSequence] | None:
     """Each sequence's next-token log-probs and top-`top` entries (temperature 0 scores at 1, as the sampler),
-    computed in tiles whose float32 temporaries stay within `max_bytes` (`--max-scoring-bytes`)."""
+    computed in tiles whose float32 temporaries stay within `max_bytes` (`--max-scoring-bytes`).
+
+    The sequences are scored `rows_per_call` at a time (the service's batch), and `stopped` is asked before each
+    call: once it answers True (the request's deadline passed, or its client left) the rest is left unscored and
+    the answer is None, so abandoned scoring stops within one call, as a batch stops at its next check."""
+    out: list[ScoredSequence] = []
+    for start in range(0, len(sequences), rows_per_call):
+        if stopped is not None and stopped():
+            return None
+        end = start + rows_per_call
+        out += _score_rows(graphdef, state, sequences[start:end], temperatures[start:end], top, vocab_size,
+                           max_bytes)
+    return out
+
+
+def _score_rows(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequence[int]],
+                temperatures: Sequence[float], top: int, vocab_size: int, max_bytes: int) -> list[ScoredSequence]:
+    """score_sequences of one call's rows: one program run on bucketed shapes."""
     rows, longest = len(sequences), max(len(s) for s in sequences)
     width, length, k = batch_bucket(rows), bucket(max(longest, 2)), min(bucket(max(top, 1), minimum=1), vocab_size)
     ids = np.zeros((width, length), np.int32)

@@ -8,10 +8,13 @@ import contextlib
 import dataclasses
 import errno
 import hmac
+import ipaddress
 import json
 import os
+import re
 import stat
 import tempfile
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -64,12 +67,30 @@ def authorized(path: str, token: str, keys: Keys) -> bool:
     return _same(token, keys.api_key) or _same(token, keys.admin_key) or not keys.api_key
 
 
-def _host_name(headers: dict[bytes, bytes]) -> str:
-    """The Host header without its port (IPv6 brackets removed)."""
-    host = headers.get(b"host", b"").decode("latin-1").strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+def host_of(authority: str) -> str | None:
+    """The host of a Host header's `host[:port]` (lowercased; an IPv6 address without its brackets), or None
+    when it is not exactly that: userinfo (`a@b`), a path, query or fragment, a port that is not digits, anything
+    after the port or the brackets, characters the URL parser would drop."""
+    try:
+        parts = urllib.parse.urlsplit("//" + authority)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError:
+        return None
+    host = parts.hostname
+    if not host or parts.netloc != authority or "@" in authority or parts.path or parts.query or parts.fragment:
+        return None
+    bracketed = f"[{host}]" if ":" in host else host
+    if authority[:len(bracketed)].lower() != bracketed or not re.fullmatch(r"(:[0-9]*)?", authority[len(bracketed):]):
+        return None
+    try:  # one spelling per address: [0:0::1] is ::1
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host
+
+
+def _host_name(headers: dict[bytes, bytes]) -> str | None:
+    """The Host header's host (None when absent or malformed)."""
+    return host_of(headers.get(b"host", b"").decode("latin-1").strip())
 
 
 class Guard:

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from drgrpo_jax.errors import BadRequest, ClientGone
+from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
 __all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "Service", "check_request",
            "deadline_of", "decode", "error_response", "greedy_below", "prompt_ids", "run_rows", "sampler_rows",
-           "service_of", "tokenize"]
+           "service_of", "shown_name", "tokenize", "wait_while_wanted"]
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: logits / t would overflow float32 (t ~ 1e-9)
 CHARS_PER_TOKEN = 32  # a text longer than context x this cannot fit: refused before it is tokenized
@@ -32,8 +35,20 @@ class Service:
 
     engine: Engine
     tokenizer: Any  # a transformers tokenizer, or None: only token-id prompts are served
-    name: str  # the model's name in OpenAI responses
+    name: str  # the model's name in responses (served_model_name): never where it lies on the server
     weights_roots: tuple[str, ...] = ()  # normalized --weights-root folders and gs:// prefixes
+
+    def shown(self, path: str) -> str:
+        """What responses call the weights loaded from `path`: the served name for the model the service started
+        with, else the last part of the path (a client holding only the API key learns no server path)."""
+        return self.name if path == self.engine.config.model else shown_name(path)
+
+
+def shown_name(spec: str) -> str:
+    """A model's or tokenizer's name fit for a response: a Hub id as given, else the last part of its path or URI."""
+    if hub_id(spec) is not None:
+        return spec
+    return os.path.basename(spec.rstrip("/")) or spec
 
 
 def service_of(request: Request) -> Service:
@@ -136,6 +151,20 @@ def deadline_of(engine: Engine) -> float:
     return time.monotonic() + engine.config.request_timeout_s
 
 
+async def wait_while_wanted(waiter: asyncio.Future, request: Request, deadline: float,
+                            stop: Callable[[], object]) -> bool:
+    """Waits for `waiter` while its client is there, checking every DISCONNECT_POLL_S: True once it is done, False
+    at `deadline` (the caller stops the work); when the client leaves, `stop()` and ClientGone."""
+    while not (await asyncio.wait({waiter}, timeout=min(DISCONNECT_POLL_S,
+                                                         max(deadline - time.monotonic(), 0))))[0]:
+        if await request.is_disconnected():
+            stop()
+            raise ClientGone
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
 async def run_rows(engine: Engine, rows: list[RowRequest], request: Request, deadline: float) -> list[RowResult]:
     """The rows' results; a failed batch answers HTTP 500 and the service keeps running.
 
@@ -145,15 +174,10 @@ async def run_rows(engine: Engine, rows: list[RowRequest], request: Request, dea
     """
     future = engine.submit(rows)
     waiter = asyncio.wrap_future(future)
-    while not (await asyncio.wait({waiter}, timeout=min(DISCONNECT_POLL_S,
-                                                         max(deadline - time.monotonic(), 0))))[0]:
-        if await request.is_disconnected():
-            future.cancel()
-            raise ClientGone
-        if time.monotonic() >= deadline:
-            done = engine.abandon(future)
-            version = engine.weights.version
-            return [r if r is not None else RowResult([], [], False, version, aborted=True) for r in done]
+    if not await wait_while_wanted(waiter, request, deadline, future.cancel):
+        done = engine.abandon(future)
+        version = engine.weights.version
+        return [r if r is not None else RowResult([], [], False, version, aborted=True) for r in done]
     try:
         return waiter.result()
     except Exception as error:

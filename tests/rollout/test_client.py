@@ -311,7 +311,7 @@ def test_local_server_round_trip_and_clean_stop(model_dir):
             # A URI (gs://... in a real run) is copied to a local temp folder first: file:// takes that path here.
             client.update_weights("file://" + os.path.abspath(model_dir), 8)
             info = client.model_info()
-            assert info["weight_version"] == "8" and info["model_path"] == "file://" + os.path.abspath(model_dir)
+            assert info["weight_version"] == "8" and info["model_path"] == os.path.basename(model_dir)  # no path
             with pytest.raises(RolloutError, match="model_path"):
                 client.update_weights("file://" + os.path.abspath(model_dir) + "/missing", 9)
             with pytest.raises(RolloutError, match="model_path: not a valid model folder"):

@@ -63,7 +63,8 @@ VALID = {  # one body per route that the service answers with 200; the fuzz muta
     "/v1/completions": {"prompt": "hi there", "max_tokens": 4},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},  # no template: 400
     "/update_weights_from_disk": {"model_path": "/nowhere", "weight_version": "1"},
-    "/update_weights_from_tensor": {"segment": "drgrpo_weights_1_1.0", "weight_version": "1",  # no such segment: 400
+    "/update_weights_from_tensor": {"segment": "drgrpo_weights_1_abcdefgh/v1_0123456789abcdef",  # none such: 400
+                                    "weight_version": "1",
                                     "tensors": [{"name": "embed", "dtype": "float32", "shape": [1], "offset": 0}]},
 }
 

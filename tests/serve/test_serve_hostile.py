@@ -216,7 +216,29 @@ def test_segment_names_must_match_whole(engine):
             "tensors": [{"name": "embed", "dtype": "float32", "shape": [1], "offset": 0}]}
     answer = _client(engine).post("/update_weights_from_tensor", json=body)
     _is_openai_error(answer, 400, "segment")
-    assert "drgrpo_weights_<pid>_<version>" in answer.json()["error"]["message"]  # main: "no such segment"
+    assert "drgrpo_weights_<pid>_<random>/v<version>_<random>" in answer.json()["error"]["message"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_segment_another_user_owns_or_may_write_is_refused(engine):
+    """Issue #57: the service maps a segment only when it is a private file of its own user's."""
+    from drgrpo_jax import named_tensors
+
+    folder, served = named_tensors.make_folder(), engine.weights.version
+    name = named_tensors.segment_name(folder, 1)
+    try:
+        entries = named_tensors.write_segment(name, {"embed": np.zeros(4, np.float32)})
+        body = {"segment": name, "weight_version": "1", "allow_rollback": True,
+                "tensors": [entry.to_json() for entry in entries]}
+        path = os.path.join(named_tensors.SEGMENT_DIR, name)
+        for owner, mode, reason in [(65534, 0o600, "owned by another user"), (0, 0o666, "open to others")]:
+            os.chown(path, owner, owner)
+            os.chmod(path, mode)
+            answer = _client(engine).post("/update_weights_from_tensor", json=body)
+            _is_openai_error(answer, 400, reason)
+        assert engine.weights.version == served
+    finally:
+        named_tensors.remove_folder(folder)
 
 
 def _reference_scores(model, sequence: list[int], temperature: float, top: int):
@@ -391,3 +413,166 @@ def test_a_short_request_does_not_wait_behind_a_long_batch(root):
     finally:
         release.set()
         engine.close()
+
+
+# ---------------------------------------------------------------- issue #57: each failed on main at a433d1c
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:80@evil", "localhost@evil.com", "localhost:80@127.0.0.1",
+                                  "[::1]evil", "localhost:8x", "localhost:80:80", "localhost/evil", "localhost?x",
+                                  "localhost:99999", "local\thost", "[localhost]", "evil.com", ""])
+def test_a_host_header_that_is_not_a_loopback_host_and_port_is_refused(engine, host):
+    answer = _client(engine).get("/health", headers={"host": host})
+    _is_openai_error(answer, 400, "Host")  # main: 200 for 127.0.0.1:80@evil, localhost:80@127.0.0.1, ...
+
+
+def test_a_loopback_host_with_or_without_a_port_is_served(engine):
+    for host in ("localhost", "LOCALHOST:30000", "127.0.0.1:1", "[::1]:30000", "[0:0::1]", "localhost:"):
+        assert _client(engine).get("/health", headers={"host": host}).status_code == 200, host
+
+
+def test_responses_name_the_model_and_never_show_a_server_path(root):
+    from drgrpo_jax.serve.service import shown_name
+
+    engine = Engine(ServeConfig(model=root["served"], weights_roots=(root["root"],), short_request_tokens=0))
+    try:
+        client = _client(engine)
+        for route in ("/get_model_info", "/v1/models"):
+            answer = client.get(route)
+            assert answer.status_code == 200 and root["base"] not in answer.text, answer.text  # main: the folder
+        info = client.get("/get_model_info").json()
+        assert info["model_path"] == info["tokenizer_path"] == "served"  # the same fields, a name in each
+        assert client.get("/v1/models").json()["data"][0]["id"] == "served"
+        assert _push(client, root["inside"], "9")[0] == 200
+        pushed = client.get("/get_model_info")
+        assert pushed.json()["model_path"] == "step" and root["base"] not in pushed.text, pushed.text
+    finally:
+        engine.close()
+    named = Engine(ServeConfig(model=root["served"], served_model_name="tiny-v1"))
+    try:
+        assert _client(named).get("/v1/models").json()["data"][0]["id"] == "tiny-v1"
+    finally:
+        named.close()
+    assert shown_name("org/tiny@main") == "org/tiny@main" and shown_name("gs://bucket/run/step_8/") == "step_8"
+
+
+def test_openais_neutral_penalties_are_accepted_and_others_refused_as_not_supported(engine, root):
+    from drgrpo_jax.models.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(root["served"], None)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    client = _client(engine, tokenizer)
+    bodies = {"/v1/completions": {"prompt": [5, 9], "max_tokens": 2},
+              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    for route, body in bodies.items():
+        for neutral in (0, 0.0, None):
+            answer = client.post(route, json={**body, "presence_penalty": neutral, "frequency_penalty": neutral})
+            assert answer.status_code == 200, (route, neutral, answer.text)  # main: 400, extra fields
+        for field in ("presence_penalty", "frequency_penalty"):
+            _is_openai_error(client.post(route, json={**body, field: 0.5}), 400, field, "not supported")
+
+
+def test_scoring_past_its_deadline_stops_within_one_batch(root, monkeypatch):
+    """Eight prompts scored (logprobs) on a service of 2-row batches; the first scoring program is held until the
+    answer (abort, at the deadline) is out. Main scored all eight rows in one program that ran on after the answer
+    (53 CPU-seconds in the probe); here the scoring stops at its next batch."""
+    import threading
+    import time
+
+    from drgrpo_jax.serve import scoring
+
+    engine = Engine(ServeConfig(model=root["served"], max_batch_size=2, request_timeout_s=3.0,
+                                short_request_tokens=0))
+    body = {"prompt": [[5, 9, i] for i in range(3, 11)], "max_tokens": 2, "temperature": 0}
+    answered, rows_scored, real_score = threading.Event(), [], scoring._score
+
+    def held_score(graphdef, state, ids, segments, *args, **kwargs):
+        rows_scored.append(int((np.asarray(segments).sum(axis=1) > 0).sum()))
+        if len(rows_scored) == 1:
+            answered.wait(60)
+        return real_score(graphdef, state, ids, segments, *args, **kwargs)
+
+    try:
+        client = _client(engine)
+        for _ in range(20):  # until the sampler's programs are compiled: sampling then ends well within 3 s
+            if client.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"] != "abort":
+                break
+        monkeypatch.setattr(scoring, "_score", held_score)
+        answer = client.post("/v1/completions", json={**body, "logprobs": 1})
+        answered.set()
+        assert answer.status_code == 200, answer.text
+        assert {c["finish_reason"] for c in answer.json()["choices"]} == {"abort"}
+        assert all(c["logprobs"] is None for c in answer.json()["choices"])
+        time.sleep(2)  # what the scoring thread does after the answer
+        assert sum(rows_scored) <= 2, rows_scored  # main: [8]
+    finally:
+        answered.set()
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return write_tiny_llama(str(tmp_path_factory.mktemp("long") / "model"), seed=0, vocab_size=64,
+                            max_position_embeddings=4096)
+
+
+def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
+    """A 2,500-token prompt (4,096 prompt slots) is prefilled 1,024 columns a program, asking between them whether
+    its client still waits; the first program is held until the answer (abort, at the deadline) is out. Main ran
+    the whole prefill as one program however long it took, and the worker was busy with it after the answer."""
+    import threading
+    import time
+
+    from drgrpo_jax.sampler import generate as sampling
+
+    engine = Engine(ServeConfig(model=long_model, request_timeout_s=2.0, short_request_tokens=0,
+                                batch_wait_ms=1.0))
+    answered, parts, prefills = threading.Event(), [], []
+    real_part, real_prefill = getattr(sampling, "_prefill_part", None), sampling._prefill
+
+    def held_part(*args, **kwargs):
+        parts.append(1)
+        if len(parts) == 1:
+            answered.wait(60)
+        return real_part(*args, **kwargs)
+
+    def counted_prefill(*args, **kwargs):
+        prefills.append(1)
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "_prefill_part", held_part, raising=False)
+    monkeypatch.setattr(sampling, "_prefill", counted_prefill)
+    prompt = np.random.default_rng(0).integers(3, 64, 2500).tolist()
+    try:
+        answer = _client(engine).post("/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 4, "sampling_seed": 1}})
+        answered.set()
+        assert answer.status_code == 200 and answer.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        deadline = time.monotonic() + 120
+        while engine.batches_run == 0:
+            assert time.monotonic() < deadline, "the batch never ended"
+            time.sleep(0.01)
+        assert parts == [1] and prefills == [], (parts, prefills)  # main: the whole prefill ran after the answer
+        assert engine.rows_cut == 1 and engine.batches_stopped == 1
+    finally:
+        answered.set()
+        engine.close()
+
+
+@pytest.mark.slow
+def test_a_long_prompt_prefilled_in_parts_samples_what_one_prefill_does(long_model):
+    """What the parts change is only the order of float sums: the tokens are those of the whole prefill."""
+    from drgrpo_jax.sampler import generate as sampling
+    from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+    from drgrpo_jax.serve.weights import load_weights
+
+    weights = load_weights(long_model, "float32", "0")
+    rng = np.random.default_rng(0)
+    rows = [RowRequest(tuple(rng.integers(3, 64, 2500).tolist()), SamplingParams(max_new_tokens=8), seed=1),
+            RowRequest(tuple(rng.integers(3, 64, 30).tolist()), SamplingParams(max_new_tokens=8, temperature=0), 2)]
+    batch = sampling.make_batch(rows, (2,), batch_size=2, prompt_len=sampling.bucket(2500), num_prompts=2)
+    whole = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16)
+    parts = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16,
+                              unwanted=lambda: [False, False], check_every=4)
+    np.testing.assert_array_equal(np.asarray(parts.tokens_BT), np.asarray(whole.tokens_BT))
+    np.testing.assert_allclose(np.asarray(parts.logprobs_BT), np.asarray(whole.logprobs_BT), atol=1e-4)

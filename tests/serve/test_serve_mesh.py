@@ -92,13 +92,14 @@ def _push_disk(client: TestClient, path: str, version: str) -> None:
 
 def _push_segment(client: TestClient, path: str, version: str) -> None:
     loaded = load_weights(path, "float32", "x")  # the trainer's side: whole arrays on the host
-    name = tensor_segment.segment_name(f"{version}.0")
-    entries = tensor_segment.write_segment(name, host_tensors(loaded.graphdef, loaded.state))
+    folder = tensor_segment.make_folder()
+    name = tensor_segment.segment_name(folder, version)
     try:
+        entries = tensor_segment.write_segment(name, host_tensors(loaded.graphdef, loaded.state))
         answer = client.post("/update_weights_from_tensor", json={
             "segment": name, "tensors": [e.to_json() for e in entries], "weight_version": int(version)})
     finally:
-        tensor_segment.remove_segment(name)
+        tensor_segment.remove_folder(folder)
     assert answer.status_code == 200, answer.text
 
 
