@@ -5,6 +5,11 @@ crash mid-save leaves the previous checkpoint as the latest loadable one (tested
 Arrays are stored uncompressed: orbax's zstd held a compressed copy of the whole state in memory until the
 write, which set the trainer's peak memory, and float weights barely compress. Checkpoints written compressed by
 earlier versions restore as before.
+
+Preemption: `preempted(step)` asks orbax's preemption sync point (JAX's, once `jax.distributed` is up: XLA takes
+SIGTERM then and every process learns of it at the same step), or, in a one-process run, whether SIGTERM came
+(the Checkpointer's own handler only sets a flag). A preempted step is due for a save; the trainer then exits
+with RESTART_EXIT_CODE, which the launchers treat as "restart".
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -19,9 +26,11 @@ import orbax.checkpoint as ocp
 
 from drgrpo_jax.errors import ConfigError
 
-__all__ = ["Checkpointer", "Restored", "abstract_state_like"]
+__all__ = ["RESTART_EXIT_CODE", "Checkpointer", "Restored", "abstract_state_like"]
 
 log = logging.getLogger(__name__)
+
+RESTART_EXIT_CODE = 42  # a preempted run saved and stopped: relaunch it (xpk and the JobSets restart on 42)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +62,10 @@ def abstract_state_like(state: Any, shardings: Any = None) -> Any:
 class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the newest `keep`, restores exactly."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, save_every: int, keep: int, async_save: bool = False):
+    def __init__(self, directory: str | os.PathLike[str], *, save_every: int, keep: int, async_save: bool = False,
+                 catch_sigterm: bool = False):
+        """catch_sigterm (the trainer; from the main thread): in a one-process run SIGTERM only marks the next
+        step preempted (`preempted`), until `close`."""
         self.directory = os.path.abspath(os.fspath(directory))
         self.save_every = save_every
         # The cadence is ours (step % save_every): orbax's own interval also saves the first step.
@@ -65,6 +77,11 @@ class Checkpointer:
         )
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "host": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._preempted: dict[int, bool] = {}  # each step's answer: the sync point is asked once per step
+        self._sigterm = threading.Event()
+        self._handling_sigterm = catch_sigterm and not jax.distributed.is_initialized()  # else XLA's notifier has it
+        if self._handling_sigterm:
+            self._previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._sigterm.set())
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step; None when there is none."""
@@ -89,14 +106,24 @@ class Checkpointer:
             )
         return bool(resume)
 
+    def preempted(self, step: int) -> bool:
+        """Whether the run saves `step` and stops: orbax's preemption sync point (the same step on every process)
+        or SIGTERM in a one-process run. Every process must ask at every step, in order (`due` asks)."""
+        if step not in self._preempted:
+            self._preempted[step] = self._manager.reached_preemption(step) or self._sigterm.is_set()
+        return self._preempted[step]
+
     def due(self, step: int, *, force: bool = False) -> bool:
-        """Whether `save(step, ..., force=force)` would save: on the cadence (or forced) and not saved yet."""
-        return (force or step % self.save_every == 0) and step not in self._manager.all_steps()
+        """Whether `save(step, ..., force=force)` would save: on the cadence, forced or preempted, and not saved yet."""
+        wanted = self.preempted(step) or force or step % self.save_every == 0  # asks the sync point every step
+        return wanted and step not in self._manager.all_steps()
 
     def save(self, step: int, state: Any, host: dict[str, Any], *, force: bool = False) -> bool:
-        """Saves when `step` is a multiple of save_every or `force` (the last step); True when it saved."""
+        """Saves when `step` is due (save_every, `force` for the last step, or preemption); True when it saved."""
         if not self.due(step, force=force):
             return False  # off the cadence, or the end of a run that just saved this step
+        # force: `due` made orbax's decision already (its preemption check included); its own interval would
+        # also save the first step.
         return self._manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), host=ocp.args.JsonSave(dict(host))),
@@ -149,9 +176,12 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Finishes pending saves and releases the manager."""
+        """Finishes pending saves, releases the manager and gives SIGTERM back to its previous handler."""
         self._manager.wait_until_finished()
         self._manager.close()
+        if self._handling_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._handling_sigterm = False
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,12 +1,14 @@
-"""Multi-host coordination of the trainer: every process's rows, and failing on every process together.
+"""Multi-host coordination of the trainer: starting `jax.distributed`, every process's rows, and failing on every
+process together.
 
-Both are collectives: every process must reach each call, in the same order. On one process
+The last two are collectives: every process must reach each call, in the same order. On one process
 they cost nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +18,37 @@ from jax.experimental import multihost_utils
 
 from drgrpo_jax.errors import ConfigError, HostFailure, RewardError, RolloutError
 
-__all__ = ["fail_together", "failure_code", "gather_hosts", "host_array", "remote_failure"]
+__all__ = ["AUTO", "fail_together", "failure_code", "gather_hosts", "host_array", "remote_failure", "start_distributed"]
+
+
+AUTO = "auto"  # mesh.coordinator_address: JAX detects the cluster
+
+
+def start_distributed(address: str | None, num_processes: int = 1, process_id: int = 0,
+                      port: int | None = None) -> None:
+    """jax.distributed.initialize, before any device is touched; nothing when `address` is None (one host).
+
+    "auto": no arguments, JAX detects the cluster (TPU VM pods and multi-slice, GKE JobSet or indexed Job,
+    SLURM, Open MPI); `port` overrides the coordinator port it picks (JAX reads JAX_COORDINATOR_PORT). "host:port"
+    with the count and id: detection is off. Either way the process takes every device of its host
+    (`local_device_ids=[]`): JAX's SLURM and Open MPI detection would otherwise pin a process to the one GPU of
+    its local rank, while a scheduler that binds GPUs per task already narrows CUDA_VISIBLE_DEVICES itself.
+    ConfigError naming mesh.coordinator_address when "auto" finds no cluster.
+    """
+    if address is None:
+        return
+    if address != AUTO:
+        jax.distributed.initialize(address, num_processes=num_processes, process_id=process_id,
+                                   local_device_ids=[], cluster_detection_method="deactivate")
+        return
+    if port is not None:
+        os.environ["JAX_COORDINATOR_PORT"] = str(port)
+    try:
+        jax.distributed.initialize(local_device_ids=[])
+    except ValueError as error:  # what detection left unset ("coordinator_address should be defined.")
+        raise ConfigError("mesh.coordinator_address", f"auto, but no cluster was detected ({error}): run under a TPU "
+                          "VM pod, GKE JobSet or indexed Job, SLURM (srun) or Open MPI (mpirun), or give host:port "
+                          "with mesh.num_processes and mesh.process_id") from None
 
 
 def gather_hosts(tree: Any) -> Any:

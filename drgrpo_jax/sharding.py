@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
@@ -44,10 +45,38 @@ class MeshShape:
         return tuple(sizes)  # type: ignore[return-value]
 
 
-def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over the given devices (default: all)."""
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None, *, dcn_data: int = 1) -> Mesh:
+    """A (data, fsdp, tensor) mesh over the given devices (default: all), in topology order (see `device_grid`)."""
     devices = list(jax.devices() if devices is None else devices)
-    return Mesh(np.asarray(devices, dtype=object).reshape(shape.sizes(len(devices))), MESH_AXES)
+    return Mesh(device_grid(shape.sizes(len(devices)), devices, dcn_data), MESH_AXES)
+
+
+def device_grid(sizes: tuple[int, int, int], devices: Sequence[Any], dcn_data: int = 1) -> np.ndarray:
+    """The devices as a (data, fsdp, tensor) array in the order the interconnect favours.
+
+    One slice: `mesh_utils.create_device_mesh` (on TPUs the torus order, so fsdp and tensor neighbours are ICI
+    neighbours); a subset of a slice it cannot lay out (one chip of four) keeps the devices' order.
+    dcn_data > 1: `mesh_utils.create_hybrid_device_mesh`, dcn_data slices of data/dcn_data x fsdp x tensor
+    devices, data's outer ways crossing between slices over DCN. Slices are TPU devices' slice_index (multi-slice
+    pods); on CPU and GPU, where every device of a run reports slice 0, each process is a slice (a GPU host, or a
+    loopback process standing in for a slice). ValueError when the slices do not number dcn_data or hold unequal
+    shares.
+    """
+    data, fsdp, tensor = sizes
+    if dcn_data == 1:
+        try:
+            return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError):  # no torus layout for this subset: the devices' own order
+            return np.asarray(devices, dtype=object).reshape(sizes)
+    if data % dcn_data:
+        raise ValueError(f"mesh.dcn_data = {dcn_data} does not divide mesh.data = {data}")
+    by_process = devices[0].platform != "tpu"
+    granules = sorted({d.process_index if by_process else d.slice_index for d in devices})
+    if len(granules) != dcn_data:
+        raise ValueError(f"mesh.dcn_data = {dcn_data}, but the devices span {len(granules)} "
+                         f"{'process(es)' if by_process else 'slice(s)'}")
+    return mesh_utils.create_hybrid_device_mesh((data // dcn_data, fsdp, tensor), (dcn_data, 1, 1), devices,
+                                                process_is_granule=by_process, allow_split_physical_axes=True)
 
 
 SERVICE_MESH_EXAMPLE = "tensor=4 or tensor=2,data=2"

@@ -233,7 +233,8 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
     trainer["gradients"] = gradient_bytes(config, model, params, frozen, policy)
     calls, length = model_call(config)
     plan: dict[str, Any] = {
-        "mesh": {**sizes, "devices": math.prod(sizes.values()), "processes": config.mesh.num_processes},
+        "mesh": {**sizes, "devices": math.prod(sizes.values()), "processes": config.mesh.num_processes,
+                 "dcn_data": config.mesh.dcn_data, "dcn_axes": ["data"] if config.mesh.dcn_data > 1 else []},
         "model": {"source": model_source, "family": model.family, "layers": model.num_layers,
                   "hidden_size": model.hidden_size, "vocab_size": model.vocab_size, "dtype": config.model.dtype,
                   "parameters": sum(math.prod(v.shape) for _, v, _ in variables(base)),

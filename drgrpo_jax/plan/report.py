@@ -23,7 +23,10 @@ def format_text(plan: dict[str, Any]) -> str:
     lines = [f"model: {mo['source']}: {mo['family']}, {mo['parameters']:,} parameters, {mo['layers']} layers, "
              f"dtype {mo['dtype']}, remat {mo['remat']} -> {mo['remat_policy']}{lora}",
              f"mesh: data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']} -> {m['devices']} devices "
-             f"over {m['processes']} process(es)", "", "parameter partition specs (per device):"]
+             f"over {m['processes']} process(es); " + (
+                 f"data crosses {m['dcn_data']} slices over DCN ({m['data'] // m['dcn_data']} data way(s) per "
+                 "slice), fsdp and tensor stay on each slice's ICI" if m["dcn_axes"] else "no axis crosses DCN"),
+             "", "parameter partition specs (per device):"]
     for g in plan["param_groups"]:
         spec = "P(" + ", ".join("None" if a is None else str(a) for a in g["spec"]) + ")"
         mib = g["bytes_per_device"] / 2**20

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import one_window_per_rollout, reward_weights
 from drgrpo_jax.config.schema import Config
+from drgrpo_jax.errors import Preempted
 from drgrpo_jax.evaluate.evaluation import EvalSettings, eval_metrics, eval_summary
 from drgrpo_jax.host_memory import peak_rss_gb, return_freed_memory, returning_compile_memory
 from drgrpo_jax.hosts import fail_together, host_array
@@ -215,6 +216,9 @@ def train(config: Config, command: str = "") -> str:
                     "weight_version": step + 1}
             saved = state.checkpointed() if ahead is None else (state.checkpointed(), ahead.behaviour_params)
             run.checkpointer.save(step + 1, saved, host, force=step + 1 == c.train.steps)
+            if step + 1 < c.train.steps and run.checkpointer.preempted(step + 1):  # saved above, on every process
+                bar.write(f"preempted: saved step {step + 1}; the same command resumes it")
+                raise Preempted(step + 1)  # leaving the stack flushes the run log and stops the services
             pending = None if ahead is None else ahead.pending
             return_freed_memory()
         final = os.path.join(c.run.output_dir, "final")

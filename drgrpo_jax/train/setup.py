@@ -28,7 +28,7 @@ from drgrpo_jax.data.order import PromptStream
 from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.hosts import fail_together
+from drgrpo_jax.hosts import fail_together, start_distributed
 from drgrpo_jax.models.lora import add_adapters, store_base
 from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
@@ -80,13 +80,17 @@ class Run:
 
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
-    """The (data, fsdp, tensor) mesh: the first data*fsdp*tensor devices (all of them on several hosts)."""
+    """The (data, fsdp, tensor) mesh in topology order: the first data*fsdp*tensor devices (all of them on several
+    hosts); with mesh.dcn_data > 1, that many slices, mesh.data's outer ways crossing between them."""
     m = config.mesh
     ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
     if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
         raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
                                        f"{len(devices)} devices")
-    return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways])
+    try:
+        return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways], dcn_data=m.dcn_data)
+    except ValueError as error:  # the slices do not match mesh.dcn_data
+        raise ConfigError("mesh.dcn_data", str(error)) from None
 
 
 _KERNEL_BACKENDS = {"cudnn": "gpu", "splash": "tpu"}  # attention kernels that run on one backend only
@@ -140,16 +144,10 @@ def weights_roots(config: Config) -> list[str]:
     return roots
 
 
-def _initialize_distributed(config: Config) -> None:
-    """jax.distributed.initialize when mesh.coordinator_address is set (before any device is touched)."""
-    m = config.mesh
-    if m.coordinator_address:
-        jax.distributed.initialize(m.coordinator_address, num_processes=m.num_processes, process_id=m.process_id)
-
-
 def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
     """(the run, the train state to start from): fresh, or the last checkpoint's when resuming."""
-    _initialize_distributed(config)  # first, before any device is touched (importing a module touches none)
+    m = config.mesh  # first, before any device is touched (importing a module touches none)
+    start_distributed(m.coordinator_address, m.num_processes, m.process_id, m.coordinator_port)
     c, main_process = config, jax.process_index() == 0
     if jax.process_count() > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
@@ -172,7 +170,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     out = c.run.output_dir
     os.makedirs(os.path.join(out, "weights"), exist_ok=True)
     checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
-                                                    keep=c.train.keep_checkpoints))
+                                                    keep=c.train.keep_checkpoints, catch_sigterm=True))
     resume = checkpointer.should_resume(c.train.resume)
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None

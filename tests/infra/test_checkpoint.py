@@ -1,10 +1,12 @@
-"""Checkpoints: exact round trip (values, dtypes, asked shardings), cadence and retention, atomicity under SIGKILL."""
+"""Checkpoints: exact round trip (values, dtypes, asked shardings), cadence and retention, atomicity under SIGKILL,
+preemption (SIGTERM in one process, orbax's sync point across two)."""
 
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +16,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.checkpoint import Checkpointer
+from drgrpo_jax.checkpoint import RESTART_EXIT_CODE, Checkpointer
 from drgrpo_jax.errors import ConfigError
+
+from support.two_processes import start_two_processes
 
 
 def _train_state(seed: int):
@@ -209,3 +213,37 @@ def test_a_trainer_resumes_past_a_damaged_latest_checkpoint(tiny_model, prompts_
     assert len(lines) == 1 and "checkpoint step 4" in lines[0] and "resuming from step 2" in lines[0], lines
     assert "Traceback" not in stderr
     assert (output_dir / "checkpoints" / "4.damaged").is_dir() and (output_dir / "checkpoints" / "4").is_dir()
+
+
+def test_sigterm_in_one_process_makes_the_next_asked_step_due_and_close_gives_the_signal_back(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    with Checkpointer(tmp_path, save_every=10, keep=2, catch_sigterm=True) as checkpointer:
+        assert not checkpointer.due(1) and not checkpointer.preempted(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # only sets a flag: the test process lives on
+        assert not checkpointer.preempted(1)  # a step's answer is given once: every process asked at that step
+        assert checkpointer.due(2) and checkpointer.preempted(2)
+        assert checkpointer.save(2, {"w": jnp.ones(2)}, {"step": 2}) and checkpointer.all_steps() == [2]
+    assert signal.getsignal(signal.SIGTERM) == before
+    with Checkpointer(tmp_path, save_every=10, keep=2) as reader:  # evaluation's: SIGTERM stays as it was
+        assert signal.getsignal(signal.SIGTERM) == before and not reader.preempted(3)
+
+
+@pytest.mark.subprocess  # two jax.distributed processes
+def test_sigterm_to_one_process_saves_the_same_step_on_both_and_exits_with_the_restart_code(tmp_path):
+    """XLA's preemption notifier takes SIGTERM once jax.distributed is up; orbax's sync point names one step to
+    every process, both save it and stop with RESTART_EXIT_CODE."""
+    procs = start_two_processes("preemption_worker.py", tmp_path)
+    try:
+        while not (tmp_path / "running").exists() and all(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [RESTART_EXIT_CODE] * 2, "\n".join(outputs)[-4000:]
+    saved = {(tmp_path / f"saved_{i}").read_text() for i in range(2)}
+    assert len(saved) == 1 and int(saved.pop()) > 2
+    with Checkpointer(tmp_path / "checkpoints", save_every=1000, keep=2) as checkpointer:
+        step = checkpointer.latest_step()
+        assert checkpointer.all_steps() == [step] and (tmp_path / "saved_0").read_text() == str(step)

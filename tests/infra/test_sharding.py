@@ -1,6 +1,7 @@
 """Mesh construction, logical-axis rules, and a sharded load that matches the unsharded model."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from drgrpo_jax.sharding import (
     MeshShape,
     ShardingRules,
     batch_sharding,
+    device_grid,
     logical_to_spec,
     make_mesh,
     named_sharding,
@@ -49,6 +51,35 @@ def test_mesh_shapes():
         MeshShape(tensor=0)
     with pytest.raises(ValueError, match="at most one"):
         MeshShape(data=-1, fsdp=-1)
+
+
+def test_one_slice_keeps_the_devices_order_on_cpu():
+    """create_device_mesh lays TPU slices out by torus; on CPU its order is the devices' own, as before."""
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
+    assert list(mesh.devices.flat) == jax.devices()
+    assert list(make_mesh(MeshShape(data=1, fsdp=3, tensor=1), jax.devices()[:3]).devices.flat) == jax.devices()[:3]
+
+
+def _fake_devices(processes: int, per_process: int) -> list:
+    """Stand-ins with what mesh_utils reads of CPU or GPU devices (all in slice 0: each process counts as one)."""
+    return [SimpleNamespace(id=i, platform="cpu", device_kind="cpu", process_index=i // per_process, slice_index=0)
+            for i in range(processes * per_process)]
+
+
+def test_dcn_data_puts_the_outer_data_ways_across_slices():
+    devices = _fake_devices(2, 4)
+    grid = device_grid((4, 1, 2), devices[::-1], dcn_data=2)  # any order in: grouped by slice
+    assert grid.shape == (4, 1, 2)
+    assert {d.process_index for d in grid[:2].flat} == {0} and {d.process_index for d in grid[2:].flat} == {1}
+
+
+def test_dcn_data_that_does_not_match_the_slices_is_an_error():
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data = 2, but the devices span 1 process\(es\)"):
+        make_mesh(MeshShape(data=2, fsdp=2, tensor=2), dcn_data=2)  # one process: one slice
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data = 4, but the devices span 2 process\(es\)"):
+        device_grid((4, 1, 2), _fake_devices(2, 4), dcn_data=4)
+    with pytest.raises(ValueError, match=r"^mesh.dcn_data = 3 does not divide mesh.data = 4"):
+        device_grid((4, 1, 2), _fake_devices(2, 4), dcn_data=3)
 
 
 def test_logical_rules():

@@ -273,9 +273,10 @@ def test_bad_step_config_names_the_field():
 
 
 @pytest.mark.subprocess  # two jax.distributed processes
-def test_two_processes_match_one(reference, tmp_path):
-    """A two-process jax.distributed run on loopback gives the one-process update."""
-    result = run_two_processes("multihost_worker.py", tmp_path / "out.npz")
+@pytest.mark.parametrize("dcn_data", [1, 2])  # 2: the processes stand in for two slices, data crossing them
+def test_two_processes_match_one(reference, tmp_path, dcn_data):
+    """A two-process jax.distributed run on loopback gives the one-process update, one slice or two."""
+    result = run_two_processes("multihost_worker.py", tmp_path / "out.npz", str(dcn_data))
     ref_state, ref_history, _ = reference["fixed_budget"]
     for i, leaf in enumerate(jax.tree.leaves(ref_state.params)):
         np.testing.assert_allclose(result[f"param_{i}"], leaf, rtol=1e-5, atol=1e-5 * np.abs(leaf).max())

@@ -96,6 +96,14 @@ def test_host_shares_merge_back_into_the_one_host_rollout():
      "rollout.prompts_per_step", "8 prompts do not split evenly over mesh.num_processes = 3"),
     (["mesh.num_processes=2", "mesh.coordinator_address=h:1"], "rollout.urls", "must list the generation services"),
     (["rollout.service_batch_size=0"], "rollout.service_batch_size", "must be >= 1"),
+    (["mesh.data=4", "mesh.dcn_data=3"], "mesh.dcn_data", "3 does not divide mesh.data = 4"),
+    (["mesh.dcn_data=0"], "mesh.dcn_data", "must be >= 1"),
+    (["mesh.coordinator_address=auto", "mesh.num_processes=2"], "mesh.num_processes",
+     "is detected with mesh.coordinator_address=auto"),
+    (["mesh.coordinator_address=10.0.0.2"], "mesh.coordinator_address", "'10.0.0.2' is not host:port or auto"),
+    (["mesh.coordinator_port=8476"], "mesh.coordinator_port", "is for mesh.coordinator_address=auto"),
+    (["mesh.coordinator_address=auto", "mesh.coordinator_port=70000"], "mesh.coordinator_port",
+     "70000 is not a port"),
 ])
 def test_multi_host_config_errors_name_the_key(overrides, key, reason):
     from drgrpo_jax.config.load import load_config
@@ -252,7 +260,8 @@ def _weights(folder) -> dict[str, np.ndarray]:
 
 
 def _reproducible(row: dict) -> dict:
-    return {k: v for k, v in row.items() if "seconds" not in k and "per_second" not in k}
+    """A metrics row without what the machine measures: timings and the process's memory high-water mark."""
+    return {k: v for k, v in row.items() if "seconds" not in k and "per_second" not in k and k != "peak_rss_gb"}
 
 
 @pytest.mark.subprocess
@@ -277,6 +286,38 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterru
         assert [_reproducible(r) for r in got] == [_reproducible(r) for r in want]
     got, want = _weights(output_dir / "final"), _weights(reference_dir / "final")
     assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # two more trainer runs, each with its service child process
+def test_sigterm_saves_exits_with_the_restart_code_and_the_relaunch_reproduces_the_run(inputs, uninterrupted):
+    """A preempted one-process run (SIGTERM after step 1) saves the step it reached, exits 42 with one line, and the
+    same command resumes it to the uninterrupted run's metrics and weights."""
+    from drgrpo_jax.checkpoint import RESTART_EXIT_CODE
+
+    reference_dir, output_dir = uninterrupted[0], inputs["root"] / "preempted"
+    overrides = [*_overrides(inputs, output_dir, steps=4), "train.save_every=4"]  # only preemption saves mid-run
+    process = start_trainer(overrides)
+    while '"loss"' not in ((output_dir / "metrics.jsonl").read_text() if (output_dir / "metrics.jsonl").exists()
+                           else ""):  # step 1's row
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == RESTART_EXIT_CODE == 42, stderr[-3000:]
+    saved = int(stderr.strip().splitlines()[-1].split("saved step ")[1].split(";")[0])
+    assert 1 < saved < 4 and sorted(os.listdir(output_dir / "checkpoints")) == [str(saved)], stderr[-3000:]
+    assert [r["step"] for r in _rows(output_dir)[0]] == list(range(1, saved + 1))  # flushed up to the saved step
+    assert not (output_dir / "final").exists() and _wait_gone(process.pid) == []
+
+    resumed = start_trainer(overrides)
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    for (got, want) in zip(_rows(output_dir), _rows(reference_dir)):
+        assert [_reproducible(r) for r in got] == [_reproducible(r) for r in want]
+    got, want = _weights(output_dir / "final"), _weights(reference_dir / "final")
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
