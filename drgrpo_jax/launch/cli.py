@@ -1,0 +1,80 @@
+"""python -m drgrpo_jax.launch {slurm,gke,skypilot} --config PATH --out DIR [options] [section.key=value ...]:
+writes the resolved config (run.yaml) and the engine's files into DIR and prints how to start them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from drgrpo_jax.config.load import load_config
+from drgrpo_jax.config.schema import Config
+from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.launch import gke, skypilot, slurm
+from drgrpo_jax.launch.cluster import CONFIG_NAME, resolved_config
+
+PROG = "python -m drgrpo_jax.launch"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__)
+    engines = parser.add_subparsers(dest="engine", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", required=True, help="the run's YAML")
+    common.add_argument("--out", required=True, help="folder for run.yaml and the engine's files")
+    common.add_argument("overrides", nargs="*", help="dotted overrides of the config, e.g. train.steps=100")
+    s = engines.add_parser("slurm", parents=[common], help="sbatch scripts for the trainer and its services")
+    s.add_argument("--services", type=int, default=0, help="generation services to start (0: rollout.urls)")
+    s.add_argument("--tasks-per-node", type=int, default=1, help="trainer processes per node (default 1)")
+    s.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per trainer node (default: the mesh's devices per node; 0: CPU nodes)")
+    s.add_argument("--partition", default="")
+    s.add_argument("--time", default="", help="--time of the jobs, e.g. 24:00:00")
+    s.add_argument("--workdir", default=os.getcwd(), help="the jobs' working directory (default: here)")
+    s.add_argument("--python", default="python3", help="the interpreter on the nodes")
+    s.add_argument("--port", type=int, default=30000, help="first service port on a node")
+    g = engines.add_parser("gke", parents=[common], help="a JobSet, the services and the xpk command")
+    g.add_argument("--tpu", required=True, help="the trainer's TPU slice type, e.g. v5p-64")
+    g.add_argument("--serve-tpu", default="v5litepod-4", help="each service's TPU slice type (default v5litepod-4)")
+    g.add_argument("--services", type=int, default=1, help="generation services (StatefulSet replicas)")
+    g.add_argument("--image", required=True, help="container image with drgrpo_jax[train] and jax[tpu] installed")
+    g.add_argument("--name", default="drgrpo", help="name prefix of the Kubernetes objects")
+    g.add_argument("--max-restarts", type=int, default=10, help="restarts after preemption (exit 42) at most")
+    g.add_argument("--cluster", default="CLUSTER", help="the GKE cluster (for the xpk command)")
+    k = engines.add_parser("skypilot", parents=[common], help="task YAMLs for a TPU pod or a GPU cluster")
+    k.add_argument("--tpu", default="", help="a TPU slice type, e.g. v5p-64 (or --gpus)")
+    k.add_argument("--gpus", default="", help="GPUs per node, e.g. H100:8 (or --tpu)")
+    k.add_argument("--max-restarts", type=int, default=10, help="managed-job restarts on failure (exit 42) at most")
+    return parser
+
+
+def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], str]:
+    """The engine's files and the line that starts them."""
+    out = os.path.abspath(args.out)
+    if args.engine == "slurm":
+        batch = slurm.SlurmOptions(out, os.path.abspath(args.workdir), args.python, args.services,
+                                   args.tasks_per_node, args.gpus_per_node, args.partition, args.time, port=args.port)
+        return slurm.render(config, batch), f"bash {out}/submit.sh"
+    if args.engine == "gke":
+        k8s = gke.GkeOptions(args.tpu, args.serve_tpu, args.services, args.image, args.name, args.max_restarts,
+                             args.cluster)
+        return gke.render(config, k8s), f"kubectl apply -f {out}/  (or: bash {out}/xpk.sh)"
+    files = skypilot.render(config, skypilot.SkyOptions(args.tpu, args.gpus, args.max_restarts))
+    return files, f"sky jobs launch {out}/task.yaml"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        # The coordinator and started services' URLs are known only at launch: stand-ins let the rules pass.
+        stand_in = ["mesh.coordinator_address=detected-at-launch:8476"]
+        stand_in += ["rollout.urls=[http://started-services:30000]"] if getattr(args, "services", 0) else []
+        config = load_config(args.config, [*stand_in, *args.overrides])
+        files, start = _render(args, config)
+    except ConfigError as error:
+        sys.exit(f"{PROG}: config error: {error}")
+    os.makedirs(args.out, exist_ok=True)
+    for name, text in {CONFIG_NAME: resolved_config(config), **files}.items():
+        with open(os.path.join(args.out, name), "w") as f:
+            f.write(text)
+    print(f"wrote {', '.join([CONFIG_NAME, *files])} to {args.out}; start: {start}")

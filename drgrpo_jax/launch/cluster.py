@@ -1,0 +1,112 @@
+"""What every engine's files share: the hosts and devices the run config asks for, the accelerators that hold them,
+the resolved config the hosts read, and the trainer's and services' command lines."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+from drgrpo_jax.config.load import dump_config
+from drgrpo_jax.config.schema import Config
+from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.sharding import parse_service_mesh
+
+RESTART_EXIT_CODE = 42  # a preempted trainer saved and asks to be started again (xpk's convention)
+CONFIG_NAME = "run.yaml"  # the resolved config beside the rendered files; every host and service reads it
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """A Cloud TPU slice type as GKE and SkyPilot name it."""
+
+    name: str  # v5p-64, v5litepod-16, v6e-8
+    gke_accelerator: str  # cloud.google.com/gke-tpu-accelerator
+    topology: str  # cloud.google.com/gke-tpu-topology
+    chips: int
+    chips_per_host: int
+
+    @property
+    def hosts(self) -> int:
+        return self.chips // self.chips_per_host
+
+
+def _slices() -> dict[str, TpuSlice]:
+    v5p = {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8", 512: "4x8x8"}
+    v5e = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+    table = [TpuSlice(f"v5p-{cores}", "tpu-v5p-slice", top, cores // 2, min(4, cores // 2))
+             for cores, top in v5p.items()]
+    for family, accelerator in (("v5litepod", "tpu-v5-lite-podslice"), ("v6e", "tpu-v6e-slice")):
+        table += [TpuSlice(f"{family}-{chips}", accelerator, top, chips, chips if chips <= 8 else 4)
+                  for chips, top in v5e.items()]
+    return {s.name: s for s in table}
+
+
+TPU_SLICES = _slices()
+
+
+def tpu_slice(name: str, flag: str) -> TpuSlice:
+    if name not in TPU_SLICES:
+        raise ConfigError(flag, f"unknown TPU slice {name!r}; one of {', '.join(TPU_SLICES)}")
+    return TPU_SLICES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The run's processes (one per host unless several share a host) and the devices each one drives."""
+
+    processes: int
+    devices_per_process: int
+
+    @property
+    def devices(self) -> int:
+        return self.processes * self.devices_per_process
+
+
+def run_shape(config: Config) -> Shape:
+    """mesh.data x fsdp x tensor devices over mesh.num_processes processes; a ConfigError when they do not split."""
+    m = config.mesh
+    devices = m.data * m.fsdp * m.tensor
+    if devices % m.num_processes:
+        raise ConfigError("mesh", f"data x fsdp x tensor = {devices} devices do not split over "
+                                  f"mesh.num_processes = {m.num_processes} processes")
+    return Shape(m.num_processes, devices // m.num_processes)
+
+
+def check_slice(config: Config, chosen: TpuSlice, flag: str) -> None:
+    """The slice has the mesh's chips and one host per process."""
+    shape = run_shape(config)
+    if (chosen.chips, chosen.hosts) != (shape.devices, shape.processes):
+        raise ConfigError(flag, f"{chosen.name} has {chosen.chips} chips on {chosen.hosts} hosts, but the mesh asks "
+                                f"for {shape.devices} devices over mesh.num_processes = {shape.processes} processes")
+
+
+def service_devices(config: Config) -> int:
+    """Devices of one generation service (rollout.service_mesh)."""
+    mesh = parse_service_mesh(config.rollout.service_mesh, "rollout.service_mesh")
+    return mesh.data * mesh.tensor
+
+
+def resolved_config(config: Config) -> str:
+    """The YAML every host reads: the config with its overrides applied. The processes are detected at launch
+    (`mesh.coordinator_address=auto` on the command line) and the services' URLs are the launch's."""
+    mesh = dataclasses.replace(config.mesh, coordinator_address=None, num_processes=1, process_id=0)
+    return dump_config(dataclasses.replace(config, mesh=mesh, rollout=dataclasses.replace(config.rollout, urls=())))
+
+
+def weights_root(config: Config) -> str:
+    return config.run.weights_dir or f"{config.run.output_dir.rstrip('/')}/weights"
+
+
+def train_command(python: str, config_path: str, urls: str) -> str:
+    """The command every host runs unchanged (JAX finds its process id); `urls` is already a shell word."""
+    return (f"{python} -m drgrpo_jax.train --config {shlex.quote(config_path)} mesh.coordinator_address=auto "
+            f"rollout.urls={urls}")
+
+
+def serve_command(python: str, config: Config, config_path: str, port: str, key: bool) -> str:
+    """One generation service on all interfaces; with a key (rollout.api_key_env) or refusing to start open."""
+    auth = f"--api-key-env {config.rollout.api_key_env}" if key else "--allow-unauthenticated"
+    mesh = f" --mesh {config.rollout.service_mesh}" if config.rollout.service_mesh else ""
+    batch = f" --max-batch-size {config.rollout.service_batch_size}" if config.rollout.service_batch_size else ""
+    return (f"{python} -m drgrpo_jax.serve --config {shlex.quote(config_path)} --host 0.0.0.0 --port {port}"
+            f"{mesh}{batch} --weights-root {shlex.quote(weights_root(config))} {auth}")
