@@ -145,7 +145,19 @@ class UpdateWeightsFromTensorRequest(_Request):
     allow_rollback: StrictBool = False  # a trainer resuming from a checkpoint re-pushes an older version
 
 
-class CompletionRequest(_Request):
+class _OpenAIRequest(_Request):
+    """What both OpenAI routes take besides their own fields: OpenAI's `user` and penalties, vLLM's extensions."""
+
+    user: Name | None = None
+    # OpenAI's penalties, which its clients send at 0: accepted at that neutral value, refused otherwise.
+    presence_penalty: Annotated[float | None, _only(0.0)] = None
+    frequency_penalty: Annotated[float | None, _only(0.0)] = None
+    top_k: TopK = -1
+    stop_token_ids: StopIds | None = None
+    ignore_eos: StrictBool = False
+
+
+class CompletionRequest(_OpenAIRequest):
     """OpenAI's `/v1/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
 
     prompt: (PromptText | Annotated[list[PromptText], Field(max_length=MAX_PROMPTS)] | PromptIds
@@ -160,13 +172,6 @@ class CompletionRequest(_Request):
     stream: Literal[False] = False
     echo: StrictBool = False  # the prompt (and, with logprobs, its tokens' log-probs) before the completion
     stop: Stop | None = None  # strings that end a completion, matched on the decoded text, left out of it
-    user: Name | None = None
-    # OpenAI's penalties, which its clients send at 0: accepted at that neutral value, refused otherwise.
-    presence_penalty: Annotated[float | None, _only(0.0)] = None
-    frequency_penalty: Annotated[float | None, _only(0.0)] = None
-    top_k: TopK = -1
-    stop_token_ids: StopIds | None = None
-    ignore_eos: StrictBool = False
 
 
 class TextPart(_Request):
@@ -184,7 +189,7 @@ class ChatMessage(_Request):
     name: Name | None = None
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_OpenAIRequest):
     """OpenAI's `/v1/chat/completions` body (plus vLLM's top_k / stop_token_ids / ignore_eos)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -199,10 +204,3 @@ class ChatCompletionRequest(_Request):
     seed: Seed | None = None
     stream: Literal[False] = False
     stop: Stop | None = None
-    user: Name | None = None
-    # OpenAI's penalties, which its clients send at 0: accepted at that neutral value, refused otherwise.
-    presence_penalty: Annotated[float | None, _only(0.0)] = None
-    frequency_penalty: Annotated[float | None, _only(0.0)] = None
-    top_k: TopK = -1
-    stop_token_ids: StopIds | None = None
-    ignore_eos: StrictBool = False
