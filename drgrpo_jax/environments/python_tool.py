@@ -425,11 +425,4 @@ def jail_problem() -> str | None:
     return None
 
 
-_NAMESPACES: list[bool] = []
-
-
-def namespaces_cached() -> bool:
-    """namespaces_available(), asked once per process."""
-    if not _NAMESPACES:
-        _NAMESPACES.append(namespaces_available())
-    return _NAMESPACES[0]
+namespaces_cached = functools.cache(namespaces_available)  # asked once per process, as jail_problem

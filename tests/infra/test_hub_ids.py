@@ -200,12 +200,18 @@ def test_dataset_id_errors_name_the_key(offline):
     ["drgrpo_jax.serve", "--model", "org/missing@v2", "--port", "0"],
 ])
 def test_the_clis_say_it_in_one_line_and_exit_2(offline, tmp_path, command):
+    line = _one_line_exit_2(command, tmp_path)
+    assert "hf download org/missing --revision v2" in line
+
+
+def _one_line_exit_2(command: list[str], tmp_path: pathlib.Path) -> str:
+    """`python -m COMMAND` ({tmp}: tmp_path) exits 2 with one line on stderr: that line."""
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2]), "JAX_PLATFORMS": "cpu"}
     argv = [sys.executable, "-m", *(arg.replace("{tmp}", str(tmp_path)) for arg in command)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2, done.stderr
-    assert len(lines) == 1 and "hf download org/missing --revision v2" in lines[0], done.stderr
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    return lines[0]
 
 
 def test_an_unreachable_hub_falls_back_to_the_cache(offline, monkeypatch):
@@ -281,9 +287,5 @@ def test_ids_the_hub_refuses_are_one_line_naming_the_key(offline, spec):
     ["drgrpo_jax.serve", "--model", "org/tiny@refs/../../../../outside/evilsnap", "--port", "0"],
 ])
 def test_the_clis_refuse_hostile_ids_in_one_line(offline, tmp_path, command):
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2]), "JAX_PLATFORMS": "cpu"}
-    argv = [sys.executable, "-m", *(arg.replace("{tmp}", str(tmp_path)) for arg in command)]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2, done.stderr
-    assert len(lines) == 1 and ("is not a Hub id" in lines[0] or "nor a ref name" in lines[0]), done.stderr
+    line = _one_line_exit_2(command, tmp_path)
+    assert "is not a Hub id" in line or "nor a ref name" in line
