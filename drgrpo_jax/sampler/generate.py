@@ -347,16 +347,16 @@ def _prefill_part(graphdef: nnx.GraphDef, state: nnx.State, ids_PC: jax.Array, p
     return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype", "mesh"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype", "mesh",
+                                             "done"))
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
-             num_slots: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None, cache: KVCache | None = None
-             ) -> _Decoding:
+             num_slots: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None, cache: KVCache | None = None,
+             done: int = 0) -> _Decoding:
     """Prefills each distinct prompt once, copies its slots to its rows (a cache of `num_slots`), samples token 0.
-    `cache`: the prompts' cache with their first columns written already (`_prefill_part`), the rest written here."""
+    `cache`: the prompts' cache with its first `done` columns written already (`_prefill_part`), the rest here."""
     model = nnx.merge(graphdef, state)
     num_prompts, prompt_len = batch.prompt_ids_PU.shape
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
-    done = 0 if cache is None else prompt_len - PREFILL_CHUNK
     if cache is None:
         cache = _prompt_cache(model, num_prompts, prompt_len, cache_dtype, mesh)
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
@@ -497,7 +497,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
                          f"data={data} devices (make_batch with mesh_rows)")
     spans = span_schedule(prompt_len, max_new_tokens)
     placed = place_batch(batch, mesh)
-    cache = None
+    cache, done = None, 0
     if unwanted is not None and prompt_len > PREFILL_CHUNK:
         # A long prompt is prefilled PREFILL_CHUNK columns a program, asking between them: a prefill nobody waits
         # for any more stops there, as a decode phase does (its cost grows with the prompt's square).
@@ -509,8 +509,10 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
             cache = _prefill_part(graphdef, state, placed.prompt_ids_PU[:, columns],
                                   placed.prompt_positions_PU[:, columns], cache, prompt_len=prompt_len,
                                   cache_dtype=cache_dtype, mesh=mesh)
+            done = start + PREFILL_CHUNK
     decoding = _prefill(graphdef, state, placed, max_new_tokens=max_new_tokens,
-                        num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh, cache=cache)
+                        num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh, cache=cache,
+                        done=done)
     collected, row_ids = _Collected(num_rows, max_new_tokens), np.arange(num_rows)
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
