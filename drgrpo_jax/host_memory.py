@@ -1,23 +1,38 @@
-"""A process's memory (the trainer's, the service's): its peak RSS, and glibc's freed pages handed back to the OS."""
+"""A process's memory (the trainer's, the service's): its peak RSS, what the host has left, and glibc's freed pages
+handed back to the OS."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
+import os
 import resource
 import sys
 from typing import Any
 
 import jax
 
-__all__ = ["peak_rss_gb", "return_freed_memory", "returning_compile_memory"]
+__all__ = ["available_bytes", "peak_rss_gb", "return_freed_memory", "returning_compile_memory"]
 
 
 def peak_rss_gb() -> float:
     """This process's peak resident memory so far, in GiB (the trainer's own, not its child service's)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def available_bytes() -> int:
+    """The host memory new allocations can take now without swapping: Linux's MemAvailable (free pages and the
+    reclaimable cache), else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def return_freed_memory() -> None:

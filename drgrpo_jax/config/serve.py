@@ -101,6 +101,10 @@ class ServeConfig:
                                             "link below it (repeatable; gs://bucket/prefix too)",
                                         flag="--weights-root", metavar="DIR")
     max_request_tokens: int = _f(2**23, "per request: prompts x n x (prompt + new tokens)", group=LIMITS)
+    max_batch_bytes: int = _f(0, "sampler memory a batch may take on a device beside the weights (its KV cache and "
+                                 "the prefill's or decode loop's temporaries, estimated before it runs); batches are "
+                                 "cut to fit, a prompt that alone does not fit is refused (400); 0 = half the "
+                                 "device's free memory once the weights are loaded", group=LIMITS)
     max_queued_tokens: int = _f(2**24, "that measure over every request queued or running; beyond it: 429",
                                 group=LIMITS)
     max_body_bytes: int = _f(32 * 2**20, "largest request body, however it is sent (413 beyond)", group=LIMITS)
@@ -144,7 +148,7 @@ class ServeConfig:
         for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "keep_alive_s"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {getattr(self, name)}")
-        for name in ("short_request_tokens", "max_kept_programs"):
+        for name in ("short_request_tokens", "max_kept_programs", "max_batch_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:

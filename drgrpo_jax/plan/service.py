@@ -4,10 +4,9 @@ A service over a (data, tensor) mesh (`--mesh`, `rollout.service_mesh`) splits i
 trainer's logical-axis rules (heads, MLP and vocabulary on tensor) and its rows over data. One of its devices holds:
 its share of the weights; the stacked layers' weights once more, split per layer (the sampler's programs slice
 them before their loops); with LoRA adapters pushed, a base copy of the adapted projections to merge each adapter
-into; a KV cache of its rows x (prompt + budget - 1) slots, bucketed as the sampler does; and the larger of two
-programs' temporaries: the prefill's float32 attention scores and softmax (every row its own prompt, at worst), or
-the decode loop's RoPE tables and sampling over the whole vocabulary. tests/plan/test_plan_service.py checks these
-against the compiled programs' own memory analysis.
+into; and what one sampler batch of its rows holds (`sampler/memory.py`: the KV cache, and the larger of the
+prefill's and the decode loop's temporaries). tests/plan/test_plan_service.py checks these against the compiled
+programs' own memory analysis.
 """
 
 from __future__ import annotations
@@ -21,18 +20,12 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.plan.hardware import GIB
-from drgrpo_jax.sampler.generate import batch_bucket, bucket, mesh_rows
+from drgrpo_jax.sampler.generate import batch_bucket, bucket
+from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.sharding import MeshShape, ShardingRules, logical_to_spec
 
-__all__ = ["SAMPLING_SHARD_COPIES", "SAMPLING_WHOLE_COPIES", "indivisible", "service_advice", "service_memory",
-           "service_rows", "service_total", "smallest_tensor", "total"]
-
-# The decode loop's float32 [rows, vocabulary] temporaries: copies of each device's vocabulary shard (logits,
-# scaled, masked, ...) and copies of the whole vocabulary (the sort and cumulative mass of top-p/top-k gather
-# it): fitted to the compiled loop's temporaries on CPU for tensor = 1, 2 and 4 (tests/plan/test_plan_service.py).
-SAMPLING_SHARD_COPIES = 6
-SAMPLING_WHOLE_COPIES = 2
-
+__all__ = ["indivisible", "service_advice", "service_memory", "service_rows", "service_total", "smallest_tensor",
+           "total"]
 
 def total(figures: dict[str, int]) -> int:
     """The sum of a figures dict, leaving out private entries ("_...")."""
@@ -85,26 +78,17 @@ def service_memory(config: Config, model: DecoderConfig, rows: int, *, tensor: i
                    merge_bytes: int = 0) -> dict[str, int]:
     """One device of a generation service over a (data, tensor) mesh serving `rows` rows at once (module doc);
     `merge_bytes`: the adapted projections' bytes on all devices (LoRA adapter pushes)."""
-    mesh = MeshShape(data=data, fsdp=1, tensor=tensor)
     a, r = DTYPES[config.model.dtype].itemsize, config.rollout
-    prompt, new = bucket(r.max_prompt_tokens), bucket(r.max_new_tokens)
-    slots = prompt + new - 1
-    mine = mesh_rows(rows, data) // data  # rows are padded to split evenly over data
-    weights, layers = _weights(model, a, mesh)
-    kv_heads, heads = model.num_kv_heads // tensor, model.num_heads // tensor
-    kv = 2 * model.num_layers * mine * slots * kv_heads * model.head_dim * a + mine * slots * 4
-    prefill = mine * heads * (prompt - 1) * prompt * (4 + 4)  # one layer's float32 scores and softmax
-    sampling = mine * model.vocab_size * 4 * (SAMPLING_WHOLE_COPIES + SAMPLING_SHARD_COPIES / tensor)
-    decode = mine * slots * model.head_dim * 4 * 2 + int(sampling)  # RoPE tables (cos, sin) of every step
-    return {"weights": weights, "layer_split": layers, "adapter_merge": merge_bytes // tensor, "kv_cache": kv,
-            "prefill_attention": prefill, "decode_temporaries": decode}
+    weights, layers = _weights(model, a, MeshShape(data=data, fsdp=1, tensor=tensor))
+    batch = batch_memory(model, rows, bucket(r.max_prompt_tokens), bucket(r.max_new_tokens), a, tensor=tensor,
+                         data=data)
+    return {"weights": weights, "layer_split": layers, "adapter_merge": merge_bytes // tensor, **batch}
 
 
 def service_total(figures: dict[str, int]) -> int:
     """A service device's peak: what every program holds, and the larger of the prefill's and the decode loop's
     temporaries (they live in different programs)."""
-    return (total(figures) - figures["prefill_attention"] - figures["decode_temporaries"]
-            + max(figures["prefill_attention"], figures["decode_temporaries"]))
+    return figures["weights"] + figures["layer_split"] + figures["adapter_merge"] + batch_peak(figures)
 
 
 def smallest_tensor(config: Config, model: DecoderConfig, rows: int, usable: int, *, data: int = 1,

@@ -48,7 +48,7 @@ __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOu
            "place_batch", "span_schedule"]
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
-PREFILL_CHUNK = 1024  # prompt columns per prefill program when the caller may stop it (`generate`'s `unwanted`)
+PREFILL_CHUNK = 1024  # prompt columns a prefill program writes: bounds its attention scores (sampler/memory.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -498,12 +498,13 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     spans = span_schedule(prompt_len, max_new_tokens)
     placed = place_batch(batch, mesh)
     cache, done = None, 0
-    if unwanted is not None and prompt_len > PREFILL_CHUNK:
-        # A long prompt is prefilled PREFILL_CHUNK columns a program, asking between them: a prefill nobody waits
-        # for any more stops there, as a decode phase does (its cost grows with the prompt's square).
+    if prompt_len > PREFILL_CHUNK:
+        # A long prompt is prefilled PREFILL_CHUNK columns a program: its attention scores grow linearly with the
+        # prompt, not with its square (sampler/memory.py), and `unwanted` is asked between the programs, so a
+        # prefill nobody waits for any more stops there, as a decode phase does.
         live_B = jax.device_get(batch.rows.live_B)
         for start in range(0, prompt_len - PREFILL_CHUNK, PREFILL_CHUNK):
-            if (_unwanted_mask(unwanted, num_rows) | ~live_B).all():
+            if unwanted is not None and (_unwanted_mask(unwanted, num_rows) | ~live_B).all():
                 return _nothing_sampled(num_rows, max_new_tokens)
             columns = slice(start, start + PREFILL_CHUNK)
             cache = _prefill_part(graphdef, state, placed.prompt_ids_PU[:, columns],

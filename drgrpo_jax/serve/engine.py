@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import math
 import queue
@@ -18,12 +19,13 @@ import jax
 
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.errors import InvalidWeights, QueueFull
-from drgrpo_jax.host_memory import return_freed_memory
+from drgrpo_jax.host_memory import available_bytes, return_freed_memory
 from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest
+from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.serve.weights import (
     Weights,
     check_compatible,
@@ -107,6 +109,7 @@ class Engine:
         # `base`: the last full model loaded; `weights`: what is served (the base, or it with an adapter merged).
         self.base, self.weights = load_served(config.model, config.dtype, config.weight_version, self.mesh)
         self.max_context = config.max_context or self.weights.config.max_position_embeddings
+        self.batch_budget = config.max_batch_bytes or self._free_device_bytes() // 2
         self._update_lock = threading.Lock()
         self._lanes = (_Lane("sampler"),) + ((_Lane("sampler-short"),) if config.short_request_tokens else ())
         self._jobs: dict[concurrent.futures.Future, _Job] = {}  # requests not answered yet (see `abandon`)
@@ -256,6 +259,34 @@ class Engine:
             log.warning("adapter update from %s refused: %s: %s", folder, type(error).__name__, error)
             raise InvalidWeights("model_path: not a valid adapter folder") from None
 
+    def _free_device_bytes(self) -> int:
+        """What one of the service's devices has free: the accelerator's own figures, or on CPU the host's
+        available memory shared by the mesh's devices."""
+        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
+        stats = devices[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return available_bytes() // len(devices)
+
+    def batch_bytes(self, rows: int, longest_prompt: int, most_new_tokens: int) -> int:
+        """A batch's sampler memory on one device beside the weights (sampler/memory.py), shapes bucketed as
+        `run_batch` buckets them; every row counted as its own prompt."""
+        tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
+        return batch_peak(batch_memory(self.weights.config, rows, sampling.bucket(longest_prompt),
+                                       sampling.bucket(most_new_tokens), DTYPES[self.config.dtype].itemsize,
+                                       tensor=tensor, data=self.data_ways))
+
+    def _rows_that_fit(self, pending: deque) -> int:
+        """How many of the first pending rows make one batch: up to max_batch_size, while the batch's memory
+        stays within the budget (one row always: the request's check refused any that alone does not fit)."""
+        longest = most_new = 0
+        for count, (job, i) in enumerate(itertools.islice(pending, self.config.max_batch_size)):
+            row = job.rows[i]
+            longest, most_new = max(longest, len(row.prompt_ids)), max(most_new, row.params.max_new_tokens)
+            if count and self.batch_bytes(count + 1, longest, most_new) > self.batch_budget:
+                return count
+        return min(len(pending), self.config.max_batch_size)
+
     def _drop_cancelled(self, lane: _Lane) -> None:
         """Forgets the rows of requests whose client went away (their handler cancelled the future)."""
         dropped = [(job, i) for job, i in lane.pending if job.future.cancelled()]
@@ -266,7 +297,8 @@ class Engine:
                 self.rows_dropped += len(dropped)
 
     def _take_rows(self, lane: _Lane) -> list[tuple[_Job, int]] | None:
-        """Blocks for work, then gathers up to max_batch_size rows of live requests (None = shut down)."""
+        """Blocks for work, then gathers up to max_batch_size rows of live requests, as many as fit the memory
+        budget (None = shut down)."""
         while True:
             while not lane.pending:
                 if lane.busy and lane.queue.empty():  # about to wait for work, after some
@@ -290,8 +322,7 @@ class Engine:
             if lane.pending:
                 break
         lane.busy = True
-        count = min(len(lane.pending), self.config.max_batch_size)
-        return [lane.pending.popleft() for _ in range(count)]
+        return [lane.pending.popleft() for _ in range(self._rows_that_fit(lane.pending))]
 
     def _run(self, lane: _Lane) -> None:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""

@@ -63,6 +63,7 @@ async def model_info(request: Request) -> dict:
             "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
             "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
             "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
+            "max_batch_bytes": engine.batch_budget,
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
             "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
             "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),

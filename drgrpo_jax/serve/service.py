@@ -105,8 +105,8 @@ def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> 
 
 def check_request(engine: Engine, prompts: list[list[int]], params: list[SamplingParamsIn], field: str,
                   params_field: str) -> None:
-    """Refuses empty prompts, ids outside the vocabulary, prompts + budgets beyond the context, and requests
-    over the row or token budget; all before anything is queued."""
+    """Refuses empty prompts, ids outside the vocabulary, prompts + budgets beyond the context or the sampler's
+    memory budget, and requests over the row or token budget; all before anything is queued."""
     if not prompts:
         raise BadRequest(f"{field}: no prompts")
     vocab, limits = engine.weights.config.vocab_size, engine.config
@@ -121,6 +121,11 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
         if p.stop_token_ids and max(p.stop_token_ids) >= vocab:
             raise BadRequest(f"{params_field}stop_token_ids: token id {max(p.stop_token_ids)} is outside the "
                              f"vocabulary of {vocab}")
+        need = engine.batch_bytes(1, len(prompt), p.max_new_tokens)
+        if need > engine.batch_budget:
+            raise BadRequest(f"{field}[{i}]: a prompt of {len(prompt)} tokens with {p.max_new_tokens} new tokens needs "
+                             f"{need / 2**30:.2f} GiB of sampler memory, over the service's budget of "
+                             f"{engine.batch_budget / 2**30:.2f} GiB a batch (--max-batch-bytes)")
     rows = sum(p.n for p in params)
     if rows > limits.max_rows_per_request:
         raise BadRequest(f"n: {rows} completions exceed max_rows_per_request={limits.max_rows_per_request}")

@@ -3,6 +3,7 @@ analysis on 8 CPU devices, for one device and for (data, tensor) service meshes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from drgrpo_jax.plan import planner as plan
 from drgrpo_jax.plan.hardware import PRESETS, device_spec
 from drgrpo_jax.plan.service import service_memory, service_total
 from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.memory import batch_memory
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh, shard_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,3 +121,20 @@ def test_the_plan_splits_figures_by_tensor_and_data_and_names_the_smallest_tenso
         assert cli.main(["--model-config", "Qwen2.5-Math-7B", "model.path=x", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("python -m drgrpo_jax.plan: config error: --serve-mesh: ") and reason in err, err
+
+
+@pytest.mark.heavy  # two prefill programs compiled
+def test_a_long_prompts_prefill_grows_linearly_with_it_as_planned():
+    """A prompt past PREFILL_CHUNK is prefilled a chunk of columns a program: the program's memory (the prompt's
+    cache it writes and its temporaries) doubles with the prompt, not quadruples, and is the plan's figure."""
+    config = dataclasses.replace(SMALL, max_position_embeddings=8192)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    measured = {}
+    for length in (2048, 4096):
+        ids = jnp.ones((1, sampling.PREFILL_CHUNK), jnp.int32)
+        analysis = sampling._prefill_part.lower(graphdef, state, ids, jnp.zeros_like(ids), None, prompt_len=length,
+                                                cache_dtype=jnp.float32).compile().memory_analysis()
+        measured[length] = analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+        planned = batch_memory(config, 1, length, 1, 4)["prefill_attention"]
+        assert planned == pytest.approx(measured[length], rel=0.1)
+    assert measured[4096] / measured[2048] == pytest.approx(2, rel=0.1)

@@ -25,6 +25,7 @@ SMOKE_ARGS = {
     "long_context": ["--lengths", "1x160", "--sampler-prompts", "2", "--sampler-new-tokens", "8", "--timeout", "600"],
     "rl_step": ["--steps", "2", "--prompts", "2", "--group", "2", "--budget", "4", "--micro-batches", "1",
                 "--dtypes", "float32"],
+    "prefill_memory": ["--lengths", "1100"],
     "quickstart": ["train.steps=1", "train.eval_every=0", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"],
     "serve_burst": ["--random-weights", "--burst", "2", "--client-timeout-s", "2", "--duration-s", "10",
                     "--request-timeout-s", "10", "--no-warmup"],

@@ -560,7 +560,7 @@ def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_long_prompt_prefilled_in_parts_samples_what_one_prefill_does(long_model):
+def test_a_long_prompt_prefilled_in_parts_samples_what_one_prefill_does(long_model, monkeypatch):
     """What the parts change is only the order of float sums: the tokens are those of the whole prefill."""
     from drgrpo_jax.sampler import generate as sampling
     from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
@@ -571,8 +571,53 @@ def test_a_long_prompt_prefilled_in_parts_samples_what_one_prefill_does(long_mod
     rows = [RowRequest(tuple(rng.integers(3, 64, 2500).tolist()), SamplingParams(max_new_tokens=8), seed=1),
             RowRequest(tuple(rng.integers(3, 64, 30).tolist()), SamplingParams(max_new_tokens=8, temperature=0), 2)]
     batch = sampling.make_batch(rows, (2,), batch_size=2, prompt_len=sampling.bucket(2500), num_prompts=2)
-    whole = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16)
     parts = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16,
                               unwanted=lambda: [False, False], check_every=4)
+    monkeypatch.setattr(sampling, "PREFILL_CHUNK", 1 << 30)  # one program over the whole prompt
+    whole = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16)
     np.testing.assert_array_equal(np.asarray(parts.tokens_BT), np.asarray(whole.tokens_BT))
     np.testing.assert_allclose(np.asarray(parts.logprobs_BT), np.asarray(whole.logprobs_BT), atol=1e-4)
+
+
+def test_a_prompt_over_the_memory_budget_is_refused_before_any_work(long_model):
+    """A batch's sampler memory is estimated before it is admitted (sampler/memory.py): a prompt that alone needs
+    more than --max-batch-bytes is a 400 naming the budget, on every route, and nothing runs. Main admitted a
+    6,000-id prompt and its prefill took 8.5 GB."""
+    engine = Engine(ServeConfig(model=long_model, max_batch_bytes=2**20, batch_wait_ms=1.0))
+    try:
+        assert engine.batch_bytes(1, 100, 4) < 2**20 < engine.batch_bytes(1, 2500, 4)
+        client = _client(engine)
+        prompt = [5] * 2500
+        answer = client.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
+        assert answer.status_code == 400, answer.text
+        message = answer.json()["error"]["message"]
+        assert "input_ids[0]: a prompt of 2500 tokens with 4 new tokens needs" in message, message
+        assert "over the service's budget of 0.00 GiB a batch (--max-batch-bytes)" in message, message
+        answer = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+        assert answer.status_code == 400 and "--max-batch-bytes" in answer.text, answer.text
+        assert client.post("/generate", json={"input_ids": [5] * 100, "sampling_params": {
+            "max_new_tokens": 4}}).status_code == 200
+        assert engine.batches_run == 1
+        assert client.get("/get_model_info").json()["max_batch_bytes"] == 2**20
+    finally:
+        engine.close()
+
+
+def test_batches_are_cut_to_fit_the_memory_budget(long_model):
+    """Rows that fit max_batch_size but not the memory budget together run in as many batches as the budget
+    takes; the tokens are those of one batch (a row's draws are its own)."""
+    probe = Engine(ServeConfig(model=long_model))
+    assert 0 < probe.batch_budget  # the default: half the device's free memory
+    two = probe.batch_bytes(2, 300, 8)
+    probe.close()
+    budgeted = Engine(ServeConfig(model=long_model, max_batch_bytes=two, batch_wait_ms=1.0, short_request_tokens=0))
+    free = Engine(ServeConfig(model=long_model, batch_wait_ms=1.0, short_request_tokens=0))
+    body = {"input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 8, "n": 4, "sampling_seed": 3}}
+    try:
+        cut, whole = (_client(e).post("/generate", json=body) for e in (budgeted, free))
+        assert cut.status_code == whole.status_code == 200, cut.text
+        assert budgeted.batches_run == 2 and free.batches_run == 1
+        assert [r["output_ids"] for r in cut.json()] == [r["output_ids"] for r in whole.json()]
+    finally:
+        budgeted.close()
+        free.close()
