@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
 
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.subprocess  # every test runs a launcher script
 
 TPU = os.path.join(REPO, "scripts", "launch_tpu_pod.sh")
 GPU = os.path.join(REPO, "scripts", "launch_gpu.sh")
+STAGE = "/tmp/drgrpo_launch.XXXXXX"  # the TPU launcher's staging folder, as dry runs show it
 WAIT = ("bash -c 'for u in \"$@\"; do for t in $(seq 450); do curl -sf \"$u/health\" > /dev/null && continue 2; "
         "sleep 2; done; echo \"$u/health: no answer in 900 s\" >&2; exit 1; done' wait")
 
@@ -38,73 +41,126 @@ def commands(output: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_tpu_dry_run_prints_the_exact_gcloud_commands_for_a_4_worker_slice(tmp_path):
+# What every launch runs first in each worker's run folder, and all that --stop runs: SIGTERM to the process groups
+# in the pid files and to what was started from the folder, SIGKILL after the grace, the libtpu lockfile removed.
+TPU_STOP = ('mkdir -p ~/drgrpo_run && cd ~/drgrpo_run && { s="drgrpo_jax[.](train|serve) --config $PWD/run[.]yaml"; '
+            'g=$(cat trainer.pid serve.pids 2> /dev/null); sig() { for p in $g; do kill -$1 -- -$p; done 2> /dev/null; '
+            'pkill -$1 -f "$s"; }; up() { for p in $g; do kill -0 -- -$p 2> /dev/null && return; done; '
+            'pgrep -f "$s" > /dev/null; }; sig TERM; for t in $(seq 120); do up || break; sleep 1; done; sig KILL; '
+            'rm -f trainer.pid serve.pids /tmp/libtpu_lockfile; }')
+TPU_RESTARTS = ('n=0; while :; do "$@"; c=$?; [ $c -eq 42 ] && [ $n -lt 3 ] || exit $c; n=$((n + 1)); '
+                'echo "launch_tpu_pod.sh: the trainer saved and exited 42 (preempted): restart $n of 3" >&2; done')
+
+
+def test_tpu_dry_run_prints_the_exact_gcloud_commands_one_for_all_workers(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("model: {dtype: bfloat16}\n")
     result = launch(TPU, "--tpu", "pod", "--zone", "us-east5-a", "--project", "proj", "--config", str(config),
-                    "--num-workers", "4", "--coordinator", "10.0.0.2", "--serve-url", "http://10.0.1.5:30000",
-                    "--dry-run", "--", "model.path=/mnt/m", "train.steps=3")
+                    "--serve-url", "http://10.0.1.5:30000", "--jax-version", "0.10.2", "--dry-run", "--",
+                    "model.path=/mnt/m", "train.steps=3")
     assert result.returncode == 0, result.stderr
-    scope = ["--zone=us-east5-a", "--project=proj"]
-    wait = "for u in http://10.0.1.5:30000; do until curl -sf $u/health > /dev/null; do sleep 5; done; done && "
-    expected = [
-        ["git", "-C", os.path.join(REPO, "scripts", ".."), "archive", "--format=tar.gz", "-o",
-         "/tmp/drgrpo_jax-src.tar.gz", "HEAD"],
-        ["gcloud", "compute", "tpus", "tpu-vm", "scp", "/tmp/drgrpo_jax-src.tar.gz", str(config), "pod:",
-         "--worker=all", *scope],
-        ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", "--worker=all", *scope,
-         "--command=rm -rf ~/drgrpo_jax && mkdir -p ~/drgrpo_jax && tar -xzf ~/drgrpo_jax-src.tar.gz -C ~/drgrpo_jax "
-         "&& cp ~/run.yaml ~/drgrpo_run.yaml && python3 -m pip install -q -e ~/drgrpo_jax'[train]' 'jax[tpu]'"],
+    stage, ssh = "/tmp/drgrpo_launch.XXXXXX", ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", "--worker=all",
+                                              "--zone=us-east5-a", "--project=proj"]
+    pack, copy, *lines = result.stdout.splitlines()
+    assert pack == (f"git -C {REPO} ls-files -z -co --exclude-standard | grep -zvxFf <(git -C {REPO} ls-files -d) | "
+                    f"tar -C {REPO} --null -T - -czf {stage}/drgrpo_src.tar.gz")  # the working tree as it is
+    assert copy == f"cp {config} {stage}/drgrpo_run.yaml"
+    assert [shlex.split(line) for line in lines] == [
+        ["gcloud", "compute", "tpus", "tpu-vm", "scp", f"{stage}/drgrpo_src.tar.gz", f"{stage}/drgrpo_run.yaml", "pod:",
+         "--worker=all", "--zone=us-east5-a", "--project=proj"],
+        [*ssh, f"--command={TPU_STOP} && rm -rf src && mkdir src && tar -xzf ~/drgrpo_src.tar.gz -C src && "
+               "rm ~/drgrpo_src.tar.gz && mv ~/drgrpo_run.yaml run.yaml && { python3 -c \"import jax, libtpu; assert "
+               "jax.__version__ == '0.10.2'\" 2> /dev/null || python3 -m pip install -q 'jax[tpu]==0.10.2'; } && "
+               "python3 -m pip install -q -e 'src[train]'"],
+        [*ssh, "--command=end=$(($(date +%s) + 900)); for u in http://10.0.1.5:30000; do until curl -sf --max-time 10 "
+               "$u/health > /dev/null; do [ $(date +%s) -ge $end ] && exit 3; sleep 2; done; done"],
+        [*ssh, "--command=cd ~/drgrpo_run && if [ -f trainer.pid ] && kill -0 -- -$(cat trainer.pid) 2> /dev/null; "
+               "then echo \"trainer already running: $(cat trainer.pid)\"; else setsid nohup bash -c "
+               f"'{TPU_RESTARTS}' trainer python3 -m drgrpo_jax.train --config $PWD/run.yaml "
+               "mesh.coordinator_address=auto 'rollout.urls=[http://10.0.1.5:30000]' model.path=/mnt/m train.steps=3 "
+               "> trainer.log 2>&1 < /dev/null & echo $! > trainer.pid; fi"],
     ]
-    for i in range(4):
-        expected.append(["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod", f"--worker={i}", *scope,
-                         f"--command={wait}python3 -m drgrpo_jax.train --config drgrpo_run.yaml "
-                         f"mesh.coordinator_address=10.0.0.2:8476 mesh.num_processes=4 mesh.process_id={i} "
-                         "'rollout.urls=[http://10.0.1.5:30000]' model.path=/mnt/m train.steps=3",
-                         ">", f"launch_logs/train_{i}.log", "2>&1", "&"])
-    assert [shlex.split(line) for line in result.stdout.splitlines()] == expected
+    stop = launch(TPU, "--tpu", "pod", "--zone", "us-east5-a", "--project", "proj", "--serve-tpu", "gen", "--dry-run",
+                  "--stop")
+    assert [shlex.split(line) for line in stop.stdout.splitlines()] == [
+        [*ssh, f"--command={TPU_STOP}"], [*ssh[:5], "gen", *ssh[6:], f"--command={TPU_STOP}"]]
 
 
 def test_tpu_services_on_a_separate_slice_and_on_spare_chips():
     config = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
-    result = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "8", "--coordinator",
-                    "10.0.0.2", "--serve-tpu", "gen", "--serve-ips", "10.0.1.5,10.0.1.6", "--serve-chips", "2",
-                    "--serve-batch-size", "32", "--api-key-env", "GEN_KEY", "--dry-run",
-                    env={**os.environ, "GEN_KEY": "s3cret-value"})
+    result = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--serve-tpu", "gen", "--serve-ips",
+                    "10.0.1.5,10.0.1.6", "--serve-chips", "2", "--serve-batch-size", "32", "--api-key-env", "GEN_KEY",
+                    "--install", "true", "--dry-run", env={**os.environ, "GEN_KEY": "s3cret-value"})
     assert result.returncode == 0, result.stderr
     assert "s3cret" not in result.stdout + result.stderr  # the variable's name is shown, never its value
-    lines = [shlex.split(line) for line in result.stdout.splitlines()]
-    starts = [line for line in lines
-              if line[5] == "gen" and line[6].startswith("--worker=") and line[6] != "--worker=all"]
-    assert [line[6] for line in starts] == ["--worker=0", "--worker=1"]
-    assert "TPU_VISIBLE_CHIPS=1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1" in starts[0][-1]
-    assert "--host 0.0.0.0 --port 30001 --max-batch-size 32 --api-key-env GEN_KEY" in starts[0][-1]
-    assert starts[0][-1].startswith("--command=set -a && . ~/drgrpo_api_key.env && set +a && ")
-    copies = [line for line in lines if line[4] == "scp"]
-    assert all(line[7].endswith("/drgrpo_api_key.env") for line in copies) and len(copies) == 2
-    trainers = [line for line in lines if line[5] == "pod" and line[6] != "--worker=all"]
-    assert len(trainers) == 8 and all("'rollout.urls=[http://10.0.1.5:30000,http://10.0.1.5:30001,"
-                                      "http://10.0.1.6:30000,http://10.0.1.6:30001]'" in " ".join(t) or
-                                      "rollout.urls=[http://10.0.1.5:30000,http://10.0.1.5:30001,http://10.0.1.6:30000,"
-                                      "http://10.0.1.6:30001]" in t[-5] for t in trainers)
-    assert all("rollout.api_key_env=GEN_KEY" in t[-5] and t[-5].startswith("--command=set -a && . ~/drgrpo_api_key.env")
-               for t in trainers)
-    assert lines[-1][5:7] == ["gen", "--worker=all"] and "kill $(cat drgrpo_serve.pids)" in lines[-1][-1]
-    unkeyed = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "8", "--coordinator",
-                     "10.0.0.2", "--serve-tpu", "gen", "--serve-ips", "10.0.1.5", "--serve-chips", "1", "--dry-run")
+    lines = [shlex.split(line) for line in result.stdout.splitlines()[2:]]
+    assert [line[4:6] for line in lines] == [["scp", f"{STAGE}/drgrpo_src.tar.gz"], ["ssh", "gen"],
+                                             ["scp", f"{STAGE}/drgrpo_src.tar.gz"], ["ssh", "pod"], ["ssh", "pod"],
+                                             ["ssh", "pod"]]
+    assert all(line[-4] == f"{STAGE}/drgrpo_api_key.env" for line in lines if line[4] == "scp")
+    services = lines[1][-1]  # every worker of the service slice starts the same two, one chip each
+    assert services.endswith(
+        "&& true && set -a && . ./api_key.env && set +a && { TPU_VISIBLE_CHIPS=0 TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 "
+        "TPU_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_PORT=8477 setsid nohup python3 -m drgrpo_jax.serve --config "
+        "$PWD/run.yaml --host 0.0.0.0 --port 30000 --max-batch-size 32 --api-key-env GEN_KEY > serve_0.log 2>&1 "
+        "< /dev/null & echo $! >> serve.pids; TPU_VISIBLE_CHIPS=1 TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1 "
+        "TPU_PROCESS_BOUNDS=1,1,1 TPU_PROCESS_PORT=8478 setsid nohup python3 -m drgrpo_jax.serve --config "
+        "$PWD/run.yaml --host 0.0.0.0 --port 30001 --max-batch-size 32 --api-key-env GEN_KEY > serve_1.log 2>&1 "
+        "< /dev/null & echo $! >> serve.pids; }")
+    assert "mv ~/drgrpo_api_key.env api_key.env && chmod 600 api_key.env" in services
+    urls = "http://10.0.1.5:30000 http://10.0.1.5:30001 http://10.0.1.6:30000 http://10.0.1.6:30001"
+    assert f"for u in {urls}; do" in lines[4][-1]
+    assert ("setsid nohup bash -c 'set -a; . ./api_key.env; set +a; n=0; while" in lines[5][-1] and
+            f"mesh.coordinator_address=auto 'rollout.urls=[{urls.replace(' ', ',')}]' rollout.api_key_env=GEN_KEY > "
+            "trainer.log" in lines[5][-1])
+    unkeyed = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--serve-tpu", "gen", "--serve-ips",
+                     "10.0.1.5", "--serve-chips", "1", "--dry-run")
     assert unkeyed.returncode == 2 and "--api-key-env: required for services on --serve-tpu" in unkeyed.stderr
 
     v5e = launch(TPU, "--tpu", "v5e", "--zone", "z", "--config", config, "--num-workers", "1",
-                 "--chips-per-worker", "8", "--serve-chips", "4", "--dry-run")
+                 "--chips-per-worker", "8", "--serve-chips", "4", "--install", "true", "--dry-run")
     assert v5e.returncode == 0, v5e.stderr
-    train = shlex.split(v5e.stdout.splitlines()[-2])[-5]
-    assert "--host 127.0.0.1 --port 30000" in v5e.stdout  # services beside the trainer stay on loopback
-    assert "TPU_VISIBLE_CHIPS=0,1,2,3 TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_PROCESS_BOUNDS=1,1,1 python3" in train
-    pod = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "4", "--coordinator", "ip",
-                 "--serve-chips", "2", "--dry-run")
+    prepare, wait, start = (shlex.split(line)[-1] for line in v5e.stdout.splitlines()[-3:])
+    assert "--host 127.0.0.1 --port 30000 > serve_0.log" in prepare  # services beside the trainer stay on loopback
+    assert "for u in http://127.0.0.1:30000 http://127.0.0.1:30001 http://127.0.0.1:30002" in wait
+    assert ("else TPU_VISIBLE_CHIPS=0,1,2,3 TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_PROCESS_BOUNDS=1,1,1 setsid" in start
+            and "mesh.coordinator_address" not in start)  # one process on one host
+    pod = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--num-workers", "4", "--serve-chips", "2",
+                 "--install", "true", "--dry-run")
     assert pod.returncode == 2 and "--serve-chips: without --serve-tpu only on a one-worker slice" in pod.stderr
-    missing = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--dry-run")
-    assert missing.returncode == 2 and "--num-workers and --coordinator: required with --dry-run" in missing.stderr
+    missing = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--serve-chips", "2", "--install", "true",
+                     "--dry-run")
+    assert missing.returncode == 2 and "--num-workers: required with --serve-chips and --dry-run" in missing.stderr
+
+
+def test_the_documented_tpu_commands_run_as_written():
+    """docs/scaling_out.md's launch_tpu_pod.sh rows, placeholders filled in, under --dry-run."""
+    with open(os.path.join(REPO, "docs", "scaling_out.md")) as f:
+        rows = re.findall(r"\| `((?:DRGRPO_API_KEY=\.\.\. )?scripts/launch_tpu_pod\.sh [^`]*)` \|", f.read())
+    assert len(rows) == 3
+    for row in rows:
+        argv = shlex.split(row.replace("...", "x"))
+        env = {**os.environ, "DRGRPO_API_KEY": "x"} if argv[0].startswith("DRGRPO_API_KEY=") else None
+        argv = argv[1:] if env else argv
+        cut = argv.index("--")
+        ips = ["--serve-ips", "10.0.1.5"] if "--serve-tpu" in argv else []  # what describe gives without --dry-run
+        result = launch(os.path.join(REPO, argv[0]), *argv[1:cut], *ips, "--jax-version", "0.10.2", "--dry-run",
+                        *argv[cut:], env=env)
+        assert result.returncode == 0 and "python3 -m drgrpo_jax.train" in result.stdout, (row, result.stderr)
+
+
+def test_tpu_install_pins_the_jax_installed_here(tmp_path):
+    config = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_v5p64.yaml")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    result = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--dry-run", env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"python3 -m pip install -q 'jax[tpu]=={version('jax')}'" in shlex.split(result.stdout.splitlines()[3])[-1]
+    (tmp_path / "python3").write_text("#!/bin/sh\nexit 1\n")  # a python without jax
+    (tmp_path / "python3").chmod(0o755)
+    no_jax = launch(TPU, "--tpu", "pod", "--zone", "z", "--config", config, "--dry-run",
+                    env={**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    assert no_jax.returncode == 2 and no_jax.stderr == (
+        "launch_tpu_pod.sh: --jax-version: required (no jax installed here to pin the workers' jax[tpu] to)\n")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import jax
 import numpy as np
@@ -249,8 +250,9 @@ def _launch(script: str, *args: str):
 
     from support.paths import REPO
 
+    here = os.path.dirname(sys.executable)  # its python3, whose jax the TPU launcher pins the workers' to
     return subprocess.run(["bash", os.path.join(REPO, "scripts", script), *args], capture_output=True, text=True,
-                          timeout=30, cwd=REPO)
+                          timeout=30, cwd=REPO, env={**os.environ, "PATH": here + os.pathsep + os.environ["PATH"]})
 
 
 @pytest.mark.subprocess
