@@ -124,8 +124,8 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
         need = engine.batch_bytes(1, len(prompt), p.max_new_tokens)
         if need > engine.batch_budget:
             raise BadRequest(f"{field}[{i}]: a prompt of {len(prompt)} tokens with {p.max_new_tokens} new tokens needs "
-                             f"{need / 2**30:.2f} GiB of sampler memory, over the service's budget of "
-                             f"{engine.batch_budget / 2**30:.2f} GiB a batch (--max-batch-bytes)")
+                             f"{need / 2**20:,.0f} MiB of sampler memory, over the service's budget of "
+                             f"{engine.batch_budget / 2**20:,.0f} MiB a batch (--max-batch-bytes)")
     rows = sum(p.n for p in params)
     if rows > limits.max_rows_per_request:
         raise BadRequest(f"n: {rows} completions exceed max_rows_per_request={limits.max_rows_per_request}")

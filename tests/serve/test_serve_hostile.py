@@ -592,7 +592,7 @@ def test_a_prompt_over_the_memory_budget_is_refused_before_any_work(long_model):
         assert answer.status_code == 400, answer.text
         message = answer.json()["error"]["message"]
         assert "input_ids[0]: a prompt of 2500 tokens with 4 new tokens needs" in message, message
-        assert "over the service's budget of 0.00 GiB a batch (--max-batch-bytes)" in message, message
+        assert "over the service's budget of 1 MiB a batch (--max-batch-bytes)" in message, message
         answer = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
         assert answer.status_code == 400 and "--max-batch-bytes" in answer.text, answer.text
         assert client.post("/generate", json={"input_ids": [5] * 100, "sampling_params": {
