@@ -6,6 +6,9 @@ Arrays are stored uncompressed: orbax's zstd held a compressed copy of the whole
 write, which set the trainer's peak memory, and float weights barely compress. Checkpoints written compressed by
 earlier versions restore as before.
 
+The folder may be a bucket (`gs://bucket/run/checkpoints`): orbax writes it through tensorstore and etils.epath
+(`pip install -e '.[gcs]'`), and a save there is made atomic by a commit marker instead of a rename.
+
 Preemption: `preempted(step)` asks orbax's preemption sync point (JAX's, once `jax.distributed` is up: XLA takes
 SIGTERM then and every process learns of it at the same step), or, in a one-process run, whether SIGTERM came
 (the Checkpointer's own handler only sets a flag). A preempted step is due for a save; the trainer then exits
@@ -25,6 +28,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.weight_folders import absolute, as_epath
 
 __all__ = ["RESTART_EXIT_CODE", "Checkpointer", "Restored", "abstract_state_like"]
 
@@ -66,7 +70,7 @@ class Checkpointer:
                  catch_sigterm: bool = False):
         """catch_sigterm (the trainer; from the main thread): in a one-process run SIGTERM only marks the next
         step preempted (`preempted`), until `close`."""
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = absolute(directory)
         self.save_every = save_every
         # The cadence is ours (step % save_every): orbax's own interval also saves the first step.
         options = ocp.CheckpointManagerOptions(
@@ -163,12 +167,12 @@ class Checkpointer:
     def _set_aside(self, step: int) -> None:
         """Renames a damaged step's folder out of orbax's sight (kept for a post-mortem; process 0 only)."""
         if jax.process_index() == 0:
-            folder = os.path.join(self.directory, str(step))
-            target, n = f"{folder}.damaged", 1
-            while os.path.exists(target):
-                target, n = f"{folder}.damaged{n}", n + 1
-            if os.path.isdir(folder):
-                os.rename(folder, target)
+            folder = as_epath(self.directory) / str(step)
+            target, n = folder.with_name(f"{step}.damaged"), 1
+            while target.exists():
+                target, n = folder.with_name(f"{step}.damaged{n}"), n + 1
+            if folder.is_dir():
+                folder.rename(target)
         self._manager.reload()
 
     def wait(self) -> None:

@@ -7,6 +7,7 @@ The rules of the library's own configs live in them alone: `validate` builds the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, C
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sharding import parse_service_mesh
+from drgrpo_jax.weight_folders import is_remote
 
 __all__ = ["check_output_dir", "validate"]
 
@@ -406,11 +408,21 @@ def validate(config: Config) -> None:
     _check_rest(config)
 
 
+_GCS_URI = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/[^\x00-\x1f]*)?")  # GCS's bucket naming rules
+
+
 def check_output_dir(run: RunConfig) -> None:
     """ConfigError naming run.output_dir when the run could not create or write it (a file, /proc, a read-only
     disk). The one rule that reads the disk, so only the commands that write a run ask it (train, config), not
     those that read one back (evaluate --model RUN_DIR): a folder is made and removed in its nearest existing
-    ancestor."""
+    ancestor. A bucket (gs://BUCKET/PATH) is checked for its form and for gcsfs, not reached."""
+    if is_remote(run.output_dir):
+        if not _GCS_URI.fullmatch(run.output_dir):
+            raise ConfigError("run.output_dir", f"{run.output_dir!r} is neither a local folder nor gs://BUCKET/PATH "
+                                                "(a bucket name of 3-63 lowercase letters, digits, '-', '_' and '.')")
+        if importlib.util.find_spec("gcsfs") is None:
+            raise ConfigError("run.output_dir", "gs:// needs gcsfs: pip install -e '.[gcs]'")
+        return
     path = os.path.abspath(run.output_dir)
     existing = path
     while not os.path.lexists(existing):

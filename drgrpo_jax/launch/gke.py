@@ -81,7 +81,7 @@ def jobset(config: Config, o: GkeOptions) -> dict:
             "metadata": {"name": o.name, "annotations": {
                 "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}},
             "spec": {"failurePolicy": {"maxRestarts": o.max_restarts, "rules": [
-                {"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
+                {"name": "failOnOtherExitCodes", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
                      "replicatedJobs": [{"name": "slice", "replicas": 1, "template": {"spec": job}}]}}
 
 

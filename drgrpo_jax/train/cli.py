@@ -13,6 +13,7 @@ from drgrpo_jax.config.load import config_from_argv
 from drgrpo_jax.config.rules import check_output_dir
 from drgrpo_jax.errors import ConfigError, Preempted
 from drgrpo_jax.train.loop import train
+from drgrpo_jax.weight_folders import write_text
 
 __all__ = ["PROG", "main"]
 
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as error:  # noqa: BLE001 - one line here; the whole traceback goes to error.log
         log_path = os.path.join(config.run.output_dir, "error.log")
-        with contextlib.suppress(OSError), open(log_path, "w") as f:
-            traceback.print_exc(file=f)
+        with contextlib.suppress(OSError):  # a bucket too: written whole
+            write_text(log_path, traceback.format_exc())
         message = (str(error).strip().splitlines() or [""])[0][:500]  # e.g. a service's log tail stays in error.log
         print(f"{PROG}: {type(error).__name__}: {message} (traceback in {log_path})", file=sys.stderr)
         return 1

@@ -35,6 +35,7 @@ from drgrpo_jax.train.hub import model_card, push_folder
 from drgrpo_jax.train.metrics import UpdateResult, sample_rows, step_metrics
 from drgrpo_jax.train.prefetch import PendingRound, Prefetcher, check_fresh, snapshot
 from drgrpo_jax.train.setup import Run, setup
+from drgrpo_jax.weight_folders import copy_folder, remove_folder, scratch_folder
 
 if TYPE_CHECKING:
     from drgrpo_jax.step.batch import Batch
@@ -222,13 +223,17 @@ def train(config: Config, command: str = "") -> str:
             pending = None if ahead is None else ahead.pending
             return_freed_memory()
         final = os.path.join(c.run.output_dir, "final")
-        run.publisher.export(state.params, final, tokenizer=run.tokenizer)  # with LoRA: the PEFT adapter
+        local_final = os.path.join(scratch_folder(c.run.output_dir), "final")  # final itself unless on a bucket
+        run.publisher.export(state.params, local_final, tokenizer=run.tokenizer)  # with LoRA: the PEFT adapter
         if state.frozen is not None and c.model.lora.export_merged:
-            run.publisher.export_merged(state.params, state.frozen, os.path.join(final, "merged"), run.tokenizer)
+            run.publisher.export_merged(state.params, state.frozen, os.path.join(local_final, "merged"), run.tokenizer)
         if c.run.push_to_hub and run.log.enabled:
             card = model_card(c, command=command, evaluation=last_eval, repo_id=c.run.push_to_hub)
-            url = push_folder(final, c.run.push_to_hub, private=c.run.hub_private, card=card)
+            url = push_folder(local_final, c.run.push_to_hub, private=c.run.hub_private, card=card)
             bar.write(f"pushed {final} to the Hub with its model card: {url}")
+        if local_final != final and jax.process_index() == 0:  # process 0 exported it (with the card)
+            remove_folder(final)  # what an earlier export left there
+            copy_folder(local_final, final)
         bar.write(f"done: {c.train.steps} steps; policy exported to {final}")
     return c.run.output_dir
 

@@ -1,7 +1,9 @@
 """The run directory's outputs: metrics.jsonl, the trackers (TensorBoard, W&B, MLflow), samples.jsonl and
 versioned HF weight exports.
 
-Only process 0 writes; every process joins the gathers (multi-host arrays are collected first).
+Only process 0 writes; every process joins the gathers (multi-host arrays are collected first). On a bucket
+(run.output_dir=gs://...) the JSON Lines files are rewritten whole with each step's rows, as a bucket has no
+appends: a reader always gets one complete metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from drgrpo_jax.jsonl import read_jsonl
 from drgrpo_jax.train.trackers import TensorBoardTracker, Tracker, close_all, scalars
+from drgrpo_jax.weight_folders import is_remote, read_text, write_text
 
 __all__ = ["RunLog", "read_metrics"]
 
@@ -34,15 +37,32 @@ def _json_value(value: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def _truncate_jsonl(path: str, last_step: int) -> None:
-    """Drops rows written after `last_step` (by a run that died before its next checkpoint)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= last_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
-    os.replace(path + ".tmp", path)
+class _JsonLines:
+    """One JSON Lines file of the run log, without the rows a run that died before its next checkpoint wrote past
+    `last_step`. On a disk a row is appended; on a bucket the object is rewritten whole (its rows kept here)."""
+
+    def __init__(self, path: str, last_step: int):
+        self.path = path
+        text = read_text(path)
+        kept = [line for line in (text or "").splitlines(keepends=True)
+                if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        self._lines: list[str] | None = kept if is_remote(path) else None
+        if self._lines is not None:
+            if text is not None:
+                write_text(path, "".join(kept))
+        elif text is not None:
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        lines = [json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n" for row in rows]
+        if self._lines is None:
+            with open(self.path, "a") as f:
+                f.writelines(lines)
+        else:
+            self._lines += lines
+            write_text(self.path, "".join(self._lines))
 
 
 class RunLog:
@@ -57,19 +77,15 @@ class RunLog:
         self.samples_path = os.path.join(output_dir, "samples.jsonl")
         self.trackers: list[Tracker] = []
         if enabled:
-            for path in (self.metrics_path, self.samples_path):
-                _truncate_jsonl(path, start_step)
+            self._metrics, self._samples = (_JsonLines(path, start_step)
+                                            for path in (self.metrics_path, self.samples_path))
             self.trackers = list(trackers) if trackers is not None else [TensorBoardTracker(output_dir, start_step)]
-
-    def _append(self, path: str, row: dict[str, Any]) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
 
     def metrics(self, row: dict[str, Any]) -> None:
         """One metrics.jsonl row; its finite numbers also go to every tracker."""
         if not self.enabled:
             return
-        self._append(self.metrics_path, row)
+        self._metrics.append([row])
         values = scalars(row)
         for tracker in self.trackers:
             tracker.metrics(values, int(row["step"]))
@@ -78,8 +94,7 @@ class RunLog:
         """Sample completions, one JSON line each, and one table per step in every tracker."""
         if not self.enabled or not rows:
             return
-        for row in rows:
-            self._append(self.samples_path, row)
+        self._samples.append(rows)
         for tracker in self.trackers:
             tracker.samples(rows, int(rows[0]["step"]))
 

@@ -43,7 +43,7 @@ from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_trai
 from drgrpo_jax.train.hub import check_hub
 from drgrpo_jax.train.run_log import RunLog
 from drgrpo_jax.train.trackers import check_trackers, open_trackers
-from drgrpo_jax.weight_folders import is_remote
+from drgrpo_jax.weight_folders import absolute, is_remote, scratch_folder, write_text
 
 if TYPE_CHECKING:
     from flax import nnx
@@ -137,11 +137,19 @@ def connect_urls(config: Config) -> RolloutClient:
 
 def weights_roots(config: Config) -> list[str]:
     """The folders the trainer's own child service may load weight pushes from: this run's versions only."""
-    roots = [os.path.abspath(os.path.join(config.run.output_dir, "weights"))]
+    roots = [os.path.abspath(os.path.join(scratch_folder(config.run.output_dir), "weights"))]
     if config.run.weights_dir:
-        roots.append(config.run.weights_dir if is_remote(config.run.weights_dir) else
-                     os.path.abspath(config.run.weights_dir))
+        roots.append(absolute(config.run.weights_dir))
     return roots
+
+
+def weights_mirror(config: Config) -> str | None:
+    """Where each version is copied for the services: run.weights_dir; with run.output_dir on a bucket and services
+    elsewhere (rollout.urls), output_dir/weights, since the versions the trainer writes are on its own disk."""
+    out = config.run.output_dir
+    if not config.run.weights_dir and is_remote(out) and config.rollout.urls:
+        return os.path.join(out, "weights")
+    return config.run.weights_dir
 
 
 def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
@@ -167,8 +175,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
             client = connect_urls(c)
         stack.callback(client.close)
     tokenizer = load_tokenizer(model_path, c.model.tokenizer_path)
-    out = c.run.output_dir
-    os.makedirs(os.path.join(out, "weights"), exist_ok=True)
+    out, local_out = c.run.output_dir, scratch_folder(c.run.output_dir)  # the same folder unless out is a bucket
+    os.makedirs(os.path.join(local_out, "weights"), exist_ok=True)
     checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
                                                     keep=c.train.keep_checkpoints, catch_sigterm=True))
     resume = checkpointer.should_resume(c.train.resume)
@@ -209,12 +217,11 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
         state = dataclasses.replace(restored_state, frozen=state.frozen)
         start_step, position = int(restored.host["step"]), int(restored.host["data_position"])
     if main_process:
-        with open(os.path.join(out, "config.yaml"), "w") as f:
-            f.write(dump_config(c))
+        write_text(os.path.join(out, "config.yaml"), dump_config(c))
     log = RunLog(out, start_step, main_process, open_trackers(c, out, start_step) if main_process else [])
     stack.callback(log.close)
     # With LoRA each version is a PEFT adapter folder naming the base; a service given one loads that base.
-    publisher = WeightPublisher(os.path.join(out, "weights"), graphdef, mirror=c.run.weights_dir,
+    publisher = WeightPublisher(os.path.join(local_out, "weights"), graphdef, mirror=weights_mirror(c),
                                 lora=model_config if spec is not None else None, base_model=os.path.abspath(model_path),
                                 push_merged=c.model.lora.push == "merged")
     publish_weights(publisher, client, state.params, start_step, rollback=resume, frozen=state.frozen)
@@ -225,7 +232,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
                         "--request-timeout-s", str(c.rollout.timeout_s)]
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
-            log_path=os.path.join(out, "serve.log"), extra_args=service_args,
+            log_path=os.path.join(local_out, "serve.log"), extra_args=service_args,
             api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c), mesh=c.rollout.service_mesh))
         if server.url is None:  # entering the context waits until the service answers at its URL
             raise RuntimeError("the local generation service started without a URL")

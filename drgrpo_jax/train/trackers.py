@@ -22,6 +22,7 @@ from tensorboardX import SummaryWriter
 
 from drgrpo_jax.config.load import dump_config
 from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.weight_folders import read_text, scratch_folder, write_text
 
 if TYPE_CHECKING:
     from drgrpo_jax.config.schema import Config
@@ -58,22 +59,17 @@ def _sample_table(rows: list[dict[str, Any]]) -> tuple[list[Any], list[list[Any]
 
 def _stable_id(output_dir: str, file_name: str, make: Any) -> tuple[str, bool]:
     """(the id saved in output_dir/file_name, or a new one from make(), whether it is new)."""
-    path = os.path.join(output_dir, file_name)
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = f.read().strip()
-        if saved:
-            return saved, False
-    return make(), True
+    saved = (read_text(os.path.join(output_dir, file_name)) or "").strip()
+    return (saved, False) if saved else (make(), True)
 
 
 def _save_id(output_dir: str, file_name: str, run_id: str) -> None:
-    with open(os.path.join(output_dir, file_name), "w") as f:
-        f.write(run_id)
+    write_text(os.path.join(output_dir, file_name), run_id)
 
 
 class TensorBoardTracker:
-    """tensorboardX event files in output_dir/tensorboard; config and samples as text."""
+    """tensorboardX event files in output_dir/tensorboard (it writes gs:// itself, through google-cloud-storage);
+    config and samples as text."""
 
     def __init__(self, output_dir: str, start_step: int, config_yaml: str = ""):
         # purge_step hides events a killed run wrote past its last checkpoint.
@@ -105,7 +101,8 @@ class WandbTracker:
         import wandb  # optional extra: wandb
 
         run_id, new = _stable_id(output_dir, ".wandb_run_id", lambda: secrets.token_hex(6))
-        self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=output_dir, config=config)
+        self._run = wandb.init(project=project, name=name, id=run_id, resume="allow",
+                               dir=scratch_folder(output_dir), config=config)  # W&B's files are local ones
         if new:
             _save_id(output_dir, ".wandb_run_id", run_id)
         self._wandb = wandb

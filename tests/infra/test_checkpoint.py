@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax.checkpoint import RESTART_EXIT_CODE, Checkpointer
 from drgrpo_jax.errors import ConfigError
 
+from support.gcs_emulator import BUCKET, gcs_emulator
 from support.two_processes import start_two_processes
 
 
@@ -109,6 +110,36 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_with_one_line(tm
     lines = [r.getMessage() for r in caplog.records if r.name == "drgrpo_jax.checkpoint"]
     assert len(lines) == 1 and "step 3" in lines[0] and "damaged" in lines[0] and "from step 2" in lines[0], lines
     assert "\n" not in lines[0]
+
+
+@pytest.fixture
+def bucket(monkeypatch):
+    with gcs_emulator() as (_, env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield f"gs://{BUCKET}"
+
+
+@pytest.mark.slow  # the emulator answers one request at a time: ~45 s on 2 busy cores
+def test_a_bucket_holds_checkpoints_keeps_the_newest_and_sets_a_damaged_one_aside(bucket, caplog):
+    """A gs:// folder: orbax saves and restores through the bucket, keeps the newest `keep`, and a damaged latest
+    checkpoint is renamed aside there (etils.epath) and the previous one restored."""
+    from etils import epath
+
+    states = {step: _train_state(step) for step in (1, 2, 3)}
+    directory = f"{bucket}/run/checkpoints"
+    with Checkpointer(directory, save_every=1, keep=2) as checkpointer:
+        assert checkpointer.directory == directory
+        for step, state in states.items():
+            assert checkpointer.save(step, state, {"data_position": step})
+        assert checkpointer.all_steps() == [2, 3]
+    (epath.Path(directory) / "3" / "host" / "metadata").write_text("{")  # a truncated host JSON
+    with Checkpointer(directory, save_every=1, keep=2) as checkpointer, caplog.at_level("WARNING", "drgrpo_jax"):
+        restored = checkpointer.restore_latest(jax.eval_shape(lambda: states[3]))
+        assert restored.step == 2 and restored.host == {"data_position": 2}
+        _assert_same(restored.state, states[2])
+        assert checkpointer.all_steps() == [2]
+    assert sorted(p.name for p in epath.Path(directory).iterdir()) == ["2", "3.damaged"]
 
 
 def test_every_checkpoint_damaged_raises_the_newest_error(tmp_path):

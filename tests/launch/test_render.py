@@ -1,5 +1,6 @@
 """python -m drgrpo_jax.launch: each engine's files rendered from a recipe, byte for byte (tests/launch/golden/),
-the Kubernetes objects through the `kubernetes` client's models, the SkyPilot task against SkyPilot's schema
+the Kubernetes objects through the `kubernetes` client's models, the JobSet against its CRD's schema
+(golden/jobset_v1alpha2_schema.json, source in its `$comment`), the SkyPilot task against SkyPilot's schema
 (golden/skypilot_task_schema.json: SkyPilot 0.14.1's `sky.utils.schemas.get_task_schema()` with its
 `get_resources_schema()` as `resources`), and the one-line refusals when the config and the cluster disagree."""
 
@@ -51,6 +52,26 @@ def _strict(kind: str, obj: dict) -> None:
 GKE = gke.GkeOptions(tpu="v5p-64", serve_tpu="v5p-8", services=2, image="us-docker.pkg.dev/p/r/drgrpo:1")
 
 
+JOBSET_SCHEMA = json.loads((GOLDEN / "jobset_v1alpha2_schema.json").read_text())
+
+
+def _closed(schema):
+    """`schema` with every object that lists its properties closed to others (what kubectl's strict field validation
+    and kubeconform -strict do; the CRD itself only prunes unknown fields, so a misspelling would pass silently)."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema and not schema.get(
+            "x-kubernetes-preserve-unknown-fields"):
+        closed["additionalProperties"] = False
+    return closed
+
+
+JOBSET_VALIDATOR = jsonschema.Draft7Validator(_closed(JOBSET_SCHEMA))
+
+
 def _gke_config():
     return _config(RECIPE, "mesh.num_processes=8", "rollout.service_mesh=tensor=4", "rollout.api_key_env=GEN_KEY")
 
@@ -75,8 +96,9 @@ def test_gke_golden_and_valid_kubernetes_objects():
     for obj in objects:
         _strict(kinds[obj["kind"]], obj)
     (jobset,) = yaml.safe_load_all(files["jobset.yaml"])
+    JOBSET_VALIDATOR.validate(jobset)  # the whole JobSet against its CRD's schema
     (replicated,) = jobset["spec"]["replicatedJobs"]
-    _strict("V1JobSpec", replicated["template"]["spec"])  # the JobSet's Job: a core object (the envelope: golden)
+    _strict("V1JobSpec", replicated["template"]["spec"])  # the JobSet's Job, also through the client's models
     pod = replicated["template"]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
                                    "cloud.google.com/gke-tpu-topology": "2x4x4"}
@@ -85,6 +107,30 @@ def test_gke_golden_and_valid_kubernetes_objects():
     assert "mesh.coordinator_address=auto rollout.urls=[http://drgrpo-gen-0.drgrpo-gen:30000," \
            "http://drgrpo-gen-1.drgrpo-gen:30000] rollout.api_key_env=DRGRPO_API_KEY" in pod["containers"][0][
                "command"][-1]
+
+
+def _misspelled(jobset):
+    jobset["spec"]["failurePolicy"]["maxRestart"] = jobset["spec"]["failurePolicy"].pop("maxRestarts")
+
+
+def _mistyped(jobset):
+    jobset["spec"]["replicatedJobs"][0]["replicas"] = "1"
+
+
+def _unknown_in_pod(jobset):
+    jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["nodeSelectors"] = {}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (_misspelled, "'maxRestart' was unexpected"),
+    (_mistyped, "'1' is not of type 'integer'"),
+    (_unknown_in_pod, "'nodeSelectors' was unexpected"),
+])
+def test_jobset_schema_refuses_a_broken_jobset(mutate, message):
+    (jobset,) = yaml.safe_load_all(gke.render(_gke_config(), GKE)["jobset.yaml"])
+    mutate(jobset)
+    with pytest.raises(jsonschema.ValidationError, match=message):
+        JOBSET_VALIDATOR.validate(jobset)
 
 
 SKY_SCHEMA = json.loads((GOLDEN / "skypilot_task_schema.json").read_text())

@@ -13,6 +13,7 @@ import pytest
 from drgrpo_jax.rollout.record import HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats
 from drgrpo_jax.seeds import step_seed
 
+from support.gcs_emulator import bucket_objects, gcs_emulator
 from support.paths import REPO
 from support.trainer_runs import start_trainer, trainer_overrides
 from support.wandb_offline import wandb_offline_run
@@ -112,6 +113,27 @@ def test_multi_host_config_errors_name_the_key(overrides, key, reason):
     with pytest.raises(ConfigError, match=f"^{key}: {reason}"):
         load_config(None, ["model.path=m", *overrides])
     assert load_config(None, ["model.path=m", "rollout.service_batch_size=16"]).rollout.service_batch_size == 16
+
+
+@pytest.mark.parametrize("output_dir, reason", [
+    ("gs://Upper/run", "'gs://Upper/run' is neither a local folder nor gs://BUCKET/PATH"),
+    ("gs://b/run", "'gs://b/run' is neither a local folder nor gs://BUCKET/PATH"),
+    ("s3://bucket/run", "'s3://bucket/run' is neither a local folder nor gs://BUCKET/PATH"),
+])
+def test_a_remote_output_dir_is_checked_for_its_form_in_one_line(output_dir, reason, tmp_path, monkeypatch):
+    """run.output_dir on a bucket: the URI's form is checked (nothing local is created); gcsfs must be installed."""
+    from drgrpo_jax.config.rules import check_output_dir
+    from drgrpo_jax.config.schema import RunConfig
+    from drgrpo_jax.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"^run.output_dir: {reason}"):
+        check_output_dir(RunConfig(output_dir=output_dir))
+    check_output_dir(RunConfig(output_dir="gs://my-bucket_1.x/runs/a"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "gcsfs" else object())
+    with pytest.raises(ConfigError, match=r"^run.output_dir: gs:// needs gcsfs: pip install -e '.\[gcs\]'$"):
+        check_output_dir(RunConfig(output_dir="gs://my-bucket/runs/a"))
+    assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +342,61 @@ def test_sigterm_saves_exits_with_the_restart_code_and_the_relaunch_reproduces_t
     got, want = _weights(output_dir / "final"), _weights(reference_dir / "final")
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.fixture
+def bucket(monkeypatch):
+    with gcs_emulator() as (url, env):
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield url, env
+
+
+def _jsonl(content: bytes) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(line) for line in content.decode().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "eval/accuracy" in r]
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # two more trainer runs, each with its service child process
+def test_a_run_on_a_bucket_is_preempted_resumes_from_it_and_matches_the_local_run(inputs, uninterrupted, bucket):
+    """run.output_dir=gs://...: checkpoints (orbax through tensorstore), metrics.jsonl, samples.jsonl, TensorBoard,
+    config.yaml and the final export all land in the bucket; a SIGTERM'd run resumes from the bucket's checkpoint
+    to the local uninterrupted run's metrics and weights."""
+    from safetensors.numpy import load
+
+    from drgrpo_jax.checkpoint import RESTART_EXIT_CODE
+
+    url, env = bucket
+    reference_dir, run = uninterrupted[0], "gs://drgrpo-test/runs/a"
+    overrides = [*_overrides(inputs, run, steps=4), "train.save_every=4"]  # only preemption saves mid-run
+    process = start_trainer(overrides, **env)
+    while b'"loss"' not in bucket_objects(url, "runs/a/").get("metrics.jsonl", b""):  # step 1's row, in the bucket
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == RESTART_EXIT_CODE, stderr[-3000:]
+    saved = int(stderr.strip().splitlines()[-1].split("saved step ")[1].split(";")[0])
+    objects = bucket_objects(url, "runs/a/")
+    assert {name.split("/")[1] for name in objects if name.startswith("checkpoints/")} == {str(saved)}
+    assert [r["step"] for r in _jsonl(objects["metrics.jsonl"])[0]] == list(range(1, saved + 1))
+    assert not any(name.startswith("final/") for name in objects)
+
+    resumed = start_trainer(overrides, **env)
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    objects = bucket_objects(url, "runs/a/")
+    for got, want in zip(_jsonl(objects["metrics.jsonl"]), _rows(reference_dir)):
+        assert [_reproducible(r) for r in got] == [_reproducible(r) for r in want]
+    assert {json.loads(line)["step"] for line in objects["samples.jsonl"].decode().splitlines()} == {2, 4}
+    assert {name.split("/")[1] for name in objects if name.startswith("checkpoints/")} == {str(saved), "4"}
+    assert any(name.startswith("tensorboard/events.out.tfevents") for name in objects)
+    assert b"train:\n" in objects["config.yaml"] and "final/config.json" in objects
+    got, want = load(objects["final/model.safetensors"]), _weights(reference_dir / "final")
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert not os.path.exists(os.path.join(REPO, "gs:"))  # nothing went to a local folder named like the URI
 
 
 @pytest.mark.slow
