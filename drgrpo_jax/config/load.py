@@ -22,6 +22,7 @@ from drgrpo_jax.config.rules import validate
 from drgrpo_jax.config.schema import Config, LoraConfig
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import TOKENIZER_FILES, hub_id, local_model
+from drgrpo_jax.models.hf_io import SafetensorsIndex
 
 __all__ = [
     "check_paths", "config_from_argv", "describe_config", "dump_config", "load_config", "read_config_file",
@@ -184,7 +185,13 @@ def resolve_model_path(spec: str, key: str = "model.path") -> str:
     cache (downloaded when online), or `pkg:NAME` -> the one .gguf inside installed package NAME."""
     if not spec.startswith("pkg:"):
         spec = local_model(spec, key)
-        if os.path.isdir(spec) or (spec.endswith(".gguf") and os.path.isfile(spec)):
+        if os.path.isdir(spec):
+            try:  # each file's header only: a truncated or foreign file is a bad path, found before anything loads
+                SafetensorsIndex(spec)
+            except (OSError, ValueError) as error:
+                raise ConfigError(key, str(error).removeprefix("path: ")) from None
+            return spec
+        if spec.endswith(".gguf") and os.path.isfile(spec):
             return spec
         raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder, a .gguf file, a Hub id "
                                "org/name[@revision] or pkg:PACKAGE)")

@@ -287,16 +287,24 @@ def test_valid_batch_layouts_pass():
     assert config.train.micro_batches == 2
 
 
-def test_check_paths(tmp_path):
+def test_check_paths(tmp_path, tiny_model):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    check_paths(load_config(None, [f"model.path={model_dir}"]))
+    check_paths(load_config(None, [f"model.path={tiny_model}"]))
+    with pytest.raises(ConfigError) as info:
+        check_paths(load_config(None, [f"model.path={model_dir}"]))
+    _assert_one_line(info.value, "model.path", "no *.safetensors files")
+    # A cached Hub repo with an empty weights file: main raised struct's "unpack requires a buffer of 8 bytes"
+    (model_dir / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as info:
+        check_paths(load_config(None, [f"model.path={model_dir}"]))
+    _assert_one_line(info.value, "model.path", "model.safetensors is not a safetensors file")
     with pytest.raises(ConfigError) as info:
         check_paths(load_config(None, [f"model.path={tmp_path / 'missing'}"]))
     _assert_one_line(info.value, "model.path", "no such folder")
     with pytest.raises(ConfigError) as info:
         check_paths(
-            load_config(None, [f"model.path={model_dir}", "data.source=jsonl", f"data.path={tmp_path / 'x.jsonl'}"])
+            load_config(None, [f"model.path={tiny_model}", "data.source=jsonl", f"data.path={tmp_path / 'x.jsonl'}"])
         )
     _assert_one_line(info.value, "data.path", "no such file")
 

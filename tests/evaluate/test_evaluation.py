@@ -205,11 +205,10 @@ def test_report_rows_table_and_files(tmp_path):
     assert "| all | 8 |" in open(paths["results.md"]).read()
 
 
-def test_the_cli_refuses_bad_flags_in_one_line_before_starting_anything(tmp_path, capsys):
+def test_the_cli_refuses_bad_flags_in_one_line_before_starting_anything(tmp_path, capsys, tiny_model):
     from drgrpo_jax.evaluate.cli import main, resolve_model
 
-    model = tmp_path / "model"
-    model.mkdir()
+    model = tiny_model
     for argv, words in [(["--model", str(tmp_path / "nope"), "--suite", "arithmetic"], "--model"),
                         (["--model", str(model), "--suite", "arithmetc"], "did you mean arithmetic"),
                         (["--model", str(model), "--suite", "arithmetic", "--k", "2", "--temperature", "0"],
