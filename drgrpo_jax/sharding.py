@@ -125,6 +125,9 @@ class ShardingRules:
     kv_heads: MeshAxes = "tensor"
     head_dim: MeshAxes = None
     mlp: MeshAxes = "tensor"
+    # A mixture's experts (their weights' leading axis): each fsdp shard stores e / fsdp whole experts, where
+    # dense weights split their model dim; no extra mesh axis, so every mesh shape and the service's mesh stand.
+    expert: MeshAxes = "fsdp"
     layers: MeshAxes = None  # the stacked-layer axis (scanned; never sharded)
 
     def mesh_axes(self, logical: str | None) -> MeshAxes:

@@ -12,13 +12,14 @@ from drgrpo_jax.errors import FieldError
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import normalise_remat
 
-Family = Literal["llama", "qwen2", "qwen3", "gemma3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "gemma3")
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
 # HF model_type -> our family; gemma3 (multimodal wrapper) is read through its text_config.
 _MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -26,6 +27,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
@@ -118,12 +120,12 @@ class LoraSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Gemma 3 text)."""
+    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text)."""
 
     family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
     vocab_size: int = 32_000  # V
     hidden_size: int = 512  # D
-    intermediate_size: int = 1_376  # I
+    intermediate_size: int = 1_376  # I (a mixture of experts keeps it for HF's config only: every MLP is sparse)
     num_layers: int = 4  # L
     num_heads: int = 8  # Q query heads
     num_kv_heads: int = 8  # C key/value heads (grouped-query attention when C < Q)
@@ -143,6 +145,10 @@ class DecoderConfig:
     bos_token_id: int | None = None  # beginning-of-sequence token
     eos_token_ids: tuple[int, ...] = ()  # every token that ends a generation
     pad_token_id: int | None = None  # padding token, if the checkpoint names one
+    num_experts: int = 0  # e experts per sparse MLP (models/moe.py); 0 = a dense MLP in every layer
+    experts_per_token: int = 0  # k experts each token is routed to (HF num_experts_per_tok)
+    moe_intermediate_size: int = 0  # f: one expert's MLP hidden
+    norm_topk_prob: bool = False  # the k routing weights renormalised to sum to 1 (else raw softmax shares)
     remat: str = "none"  # runtime option: a policy of models/remat.py
     attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
     lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
@@ -161,6 +167,7 @@ class DecoderConfig:
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads={self.num_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        self._check_experts()
         object.__setattr__(self, "remat", normalise_remat(self.remat))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
@@ -187,11 +194,30 @@ class DecoderConfig:
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
+    def _check_experts(self) -> None:
+        """A mixture of experts (Qwen3-MoE, and only it) names e >= 1 experts, 1 <= k <= e of them per token and
+        their hidden size f >= 1; a dense family names none."""
+        if self.family != "qwen3_moe":
+            if self.num_experts:
+                raise ValueError(f"num_experts: {self.family} has a dense MLP, got {self.num_experts} experts")
+            return
+        for name in ("num_experts", "experts_per_token", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name}: must be a positive int for a mixture of experts, got {value!r}")
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}")
+
     # Family traits, derived so that no config can combine them inconsistently.
     @property
     def qk_norm(self) -> bool:
-        """RMSNorm on each query/key head before RoPE (Qwen3, Gemma 3)."""
-        return self.family in ("qwen3", "gemma3")
+        """RMSNorm on each query/key head before RoPE (Qwen3, Qwen3-MoE, Gemma 3)."""
+        return self.family in ("qwen3", "qwen3_moe", "gemma3")
+
+    @property
+    def moe(self) -> bool:
+        """Every layer's MLP is a mixture of experts (models/moe.py) instead of one dense MLP."""
+        return self.num_experts > 0
 
     @property
     def gemma_norms(self) -> bool:
@@ -289,6 +315,7 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         if hf.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention: only causal decoders are supported")
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    experts = _experts_from_hf(hf, num_layers) if family == "qwen3_moe" else {}
     attention_bias = bool(hf.get("attention_bias", False))
     eos = list(_as_tuple(hf.get("eos_token_id")))
     for token in _as_tuple((generation or {}).get("eos_token_id")):
@@ -318,7 +345,26 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         pad_token_id=hf.get("pad_token_id"),
+        **experts,
     )
+
+
+def _experts_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """DecoderConfig's expert fields from a Qwen3-MoE config; ValueError when some layer keeps a dense MLP.
+
+    Layers are stacked and scanned as one block, so a model is all-dense or all-sparse: transformers makes layer i
+    sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (Qwen3-30B-A3B and -235B-A22B
+    are all-sparse).
+    """
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = sorted(i for i in range(num_layers) if i in (hf.get("mlp_only_layers") or ()) or (i + 1) % step)
+    if dense:
+        raise ValueError(f"mlp_only_layers/decoder_sparse_step: layers {dense} keep a dense MLP; only models whose "
+                         f"every layer is a mixture of experts are supported")
+    return dict(num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+                experts_per_token=int(hf.get("num_experts_per_tok") or 0),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def _int_if_whole(value: float) -> int | float:
@@ -369,6 +415,10 @@ def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[st
         )
     else:
         out["hidden_act"] = config.activation
+    if config.moe:
+        out.update(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                   moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
     if config.family == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
         del out["attention_bias"]

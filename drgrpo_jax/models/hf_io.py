@@ -60,6 +60,8 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
 class TensorIndex(Protocol):
     """HF tensor name -> host array in HF layout (`SafetensorsIndex`, `gguf_io.GGUFIndex`)."""
 
+    def __contains__(self, name: str) -> bool: ...
+
     def get(self, name: str) -> np.ndarray: ...
 
 
@@ -175,6 +177,38 @@ _LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
 }
 
 
+# A sparse MLP's experts: ours [e, X, Y] stacks each expert's HF [Y, X] weight transposed.
+_EXPERT_PROJ = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
+
+
+def _read_moe(index: TensorIndex, name: str, layer: int, config: DecoderConfig) -> np.ndarray:
+    """A sparse MLP's `router` [D, e] or experts' weight [e, X, Y] of one layer, from HF's per-expert tensors
+    (`mlp.experts.{j}.gate_proj.weight`, the Hub's layout and what transformers saves) or the fused ones
+    (`mlp.experts.gate_up_proj` [e, 2f, D], gate rows first, and `mlp.experts.down_proj` [e, D, f])."""
+    prefix = f"model.layers.{layer}.mlp."
+    if name == "router":
+        return index.get(prefix + "gate.weight").T
+    fused = prefix + ("experts.down_proj" if name == "expert_down" else "experts.gate_up_proj")
+    if fused in index:
+        w, f = index.get(fused), config.moe_intermediate_size
+        w = {"expert_gate": w[:, :f], "expert_up": w[:, f:]}.get(name, w)
+        return w.transpose(0, 2, 1)
+    return np.stack([index.get(f"{prefix}experts.{j}.{_EXPERT_PROJ[name]}.weight").T
+                     for j in range(config.num_experts)])
+
+
+def _hf_layer_tensors(name: str, w: np.ndarray, layer: int, config: DecoderConfig) -> dict[str, np.ndarray]:
+    """One layer of our parameter `name` under its HF name(s) and layout (experts one by one, as transformers
+    saves them)."""
+    prefix = f"model.layers.{layer}."
+    if name == "router":
+        return {prefix + "mlp.gate.weight": np.ascontiguousarray(w.T)}
+    if name in _EXPERT_PROJ:
+        return {f"{prefix}mlp.experts.{j}.{_EXPERT_PROJ[name]}.weight": np.ascontiguousarray(w[j].T)
+                for j in range(config.num_experts)}
+    return {prefix + _layer_suffix(name, config): np.ascontiguousarray(_to_hf(name, w, config))}
+
+
 def _layer_suffix(name: str, config: DecoderConfig) -> str:
     """HF per-layer tensor suffix of our stacked parameter (norm names differ for Gemma)."""
     if name == "mlp_norm":
@@ -207,6 +241,8 @@ def hf_param_reader(index: TensorIndex, config: DecoderConfig) -> Callable[[str]
         if path == "lm_head":
             return index.get("lm_head.weight").T
         name = path.split("/", 1)[1]
+        if name == "router" or name in _EXPERT_PROJ:
+            return np.stack([_read_moe(index, name, i, config) for i in range(config.num_layers)])
         suffix = _layer_suffix(name, config)
         return np.stack([_to_ours(name, index.get(f"model.layers.{i}.{suffix}"), config)
                          for i in range(config.num_layers)])
@@ -284,9 +320,8 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
             out["lm_head.weight"] = np.ascontiguousarray(value.T)
         else:
             layer_name = name.split("/", 1)[1]
-            suffix = _layer_suffix(layer_name, config)
             for i in range(config.num_layers):
-                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(_to_hf(layer_name, value[i], config))
+                out.update(_hf_layer_tensors(layer_name, value[i], i, config))
     return out
 
 

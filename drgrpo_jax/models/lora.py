@@ -49,6 +49,10 @@ def adapter_specs(config: DecoderConfig, spec: LoraSpec) -> dict[str, tuple[tupl
     the rank axis is replicated.
     """
     base = param_specs(config)
+    absent = [t for t in spec.targets if f"blocks/{t}" not in base]
+    if absent:
+        raise ValueError(f"lora.targets: {config.family} has no {', '.join(absent)} (a mixture of experts' MLP takes "
+                         f"no adapter: target attention, {', '.join(LORA_TARGETS[:4])})")
     out = {}
     for target in spec.targets:
         (L, *shape), (layers, *axes) = base[f"blocks/{target}"]
@@ -80,7 +84,7 @@ def store_base(model: Transformer, base_dtype: str) -> Transformer:
     Embeddings, norms and biases keep model.dtype, and with them the residual stream. "float32" casts to it.
     """
     specs = param_specs(model.config)
-    for name in LORA_TARGETS:
+    for name in (n for n in LORA_TARGETS if f"blocks/{n}" in specs):  # a mixture's experts keep model.dtype
         variable = getattr(model.blocks, name)
         if base_dtype != "int8":
             variable.set_value(variable[...].astype(base_dtype))

@@ -27,10 +27,12 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
         "v_proj": ((L, D, C, H), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
         "o_proj": ((L, Q, H, D), ("layers", "q_heads", "head_dim", "embed"), "normal"),
         "mlp_norm": ((L, D), ("layers", "embed"), norm),
+    }
+    specs.update(_expert_specs(config) if config.moe else {
         "gate_proj": ((L, D, I), ("layers", "embed", "mlp"), "normal"),
         "up_proj": ((L, D, I), ("layers", "embed", "mlp"), "normal"),
         "down_proj": ((L, I, D), ("layers", "mlp", "embed"), "normal"),
-    }
+    })
     if config.qkv_bias:
         specs["q_bias"] = ((L, Q, H), ("layers", "q_heads", "head_dim"), "zeros")
         specs["k_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
@@ -44,6 +46,21 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
         specs["post_attn_norm"] = ((L, D), ("layers", "embed"), norm)
         specs["post_mlp_norm"] = ((L, D), ("layers", "embed"), norm)
     return specs
+
+
+def _expert_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
+    """A sparse MLP's router and its e experts' stacked weights (models/moe.py).
+
+    The expert axis shards like `embed` does elsewhere (ShardingRules.expert), so an expert's own model dim stays
+    whole (None): one logical axis per mesh axis.
+    """
+    L, D, e, f = config.num_layers, config.hidden_size, config.num_experts, config.moe_intermediate_size
+    return {
+        "router": ((L, D, e), ("layers", "embed", None), "normal"),
+        "expert_gate": ((L, e, D, f), ("layers", "expert", None, "mlp"), "normal"),
+        "expert_up": ((L, e, D, f), ("layers", "expert", None, "mlp"), "normal"),
+        "expert_down": ((L, e, f, D), ("layers", "expert", "mlp", None), "normal"),
+    }
 
 
 def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:

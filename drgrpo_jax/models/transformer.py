@@ -1,10 +1,11 @@
-"""Decoder-only transformer (Llama, Qwen2, Qwen3, Gemma 3 text) as a Flax NNX module, with a KV cache.
+"""Decoder-only transformer (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text) as a Flax NNX module, with a KV cache.
 
 Shape letters (docs/shape_letters.md):
   B batch rows, T query positions, S key positions (cache slots), L layers, D model dim,
   I MLP hidden, Q query heads, C key/value heads, R query heads per kv head (Q = C * R),
   H head dim (h = H / 2, the rotary pairs; n = Q or C where queries and keys share code), V vocab,
-  M flattened tokens (B * T), X and Y the input and output features of a projection, Z a LoRA adapter's rank.
+  M flattened tokens (B * T), X and Y the input and output features of a projection, Z a LoRA adapter's rank;
+  a mixture of experts' letters are models/moe.py's.
 
 Layers are stored stacked ([L, ...], params.py): a full forward scans one compiled block; cached decoding runs
 them unrolled over per-layer weights and a per-layer cache that a decode loop updates in place (kv_cache.py).
@@ -35,6 +36,7 @@ from drgrpo_jax.models.kv_cache import (
     write_keys,
     write_values,
 )
+from drgrpo_jax.models.moe import moe_mlp
 from drgrpo_jax.models.params import Blocks, init_value
 from drgrpo_jax.models.remat import name_attention, name_projection
 
@@ -169,6 +171,11 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
     x_BTD = x_BTD + a_BTD
     with jax.named_scope("mlp"):
         h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
+        if config.moe:
+            B, T, D = h_BTD.shape
+            m_BTD = moe_mlp(h_BTD.reshape(B * T, D), p, config.experts_per_token, config.norm_topk_prob,
+                            lambda g: _activation(config.activation, g), config.compute_dtype).reshape(B, T, D)
+            return x_BTD + m_BTD
         if f32_gate:
             gate_BTI = _activation(config.activation, _project_f32_lora(config, p, "gate_proj", h_BTD))
             hidden_BTI = (gate_BTI * _project_f32_lora(config, p, "up_proj", h_BTD)).astype(h_BTD.dtype)

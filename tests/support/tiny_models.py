@@ -1,6 +1,6 @@
 """The tests' tiny random models: a transformers Llama saved offline with a character-level tokenizer (the
-service, trainer and conversion tests load it from disk), the step tests' DecoderConfig and the sampler's
-in-memory Transformer."""
+service, trainer and conversion tests load it from disk), a transformers Qwen3-MoE (tests/models/test_moe.py),
+the step tests' DecoderConfig and the sampler's in-memory Transformer."""
 
 from __future__ import annotations
 
@@ -44,6 +44,28 @@ def write_tiny_llama(path: str, seed: int = 0, *, vocab_size: int = TINY_VOCAB, 
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=initializer_range)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def write_tiny_qwen3_moe(path: str, seed: int = 0, *, norm_topk_prob: bool = True, vocab_size: int = 96,
+                         num_experts: int = 8) -> str:
+    """A random 2-layer Qwen3-MoE saved by transformers (its per-expert layout): `num_experts` experts of hidden
+    16, 2 per token, q/k norms; every weight (norms and router too) perturbed so that each one shows in the logits.
+    No tokenizer: the tests feed ids."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=num_experts, num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
     return path
 
 
