@@ -103,8 +103,9 @@ class ServeConfig:
     max_request_tokens: int = _f(2**23, "per request: prompts x n x (prompt + new tokens)", group=LIMITS)
     max_batch_bytes: int = _f(0, "sampler memory a batch may take on a device beside the weights (its KV cache and "
                                  "the prefill's or decode loop's temporaries, estimated before it runs); batches are "
-                                 "cut to fit, a prompt that alone does not fit is refused (400); 0 = half the "
-                                 "device's free memory once the weights are loaded", group=LIMITS)
+                                 "cut to fit, a prompt that alone does not fit is refused (400), and log-prob "
+                                 "scoring runs as many rows a call as fit; 0 = half the device's free memory once "
+                                 "the weights are loaded", group=LIMITS)
     max_queued_tokens: int = _f(2**24, "that measure over every request queued or running; beyond it: 429",
                                 group=LIMITS)
     max_body_bytes: int = _f(32 * 2**20, "largest request body, however it is sent (413 beyond)", group=LIMITS)

@@ -14,8 +14,9 @@ import numpy as np
 from fastapi import HTTPException, Request
 
 from drgrpo_jax.errors import BadRequest
+from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
-from drgrpo_jax.serve.scoring import ScoredSequence, score_sequences
+from drgrpo_jax.serve.scoring import ScoredSequence, call_bytes, rows_per_call, score_sequences
 from drgrpo_jax.serve.service import (
     Service,
     check_request,
@@ -57,15 +58,26 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
     if any(c.weight_version != weights.version for c in choices):
         raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
     stop = threading.Event()
+    rows = rows_per_call(weights.config, max(map(len, sequences)), top, config.max_scoring_bytes,
+                         service.engine.batch_budget, config.max_batch_size)
     scoring = asyncio.ensure_future(asyncio.to_thread(
         score_sequences, weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
-        weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=config.max_batch_size,
-        stopped=stop.is_set))
+        weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=rows, stopped=stop.is_set))
     scored = scoring.result() if await wait_while_wanted(scoring, request, deadline, stop.set) else None
     if scored is None:
         stop.set()
         return None, [dataclasses.replace(c, finish_reason="abort") for c in choices]
     return scored, choices
+
+
+def _check_scoring(engine: Engine, prompts: list[list[int]], new_tokens: int, top: int, field: str) -> None:
+    """Refuses, before anything is sampled, log-probs whose one sequence's scoring call would not fit the
+    service's memory budget (--max-batch-bytes)."""
+    longest = max(map(len, prompts)) + new_tokens
+    need = call_bytes(engine.weights.config, 1, longest, top, engine.config.max_scoring_bytes)
+    if need > engine.batch_budget:
+        raise BadRequest(f"{field}: scoring a sequence of {longest} tokens needs {need / 2**20:,.0f} MiB, over the "
+                         f"service's budget of {engine.batch_budget / 2**20:,.0f} MiB a batch (--max-batch-bytes)")
 
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -153,6 +165,8 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     params = _params(body, _budget(body.max_tokens, "max_tokens", min(16, limits.default_max_tokens),
                                    limits.max_tokens_limit))
     check_request(engine, prompts, [params] * len(prompts), "prompt", "")
+    if body.logprobs is not None:
+        _check_scoring(engine, prompts, params.max_new_tokens, body.logprobs, "logprobs")
     rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
     results = await run_rows(engine, rows, request, deadline)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
@@ -246,6 +260,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
                          f"{limits.max_tokens_limit} (--max-tokens-limit)")
     params = _params(body, budget)
     check_request(engine, [prompt], [params], "messages", "")
+    if body.logprobs:
+        _check_scoring(engine, [prompt], params.max_new_tokens, top, "logprobs")
     results = await run_rows(engine, sampler_rows([prompt], [params], True, engine.weights.config.vocab_size),
                              request, deadline)
     choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sampler.generate import batch_bucket, bucket
 
-__all__ = ["ScoredSequence", "score_sequences", "tile_sizes"]
+__all__ = ["ScoredSequence", "call_bytes", "rows_per_call", "score_sequences", "tile_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,27 @@ def tile_sizes(rows: int, length: int, vocab: int, top: int, max_bytes: int) -> 
         else:
             break  # one position against the smallest vocabulary tile: as small as scoring gets
     return positions, entries
+
+
+def call_bytes(config: DecoderConfig, rows: int, length: int, top: int, max_bytes: int) -> int:
+    """A scoring call's temporaries on its device, shapes bucketed as `_score_rows` buckets them: the larger of
+    the full forward's activations, one layer at a time (float32, per token: the MLP's gate, up and product and
+    three copies of the residual stream; a mixture of experts' per routed assignment), and its logits tiles. An
+    upper bound within 25% of the compiled program's for dense models (tests/serve/test_serve_hostile.py)."""
+    width, length, k = batch_bucket(rows), bucket(max(length, 2)), bucket(max(top, 1), minimum=1)
+    mlp = config.experts_per_token * config.moe_intermediate_size if config.num_experts else config.intermediate_size
+    positions, entries = tile_sizes(width, length, config.vocab_size, k, max_bytes)
+    return max(width * length * (3 * mlp + 3 * config.hidden_size) * 4,
+               width * positions * (entries + k) * 4 * SCORING_TEMPORARIES)
+
+
+def rows_per_call(config: DecoderConfig, longest: int, top: int, max_bytes: int, budget: int, max_rows: int) -> int:
+    """`max_rows`, halved until a scoring call of that many sequences of up to `longest` tokens stays within
+    `budget` bytes (one row at least: the request's check refused a sequence that alone does not fit)."""
+    rows = max_rows
+    while rows > 1 and call_bytes(config, rows, longest, top, max_bytes) > budget:
+        rows //= 2
+    return rows
 
 
 def _tile_scores(model: Transformer, hidden_BtD: jax.Array, targets_Bt: jax.Array, temperature_B: jax.Array, *,

@@ -621,3 +621,72 @@ def test_batches_are_cut_to_fit_the_memory_budget(long_model):
     finally:
         budgeted.close()
         free.close()
+
+
+@pytest.mark.heavy  # scoring programs compiled at long lengths
+@pytest.mark.parametrize("mlp, vocab, rows, length", [(8192, 512, 2, 4096), (1024, 4096, 4, 2048)])
+def test_a_scoring_calls_memory_is_the_estimate_the_budget_uses(mlp, vocab, rows, length):
+    """`call_bytes` (the MLP's activations a layer at a time, and the logits tiles) against the compiled scoring
+    program's temporaries, for a model whose MLP dominates and one whose vocabulary does."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drgrpo_jax.models.config import DecoderConfig
+    from drgrpo_jax.models.transformer import Transformer
+    from drgrpo_jax.serve import scoring
+
+    config = DecoderConfig(family="llama", vocab_size=vocab, hidden_size=256, intermediate_size=mlp, num_layers=2,
+                           num_heads=8, num_kv_heads=8, head_dim=32, max_position_embeddings=length)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    positions, entries = scoring.tile_sizes(rows, length, vocab, 1, 2**27)
+    ids = jnp.ones((rows, length), jnp.int32)
+    compiled = scoring._score.lower(graphdef, state, ids, ids, jnp.ones((rows,)), top=1, positions=positions,
+                                    entries=entries).compile().memory_analysis()
+    estimate = scoring.call_bytes(config, rows, length, 1, 2**27)
+    assert compiled.temp_size_in_bytes <= estimate <= 1.25 * compiled.temp_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def wide_mlp_model(tmp_path_factory):
+    """A model whose scoring forward (its MLP) outweighs its sampler batch: one head, a wide MLP."""
+    return write_tiny_llama(str(tmp_path_factory.mktemp("wide") / "model"), seed=0, vocab_size=64,
+                            max_position_embeddings=4096, intermediate_size=4096, num_attention_heads=1,
+                            num_key_value_heads=1)
+
+
+def test_scoring_is_cut_into_calls_that_fit_and_a_sequence_that_alone_does_not_is_refused(wide_mlp_model,
+                                                                                        monkeypatch):
+    """Log-prob scoring runs as many rows a call as the memory budget holds (main: --max-batch-size rows, however
+    long), and a request whose one sequence's scoring would not fit is a 400 before anything is sampled."""
+    from drgrpo_jax.serve import openai_routes, scoring
+
+    probe = Engine(ServeConfig(model=wide_mlp_model))
+    config, scoring_bytes = probe.weights.config, probe.config.max_scoring_bytes
+    two = scoring.call_bytes(config, 2, 304, 1, scoring_bytes)  # two sequences of 300 + 4 tokens
+    between = (probe.batch_bytes(1, 3000, 4) + scoring.call_bytes(config, 1, 3004, 1, scoring_bytes)) // 2
+    assert probe.batch_bytes(1, 300, 4) <= two and probe.batch_bytes(1, 3000, 4) < between
+    probe.close()
+    calls = []
+    real = scoring.score_sequences
+
+    def counted(*args, rows_per_call, **kwargs):
+        calls.append(rows_per_call)
+        return real(*args, rows_per_call=rows_per_call, **kwargs)
+
+    monkeypatch.setattr(openai_routes, "score_sequences", counted)
+    engine = Engine(ServeConfig(model=wide_mlp_model, max_batch_bytes=two, max_batch_size=8, batch_wait_ms=1.0))
+    try:
+        answer = _client(engine).post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4, "n": 8,
+                                                               "logprobs": 1})
+        assert answer.status_code == 200, answer.text
+        assert calls == [2] and all(c["logprobs"] for c in answer.json()["choices"])  # main: [8]
+    finally:
+        engine.close()
+    engine = Engine(ServeConfig(model=wide_mlp_model, max_batch_bytes=between, batch_wait_ms=1.0))
+    try:
+        long = _client(engine).post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 4, "logprobs": 1})
+        assert long.status_code == 400, long.text
+        assert "logprobs: scoring a sequence of 3004 tokens needs" in long.text and "--max-batch-bytes" in long.text
+        assert engine.batches_run == 0  # refused before anything was sampled
+    finally:
+        engine.close()

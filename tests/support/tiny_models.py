@@ -29,7 +29,8 @@ def save_char_tokenizer(path: str, chars: str) -> dict[str, int]:
 
 
 def write_tiny_llama(path: str, seed: int = 0, *, vocab_size: int = TINY_VOCAB, hidden_size: int = 32,
-                     initializer_range: float = 0.3, max_position_embeddings: int = 128) -> str:
+                     initializer_range: float = 0.3, max_position_embeddings: int = 128, intermediate_size: int = 64,
+                     num_attention_heads: int = 4, num_key_value_heads: int = 2) -> str:
     """A random 2-layer Llama saved by transformers, with a character-level tokenizer of the first
     vocab_size - 3 characters of CHARS; <s> = 1, </s> = 2 (EOS). A larger initializer_range gives
     peaked, seed-dependent continuations."""
@@ -40,8 +41,9 @@ def write_tiny_llama(path: str, seed: int = 0, *, vocab_size: int = TINY_VOCAB, 
     assert len(vocab) == vocab_size, (len(vocab), vocab_size)
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=initializer_range)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return path
