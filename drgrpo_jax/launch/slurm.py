@@ -2,8 +2,10 @@
 
 The services' job writes each service's URL under the launch folder; the trainer's job (started once the services'
 job runs) waits for them, then runs one task per process with `mesh.coordinator_address=auto` (JAX reads SLURM's
-variables). `--signal=B:TERM@S` warns the batch shell S seconds before the time limit; it hands SIGTERM to the tasks
-through srun, the trainer saves and exits 42, and the job requeues itself (`--requeue`) to resume."""
+variables). `--signal=B:TERM@S` warns the batch shell S seconds before the time limit; its trap hands SIGTERM to the
+tasks (`scancel --signal=TERM`), every process saves the same step and exits 42, and the job requeues itself
+(`--requeue`) to resume. srun gives the tasks STRAGGLER_WAIT_S to exit after the first one does: `--kill-on-bad-exit`
+would kill the others at once on that first 42, and srun would then exit with their signal, not 42."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import shlex
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.launch.cluster import RESTART_EXIT_CODE, run_shape, serve_command, service_devices, train_command
+
+STRAGGLER_WAIT_S = 60  # after a task exits (42, or a crash), the others' time to exit before srun kills them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +67,9 @@ def train_sbatch(config: Config, o: SlurmOptions) -> str:
              f"done; echo \"$u/health: no answer in {o.health_timeout_s} s\" >&2; exit 1; done"]
     command = train_command(o.python, f"{o.launch_dir}/run.yaml", '"[$urls]"')
     key = f" rollout.api_key_env={config.rollout.api_key_env}" if config.rollout.api_key_env else ""
-    body += [f"srun --kill-on-bad-exit=1 {command}{key} \"$@\" &",
+    body += [f"# every task exits 42 on a preemption; a task that crashed has the others killed {STRAGGLER_WAIT_S} s "
+             "later",
+             f"srun --kill-on-bad-exit=0 --wait={STRAGGLER_WAIT_S} {command}{key} \"$@\" &",
              "trainer=$!",
              "# the steps' tasks get it (a signal only, no kill after KillWait): they save and exit "
              f"{RESTART_EXIT_CODE}",

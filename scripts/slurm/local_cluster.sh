@@ -2,7 +2,10 @@
 # A one-node SLURM cluster on this machine (localhost, as root) for the tests: munge, slurmctld and slurmd from
 # Debian's slurm-wlm 22.05 (`apt-get install -y slurm-wlm munge`). No cgroups (containers rarely allow them):
 # proctrack/linuxproc and task/none. The node claims --cpus CPUs whatever the hardware has, so a 2-core machine
-# can hold a service job and a 2-task trainer job at once. Idempotent: a cluster that already answers is kept.
+# can hold a service job and a 2-task trainer job at once. Quick for tests: the schedulers look at pending jobs (a
+# trainer waiting for its services to start, a requeued one) every second (bf_interval, sched_interval; SLURM's
+# defaults 30 and 60 s), and a requeued job (a preempted trainer, exit 42) may start again after 10 s (cred_expire;
+# default 120). Idempotent: a cluster that already answers is kept.
 #
 #   scripts/slurm/local_cluster.sh [--cpus N]      (default 8)
 #   scripts/slurm/local_cluster.sh --stop
@@ -29,11 +32,13 @@ ClusterName=drgrpo-local
 SlurmctldHost=$node(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 SlurmdParameters=config_overrides
 JobRequeue=1
 ReturnToService=2
