@@ -20,11 +20,12 @@ from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import component_names, lora_spec, pack_length, step_configs
 from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, Config, MeshConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
+from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sharding import parse_service_mesh
 from drgrpo_jax.weight_folders import is_remote
 
-__all__ = ["check_output_dir", "validate"]
+__all__ = ["check_lora_targets", "check_output_dir", "validate"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation: cross-field rules OmegaConf's typing cannot express
@@ -406,6 +407,16 @@ def validate(config: Config) -> None:
     step_configs(config)
     _check_batches(config)
     _check_rest(config)
+
+
+def check_lora_targets(config: Config, model: DecoderConfig) -> None:
+    """model.lora.targets against the architecture `model.path` holds (known once its config.json is read): a
+    mixture of experts' MLP is its experts, which take no adapter."""
+    mlp = [t for t in config.model.lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
+    if config.model.lora.rank and model.moe and mlp:
+        raise ConfigError("model.lora.targets", f"{model.family} routes every MLP through {model.num_experts} "
+                                                f"experts, which take no adapter: drop {', '.join(mlp)} (target "
+                                                f"attention: q_proj, k_proj, v_proj, o_proj)")
 
 
 _GCS_URI = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/[^\x00-\x1f]*)?")  # GCS's bucket naming rules

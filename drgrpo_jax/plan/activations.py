@@ -14,9 +14,11 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.logprobs import DEFAULT_CHUNK_SIZE
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
+from drgrpo_jax.sampler.memory import moe_dispatch
 
 __all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "logprob_chunk_bytes",
            "model_call", "rows_per_device", "stores_probabilities"]
+
 
 def rows_per_device(config: Config) -> int:
     """Responses one device holds in one micro-batch."""
@@ -55,16 +57,29 @@ def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool
     memory-linear kernels (blockwise, cuDNN, splash) the float32 log-sum-exp (Q/t) * S * 4; O is the attention
     output S * QH/t * a, plus, for a memory-linear kernel, its own copy and log-sum-exp S * QH/t * a + (Q/t) * S * 4.
     Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
-    cast), hence the 2S.
+    cast), hence the 2S. A mixture of experts' MLP replaces the 3I/t and 2I/t terms with `_moe_per_token`'s.
     """
     a, t = DTYPES[config.model.dtype].itemsize, config.mesh.tensor
     D, I, Q, C, H = model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads, model.head_dim
     heads = Q // t
     attention_state = 2 * heads * S * S * 4 if probabilities else heads * S * 4
     output = S * heads * H * a + (0 if probabilities else S * heads * H * a + heads * S * 4)
-    projections = S * (3 * D + (Q + 2 * C) * H // t + 2 * I // t) * a
-    return {"none": 2 * S * (4 * D + (2 * Q + 2 * C) * H // t + 3 * I // t) * a + attention_state,
+    if model.moe:
+        mlp_none, mlp_dots = _moe_per_token(model, t, a)
+        kept_none, kept_dots = S * mlp_none, S * mlp_dots
+    else:
+        kept_none, kept_dots = 2 * S * (3 * I // t) * a, S * (2 * I // t) * a
+    projections = S * (3 * D + (Q + 2 * C) * H // t) * a + kept_dots
+    return {"none": 2 * S * (4 * D + (2 * Q + 2 * C) * H // t) * a + kept_none + attention_state,
             "dots_saveable": projections + output, "save_attention_out": S * D * a + output, "full": S * D * a}
+
+
+def _moe_per_token(model: DecoderConfig, t: int, a: int) -> tuple[int, int]:
+    """(none, dots_saveable) bytes a token keeps in one mixture-of-experts MLP: its dispatch buffers
+    (sampler/memory.py's `moe_dispatch`, grouped), and under dots_saveable the router's output e * a and the three
+    grouped matmuls' float32 outputs k * (2f/t + D) * 4."""
+    D, e, k, f = model.hidden_size, model.num_experts, model.experts_per_token, model.moe_intermediate_size // t
+    return moe_dispatch(model, 1, a, t, grouped=True), e * a + k * (2 * f * 4 + D * 4)
 
 
 def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend: str = "cpu") -> int:
@@ -85,6 +100,9 @@ def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend:
         W, V = block_widths(S)
         live = 3 * b * heads * W * V * 4
     recomputed = b * (layer["none"] - layer[policy])  # what one layer's backward rebuilds beside what it kept
+    # Without grouped matmuls (CPU) one layer's backward holds ragged_dot's fallback buffers beside the rest.
+    a, t = DTYPES[config.model.dtype].itemsize, config.mesh.tensor
+    live += moe_dispatch(model, b * S, a, t, backend != "cpu") - moe_dispatch(model, b * S, a, t, True)
     return model.num_layers * b * layer[policy] + recomputed + live
 
 

@@ -52,6 +52,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
         "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu"},
+    "Qwen3-30B-A3B": {  # every layer a mixture: 128 experts, 8 per token (mlp_only_layers [], decoder_sparse_step 1)
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+        "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import gguf
 
 from drgrpo_jax.config.load import resolve_model_path
-from drgrpo_jax.config.rules import validate
+from drgrpo_jax.config.rules import check_lora_targets, validate
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import CONFIG_FILES, hub_id, snapshot
@@ -214,6 +214,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
         raise ConfigError("--serve-mesh", str(error).removeprefix("--serve-mesh: ")) from None
     if (why := indivisible(model, mesh)) is not None:
         raise ConfigError("--serve-mesh", f"{serve_mesh}: {why}")
+    check_lora_targets(config, model)
     sizes = mesh_sizes(config)
     backend = backend or device_backend(device)
     params, opt_state, frozen = abstract_state(config, model)
@@ -223,7 +224,8 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
     # drgrpo_jax.serve keeps the adapted base weights to merge each pushed adapter into; merged pushes need none.
     merge = 0 if frozen is None or config.model.lora.push == "merged" else adapted_bytes(frozen,
                                                                                          config.model.lora.targets)
-    service = service_memory(config, model, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge)
+    service = service_memory(config, model, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge,
+                             backend=backend)
     base = params if frozen is None else frozen
     usable = None if device is None else int(device.memory_bytes * HEADROOM)
     by_policy = activations_by_policy(config, model, backend)
@@ -262,8 +264,9 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
         if not fits["trainer"]:
             plan["advice"] += [f"trainer: {line}" for line in trainer_advice(config, model, trainer, usable, backend)]
         plan["service"]["smallest_tensor"] = smallest_tensor(config, model, rows, usable, data=mesh.data,
-                                                             merge_bytes=merge)
+                                                             merge_bytes=merge, backend=backend)
         if not fits["service"]:
             plan["advice"] += [f"service: {line}" for line in service_advice(
-                config, model, usable, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge)]
+                config, model, usable, rows, tensor=mesh.tensor, data=mesh.data, merge_bytes=merge,
+                backend=backend)]
     return plan

@@ -75,13 +75,14 @@ def service_rows(config: Config, serve_batch_size: int | None) -> int:
 
 
 def service_memory(config: Config, model: DecoderConfig, rows: int, *, tensor: int = 1, data: int = 1,
-                   merge_bytes: int = 0) -> dict[str, int]:
+                   merge_bytes: int = 0, backend: str = "cpu") -> dict[str, int]:
     """One device of a generation service over a (data, tensor) mesh serving `rows` rows at once (module doc);
-    `merge_bytes`: the adapted projections' bytes on all devices (LoRA adapter pushes)."""
+    `merge_bytes`: the adapted projections' bytes on all devices (LoRA adapter pushes); `backend` the service's
+    (a mixture's dispatch buffers depend on it)."""
     a, r = DTYPES[config.model.dtype].itemsize, config.rollout
     weights, layers = _weights(model, a, MeshShape(data=data, fsdp=1, tensor=tensor))
     batch = batch_memory(model, rows, bucket(r.max_prompt_tokens), bucket(r.max_new_tokens), a, tensor=tensor,
-                         data=data)
+                         data=data, backend=backend)
     return {"weights": weights, "layer_split": layers, "adapter_merge": merge_bytes // tensor, **batch}
 
 
@@ -92,22 +93,24 @@ def service_total(figures: dict[str, int]) -> int:
 
 
 def smallest_tensor(config: Config, model: DecoderConfig, rows: int, usable: int, *, data: int = 1,
-                    merge_bytes: int = 0, limit: int = 64) -> int | None:
+                    merge_bytes: int = 0, limit: int = 64, backend: str = "cpu") -> int | None:
     """The fewest devices (tensor ways, dividing heads, MLP and vocabulary) one service's weights and `rows` rows
     fit on, `usable` bytes each; None up to `limit`."""
     for tensor in range(1, limit + 1):
         if indivisible(model, MeshShape(data=data, fsdp=1, tensor=tensor)) is None and service_total(
-                service_memory(config, model, rows, tensor=tensor, data=data, merge_bytes=merge_bytes)) <= usable:
+                service_memory(config, model, rows, tensor=tensor, data=data, merge_bytes=merge_bytes,
+                               backend=backend)) <= usable:
             return tensor
     return None
 
 
 def service_advice(config: Config, model: DecoderConfig, usable: int, rows: int, *, tensor: int = 1, data: int = 1,
-                   merge_bytes: int = 0) -> list[str]:
+                   merge_bytes: int = 0, backend: str = "cpu") -> list[str]:
     """The largest batch one service device holds, or the mesh that the weights need."""
 
     def per_device(batch: int) -> int:
-        return service_total(service_memory(config, model, batch, tensor=tensor, data=data, merge_bytes=merge_bytes))
+        return service_total(service_memory(config, model, batch, tensor=tensor, data=data, merge_bytes=merge_bytes,
+                                            backend=backend))
 
     fits = rows
     while fits > data and per_device(fits) > usable:
@@ -116,7 +119,7 @@ def service_advice(config: Config, model: DecoderConfig, usable: int, rows: int,
         return [f"start each generation service with --max-batch-size {fits} (and list them in rollout.urls; "
                 f"rollout.service_batch_size={fits} starts the trainer's own child so and lets the plan check it); "
                 f"{rows} rows at once need {per_device(rows) / GIB:.1f} GiB per device"]
-    needed = smallest_tensor(config, model, rows, usable, data=data, merge_bytes=merge_bytes)
+    needed = smallest_tensor(config, model, rows, usable, data=data, merge_bytes=merge_bytes, backend=backend)
     if needed is not None:
         return [f"split each generation service over more devices: --mesh tensor={needed}"
                 f"{f',data={data}' if data > 1 else ''} (drgrpo_jax.serve; rollout.service_mesh for the trainer's "
