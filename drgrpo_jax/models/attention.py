@@ -5,7 +5,9 @@ recomputes each block from the saved log-sum-exp), and the dispatch that also pi
 Shape letters (docs/shape_letters.md): B rows, T query positions, S key positions, Q query heads, C key/value
 heads, R query heads per kv head (Q = C * R), H head dim, J query blocks of W positions, key blocks of V = K * W.
 Visibility is one rule for all (`self_attention_mask`); segment id 0 marks padding, which nobody sees and whose
-own outputs nothing downstream reads.
+own outputs nothing downstream reads. Attention sinks (GPT-OSS: `sinks_CR`, a learned logit per query head) join
+every softmax's denominator and carry no value; the reference, blockwise and cached (kv_cache.attend_slots) paths
+take them, the accelerator kernels refuse them.
 """
 
 from __future__ import annotations
@@ -49,26 +51,36 @@ def self_attention_mask(q_seg_BT: jax.Array, k_seg_BS: jax.Array, q_idx_T: jax.A
     return visible_BTS
 
 
+def sink_softmax(scores_BCRTS: jax.Array, sinks_CR: jax.Array | None) -> jax.Array:
+    """float32 softmax over the last (key) axis, with each head's sink logit (if any) in the denominator."""
+    if sinks_CR is None:
+        return jax.nn.softmax(scores_BCRTS, axis=-1)
+    sink_BCRT1 = jnp.broadcast_to(sinks_CR.astype(_F32)[None, :, :, None, None], (*scores_BCRTS.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores_BCRTS, sink_BCRT1], axis=-1), axis=-1)[..., :-1]
+
+
 def reference_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array,
-                        scale: float, dtype=None) -> jax.Array:
+                        scale: float, dtype=None, sinks_Q: jax.Array | None = None) -> jax.Array:
     """Grouped-query softmax attention with a boolean visibility mask; scores in float32 (the oracle).
 
     A 16-bit `dtype` (mixed precision) runs its GEMMs in it with float32 accumulation (`_reference_low`).
+    `sinks_Q`: attention sinks, one logit per query head.
     """
-    if dtype is not None and is_half(dtype):
-        return _reference_low(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype)
-    B, T, Q, H = q_BTQH.shape
     C = k_BSCH.shape[2]
+    sinks_CR = None if sinks_Q is None else sinks_Q.reshape(C, -1)
+    if dtype is not None and is_half(dtype):
+        return _reference_low(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype, sinks_CR)
+    B, T, Q, H = q_BTQH.shape
     q_BTCRH = q_BTQH.reshape(B, T, C, Q // C, H)
     scores_BCRTS = jnp.einsum("btcrh,bsch->bcrts", q_BTCRH, k_BSCH, preferred_element_type=_F32) * scale
     scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, MASKED)
-    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BSCH.dtype)
+    probs_BCRTS = sink_softmax(scores_BCRTS, sinks_CR).astype(v_BSCH.dtype)
     out_BTCRH = jnp.einsum("bcrts,bsch->btcrh", probs_BCRTS, v_BSCH, preferred_element_type=_F32)
     return out_BTCRH.reshape(B, T, Q, H).astype(q_BTQH.dtype)
 
 
 def _reference_low(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask_BTS: jax.Array, scale: float,
-                   dtype) -> jax.Array:
+                   dtype, sinks_CR: jax.Array | None) -> jax.Array:
     """`reference_attention` with Q K^T and P V (and their backward GEMMs: models/gemm.py) in `dtype`.
 
     Each kv head's R query heads are one GEMM's R * T rows, every operand row-major [B, C, rows, cols]: the
@@ -81,7 +93,7 @@ def _reference_low(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, mask
     k_BCSH, v_BCSH = k_BSCH.transpose(0, 2, 1, 3), v_BSCH.transpose(0, 2, 1, 3)
     scores_BCRTS = matmul_nt(q_BCMH, k_BCSH, dtype).reshape(B, C, R, T, S) * scale
     scores_BCRTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BCRTS, MASKED)
-    probs_BCMS = jax.nn.softmax(scores_BCRTS, axis=-1).reshape(B, C, R * T, S)
+    probs_BCMS = sink_softmax(scores_BCRTS, sinks_CR).reshape(B, C, R * T, S)
     out_BCRTH = matmul(probs_BCMS, v_BCSH, dtype).reshape(B, C, R, T, H)
     return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
 
@@ -116,10 +128,12 @@ def _scores(q_BCRWH, k_BCVH, mask_BWV, scale: float) -> jax.Array:
     return jnp.where(mask_BWV[:, None, None], s_BCRWV, -jnp.inf)
 
 
-def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale: float, window: int | None, out_dtype):
+def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale: float, window: int | None,
+                   out_dtype):
     """Output [J, B, C, R, W, H] in `out_dtype` and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen).
 
-    Keys come in blocks V = K * W wide (k_JBCVH holds J / K of them).
+    Keys come in blocks V = K * W wide (k_JBCVH holds J / K of them). Sinks start each row's running max and sum
+    (m = sink, l = 1), so they count in the denominator and the log-sum-exp, and a row that sees nothing gets 0.
     """
     J, B, C, R, W, H = q_JBCRWH.shape
     K = J // k_JBCVH.shape[0]
@@ -145,8 +159,12 @@ def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale: float, w
             # Blocks nobody in them sees (windows, padding) cost one mask; causality bounds the loop.
             return jax.lax.cond(mask_BWV.any(), update, lambda c: c, carry)
 
-        init = (jnp.full((B, C, R, W), -jnp.inf, _F32), jnp.zeros((B, C, R, W), _F32),
-                jnp.zeros((B, C, R, W, H), _F32))
+        if sinks_CR is None:
+            m0_BCRW, l0_BCRW = jnp.full((B, C, R, W), -jnp.inf, _F32), jnp.zeros((B, C, R, W), _F32)
+        else:
+            m0_BCRW = jnp.broadcast_to(sinks_CR.astype(_F32)[None, :, :, None], (B, C, R, W))
+            l0_BCRW = jnp.ones((B, C, R, W), _F32)
+        init = (m0_BCRW, l0_BCRW, jnp.zeros((B, C, R, W, H), _F32))
         m_BCRW, l_BCRW, acc_BCRWH = jax.lax.fori_loop(0, i // K + 1, key_block, init)
         seen = l_BCRW > 0
         out_BCRWH = jnp.where(seen[..., None], acc_BCRWH / jnp.where(seen, l_BCRW, 1.0)[..., None], 0.0)
@@ -156,17 +174,16 @@ def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale: float, w
     return jax.lax.map(query_block, jnp.arange(J))
 
 
-def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
+def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, delta_JBCRW, lse_JBCRW, do_JBCRWH,
                     scale: float, window: int | None):
     """(dq, dk, dv) in float32, each block's probabilities recomputed from the log-sum-exp (FlashAttention-2).
 
-    The GEMMs run in q's dtype (the compute dtype), accumulating in float32.
+    `delta_JBCRW`: each row's sum of dO * O. The GEMMs run in q's dtype (the compute dtype), accumulating in float32.
     """
     J = q_JBCRWH.shape[0]
     K = J // k_JBCVH.shape[0]
     seg_JBV, pos_JBV = _key_blocks(seg_JBW, K), _key_blocks(pos_JBW, K)
     dtype = q_JBCRWH.dtype
-    delta_JBCRW = jnp.sum(do_JBCRWH.astype(_F32) * out_JBCRWH.astype(_F32), axis=-1)
     do_JBCRWH = do_JBCRWH.astype(dtype)
 
     def key_block(dq_JBCRWH, j):
@@ -215,29 +232,40 @@ def _key_grad(x_BCRWV, y_BCRWH) -> jax.Array:
     return mm_tn(x_BCRWV.reshape(B, C, R * W, V), y_BCRWH.reshape(B, C, R * W, -1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window, dtype):
     """Blocked attention output in q's dtype, its GEMMs in `dtype`; the custom backward keeps only the inputs
-    (in `dtype`), output and log-sum-exp."""
-    return _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, dtype)[0]
+    (in `dtype`), output and log-sum-exp. `sinks_CR`: attention sinks or None."""
+    return _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window, dtype)[0]
 
 
-def _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, dtype):
-    """Output and residuals (inputs in `dtype`, output, float32 log-sum-exp)."""
+def _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window, dtype):
+    """Output and residuals (inputs in `dtype`, sinks, output, float32 log-sum-exp)."""
     out_dtype = q_JBCRWH.dtype
     q_JBCRWH, k_JBCVH, v_JBCVH = q_JBCRWH.astype(dtype), k_JBCVH.astype(dtype), v_JBCVH.astype(dtype)
-    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, scale, window, out_dtype)
+    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window,
+                                           out_dtype)
     # Named, so a rematerialised layer that saves the attention (models/remat.py) keeps them and skips this forward.
     out_JBCRWH, lse_JBCRW = name_attention(out_JBCRWH), name_attention(lse_JBCRW)
-    return out_JBCRWH, (q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW)
+    return out_JBCRWH, (q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, out_JBCRWH, lse_JBCRW)
 
 
 def _flash_bwd(scale, window, dtype, residuals, do_JBCRWH):
-    """Cotangents of q, k, v in the output's dtype (theirs); none for the integer segment ids and positions."""
-    q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW = residuals
-    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, out_JBCRWH, lse_JBCRW, do_JBCRWH,
+    """Cotangents of q, k, v in the output's dtype (theirs) and of the sinks in theirs; none for the integer
+    segment ids and positions.
+
+    A sink's probability is exp(sink - lse) and its value 0, so its gradient is -sum exp(sink - lse) * delta.
+    """
+    q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, out_JBCRWH, lse_JBCRW = residuals
+    delta_JBCRW = jnp.sum(do_JBCRWH.astype(_F32) * out_JBCRWH.astype(_F32), axis=-1)
+    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, delta_JBCRW, lse_JBCRW, do_JBCRWH,
                                  scale, window)
-    return dq.astype(do_JBCRWH.dtype), dk.astype(do_JBCRWH.dtype), dv.astype(do_JBCRWH.dtype), None, None
+    dsinks_CR = None
+    if sinks_CR is not None:
+        p_sink_JBCRW = jnp.exp(sinks_CR.astype(_F32)[None, None, :, :, None] - lse_JBCRW)
+        dsinks_CR = (-jnp.sum(p_sink_JBCRW * delta_JBCRW, axis=(0, 1, 4))).astype(sinks_CR.dtype)
+    cast = do_JBCRWH.dtype
+    return dq.astype(cast), dk.astype(cast), dv.astype(cast), None, None, dsinks_CR
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -252,14 +280,15 @@ def block_widths(T: int, block_size: int | None = None) -> tuple[int, int]:
 
 def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array, *, scale: float, window: int | None = None,
-                        block_size: int | None = None, dtype=None) -> jax.Array:
+                        block_size: int | None = None, dtype=None, sinks_Q: jax.Array | None = None) -> jax.Array:
     """Self-attention [B, T, Q, H] in blocks of W = min(T, block_size): memory linear in T, same rule as the reference.
 
     Block widths by `block_widths` (keys KEY_BLOCK_FACTOR * W wide when T > W; T padded to whole key blocks).
 
     `dtype` (None: q's): the GEMMs' operand dtype, accumulating in float32 (bfloat16 under mixed precision).
     Float32 softmax statistics whatever the input dtype; kv heads are never repeated (queries are grouped
-    [B, C, R, W, H]); queries that see nothing (padding) get 0 and pass no gradient.
+    [B, C, R, W, H]); queries that see nothing (padding) get 0 and pass no gradient. `sinks_Q`: attention sinks,
+    one logit per query head.
     """
     B, T, Q, H = q_BTQH.shape
     C = k_BSCH.shape[2]
@@ -275,7 +304,8 @@ def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
     seg_JBW = _to_blocks(segment_ids_BT.astype(jnp.int32), W, J)  # padded positions: segment 0, never seen
     pos_JBW = _to_blocks(positions_BT.astype(jnp.int32), W, J)
     low = q_BTQH.dtype if dtype is None else jnp.dtype(dtype)
-    out_JBCRWH = _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, float(scale), window, low)
+    sinks_CR = None if sinks_Q is None else sinks_Q.reshape(C, Q // C)
+    out_JBCRWH = _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, float(scale), window, low)
     out_BJWQH = out_JBCRWH.transpose(1, 0, 4, 2, 3, 5).reshape(B, J * W, Q, H)
     return out_BJWQH[:, :T]
 
@@ -283,16 +313,20 @@ def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
 # ---------------------------------------------------------------- dispatch
 
 
-def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | None = None) -> str:
+def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str | None = None,
+                sinks: bool = False) -> str:
     """The implementation `attention` runs: `impl` itself, or for "auto" the best one the backend supports.
 
     auto: GPU -> cuDNN for bf16/fp16 (else blockwise); TPU -> splash where T is a multiple of 128 (else
-    blockwise); CPU -> blockwise from BLOCKWISE_MIN_LENGTH keys, the reference below. An explicit kernel that
+    blockwise); CPU -> blockwise from BLOCKWISE_MIN_LENGTH keys, the reference below. With attention `sinks`
+    (which neither accelerator kernel takes) auto keeps to blockwise and the reference. An explicit kernel that
     cannot run these shapes raises rather than falling back silently.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention: {impl!r} is not supported (supported: {ATTENTION_IMPLS})")
-    backend = backend or jax.default_backend()
+    if sinks and impl in ("cudnn", "splash"):
+        raise ValueError(f"attention: {impl} has no attention sinks (GPT-OSS); use blockwise or reference")
+    backend = "cpu" if sinks else backend or jax.default_backend()
     if impl == "cudnn" and not cudnn_supported(dtype, head_dim):
         raise ValueError(f"attention: cudnn needs bfloat16/float16 and head_dim % 8 == 0, <= 128 (256 on Hopper); "
                          f"got {jnp.dtype(dtype).name}, head_dim {head_dim}")
@@ -309,23 +343,23 @@ def choose_impl(impl: str, *, seq_len: int, dtype, head_dim: int, backend: str |
 
 def attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array, *, scale: float, window: int | None = None, impl: str = "auto",
-              dtype=None) -> jax.Array:
+              dtype=None, sinks_Q: jax.Array | None = None) -> jax.Array:
     """Self-attention [B, T, Q, H] of a full forward by `choose_impl(impl, ...)`; `window` is static (or None).
 
     `dtype` (None: q's): the GEMM operands (mixed precision's bfloat16). It also picks the kernel, so float32
     activations under bfloat16 compute still get cuDNN's 16-bit kernel on a GPU (its operands cast, its output
-    cast back); the reference and blockwise kernels cast inside their GEMMs.
+    cast back); the reference and blockwise kernels cast inside their GEMMs. `sinks_Q`: attention sinks (GPT-OSS).
     """
     B, T, Q, H = q_BTQH.shape
     compute = q_BTQH.dtype if dtype is None else jnp.dtype(dtype)
-    chosen = choose_impl(impl, seq_len=T, dtype=compute, head_dim=H)
+    chosen = choose_impl(impl, seq_len=T, dtype=compute, head_dim=H, sinks=sinks_Q is not None)
     if chosen == "blockwise":
         return blockwise_attention(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, scale=scale, window=window,
-                                   dtype=dtype)
+                                   dtype=dtype, sinks_Q=sinks_Q)
     if chosen in ("cudnn", "splash"):
         kernel = cudnn_attention if chosen == "cudnn" else splash_attention
         q, k, v = (x.astype(compute) for x in (q_BTQH, k_BSCH, v_BSCH))
         return kernel(q, k, v, positions_BT, segment_ids_BT, scale=scale, window=window).astype(q_BTQH.dtype)
     idx_T = jnp.arange(T)
     mask_BTS = self_attention_mask(segment_ids_BT, segment_ids_BT, idx_T, idx_T, positions_BT, positions_BT, window)
-    return reference_attention(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype)
+    return reference_attention(q_BTQH, k_BSCH, v_BSCH, mask_BTS, scale, dtype, sinks_Q)

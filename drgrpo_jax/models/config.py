@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
@@ -12,14 +13,17 @@ from drgrpo_jax.errors import FieldError
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import normalise_remat
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma3")
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3")
+# Families whose every MLP is a mixture of experts (models/moe.py).
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "gpt_oss")
 # HF model_type -> our family; gemma3 (multimodal wrapper) is read through its text_config.
 _MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "gpt_oss": "gpt_oss",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
 }
@@ -28,9 +32,10 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 # Self-attention of a full forward (models/attention.py): "auto" picks by backend and length.
@@ -44,11 +49,15 @@ class RopeConfig:
     """Rotary embedding: base and the frequency scaling an HF config asks for."""
 
     theta: float = 10_000.0  # base wavelength
-    rope_type: str = "default"  # "default" | "linear" | "llama3"
-    factor: float = 1.0  # linear / llama3 scaling factor
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
+    factor: float = 1.0  # linear / llama3 / yarn scaling factor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    beta_fast: float = 32.0  # yarn only: rotations bounding the extrapolated (unscaled) frequencies
+    beta_slow: float = 1.0  # yarn only: rotations bounding the interpolated (scaled) frequencies
+    truncate: bool = True  # yarn only: the ramp's bounds rounded to whole dimensions
+    attention_factor: float | None = None  # yarn only: cos/sin multiplier; None = 0.1 ln(factor) + 1
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -73,7 +82,38 @@ class RopeConfig:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             return np.where(medium, smoothed, scaled).astype(np.float32)
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(head_dim)
         return inv
+
+    def _yarn_inv_freq(self, head_dim: int) -> np.ndarray:
+        """YaRN (transformers' `_compute_yarn_parameters`): frequencies below the ramp interpolated by `factor`,
+        above it kept, linearly blended between."""
+        base, old = float(self.theta), self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        pos_freqs = np.float32(base) ** (np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim))
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        extrapolation = (1 - ramp).astype(np.float32)
+        return (1.0 / (np.float32(self.factor) * pos_freqs) * (1 - extrapolation)
+                + 1.0 / pos_freqs * extrapolation).astype(np.float32)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (YaRN's mscale: it scales queries and keys alike); 1 otherwise."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
     def to_hf(self) -> dict[str, Any] | None:
         """The HF `rope_scaling` dict (None for plain RoPE)."""
@@ -86,6 +126,11 @@ class RopeConfig:
                 high_freq_factor=self.high_freq_factor,
                 original_max_position_embeddings=self.original_max_position_embeddings,
             )
+        if self.rope_type == "yarn":
+            out.update(original_max_position_embeddings=self.original_max_position_embeddings,
+                       beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
+            if self.attention_factor is not None:
+                out["attention_factor"] = self.attention_factor
         return out
 
 
@@ -120,7 +165,7 @@ class LoraSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text)."""
+    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Gemma 3 text)."""
 
     family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
     vocab_size: int = 32_000  # V
@@ -149,6 +194,8 @@ class DecoderConfig:
     experts_per_token: int = 0  # k experts each token is routed to (HF num_experts_per_tok)
     moe_intermediate_size: int = 0  # f: one expert's MLP hidden
     norm_topk_prob: bool = False  # the k routing weights renormalised to sum to 1 (else raw softmax shares)
+    swiglu_alpha: float = 1.702  # GPT-OSS experts: the sigmoid's gain in gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # GPT-OSS experts: gate clamped above, up clamped to [-limit, limit]
     remat: str = "none"  # runtime option: a policy of models/remat.py
     attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
     lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
@@ -195,9 +242,9 @@ class DecoderConfig:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
 
     def _check_experts(self) -> None:
-        """A mixture of experts (Qwen3-MoE, and only it) names e >= 1 experts, 1 <= k <= e of them per token and
+        """A mixture of experts (Qwen3-MoE, GPT-OSS) names e >= 1 experts, 1 <= k <= e of them per token and
         their hidden size f >= 1; a dense family names none."""
-        if self.family != "qwen3_moe":
+        if self.family not in MOE_FAMILIES:
             if self.num_experts:
                 raise ValueError(f"num_experts: {self.family} has a dense MLP, got {self.num_experts} experts")
             return
@@ -207,6 +254,8 @@ class DecoderConfig:
                 raise ValueError(f"{name}: must be a positive int for a mixture of experts, got {value!r}")
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}")
+        if self.family == "gpt_oss" and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
+            raise ValueError(f"swiglu_alpha/swiglu_limit: must be > 0, got {self.swiglu_alpha}, {self.swiglu_limit}")
 
     # Family traits, derived so that no config can combine them inconsistently.
     @property
@@ -218,6 +267,17 @@ class DecoderConfig:
     def moe(self) -> bool:
         """Every layer's MLP is a mixture of experts (models/moe.py) instead of one dense MLP."""
         return self.num_experts > 0
+
+    @property
+    def attention_sinks(self) -> bool:
+        """A learned logit per query head joins each softmax's denominator and takes no value (GPT-OSS)."""
+        return self.family == "gpt_oss"
+
+    @property
+    def gpt_oss_experts(self) -> bool:
+        """GPT-OSS's mixture: a biased router whose top-k logits are softmaxed (not the top k of a softmax), and
+        experts with biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`) in place of `activation`."""
+        return self.family == "gpt_oss"
 
     @property
     def gemma_norms(self) -> bool:
@@ -246,8 +306,10 @@ class DecoderConfig:
         return tuple(t == "sliding_attention" for t in types)
 
 
-def _rope_from_hf(params: dict[str, Any] | None, theta: float) -> RopeConfig:
-    """RopeConfig from an HF rope_scaling / rope_parameters dict."""
+def _rope_from_hf(params: dict[str, Any] | None, theta: float, context: int = 2048,
+                  original_context: int | None = None) -> RopeConfig:
+    """RopeConfig from an HF rope_scaling / rope_parameters dict; YaRN falls back as transformers does on the
+    config's `original_context` (else its `context`) and a factor of their ratio."""
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", theta))
@@ -260,6 +322,21 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float) -> RopeConfig:
             theta=theta, rope_type="llama3", factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]), high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    if rope_type == "yarn":
+        original = int(params.get("original_max_position_embeddings") or original_context or context)
+        factor = float(params.get("factor") or context / original)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None and params.get("mscale") and params.get("mscale_all_dim"):
+            def mscale(m: float) -> float:
+                return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+            attention_factor = mscale(float(params["mscale"])) / mscale(float(params["mscale_all_dim"]))
+        return RopeConfig(
+            theta=theta, rope_type="yarn", factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+            truncate=bool(params.get("truncate", True)),
+            attention_factor=None if attention_factor is None else float(attention_factor))
     raise ValueError(f"rope_scaling.rope_type: {rope_type!r} is not supported (supported: {ROPE_TYPES})")
 
 
@@ -290,21 +367,31 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     num_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
     gemma = family == "gemma3"
-    default_theta = 1_000_000.0 if gemma else 10_000.0
+    default_theta = {"gemma3": 1_000_000.0, "gpt_oss": 150_000.0}.get(family, 10_000.0)
     rope_params = hf.get("rope_parameters")
+    context = int(hf.get("max_position_embeddings", 2048))
+    rope_from_hf = functools.partial(_rope_from_hf, context=context,
+                                     original_context=hf.get("original_max_position_embeddings"))
     local_rope = None
     if gemma:
         if rope_params and "full_attention" in rope_params:
-            rope = _rope_from_hf(rope_params["full_attention"], default_theta)
-            local_rope = _rope_from_hf(rope_params.get("sliding_attention"), 10_000.0)
+            rope = rope_from_hf(rope_params["full_attention"], default_theta)
+            local_rope = rope_from_hf(rope_params.get("sliding_attention"), 10_000.0)
         else:
-            rope = _rope_from_hf(hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
+            rope = rope_from_hf(hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
             local_rope = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
     else:
-        rope = _rope_from_hf(rope_params or hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
+        rope = rope_from_hf(rope_params or hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
     num_layers = int(hf["num_hidden_layers"])
     layer_types: tuple[str, ...] = ()
     sliding_window = None
+    if family == "gpt_oss":
+        if (hf.get("quantization_config") or {}).get("quant_method"):
+            raise ValueError(f"quantization_config: {hf['quantization_config']['quant_method']} experts are not "
+                             f"supported; use an unquantised (bfloat16) GPT-OSS checkpoint")
+        layer_types = tuple(hf.get("layer_types") or (
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)))
+        sliding_window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
     if gemma:
         layer_types = tuple(hf.get("layer_types") or (
             "sliding_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) else "full_attention"
@@ -315,7 +402,7 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         if hf.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention: only causal decoders are supported")
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-    experts = _experts_from_hf(hf, num_layers) if family == "qwen3_moe" else {}
+    experts = _experts_from_hf(hf, num_layers) if family in MOE_FAMILIES else {}
     attention_bias = bool(hf.get("attention_bias", False))
     eos = list(_as_tuple(hf.get("eos_token_id")))
     for token in _as_tuple((generation or {}).get("eos_token_id")):
@@ -330,7 +417,7 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        max_position_embeddings=context,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=rope,
         local_rope=local_rope,
@@ -350,7 +437,8 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
 
 
 def _experts_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """DecoderConfig's expert fields from a Qwen3-MoE config; ValueError when some layer keeps a dense MLP.
+    """DecoderConfig's expert fields from a Qwen3-MoE or GPT-OSS config; ValueError when some layer keeps a dense
+    MLP.
 
     Layers are stacked and scanned as one block, so a model is all-dense or all-sparse: transformers makes layer i
     sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (Qwen3-30B-A3B and -235B-A22B
@@ -361,9 +449,12 @@ def _experts_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if dense:
         raise ValueError(f"mlp_only_layers/decoder_sparse_step: layers {dense} keep a dense MLP; only models whose "
                          f"every layer is a mixture of experts are supported")
-    return dict(num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
-                experts_per_token=int(hf.get("num_experts_per_tok") or 0),
-                moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+    common = dict(num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+                  experts_per_token=int(hf.get("num_experts_per_tok") or 0))
+    if hf["model_type"] == "gpt_oss":  # its intermediate_size is the experts'; a softmax over the top k sums to 1
+        return dict(common, moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
+                    swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    return dict(common, moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
@@ -415,7 +506,15 @@ def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[st
         )
     else:
         out["hidden_act"] = config.activation
-    if config.moe:
+    if config.family == "gpt_oss":
+        rope = {"rope_theta": config.rope.theta, "rope_type": config.rope.rope_type, **(config.rope.to_hf() or {})}
+        for key in ("rope_theta", "rope_scaling", "mlp_bias"):
+            del out[key]
+        out.update(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                   swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit, rope_parameters=rope,
+                   layer_types=list(config.layer_types or ("full_attention",) * config.num_layers),
+                   sliding_window=config.sliding_window, intermediate_size=config.moe_intermediate_size)
+    elif config.moe:
         out.update(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
                    moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)

@@ -169,6 +169,9 @@ _LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
     "v_bias": ("self_attn.v_proj.bias", lambda w, c: w.reshape(c.num_kv_heads, c.head_dim),
                lambda w, c: w.reshape(-1)),
     "o_bias": ("self_attn.o_proj.bias", lambda w, c: w, lambda w, c: w),
+    "sinks": ("self_attn.sinks", lambda w, c: w, lambda w, c: w),
+    "router_bias": ("mlp.router.bias", lambda w, c: w, lambda w, c: w),
+    "expert_down_bias": ("mlp.experts.down_proj_bias", lambda w, c: w, lambda w, c: w),
     "q_norm": ("self_attn.q_norm.weight", lambda w, c: w, lambda w, c: w),
     "k_norm": ("self_attn.k_norm.weight", lambda w, c: w, lambda w, c: w),
     "gate_proj": ("mlp.gate_proj.weight", lambda w, c: w.T, lambda w, c: w.T),
@@ -197,10 +200,42 @@ def _read_moe(index: TensorIndex, name: str, layer: int, config: DecoderConfig) 
                      for j in range(config.num_experts)])
 
 
+# GPT-OSS keeps each expert's gate and up interleaved in one tensor (gate columns even, up odd), ours apart.
+_GPT_OSS_INTERLEAVED = {"expert_gate": ("gate_up_proj", 0), "expert_up": ("gate_up_proj", 1),
+                        "expert_gate_bias": ("gate_up_proj_bias", 0), "expert_up_bias": ("gate_up_proj_bias", 1)}
+
+
+def _read_gpt_oss_moe(index: TensorIndex, name: str, layer: int) -> np.ndarray:
+    """GPT-OSS's `router` [D, e] or experts' weight of one layer: transformers keeps the experts as ours are
+    ([e, X, Y]), gate and up interleaved in `experts.gate_up_proj` [e, D, 2f] and its bias [e, 2f]."""
+    prefix = f"model.layers.{layer}.mlp."
+    if name == "router":
+        return index.get(prefix + "router.weight").T
+    if name == "expert_down":
+        return index.get(prefix + "experts.down_proj")
+    tensor, parity = _GPT_OSS_INTERLEAVED[name]
+    return index.get(f"{prefix}experts.{tensor}")[..., parity::2]
+
+
+def _gpt_oss_interleaved(arrays: dict[str, np.ndarray], config: DecoderConfig) -> dict[str, np.ndarray]:
+    """GPT-OSS's `experts.gate_up_proj` and its bias, every layer, from our stacked gate and up arrays."""
+    out = {}
+    for layer in range(config.num_layers):
+        for tensor, suffix in (("gate_up_proj", ""), ("gate_up_proj_bias", "_bias")):
+            gate, up = arrays[f"expert_gate{suffix}"][layer], arrays[f"expert_up{suffix}"][layer]
+            out[f"model.layers.{layer}.mlp.experts.{tensor}"] = np.stack([gate, up], axis=-1).reshape(
+                *gate.shape[:-1], -1)
+    return out
+
+
 def _hf_layer_tensors(name: str, w: np.ndarray, layer: int, config: DecoderConfig) -> dict[str, np.ndarray]:
-    """One layer of our parameter `name` under its HF name(s) and layout (experts one by one, as transformers
-    saves them)."""
+    """One layer of our parameter `name` under its HF name(s) and layout (Qwen3-MoE's experts one by one, as
+    transformers saves them; GPT-OSS's gate and up are `_gpt_oss_interleaved`'s)."""
     prefix = f"model.layers.{layer}."
+    if config.gpt_oss_experts and name == "router":
+        return {prefix + "mlp.router.weight": np.ascontiguousarray(w.T)}
+    if config.gpt_oss_experts and name == "expert_down":
+        return {prefix + "mlp.experts.down_proj": np.ascontiguousarray(w)}
     if name == "router":
         return {prefix + "mlp.gate.weight": np.ascontiguousarray(w.T)}
     if name in _EXPERT_PROJ:
@@ -241,6 +276,8 @@ def hf_param_reader(index: TensorIndex, config: DecoderConfig) -> Callable[[str]
         if path == "lm_head":
             return index.get("lm_head.weight").T
         name = path.split("/", 1)[1]
+        if config.gpt_oss_experts and name in ("router", "expert_down", *_GPT_OSS_INTERLEAVED):
+            return np.stack([_read_gpt_oss_moe(index, name, i) for i in range(config.num_layers)])
         if name == "router" or name in _EXPERT_PROJ:
             return np.stack([_read_moe(index, name, i, config) for i in range(config.num_layers)])
         suffix = _layer_suffix(name, config)
@@ -309,10 +346,13 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     config = model.config
     _, state = nnx.split(model)
     out: dict[str, np.ndarray] = {}
+    interleaved: dict[str, np.ndarray] = {}
     for path, variable in nnx.to_flat_state(state):
         name = "/".join(str(p) for p in path)
         value = host_array(variable[...])
-        if name == "embed":
+        if config.gpt_oss_experts and name.split("/")[-1] in _GPT_OSS_INTERLEAVED:
+            interleaved[name.split("/")[-1]] = value
+        elif name == "embed":
             out["model.embed_tokens.weight"] = value
         elif name == "final_norm":
             out["model.norm.weight"] = value
@@ -322,6 +362,8 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
             layer_name = name.split("/", 1)[1]
             for i in range(config.num_layers):
                 out.update(_hf_layer_tensors(layer_name, value[i], i, config))
+    if interleaved:
+        out.update(_gpt_oss_interleaved(interleaved, config))
     return out
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from drgrpo_jax.models.attention import MASKED
+from drgrpo_jax.models.attention import MASKED, sink_softmax
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.gemm import is_half
 from drgrpo_jax.sharding import ShardingRules, named_sharding
@@ -114,9 +114,9 @@ def write_values(buffer: jax.Array, v_BTCH: jax.Array, start: jax.Array) -> jax.
 
 
 def attend_slots(q_BTQH: jax.Array, k_BCxx: jax.Array, v_BCSH: jax.Array, mask_BTS: jax.Array,
-                 scale: float) -> jax.Array:
+                 scale: float, sinks_Q: jax.Array | None = None) -> jax.Array:
     """`reference_attention` over a per-layer cache (keys laid out by `key_order`, values [B, C, S, H]);
-    scores and softmax in float32.
+    scores and softmax (with the attention sinks `sinks_Q`, if any) in float32.
 
     Batched dots over (B, C) read that layout in place (the stacked [.., S, C, H] layout made XLA transpose
     every layer's slots every decode step); only the few queries are transposed.
@@ -127,7 +127,8 @@ def attend_slots(q_BTQH: jax.Array, k_BCxx: jax.Array, v_BCSH: jax.Array, mask_B
     keys = "bcsh" if key_order(k_BCxx.dtype) == VALUE_ORDER else "bchs"
     scores_BCRTS = jnp.einsum(f"bcrth,{keys}->bcrts", q_BCRTH, k_BCxx, preferred_element_type=_F32) * scale
     scores_BCRTS = jnp.where(mask_BTS[:, None, None], scores_BCRTS, MASKED)
-    probs_BCRTS = jax.nn.softmax(scores_BCRTS, axis=-1).astype(v_BCSH.dtype)
+    sinks_CR = None if sinks_Q is None else sinks_Q.reshape(C, Q // C)
+    probs_BCRTS = sink_softmax(scores_BCRTS, sinks_CR).astype(v_BCSH.dtype)
     out_BCRTH = jnp.einsum("bcrts,bcsh->bcrth", probs_BCRTS, v_BCSH, preferred_element_type=_F32)
     return out_BCRTH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H).astype(q_BTQH.dtype)
 

@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Qwen3-MoE): softmax top-k routing and the experts as grouped matmuls.
+"""Mixture-of-experts MLPs (Qwen3-MoE, GPT-OSS): top-k routing and the experts as grouped matmuls.
 
 Shape letters (docs/shape_letters.md): M flattened tokens, D model dim, and for the experts e experts, k experts
 per token, a token-expert assignments (M * k), f an expert's MLP hidden. Dropless, as transformers computes it:
@@ -15,50 +15,77 @@ import jax.numpy as jnp
 from drgrpo_jax.models.gemm import dense
 from drgrpo_jax.models.remat import name_projection
 
-__all__ = ["grouped_experts", "moe_mlp", "route"]
+__all__ = ["clamped_swiglu", "grouped_experts", "moe_mlp", "route"]
 
 _F32 = jnp.float32
+# (gate [a, f], up [a, f]) -> hidden [a, f], in float32: how an expert combines its two projections.
+Glu = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def route(x_MD: jax.Array, router_De: jax.Array, k: int, normalise: bool) -> tuple[jax.Array, jax.Array]:
-    """(weights [M, k] in x's dtype, experts [M, k] int32): each token's k most probable experts under a float32
-    softmax of its router logits, and their probabilities (renormalised to sum to 1 when `normalise`)."""
-    probs_Me = jax.nn.softmax(dense(x_MD, router_De).astype(_F32), axis=-1)
-    weights_Mk, experts_Mk = jax.lax.top_k(probs_Me, k)
-    if normalise:
-        weights_Mk = weights_Mk / jnp.sum(weights_Mk, axis=-1, keepdims=True)
+def route(x_MD: jax.Array, router_De: jax.Array, k: int, normalise: bool, bias_e: jax.Array | None = None,
+          topk_first: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(weights [M, k] in x's dtype, experts [M, k] int32) from float32 router logits (plus `bias_e`).
+
+    Qwen3-MoE: the k most probable experts of a softmax over all of them, their probabilities renormalised to sum
+    to 1 when `normalise`. GPT-OSS (`topk_first`): the k largest logits, then a softmax over those k.
+    """
+    logits_Me = dense(x_MD, router_De).astype(_F32)
+    if bias_e is not None:
+        logits_Me = logits_Me + bias_e.astype(_F32)[None]
+    if topk_first:
+        top_Mk, experts_Mk = jax.lax.top_k(logits_Me, k)
+        weights_Mk = jax.nn.softmax(top_Mk, axis=-1)
+    else:
+        weights_Mk, experts_Mk = jax.lax.top_k(jax.nn.softmax(logits_Me, axis=-1), k)
+        if normalise:
+            weights_Mk = weights_Mk / jnp.sum(weights_Mk, axis=-1, keepdims=True)
     return weights_Mk.astype(x_MD.dtype), experts_Mk.astype(jnp.int32)
 
 
+def clamped_swiglu(alpha: float, limit: float) -> Glu:
+    """GPT-OSS's expert nonlinearity: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    def glu(gate_af: jax.Array, up_af: jax.Array) -> jax.Array:
+        gate_af = jnp.minimum(gate_af, limit)
+        return (jnp.clip(up_af, -limit, limit) + 1) * gate_af * jax.nn.sigmoid(alpha * gate_af)
+
+    return glu
+
+
 def grouped_experts(x_MD: jax.Array, weights_Mk: jax.Array, experts_Mk: jax.Array, gate_eDf: jax.Array,
-                    up_eDf: jax.Array, down_efD: jax.Array, activation: Callable[[jax.Array], jax.Array],
-                    dtype=None) -> jax.Array:
-    """sum over a token's k experts of weight * down(act(x gate) * x up) [M, D], in x's dtype.
+                    up_eDf: jax.Array, down_efD: jax.Array, glu: Glu, dtype=None,
+                    biases: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+    """sum over a token's k experts of weight * down(glu(x gate, x up)) [M, D], in x's dtype.
 
     The M * k assignments are sorted by expert, so each expert's rows are contiguous and the three projections
     are grouped matmuls (`jax.lax.ragged_dot`, operands in `dtype` (None: the weights'), float32 accumulators);
-    the rows go back to token order and are summed with their routing weights.
+    `biases` (gate [e, f], up [e, f], down [e, D]: GPT-OSS) are added to each row by its expert, in float32. The
+    rows go back to token order and are summed with their routing weights (a down bias weighted too).
     """
     M, k = experts_Mk.shape
     e = gate_eDf.shape[0]
     low = gate_eDf.dtype if dtype is None else jnp.dtype(dtype)
-    experts_a = experts_Mk.reshape(M * k)
+    experts_a = jnp.asarray(experts_Mk).reshape(M * k)
     order_a = jnp.argsort(experts_a, stable=True)  # assignment of each sorted row
     sizes_e = jnp.bincount(experts_a, length=e).astype(jnp.int32)
     xs_aD = x_MD[order_a // k].astype(low)
+    sorted_a = experts_a[order_a]  # the expert of each sorted row
 
-    def grouped(lhs, rhs):
-        return name_projection(jax.lax.ragged_dot(lhs, rhs.astype(low), sizes_e, preferred_element_type=_F32))
+    def grouped(lhs, rhs, bias):
+        out = jax.lax.ragged_dot(lhs, rhs.astype(low), sizes_e, preferred_element_type=_F32)
+        return name_projection(out if bias is None else out + bias[sorted_a].astype(_F32))
 
-    hidden_af = (activation(grouped(xs_aD, gate_eDf)) * grouped(xs_aD, up_eDf)).astype(low)
-    ys_aD = grouped(hidden_af, down_efD)
+    gate_bias, up_bias, down_bias = (None, None, None) if biases is None else biases
+    hidden_af = glu(grouped(xs_aD, gate_eDf, gate_bias), grouped(xs_aD, up_eDf, up_bias)).astype(low)
+    ys_aD = grouped(hidden_af, down_efD, down_bias)
     y_MkD = ys_aD[jnp.argsort(order_a)].reshape(M, k, -1)  # back to token order
     return jnp.einsum("mkd,mk->md", y_MkD, weights_Mk.astype(_F32)).astype(x_MD.dtype)
 
 
-def moe_mlp(x_MD: jax.Array, p: dict[str, jax.Array], k: int, normalise: bool,
-            activation: Callable[[jax.Array], jax.Array], dtype=None) -> jax.Array:
-    """One layer's sparse MLP [M, D] on normed tokens: routed by p["router"], run by the experts of `p`."""
-    weights_Mk, experts_Mk = route(x_MD, p["router"], k, normalise)
+def moe_mlp(x_MD: jax.Array, p: dict[str, jax.Array], k: int, normalise: bool, glu: Glu, dtype=None,
+            topk_first: bool = False) -> jax.Array:
+    """One layer's sparse MLP [M, D] on normed tokens: routed by p["router"] (and p["router_bias"] where the family
+    has one), run by the experts of `p` (with their biases where it has them)."""
+    weights_Mk, experts_Mk = route(x_MD, p["router"], k, normalise, p.get("router_bias"), topk_first)
+    biases = (p["expert_gate_bias"], p["expert_up_bias"], p["expert_down_bias"]) if "expert_gate_bias" in p else None
     return grouped_experts(x_MD, weights_Mk, experts_Mk, p["expert_gate"], p["expert_up"], p["expert_down"],
-                           activation, dtype)
+                           glu, dtype, biases)

@@ -39,6 +39,8 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
         specs["v_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
     if config.o_bias:
         specs["o_bias"] = ((L, D), ("layers", "embed"), "zeros")
+    if config.attention_sinks:
+        specs["sinks"] = ((L, Q), ("layers", "q_heads"), "normal")
     if config.qk_norm:
         specs["q_norm"] = ((L, H), ("layers", "head_dim"), norm)
         specs["k_norm"] = ((L, H), ("layers", "head_dim"), norm)
@@ -49,18 +51,26 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
 
 
 def _expert_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]]:
-    """A sparse MLP's router and its e experts' stacked weights (models/moe.py).
+    """A sparse MLP's router and its e experts' stacked weights (models/moe.py), with GPT-OSS's biases.
 
     The expert axis shards like `embed` does elsewhere (ShardingRules.expert), so an expert's own model dim stays
     whole (None): one logical axis per mesh axis.
     """
     L, D, e, f = config.num_layers, config.hidden_size, config.num_experts, config.moe_intermediate_size
-    return {
+    specs: dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]] = {
         "router": ((L, D, e), ("layers", "embed", None), "normal"),
         "expert_gate": ((L, e, D, f), ("layers", "expert", None, "mlp"), "normal"),
         "expert_up": ((L, e, D, f), ("layers", "expert", None, "mlp"), "normal"),
         "expert_down": ((L, e, f, D), ("layers", "expert", "mlp", None), "normal"),
     }
+    if config.gpt_oss_experts:
+        specs.update({
+            "router_bias": ((L, e), ("layers", None), "zeros"),
+            "expert_gate_bias": ((L, e, f), ("layers", "expert", "mlp"), "zeros"),
+            "expert_up_bias": ((L, e, f), ("layers", "expert", "mlp"), "zeros"),
+            "expert_down_bias": ((L, e, D), ("layers", "expert", None), "zeros"),
+        })
+    return specs
 
 
 def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:

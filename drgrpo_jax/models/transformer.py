@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 text) as a Flax NNX module, with a KV cache.
+"""Decoder-only transformer (Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Gemma 3 text) as a Flax NNX module, with a KV
+cache.
 
 Shape letters (docs/shape_letters.md):
   B batch rows, T query positions, S key positions (cache slots), L layers, D model dim,
@@ -36,7 +37,7 @@ from drgrpo_jax.models.kv_cache import (
     write_keys,
     write_values,
 )
-from drgrpo_jax.models.moe import moe_mlp
+from drgrpo_jax.models.moe import Glu, clamped_swiglu, moe_mlp
 from drgrpo_jax.models.params import Blocks, init_value
 from drgrpo_jax.models.remat import name_attention, name_projection
 
@@ -107,11 +108,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool) -> jax
     return weight * normed.astype(x.dtype)
 
 
-def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [B, T, H] for rotate-half RoPE."""
+def rope_tables(positions_BT: jax.Array, inv_freq: np.ndarray, scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, H] for rotate-half RoPE, times `scaling` (YaRN's attention factor) where it is not 1."""
     angles_BTh = positions_BT.astype(_F32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     angles_BTH = jnp.concatenate([angles_BTh, angles_BTh], axis=-1)
-    return jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+    if scaling == 1.0:
+        return jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+    return jnp.cos(angles_BTH) * scaling, jnp.sin(angles_BTH) * scaling
 
 
 def apply_rope(x_BTnH: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array) -> jax.Array:
@@ -130,12 +133,25 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=name == "gelu_pytorch_tanh")
 
 
+def _expert_glu(config: DecoderConfig) -> Glu:
+    """How an expert combines its gate and up projections: GPT-OSS's clamped SwiGLU, else activation(gate) * up."""
+    if config.gpt_oss_experts:
+        return clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
+    return lambda gate, up: _activation(config.activation, gate) * up
+
+
+def _sinks(config: DecoderConfig, p: dict[str, jax.Array]) -> jax.Array | None:
+    """A layer's attention sinks [Q] (GPT-OSS), or None."""
+    return p["sinks"] if config.attention_sinks else None
+
+
 def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
     """((cos, sin) for global layers, (cos, sin) for sliding layers), each [B, T, H]."""
-    global_tables = rope_tables(positions_BT, config.rope.inv_freq(config.head_dim))
+    global_tables = rope_tables(positions_BT, config.rope.inv_freq(config.head_dim), config.rope.attention_scaling)
     if config.local_rope is None or not any(config.sliding_layers):
         return global_tables, global_tables
-    return global_tables, rope_tables(positions_BT, config.local_rope.inv_freq(config.head_dim))
+    local = config.local_rope
+    return global_tables, rope_tables(positions_BT, local.inv_freq(config.head_dim), local.attention_scaling)
 
 
 def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array,
@@ -174,7 +190,7 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
         if config.moe:
             B, T, D = h_BTD.shape
             m_BTD = moe_mlp(h_BTD.reshape(B * T, D), p, config.experts_per_token, config.norm_topk_prob,
-                            lambda g: _activation(config.activation, g), config.compute_dtype).reshape(B, T, D)
+                            _expert_glu(config), config.compute_dtype, config.gpt_oss_experts).reshape(B, T, D)
             return x_BTD + m_BTD
         if f32_gate:
             gate_BTI = _activation(config.activation, _project_f32_lora(config, p, "gate_proj", h_BTD))
@@ -189,11 +205,12 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
 
 
 def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH: jax.Array, v_BTCH: jax.Array,
-                     positions_BT: jax.Array, segment_ids_BT: jax.Array, sliding: jax.Array) -> jax.Array:
+                     positions_BT: jax.Array, segment_ids_BT: jax.Array, sliding: jax.Array,
+                     sinks_Q: jax.Array | None) -> jax.Array:
     """One scanned layer's attention by a memory-linear `impl`; the window is static, so mixed layers take a cond."""
     def run(window):
         return attention(q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, scale=config.attn_scale,
-                         window=window, impl=impl, dtype=config.compute_dtype)
+                         window=window, impl=impl, dtype=config.compute_dtype, sinks_Q=sinks_Q)
 
     kinds = set(config.sliding_layers)
     if config.sliding_window is None or kinds == {False}:
@@ -216,7 +233,8 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     """
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
     compute = config.compute_dtype or x_BTD.dtype  # float32 activations under bf16 compute still get cuDNN
-    impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim)
+    impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim,
+                       sinks=config.attention_sinks)
     masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
     layer_L = jnp.arange(config.num_layers)
@@ -228,10 +246,12 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
             q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, cos, sin, key)
             if masks is None:
-                o_BTQH = _layer_attention(config, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, sliding)
+                o_BTQH = _layer_attention(config, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, sliding,
+                                          _sinks(config, p))
             else:
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
-                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, config.compute_dtype)
+                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, config.compute_dtype,
+                                             _sinks(config, p))
             o_BTQH = name_attention(o_BTQH)
         return _after_attention(config, p, x_BTD, o_BTQH, key=key)
 
@@ -253,7 +273,8 @@ def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Arra
             q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, *tables[int(sliding)])
             keys.append(write_keys(cache.k[index], k_BTCH, cache.length))
             values.append(write_values(cache.v[index], v_BTCH, cache.length))
-            o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale)
+            o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale,
+                                  _sinks(config, p))
             x_BTD = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
     return x_BTD, tuple(keys), tuple(values)
 

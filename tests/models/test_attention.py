@@ -163,6 +163,44 @@ def test_mixed_precision_runs_every_gemm_in_bfloat16_with_float32_results(impl):
     assert len(dots) >= 6 and set(dots) == {("f32", "bf16", "bf16")}, dots  # QK^T, PV and their 4 gradients
 
 
+@pytest.mark.parametrize("case", ["left_padded_gqa", "window_across_blocks", "packed_window"])
+def test_blockwise_with_sinks_matches_reference_in_value_and_gradient(case):
+    """Attention sinks (GPT-OSS): one logit per query head in every softmax's denominator; the blockwise kernel
+    and its custom backward (the sinks' own gradient included) against the float32 reference."""
+    kind, B, T, C, R, H, window, block = CASES[case]
+    positions, segments = _layout(kind, B, T, np.random.RandomState(7))
+    q, k, v, projection = _inputs(B, T, C, R, H, jnp.float32, seed=8)
+    sinks_Q = jnp.asarray(np.random.RandomState(9).normal(scale=2.0, size=C * R), jnp.float32)
+    idx = jnp.arange(T)
+    mask = attn.self_attention_mask(segments, segments, idx, idx, positions, positions, window)
+    seen = np.broadcast_to(np.asarray(mask.any(-1))[:, :, None, None], q.shape)
+    cotangent = jnp.where(jnp.asarray(seen), projection, 0.0)
+
+    def out_and_grads(fn):
+        out, pull = jax.vjp(fn, q, k, v, sinks_Q)
+        return out, *pull(cotangent)
+
+    want = jax.jit(lambda: out_and_grads(
+        lambda q, k, v, s: attn.reference_attention(q, k, v, mask, 0.3, sinks_Q=s)))()
+    got = jax.jit(lambda: out_and_grads(lambda q, k, v, s: attn.blockwise_attention(
+        q, k, v, positions, segments, scale=0.3, window=window, block_size=block, sinks_Q=s)))()
+    plain = np.asarray(attn.reference_attention(q, k, v, mask, 0.3))
+    assert np.abs(np.asarray(want[0]) - plain)[seen].min() > 0  # every seen query's output moved by its sink
+    for name, w, g in zip(("out", "dq", "dk", "dv", "dsinks"), want, got):
+        w, g = np.asarray(w), np.asarray(g)
+        np.testing.assert_allclose(g, w, atol=F32_TOL * max(1.0, np.abs(w).max()), rtol=F32_TOL, err_msg=name)
+    assert np.abs(np.asarray(got[4])).min() > 0  # every head's sink takes a gradient
+
+
+def test_accelerator_kernels_refuse_sinks_and_auto_avoids_them():
+    choose = attn.choose_impl
+    for impl in ("cudnn", "splash"):
+        with pytest.raises(ValueError, match=f"attention: {impl} has no attention sinks"):
+            choose(impl, seq_len=4096, dtype=jnp.bfloat16, head_dim=64, sinks=True)
+    assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="gpu", sinks=True) == "blockwise"
+    assert choose("auto", seq_len=4096, dtype=jnp.bfloat16, head_dim=64, backend="tpu", sinks=True) == "blockwise"
+
+
 def test_a_query_that_sees_nothing_passes_no_gradient():
     B, T = 2, 20
     positions, segments = _layout("left_padded", B, T, np.random.RandomState(0))
@@ -280,11 +318,15 @@ def _family_config(family: str, impl: str) -> DecoderConfig:
         return DecoderConfig(**common, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                              sliding_window=5, query_pre_attn_scalar=12, activation="gelu_pytorch_tanh",
                              tie_word_embeddings=True)
+    if family == "gpt_oss":  # sinks, windows, biases and experts
+        return DecoderConfig(**common, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                             sliding_window=5, qkv_bias=True, o_bias=True, num_experts=4, experts_per_token=2,
+                             moe_intermediate_size=8)
     return DecoderConfig(**common, qkv_bias=family == "qwen2")
 
 
 @pytest.mark.heavy  # builds and compiles four model families
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3", "gpt_oss"])
 def test_model_forward_and_gradients_blockwise_equal_reference(family, monkeypatch):
     monkeypatch.setattr(attn, "DEFAULT_BLOCK_SIZE", 8)  # cut T = 30 into ragged blocks
     B, T = 3, 30
@@ -293,10 +335,13 @@ def test_model_forward_and_gradients_blockwise_equal_reference(family, monkeypat
     seen = np.asarray(segments != 0)
     outputs = []
     for impl in ("reference", "blockwise"):
-        # Gemma's blockwise side also rematerialises: its layer-kind cond inside a checkpointed scan body.
-        remat = "full" if impl == "blockwise" and family == "gemma3" else "none"
+        # Gemma's and GPT-OSS's blockwise side also rematerialises: the layer-kind cond (and the sinks' custom
+        # backward) inside a checkpointed scan body.
+        remat = "full" if impl == "blockwise" and family in ("gemma3", "gpt_oss") else "none"
         config = dataclasses.replace(_family_config(family, impl), remat=remat)
         graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+        if family == "gpt_oss":  # sinks as large as a trained model's, not the init's 0.02
+            state["blocks"]["sinks"].set_value(state["blocks"]["sinks"][...] * 100)
 
         def loss(state, graphdef=graphdef):
             logits = nnx.merge(graphdef, state)(ids, positions, segments)

@@ -290,7 +290,7 @@ def test_config_errors_name_the_field():
         DecoderConfig(num_layers=2, layer_types=("full_attention",))
     with pytest.raises(ValueError, match="rope_type"):
         from_hf_config({**_hf_config("llama").to_dict(), "rope_parameters": None,
-                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+                        "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_load_errors_name_the_tensor(tmp_path):

@@ -144,6 +144,11 @@ def dense_experts(x_MD, weights_Mk, experts_Mk, gate_eDf, up_eDf, down_efD, acti
     return jnp.einsum("emd,me->md", jnp.einsum("emf,efd->emd", hidden_eMf, down_efD), share_Me)
 
 
+def silu_glu(gate, up):
+    """Qwen3-MoE's expert nonlinearity: silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
 def _uneven_routing(M: int, e: int, k: int, rng) -> np.ndarray:
     """[M, k] distinct experts per token drawn with skewed odds: expert 0 takes most tokens, the last none."""
     odds = np.array([2.0 ** -i for i in range(e - 1)] + [0.0])
@@ -161,12 +166,12 @@ def test_grouped_experts_equal_the_dense_reference_in_value_and_gradient():
     down = jnp.asarray(rng.normal(size=(e, f, D)) / np.sqrt(f), jnp.float32)
     cotangent_MD = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
 
-    def loss(fn, *args):
-        return jnp.sum(fn(args[0], args[1], experts_Mk, *args[2:], jax.nn.silu) * cotangent_MD)
+    def loss(fn, nonlinearity, *args):
+        return jnp.sum(fn(args[0], args[1], experts_Mk, *args[2:], nonlinearity) * cotangent_MD)
 
     args = (x_MD, weights_Mk, gate, up, down)
-    grouped = jax.jit(jax.value_and_grad(functools.partial(loss, grouped_experts), argnums=range(5)))(*args)
-    dense = jax.jit(jax.value_and_grad(functools.partial(loss, dense_experts), argnums=range(5)))(*args)
+    grouped = jax.jit(jax.value_and_grad(functools.partial(loss, grouped_experts, silu_glu), argnums=range(5)))(*args)
+    dense = jax.jit(jax.value_and_grad(functools.partial(loss, dense_experts, jax.nn.silu), argnums=range(5)))(*args)
     np.testing.assert_allclose(grouped[0], dense[0], rtol=1e-5)
     for name, g, d in zip(("x", "weights", "gate", "up", "down"), grouped[1], dense[1]):
         np.testing.assert_allclose(g, d, atol=1e-5, rtol=1e-5, err_msg=name)
@@ -197,7 +202,7 @@ def test_routed_layer_equals_the_dense_reference_with_the_routers_gradient():
     def loss(fn, x_MD, p):
         return jnp.sum(jnp.sin(fn(x_MD, p)))
 
-    ours = jax.jit(jax.value_and_grad(functools.partial(loss, lambda x, p: moe_mlp(x, p, k, True, jax.nn.silu)),
+    ours = jax.jit(jax.value_and_grad(functools.partial(loss, lambda x, p: moe_mlp(x, p, k, True, silu_glu)),
                                       argnums=(0, 1)))(x_MD, p)
     oracle = jax.jit(jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1)))(x_MD, p)
     np.testing.assert_allclose(ours[0], oracle[0], rtol=1e-5)

@@ -1,5 +1,6 @@
 """The tests' tiny random models: a transformers Llama saved offline with a character-level tokenizer (the
-service, trainer and conversion tests load it from disk), a transformers Qwen3-MoE (tests/models/test_moe.py),
+service, trainer and conversion tests load it from disk), a transformers Qwen3-MoE (tests/models/test_moe.py)
+and GPT-OSS (tests/models/test_gpt_oss.py),
 the step tests' DecoderConfig and the sampler's in-memory Transformer."""
 
 from __future__ import annotations
@@ -67,6 +68,32 @@ def write_tiny_qwen3_moe(path: str, seed: int = 0, *, norm_topk_prob: bool = Tru
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def write_tiny_gpt_oss(path: str, seed: int = 0, *, vocab_size: int = 96, num_experts: int = 4,
+                      sliding_window: int = 4) -> str:
+    """A random 3-layer GPT-OSS saved by transformers: sliding, full, sliding attention (window `sliding_window`),
+    sinks, q/k/v/o biases, `num_experts` experts of hidden 16 with biases, 2 per token, and YaRN scaling that
+    starts within the tests' lengths (original context 16, factor 4). Every weight (norms, sinks, router and biases
+    too) is perturbed so that each one shows in the logits, the experts enough that their projections pass the
+    SwiGLU clamp (limit 7). No tokenizer: the tests feed ids."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GptOssConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=num_experts, num_experts_per_tok=2,
+        sliding_window=sliding_window, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 16})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_((2.0 if "experts" in name else 0.1) * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 

@@ -1,0 +1,211 @@
+"""GPT-OSS: logits parity with transformers (sinks, alternating sliding/full attention, YaRN, a biased router,
+clamped SwiGLU experts with biases), HF folders in and out, greedy generation through the KV-cache sampler, and the
+grouped experts with biases and clamp against a dense per-expert reference."""
+
+import functools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from drgrpo_jax.models.config import RopeConfig, from_hf_config, to_hf_config
+from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.moe import clamped_swiglu, moe_mlp
+from drgrpo_jax.models.params import param_specs
+from drgrpo_jax.models.pretrained import from_pretrained
+from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh
+
+from support.tiny_models import write_tiny_gpt_oss
+
+VOCAB = 96
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_pair(tmp_path_factory):
+    """(transformers' GptOssForCausalLM, the folder it was saved to)."""
+    folder = write_tiny_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss")))
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), folder
+
+
+def _hf_logits(model, ids, **kwargs) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids)), **{k: torch.tensor(np.asarray(v)) for k, v in kwargs.items()}
+                     ).logits.float().numpy()
+
+
+def _ids(seed: int, shape) -> np.ndarray:
+    return np.random.RandomState(seed).randint(3, VOCAB, shape)
+
+
+def test_config_reads_the_family_and_writes_it_back(gpt_oss_pair):
+    model, _ = gpt_oss_pair
+    config = from_hf_config(model.config.to_dict())
+    assert (config.family, config.num_experts, config.experts_per_token, config.moe_intermediate_size) == (
+        "gpt_oss", 4, 2, 16)
+    assert config.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert config.sliding_window == 4 and config.attention_sinks and config.qkv_bias and config.o_bias
+    assert (config.rope.rope_type, config.rope.factor, config.rope.truncate) == ("yarn", 4.0, False)
+    assert from_hf_config(transformers.GptOssConfig(**to_hf_config(config)).to_dict()) == config
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 16, "truncate": False},  # GPT-OSS's own form
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0, "beta_slow": 2.0},  # truncated
+    {"factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.9, "mscale_all_dim": 0.5},
+    {"factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.3},
+], ids=["untruncated", "truncated", "mscale", "attention_factor"])
+def test_yarn_frequencies_and_scaling_equal_transformers(params):
+    hf = transformers.GptOssConfig(head_dim=64, rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                                 **params})
+    want_inv, want_scaling = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    rope = from_hf_config(hf.to_dict()).rope
+    np.testing.assert_allclose(rope.inv_freq(64), want_inv.numpy(), rtol=1e-6)
+    assert rope.attention_scaling == pytest.approx(want_scaling, rel=1e-6) and want_scaling != 1.0
+    assert rope.inv_freq(64).tolist() != RopeConfig(theta=150000.0).inv_freq(64).tolist()
+
+
+def test_yarn_without_its_original_context_falls_back_as_transformers_does():
+    """A dense family's YaRN scaling with no original_max_position_embeddings: transformers takes the config's
+    max_position_embeddings."""
+    hf = transformers.LlamaConfig(head_dim=32, num_attention_heads=4, hidden_size=128, max_position_embeddings=512,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    raw = {**hf.to_dict(), "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+    rope = from_hf_config(raw).rope
+    want_inv, want_scaling = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    assert rope.original_max_position_embeddings == 512
+    np.testing.assert_allclose(rope.inv_freq(32), want_inv.numpy(), rtol=1e-6)
+    assert rope.attention_scaling == pytest.approx(want_scaling, rel=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "blockwise"])
+def test_logits_match_transformers(gpt_oss_pair, impl):
+    """Rows longer than the window (4) and the YaRN context (16); left-padded rows too, which sinks and windows
+    must keep apart from their padding."""
+    model, folder = gpt_oss_pair
+    ours = from_pretrained(folder, attention_impl=impl)
+    ids = _ids(0, (2, 30))
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), _hf_logits(model, ids), atol=TOL, rtol=0)
+    lengths = np.array([24, 13, 5])
+    real = np.arange(24)[None, :] >= (24 - lengths)[:, None]
+    ids = np.where(real, _ids(1, (3, 24)), 0)
+    positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
+    ref = _hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(real, jnp.int32)))
+    np.testing.assert_allclose(got[real], ref[real], atol=TOL, rtol=0)
+
+
+def test_saved_folder_loads_in_transformers_with_the_same_logits(gpt_oss_pair, tmp_path):
+    model, folder = gpt_oss_pair
+    save_pretrained(from_pretrained(folder), str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["architectures"] == ["GptOssForCausalLM"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    ids = _ids(3, (2, 21))
+    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=1e-6, rtol=0)
+
+
+def test_quantised_experts_are_refused_in_one_line(gpt_oss_pair):
+    model, _ = gpt_oss_pair
+    hf = {**model.config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(ValueError, match=re.escape("quantization_config: mxfp4 experts are not supported")):
+        from_hf_config(hf)
+
+
+@pytest.mark.heavy
+def test_expert_sharded_logits_equal_transformers(gpt_oss_pair):
+    """On a (data 2, fsdp 2, tensor 2) mesh: experts and their biases split over fsdp, sinks over tensor."""
+    model, folder = gpt_oss_pair
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
+    sharded = from_pretrained(folder, mesh=mesh)
+    assert {s.data.shape[1] for s in sharded.blocks.expert_gate_bias[...].addressable_shards} == {2}
+    ids = jax.device_put(jnp.asarray(_ids(4, (4, 20))), batch_sharding(mesh))
+    graphdef, state = nnx.split(sharded)
+    logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
+    np.testing.assert_allclose(np.asarray(logits), _hf_logits(model, np.asarray(ids)), atol=TOL, rtol=0)
+
+
+@pytest.mark.heavy
+def test_greedy_generation_equals_transformers_greedy(gpt_oss_pair):
+    """The KV-cache sampler (left-padded rows; attend_slots with the sinks and the sliding window) against
+    transformers' generate, past the window and the YaRN context."""
+    model, folder = gpt_oss_pair
+    ours = from_pretrained(folder)
+    prompts = [(1, 7, 12, 30, 4), (1, 22), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    batch = sampling.make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
+                                batch_size=4, prompt_len=16)
+    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(ours), batch, max_new_tokens=14))
+    for b, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=14, min_new_tokens=14,
+                                  pad_token_id=0)
+        assert out.tokens_BT[b, :out.lengths_B[b]].tolist() == full[0, len(prompt):].tolist()
+
+
+# ---------------------------------------------------------------- grouped matmuls against the dense reference
+
+
+def dense_gpt_oss_mlp(x_MD, p, k, alpha, limit):
+    """Every expert on every token, as transformers' GptOssMLP writes it (router logits plus bias, top k, softmax
+    over them; gate and up with biases, clamped SwiGLU, down with its bias), masked by the routing weights."""
+    logits_Me = x_MD @ p["router"] + p["router_bias"][None]
+    top_Mk, experts_Mk = jax.lax.top_k(logits_Me, k)
+    share_Me = jnp.einsum("mk,mke->me", jax.nn.softmax(top_Mk, axis=-1), jax.nn.one_hot(experts_Mk, logits_Me.shape[1]))
+    gate_eMf = jnp.einsum("md,edf->emf", x_MD, p["expert_gate"]) + p["expert_gate_bias"][:, None]
+    up_eMf = jnp.einsum("md,edf->emf", x_MD, p["expert_up"]) + p["expert_up_bias"][:, None]
+    gate_eMf = jnp.minimum(gate_eMf, limit)
+    hidden_eMf = (jnp.clip(up_eMf, -limit, limit) + 1) * gate_eMf * jax.nn.sigmoid(alpha * gate_eMf)
+    out_eMD = jnp.einsum("emf,efd->emd", hidden_eMf, p["expert_down"]) + p["expert_down_bias"][:, None]
+    return jnp.einsum("emd,me->md", out_eMD, share_Me)
+
+
+def test_grouped_experts_with_biases_and_clamp_equal_the_dense_reference_in_value_and_gradient():
+    M, D, e, f, k, alpha, limit = 48, 8, 5, 6, 2, 1.702, 2.0
+    rng = np.random.default_rng(3)
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(rng.normal(scale=scale, size=shape), jnp.float32)
+
+    x_MD = normal(M, D) + 0.5
+    p = {"router": normal(D, e, scale=0.5), "router_bias": jnp.asarray([0.8, 0.3, 0.0, -0.3, -3.0], jnp.float32),
+         "expert_gate": normal(e, D, f), "expert_up": normal(e, D, f), "expert_down": normal(e, f, D, scale=0.3),
+         "expert_gate_bias": normal(e, f), "expert_up_bias": normal(e, f), "expert_down_bias": normal(e, D)}
+    experts_Mk = np.asarray(jax.lax.top_k(x_MD @ p["router"] + p["router_bias"][None], k)[1])
+    loads = np.bincount(experts_Mk.ravel(), minlength=e)
+    assert loads.max() >= 2 * loads.min() + 8, loads  # uneven
+    gate = np.asarray(jnp.einsum("md,edf->emf", x_MD, p["expert_gate"]))
+    assert (gate > limit).mean() > 0.1 and (np.abs(gate) > limit).mean() < 0.9  # the clamp cuts, not everywhere
+
+    def loss(fn, x_MD, p):
+        return jnp.sum(jnp.sin(fn(x_MD, p)))
+
+    ours = jax.jit(jax.value_and_grad(functools.partial(
+        loss, lambda x, p: moe_mlp(x, p, k, True, clamped_swiglu(alpha, limit), topk_first=True)), argnums=(0, 1))
+    )(x_MD, p)
+    oracle = jax.jit(jax.value_and_grad(functools.partial(
+        loss, lambda x, p: dense_gpt_oss_mlp(x, p, k, alpha, limit)), argnums=(0, 1)))(x_MD, p)
+    np.testing.assert_allclose(ours[0], oracle[0], rtol=1e-5)
+    for (path, g), d in zip(jax.tree_util.tree_leaves_with_path(ours[1]), jax.tree.leaves(oracle[1])):
+        np.testing.assert_allclose(g, d, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+    for name in ("router_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias"):
+        assert np.abs(np.asarray(ours[1][1][name])).max() > 0, name
+
+
+def test_a_model_built_from_config_has_the_family_parameters():
+    config = from_hf_config(transformers.GptOssConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2).to_dict())
+    specs = param_specs(config)
+    assert specs["blocks/sinks"] == ((2, 4), ("layers", "q_heads"))
+    assert specs["blocks/expert_gate_bias"] == ((2, 4, 8), ("layers", "expert", "mlp"))
+    assert specs["blocks/router_bias"] == ((2, 4), ("layers", None))
