@@ -353,12 +353,18 @@ def _check_rollout_modes(config: Config) -> None:
         if reason:
             raise ConfigError("rollout.weight_sync", f"shm pushes whole models to the trainer's own child service; "
                                                      f"{reason}; use auto or disk")
+    if r.engine != "ours" and not r.urls:
+        raise ConfigError("rollout.engine", f"{r.engine} is the API of the services at rollout.urls, which is empty "
+                                            "(the trainer's own child service speaks ours)")
+    if r.engine == "vllm" and lora.rank and lora.push == "adapter":
+        raise ConfigError("model.lora.push", "adapter: vLLM reloads whole models; set model.lora.push=merged with "
+                                             "rollout.engine=vllm")
     if r.async_ and r.max_staleness < 1:
         raise ConfigError("rollout.max_staleness", "must be >= 1 with rollout.async=true (each rollout is sampled "
-                                                   "by the policy one version before the one it trains)")
+                                                   "by a policy K = max_staleness versions before the one it trains)")
     if r.async_ and config.algorithm.tis_cap is None and config.algorithm.mis_high is None:
         raise ConfigError("algorithm.tis_cap", "must be set (e.g. 2.0), or algorithm.mis_high, with "
-                                               "rollout.async=true: the importance weight corrects the one-step lag")
+                                               "rollout.async=true: the importance weight corrects the lag")
 
 
 def _check_environment(config: Config) -> None:

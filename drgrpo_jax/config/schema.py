@@ -38,7 +38,8 @@ def _f(default: Any, help: str, **more: Any) -> Any:
 class RunConfig:
     """Where the run writes and how it seeds."""
 
-    output_dir: str = _f("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints, samples")
+    output_dir: str = _f("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints, samples; a local "
+                                         "folder or gs://bucket/path (needs gcsfs)")
     seed: int = _f(0, "root PRNG seed in [0, 2**32 - 1]; data order, sampling and init all derive from it")
     log_every: int = _f(1, "print a progress line every N steps (metrics.jsonl gets every step)")
     sample_every: int = _f(10, "write sample completions every N steps (0 = never)")
@@ -145,6 +146,10 @@ class RolloutConfig:
     """Sampling G completions per prompt from the generation service."""
 
     urls: tuple[str, ...] = _f((), "generation service URLs; empty = start a local child service")
+    engine: Literal["ours", "sglang", "vllm"] = _f(
+        "ours", "the API the services at rollout.urls speak: ours (python -m drgrpo_jax.serve) and sglang, SGLang's "
+                "native /generate; vllm, vLLM's /inference/v1/generate and a weight reload through its dev routes "
+                "(start flags: docs/engines.md); the trainer's own child service is always ours")
     group_size: int = _f(8, "completions per prompt (G); a rollout's P * G * (max_prompt_tokens + max_new_tokens) "
                                    "tokens stay under 2**31 (int32 arrays)")
     prompts_per_step: int = _f(8, "prompts drawn per rollout (P); P * G responses per rollout")

@@ -1,10 +1,11 @@
 """Trainer-side rollout client: prompts out, completions + behaviour log-probs + weight version back.
 
 Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve`, a real SGLang or
-SGLang-JAX server alike. Several URLs form a data-parallel fleet: each gets a contiguous share of
-the prompts (whole groups), and a URL that keeps failing hands its share to the others (`retryable`).
-Weight pushes go by folder (`update_weights`, SGLang's /update_weights_from_disk) or, to the trainer's
-own child (rollout/local_service.py), by shared-memory segment (`update_weights_from_segment`).
+SGLang-JAX server alike; with `engine="vllm"`, vLLM's own routes instead (rollout/vllm.py translates them).
+Several URLs form a data-parallel fleet: each gets a contiguous share of the prompts (whole groups), and a URL
+that keeps failing hands its share to the others (`retryable`). Weight pushes go by folder (`update_weights`,
+SGLang's /update_weights_from_disk, or vLLM's reload) or, to the trainer's own child
+(rollout/local_service.py), by shared-memory segment (`update_weights_from_segment`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any, Literal, Self, get_args
 
 import httpx
 import numpy as np
 
-from drgrpo_jax.errors import RolloutError, StaleWeightsError
+from drgrpo_jax.errors import ConfigError, RolloutError, StaleWeightsError
+from drgrpo_jax.rollout import vllm
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.seeds import prompt_seeds
 from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["Completions", "RolloutClient", "check_versions", "retryable"]
+__all__ = ["ENGINES", "Completions", "Engine", "RolloutClient", "check_versions", "retryable"]
 
+Engine = Literal["ours", "sglang", "vllm"]  # the wire a service speaks (rollout.engine)
+ENGINES: tuple[str, ...] = get_args(Engine)
+_VLLM_IN_FLIGHT = 64  # concurrent vLLM requests (one per prompt) per client: vLLM batches what is in flight
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
 
@@ -92,19 +97,24 @@ class RolloutClient:
 
     `api_key`: every request carries `Authorization: Bearer <key>`. `local_server` (the trainer's own child,
     `LocalServer`): when it dies (killed, OOM) the client restarts it, loads the weights last pushed and redoes
-    the request (`service_restarts` counts it, up to `max_restarts`).
+    the request (`service_restarts` counts it, up to `max_restarts`). `engine`: the services' wire, SGLang's
+    native API (`ours`, `sglang`) or vLLM's (`vllm`: each URL is checked for the settings it needs on first use).
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None, api_key: str | None = None,
-                 local_server: LocalServer | None = None, max_restarts: int = 3):
+                 local_server: LocalServer | None = None, max_restarts: int = 3, engine: Engine = "ours"):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
             raise ValueError("urls: need at least one generation service URL")
         if max_retries < 0 or backoff_s < 0:
             raise ValueError("max_retries, backoff_s: must be >= 0")
+        if engine not in ENGINES:
+            raise ValueError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
+        self.engine = engine
+        self._ready: set[str] = set()  # the vLLM URLs found to have what this client needs
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.local_server, self.max_restarts = local_server, max_restarts
@@ -114,7 +124,8 @@ class RolloutClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport,
                                   headers=headers)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="rollout")
+        workers = max(len(self.urls), _VLLM_IN_FLIGHT) if engine == "vllm" else len(self.urls)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
 
     def close(self) -> None:
         """Releases connections and threads."""
@@ -145,7 +156,7 @@ class RolloutClient:
                     break  # no retry can reach a dead child; generate/update_weights restart it
                 continue
             if response.status_code < 400:
-                return response.json()
+                return response.json() if response.content else None  # vLLM's /collective_rpc may answer empty
             status = response.status_code
             retry_after = _retry_after(response)
             error = RolloutError(f"{url}{path}: HTTP {status}: {_error_message(response)}", status=status, url=url)
@@ -218,6 +229,7 @@ class RolloutClient:
         elif len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         shares = _split(len(prompts), len(self.urls))
+        self._check_engine()
 
         def body(start: int, stop: int) -> dict:
             params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
@@ -227,9 +239,16 @@ class RolloutClient:
             return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
                     "return_logprob": True}
 
+        if self.engine == "vllm":  # one request per prompt, sent to its share's URL
+            calls = [(k, vllm.GENERATE_PATH, vllm.generate_body(
+                prompts[i], seeds[i], group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                top_k=top_k, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos), 1)
+                for k, (a, b) in enumerate(shares) for i in range(a, b)]
+        else:
+            calls = [(k, "/generate", body(a, b), b - a) for k, (a, b) in enumerate(shares)]
         while True:
             try:
-                items = self._gather_shares(shares, [body(a, b) for a, b in shares], first_url, group_size)
+                items = self._gather(calls, first_url, group_size)
                 break
             except RolloutError as error:  # the same prompts and seeds again: the redone request samples the same
                 if not (retryable(error.status) and self._restart_local_server()):
@@ -239,19 +258,35 @@ class RolloutClient:
             check_versions(completions.weight_versions, expected_version, max_staleness)
         return completions
 
-    def _gather_shares(self, shares: list[tuple[int, int]], bodies: list[dict], first_url: int, group_size: int
-                       ) -> list[dict]:
-        """Posts each share's body (in parallel, with failover); the completions in prompt order."""
-        futures = [self._pool.submit(self._with_failover, (first_url + k) % len(self.urls), "/generate", body)
-                   for k, body in enumerate(bodies)]
+    def _gather(self, calls: list[tuple[int, str, dict, int]], first_url: int, group_size: int) -> list[dict]:
+        """Posts each (share, route, body, prompts) call to its share's URL (in parallel, with failover); the
+        completions in prompt order, as SGLang /generate items."""
+        futures = [self._pool.submit(self._with_failover, (first_url + k) % len(self.urls), path, body)
+                   for k, path, body, _ in calls]
         items: list[dict] = []
-        for (a, b), future in zip(shares, futures):
+        for (_, path, _, num_prompts), future in zip(calls, futures):
             answer = future.result()
+            if self.engine == "vllm":
+                answer = vllm.sglang_items(answer, group_size)
             answer = answer if isinstance(answer, list) else [answer]
-            if len(answer) != (b - a) * group_size:
-                raise RolloutError(f"/generate: {len(answer)} completions for {b - a} prompts x {group_size}")
+            if len(answer) != num_prompts * group_size:
+                raise RolloutError(f"{path}: {len(answer)} completions for {num_prompts} prompts x {group_size}")
             items += answer
         return items
+
+    def _check_engine(self) -> None:
+        """With engine vllm, ConfigError naming the start-up setting a URL lacks (read once per URL from what the
+        server exposes: its routes, and its config under dev mode)."""
+        for url in self.urls:
+            if self.engine != "vllm" or url in self._ready:
+                continue
+            openapi = self._request("GET", url, "/openapi.json") or {}
+            dev_mode = "/server_info" in openapi.get("paths", {})
+            info = self._request("GET", url, "/server_info?config_format=json") if dev_mode else {}
+            missing = vllm.missing_setting(openapi, info)
+            if missing is not None:
+                raise ConfigError("rollout.engine", f"vllm: {url} is not ready for training: {missing}")
+            self._ready.add(url)
 
     def update_weights(self, model_path: str, weight_version: str | int, *, rollback: bool = False) -> None:
         """Tells every service to load `model_path` as `weight_version`; raises naming every URL that refused.
@@ -264,12 +299,18 @@ class RolloutClient:
         model_path = os.fspath(model_path)
         if not is_remote(model_path):  # services refuse relative paths (they would resolve against their own cwd)
             model_path = os.path.abspath(model_path)
+        elif self.engine == "vllm":
+            raise RolloutError(f"{model_path}: vLLM reloads weights from a folder on its own disk, not a bucket")
+        self._check_engine()
         body: dict[str, Any] = {"model_path": model_path, "weight_version": str(weight_version)}
         if rollback:  # only then: a stand-in SGLang server never sees this service's extension
             body["allow_rollback"] = True
 
         def push(url: str) -> str | None:
             try:
+                if self.engine == "vllm":
+                    self._push_vllm(url, model_path, str(weight_version), rollback)
+                    return None
                 answer = self._request("POST", url, "/update_weights_from_disk", body)
             except RolloutError as error:
                 return str(error)
@@ -285,6 +326,14 @@ class RolloutClient:
             raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "
                                "service(s): " + " | ".join(failures))
         self._pushed, self._pushed_segment = (model_path, str(weight_version)), None
+
+    def _push_vllm(self, url: str, model_path: str, version: str, rollback: bool) -> None:
+        """Has the vLLM server at `url` reload `model_path` and label it `version`, unless that goes backwards."""
+        held = self._request("GET", url, "/weight_info")
+        vllm.check_forward(url, held.get("weight_version") if isinstance(held, dict) else None, version,
+                           rollback=rollback)
+        for path, body in vllm.weight_push_calls(model_path, version):
+            self._request("POST", url, path, body)
 
     def update_weights_from_segment(self, segment: str, tensors: list[dict[str, Any]], weight_version: str | int, *,
                                     rollback: bool = False) -> None:

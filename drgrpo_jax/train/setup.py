@@ -127,7 +127,8 @@ def api_key(config: Config) -> str | None:
 
 def connect_urls(config: Config) -> RolloutClient:
     """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
-    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s, api_key=api_key(config))
+    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s, api_key=api_key(config),
+                           engine=config.rollout.engine)
     for url, ok in zip(client.urls, client.healthy()):
         if not ok:
             client.close()

@@ -1,0 +1,92 @@
+"""vLLM's HTTP API as the rollout client's wire (`rollout.engine=vllm`): requests out, SGLang-shaped items back.
+
+Generation is vLLM's token-in/token-out route (`/inference/v1/generate`, served with `--enable-scale-out`): one
+request per prompt with `n` = G, its seed the prompt's (vLLM gives completion g of the group seed + g, so a group
+never repeats one draw), and each sampled token's log-prob, which is the temperature-scaled policy's only when the
+server runs with `--logprobs-mode processed_logprobs`. The answers are translated into the items SGLang's
+`/generate` returns (`output_ids`, `meta_info`), so the client checks and pads every engine's completions alike.
+A weight push reloads the exported safetensors folder (`/collective_rpc` `reload_weights`) and then labels it
+(`/update_weight_version`); both routes exist only under `VLLM_SERVER_DEV_MODE=1`. vLLM takes any label, so a
+version that goes backwards is refused here (`check_forward`). `missing_setting` reads what a server exposes at
+connect time and names the start-up setting it lacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from drgrpo_jax.errors import RolloutError
+
+__all__ = ["GENERATE_PATH", "check_forward", "generate_body", "missing_setting", "sglang_items", "weight_push_calls"]
+
+GENERATE_PATH = "/inference/v1/generate"
+_NEEDED_ROUTES = ((GENERATE_PATH, "start it with --enable-scale-out"),
+                  ("/collective_rpc", "start it with VLLM_SERVER_DEV_MODE=1 in its environment"),
+                  ("/update_weight_version", "start it with VLLM_SERVER_DEV_MODE=1 in its environment"))
+_LOGPROBS_MODE = "processed_logprobs"  # the log-probs of the distribution sampled from: after temperature, top-k/p
+
+
+def missing_setting(openapi: dict[str, Any], server_info: dict[str, Any]) -> str | None:
+    """What the vLLM server described by its /openapi.json and /server_info?config_format=json lacks, as the
+    start-up setting that fixes it; None when it has everything this client needs."""
+    routes = openapi.get("paths", {})
+    for route, fix in _NEEDED_ROUTES:
+        if route not in routes:
+            return f"no {route} route: {fix}"
+    config = server_info.get("vllm_config", {})
+    mode = config.get("model_config", {}).get("logprobs_mode") if isinstance(config, dict) else None
+    if mode != _LOGPROBS_MODE:
+        return (f"its log-probs are {mode!r}, not the sampled distribution's: start it with "
+                f"--logprobs-mode {_LOGPROBS_MODE}")
+    return None
+
+
+def generate_body(prompt: Sequence[int], seed: int, group_size: int, *, max_new_tokens: int, temperature: float,
+                  top_p: float, top_k: int, stop_token_ids: Sequence[int], ignore_eos: bool) -> dict[str, Any]:
+    """The /inference/v1/generate body of G completions of one prompt, each with its sampled token's log-prob."""
+    return {"token_ids": [int(t) for t in prompt], "sampling_params": {
+        "n": group_size, "seed": int(seed), "max_tokens": max_new_tokens, "temperature": temperature,
+        "top_p": top_p, "top_k": max(top_k, 0), "stop_token_ids": [int(t) for t in stop_token_ids],
+        "ignore_eos": ignore_eos, "logprobs": 0, "detokenize": False}}
+
+
+def sglang_items(answer: Any, group_size: int) -> list[dict[str, Any]]:
+    """One /inference/v1/generate answer as the G items SGLang's /generate returns, in the group's order.
+
+    A completion's weight version is the first of its `weight_versions` spans: the oldest weights that sampled
+    any of its tokens (a completion that crossed a push reports the version it started on, which the client's
+    version check then refuses as it refuses any stale completion)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or len(choices) != group_size:
+        raise RolloutError(f"{GENERATE_PATH}: expected {group_size} choices, got "
+                           f"{len(choices) if isinstance(choices, list) else repr(answer)[:200]}")
+    items = []
+    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+        content = (choice.get("logprobs") or {}).get("content")
+        ids = choice.get("token_ids")
+        if content is None or ids is None:
+            raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')} has no token_ids or logprobs")
+        spans = choice.get("weight_versions") or []
+        items.append({"output_ids": ids, "meta_info": {
+            "output_token_logprobs": [[entry.get("logprob"), entry.get("token_id"), None] for entry in content],
+            "finish_reason": choice.get("finish_reason"),
+            "weight_version": spans[0].get("version") if spans else None}})
+    return items
+
+
+def check_forward(url: str, held: Any, version: str, *, rollback: bool) -> None:
+    """RolloutError unless `version` is at least the numeric version the server at `url` holds (`held`, from
+    /weight_info; None before the first push), or `rollback` allows going back."""
+    held_text = None if held is None else str(held)
+    if rollback or held_text is None or not (held_text.isdigit() and version.isdigit()):
+        return
+    if int(version) < int(held_text):
+        raise RolloutError(f"{url}: weight version {version} is older than the {held_text} it holds (vLLM would "
+                           "take it; only a resumed run may go back)")
+
+
+def weight_push_calls(model_path: str, version: str) -> list[tuple[str, dict[str, Any]]]:
+    """The (route, body) calls that load the safetensors folder `model_path` and label it `version`, in order."""
+    return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}}),
+            ("/update_weight_version", {"new_version": version})]
