@@ -51,12 +51,13 @@ def into_sums(params: Any, sums: Any, *, unembed_by_caller: bool = False
             {name: sum_[...] for name, sum_ in sums["blocks"].items()}, unembed)
 
 
-Block = Callable[[jax.Array, Any], jax.Array]  # (x, (params of one layer, its extras)) -> x
+Block = Callable[[Any, Any], Any]  # (x, (params of one layer, its extras)) -> x; x an array or a tuple of them
 
 
-def scan_layers(block: Block, x: jax.Array, params: dict[str, jax.Array], extras: Any, policy: str,
-                sums: dict[str, jax.Array] | None = None) -> jax.Array:
-    """x after `block` of every layer: params (stacked arrays) and extras have the layer axis leading.
+def scan_layers(block: Block, x: Any, params: dict[str, jax.Array], extras: Any, policy: str,
+                sums: dict[str, jax.Array] | None = None) -> Any:
+    """x after `block` of every layer: params (stacked arrays) and extras have the layer axis leading; x is the
+    hidden state, or a tuple of it and what the layers add to (a mixture's router sums).
 
     `sums` (float32, shaped like params; `policy` "full" only) takes the gradient in place of params (see above).
     """
@@ -95,7 +96,7 @@ def _backward_into_sums(block, residuals, ct_y):
         sums = {name: _add_at(sums[name], index, g) for name, g in ct_p.items()}
         return (ct, sums), None
 
-    layers = (jnp.arange(inputs.shape[0]), inputs, params, extras)
+    layers = (jnp.arange(jax.tree.leaves(inputs)[0].shape[0]), inputs, params, extras)  # x may be a tuple
     (ct_x, sums), _ = jax.lax.scan(layer_back, (ct_y, sums), layers, reverse=True)
     return ct_x, None, None, sums
 

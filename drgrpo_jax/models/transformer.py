@@ -37,7 +37,7 @@ from drgrpo_jax.models.kv_cache import (
     write_keys,
     write_values,
 )
-from drgrpo_jax.models.moe import Glu, clamped_swiglu, moe_mlp
+from drgrpo_jax.models.moe import Glu, RouterStats, clamped_swiglu, moe_mlp, router_stats
 from drgrpo_jax.models.params import Blocks, init_value
 from drgrpo_jax.models.remat import name_attention, name_projection
 
@@ -171,9 +171,15 @@ def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_B
     return apply_rope(q_BTQH, cos_BTH, sin_BTH), apply_rope(k_BTCH, cos_BTH, sin_BTH), v_BTCH
 
 
+Routing = tuple[jax.Array, jax.Array]  # a mixture's (router logits [M, e], experts [M, k]) of one layer
+
+
 def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTQH: jax.Array,
-                     f32_gate: bool = False, key: jax.Array | None = None) -> jax.Array:
-    """Output projection and residual, then the MLP block and its residual.
+                     f32_gate: bool = False, key: jax.Array | None = None, forced_BTk: jax.Array | None = None
+                     ) -> tuple[jax.Array, Routing | None]:
+    """Output projection and residual, then the MLP block and its residual; and a mixture's routing (else None).
+
+    `forced_BTk`: the experts a mixture uses (router replay), in place of its router's choice.
 
     `f32_gate` (inference) applies the gate nonlinearity to the GEMMs' float32 outputs and rounds once:
     in bf16, XLA on CPU emulates the activation op by op, rounding after each (much slower at decode).
@@ -189,9 +195,12 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
         h_BTD = rms_norm(x_BTD, p["mlp_norm"], eps, plus_one)
         if config.moe:
             B, T, D = h_BTD.shape
-            m_BTD = moe_mlp(h_BTD.reshape(B * T, D), p, config.experts_per_token, config.norm_topk_prob,
-                            _expert_glu(config), config.compute_dtype, config.gpt_oss_experts).reshape(B, T, D)
-            return x_BTD + m_BTD
+            k = config.experts_per_token
+            forced_Mk = None if forced_BTk is None else forced_BTk.reshape(B * T, k)
+            m_MD, logits_Me, experts_Mk = moe_mlp(h_BTD.reshape(B * T, D), p, k, config.norm_topk_prob,
+                                                  _expert_glu(config), config.compute_dtype, config.gpt_oss_experts,
+                                                  forced_Mk)
+            return x_BTD + m_MD.reshape(B, T, D), (logits_Me, experts_Mk)
         if f32_gate:
             gate_BTI = _activation(config.activation, _project_f32_lora(config, p, "gate_proj", h_BTD))
             hidden_BTI = (gate_BTI * _project_f32_lora(config, p, "up_proj", h_BTD)).astype(h_BTD.dtype)
@@ -201,7 +210,7 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
         m_BTD = _project(config, p, "down_proj", hidden_BTI, key=key)
         if config.post_norms:
             m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
-        return x_BTD + m_BTD
+        return x_BTD + m_BTD, None
 
 
 def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH: jax.Array, v_BTCH: jax.Array,
@@ -222,11 +231,14 @@ def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH
 
 def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
                 segment_ids_BT: jax.Array, lora_key: jax.Array | None = None,
-                grad_sums: dict[str, jax.Array] | None = None) -> jax.Array:
-    """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers.
+                grad_sums: dict[str, jax.Array] | None = None, routed_BTLk: jax.Array | None = None,
+                with_stats: bool = False, counted_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
+    """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers; and with
+    `with_stats` (a mixture) the router's sums over the real tokens (segment id != 0; or `counted_BT`), else None.
 
     `lora_key` (training with adapter dropout): each layer draws its masks from its own fold of it.
     `grad_sums` (remat `full`): float32 sums shaped like params that take their gradient (models/grad_sums.py).
+    `routed_BTLk` (a mixture): every layer's experts of every token (router replay), in place of its router's.
 
     Attention by `config.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
     layers; the others derive visibility from positions and segment ids inside their kernels.
@@ -238,9 +250,12 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
     layer_L = jnp.arange(config.num_layers)
+    routed_LBTk = None if routed_BTLk is None else jnp.moveaxis(jnp.asarray(routed_BTLk, jnp.int32), 2, 0)
+    real_M = (segment_ids_BT != 0 if counted_BT is None else counted_BT).reshape(-1)
 
-    def block(x_BTD, layer):
-        p, (sliding, index) = layer
+    def block(carry, layer):
+        x_BTD, stats = carry if with_stats else (carry, None)
+        p, (sliding, index, forced_BTk) = layer
         key = None if lora_key is None else jax.random.fold_in(lora_key, index)
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
@@ -253,21 +268,33 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
                 o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, config.compute_dtype,
                                              _sinks(config, p))
             o_BTQH = name_attention(o_BTQH)
-        return _after_attention(config, p, x_BTD, o_BTQH, key=key)
+        x_BTD, routing = _after_attention(config, p, x_BTD, o_BTQH, key=key, forced_BTk=forced_BTk)
+        if stats is None or routing is None:
+            return x_BTD
+        layer_stats = router_stats(*routing, real_M, index, config.num_layers)
+        return x_BTD, jax.tree.map(jnp.add, stats, layer_stats)
 
-    return scan_layers(block, x_BTD, params, (sliding_L, layer_L), config.remat, grad_sums)
+    if not with_stats:
+        return scan_layers(block, x_BTD, params, (sliding_L, layer_L, routed_LBTk), config.remat, grad_sums), None
+    if not config.moe:
+        raise ValueError(f"router stats: {config.family} has no router (a dense MLP in every layer)")
+    e = config.num_experts
+    zeros = RouterStats(counts_Le=jnp.zeros((config.num_layers, e), _F32), probs_e=jnp.zeros(e, _F32),
+                        z=jnp.zeros((), _F32), rows=jnp.zeros((), _F32))
+    return scan_layers(block, (x_BTD, zeros), params, (sliding_L, layer_L, routed_LBTk), config.remat, grad_sums)
 
 
 def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
                          positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
-    """Every layer as straight-line code over per-layer weights and a per-layer (split) cache.
+    """Every layer as straight-line code over per-layer weights and a per-layer (split) cache; returns
+    (x, keys, values, a mixture's experts [B, T, L, k] or None).
 
     Static layer indices and per-layer buffers: a scan step dynamic-slices every weight and the layer's
     cache out of the stacked arrays (copies, and on CPU a bf16 dynamic-slice goes through f32); here each
     layer's slots are written in place, then read.
     """
     tables = rope_for_layers(config, positions_BT) if rope is None else rope
-    keys, values = [], []
+    keys, values, experts = [], [], []
     for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
         with jax.named_scope(f"layer_{index}"):
             q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, *tables[int(sliding)])
@@ -275,8 +302,10 @@ def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Arra
             values.append(write_values(cache.v[index], v_BTCH, cache.length))
             o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale,
                                   _sinks(config, p))
-            x_BTD = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
-    return x_BTD, tuple(keys), tuple(values)
+            x_BTD, routing = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
+            if routing is not None:
+                experts.append(routing[1].reshape(*x_BTD.shape[:2], -1))
+    return x_BTD, tuple(keys), tuple(values), jnp.stack(experts, axis=2) if experts else None
 
 
 def layer_params(params: dict[str, jax.Array], num_layers: int) -> tuple[dict[str, jax.Array], ...]:
@@ -339,20 +368,40 @@ class Transformer(nnx.Module):
 
     def hidden_states(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
                       segment_ids_BT: jax.Array | None = None, lora_key: jax.Array | None = None,
-                      grad_sums: dict[str, jax.Array] | None = None) -> jax.Array:
+                      grad_sums: dict[str, jax.Array] | None = None, routed_experts_BTLk: jax.Array | None = None
+                      ) -> jax.Array:
         """Final-normed hidden states [B, T, D] of a full (non-cached) forward (`lora_key`: adapter dropout).
 
         `grad_sums`: float32 sums shaped like `blocks.arrays()` that take the layers' gradient in place of them
-        (remat `full`; models/grad_sums.py).
+        (remat `full`; models/grad_sums.py). `routed_experts_BTLk` (int32 [B, T, L, k], a mixture): the experts
+        every layer uses for every token (router replay), their weights from this router's logits.
         """
+        return self.hidden_states_and_router(input_ids_BT, positions_BT, segment_ids_BT, lora_key, grad_sums,
+                                             routed_experts_BTLk, with_stats=False)[0]
+
+    def hidden_states_and_router(self, input_ids_BT: jax.Array, positions_BT: jax.Array | None = None,
+                                 segment_ids_BT: jax.Array | None = None, lora_key: jax.Array | None = None,
+                                 grad_sums: dict[str, jax.Array] | None = None,
+                                 routed_experts_BTLk: jax.Array | None = None, with_stats: bool = True,
+                                 counted_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
+        """`hidden_states` and, `with_stats` (a mixture only), the router's sums over the real tokens, or those of
+        `counted_BT` (bool) (`models/moe.py`: its loss terms and expert loads; they take the router's gradient)."""
         B, T = input_ids_BT.shape
+        config = self.config
+        if routed_experts_BTLk is not None:
+            want = (B, T, config.num_layers, config.experts_per_token)
+            if not config.moe:
+                raise ValueError(f"routed_experts: {config.family} has no router (a dense MLP in every layer)")
+            if tuple(routed_experts_BTLk.shape) != want:
+                raise ValueError(f"routed_experts: shape {tuple(routed_experts_BTLk.shape)}, expected [B, T, L, k] = "
+                                 f"{list(want)}")
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        x_BTD = _run_blocks(self.config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT, segment_ids_BT,
-                            lora_key, grad_sums)
-        return rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
+        x_BTD, stats = _run_blocks(config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
+                                   segment_ids_BT, lora_key, grad_sums, routed_experts_BTLk, with_stats, counted_BT)
+        return rms_norm(x_BTD, self.final_norm[...], config.rms_norm_eps, config.gemma_norms), stats
 
     def unembed_DV(self) -> jax.Array:
         """Output projection [D, V] (the embedding transposed when tied)."""
@@ -373,7 +422,14 @@ class Transformer(nnx.Module):
 
     def decode(self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
                layers: tuple[dict[str, jax.Array], ...] | None = None, rope=None) -> tuple[jax.Array, KVCache]:
-        """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache).
+        """`decode_routed` without the experts."""
+        return self.decode_routed(input_ids_BT, positions_BT, cache, layers, rope)[:2]
+
+    def decode_routed(self, input_ids_BT: jax.Array, positions_BT: jax.Array, cache: KVCache,
+                      layers: tuple[dict[str, jax.Array], ...] | None = None, rope=None
+                      ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """Write T tokens into cache slots [length, length + T), attend over the cache; (logits, new cache, a
+        mixture's experts [B, T, L, k] int32 or None).
 
         Tokens with position -1 (padding) are stored as empty slots and are never visible. The caller sizes the
         cache: XLA clamps a write past its end onto the last slots. The cache comes stacked (`init_cache`,
@@ -391,10 +447,10 @@ class Transformer(nnx.Module):
         stacked = not isinstance(cache.k, tuple)
         layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
         split = split_cache(cache) if stacked else cache
-        x_BTD, k, v = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
+        x_BTD, k, v, experts_BTLk = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
         if stacked:
             restacked = stack_cache(dataclasses.replace(split, k=k, v=v))
             k, v = restacked.k, restacked.v
         hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
         new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
-        return self.logits_from_hidden(hidden_BTD), new_cache
+        return self.logits_from_hidden(hidden_BTD), new_cache, experts_BTLk

@@ -2,7 +2,7 @@
 
 Shape letters (docs/shape_letters.md): P distinct prompts (padded to a bucket), U prompt positions
 (bucketed), B rows (prompt x sample, padded to a bucket), T new-token budget (bucketed), S cache slots,
-V vocab, E stop (end) ids per row.
+V vocab, E stop (end) ids per row; L layers and k experts per token of a mixture (`record_experts`).
 
 `generate` runs a few compiled programs from the host: `_prefill`, `_decode_phase` (a while_loop over a cache it
 carries and updates in place) and between phases `_regrow` (the next span, dropping finished rows). Every
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import flax.struct
 import jax
@@ -47,6 +47,9 @@ __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOu
            "batch_bucket", "bucket", "check_mesh", "compiled_programs", "generate", "make_batch", "mesh_rows",
            "place_batch", "span_schedule"]
 
+# Size: one concept, the sampler's programs (prefill, decode phase, regrow) and the host loop that drives them: they
+# share the state carried between them and what it records (tokens, log-probs, a mixture's experts), so a field of
+# that state changes all of them at once.
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
 PREFILL_CHUNK = 1024  # prompt columns a prefill program writes: bounds its attention scores (sampler/memory.py)
 
@@ -86,6 +89,7 @@ class RowRequest:
     seed: int  # root seed of the request (uint32)
     stream: int = 0  # which prompt of the request (folded into the seed's key)
     sample: int = 0  # which of the n samples of that prompt (folded in after `stream`)
+    return_routed_experts: bool = False  # a mixture's experts of each token it reads are wanted (`record_experts`)
 
 
 ArrayT = TypeVar("ArrayT")  # what a batch holds: np.ndarray from make_batch, jax.Array under jit
@@ -128,6 +132,11 @@ class SamplerOutput:
     num_steps: jax.Array  # int32 decode iterations run (early exit shows here)
     # (rows, cache slots, decode iterations) of each phase run: what the steps cost (host-side, not traced).
     phases: tuple[tuple[int, int, int], ...] = flax.struct.field(pytree_node=False, default=())
+    # `record_experts` (a mixture): the experts every layer chose for each token the model read, int32 (router
+    # replay). Column t of a row: when its token t was fed back (the last sampled token never is: 0 there, as past
+    # its length); each distinct prompt's (row b reads prompt rows.prompt_index_B[b]), left-padded (0) like the prompt.
+    experts_BTLk: jax.Array | None = None
+    prompt_experts_PULk: jax.Array | None = None
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -191,7 +200,8 @@ def _constrain(decoding: _Decoding, mesh: Mesh | None) -> _Decoding:
     out = decoding.out
     out = dataclasses.replace(out, tokens_BT=_rows_split(out.tokens_BT, mesh),
                               logprobs_BT=_rows_split(out.logprobs_BT, mesh),
-                              lengths_B=_rows_split(out.lengths_B, mesh), stopped_B=_rows_split(out.stopped_B, mesh))
+                              lengths_B=_rows_split(out.lengths_B, mesh), stopped_B=_rows_split(out.stopped_B, mesh),
+                              experts_BTLk=None if out.experts_BTLk is None else _rows_split(out.experts_BTLk, mesh))
     return dataclasses.replace(decoding, cache=cache, tokens_B=_rows_split(decoding.tokens_B, mesh),
                                done_B=_rows_split(decoding.done_B, mesh), out=out,
                                rows=jax.tree.map(lambda x: _rows_split(x, mesh), decoding.rows),
@@ -313,6 +323,19 @@ def _record(decoding: _Decoding, tokens_B: jax.Array, logprobs_B: jax.Array) -> 
     return dataclasses.replace(decoding, step=decoding.step + 1, tokens_B=tokens_B, out=out, done_B=done_B)
 
 
+def _record_experts(decoding: _Decoding, experts_BLk: jax.Array | None) -> _Decoding:
+    """Writes the experts that read each live row's token of step - 1 (fed back at this step) into column step - 1
+    (no-op unless the sampler records experts)."""
+    out = decoding.out
+    if out.experts_BTLk is None or experts_BLk is None:
+        return decoding
+    column = decoding.step - 1
+    old_BLk = jax.lax.dynamic_index_in_dim(out.experts_BTLk, column, axis=1, keepdims=False)
+    new_BLk = jnp.where(decoding.done_B[:, None, None], old_BLk, experts_BLk)
+    experts_BTLk = jax.lax.dynamic_update_index_in_dim(out.experts_BTLk, new_BLk, column, axis=1)
+    return dataclasses.replace(decoding, out=dataclasses.replace(out, experts_BTLk=experts_BTLk))
+
+
 def _take_and_grow(cache: KVCache, index_B: jax.Array, num_slots: int) -> KVCache:
     """Rows `index_B` of a split cache, its slot axis padded with empty slots to `num_slots`."""
     extra = num_slots - cache.positions_BS.shape[1]
@@ -338,39 +361,54 @@ def _prompt_cache(model: Transformer, num_prompts: int, prompt_len: int, cache_d
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "cache_dtype", "mesh"))
 def _prefill_part(graphdef: nnx.GraphDef, state: nnx.State, ids_PC: jax.Array, positions_PC: jax.Array,
                   cache: KVCache | None, *, prompt_len: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None
-                  ) -> KVCache:
-    """The prompts' cache (None: a new one of `prompt_len` slots) with the next PREFILL_CHUNK columns written."""
+                  ) -> tuple[KVCache, jax.Array | None]:
+    """The prompts' cache (None: a new one of `prompt_len` slots) with the next PREFILL_CHUNK columns written, and a
+    mixture's experts of those columns [P, C, L, k] (unused ones XLA drops)."""
     model = nnx.merge(graphdef, state)
     if cache is None:
         cache = _prompt_cache(model, ids_PC.shape[0], prompt_len, cache_dtype, mesh)
-    _, cache = model.decode(ids_PC, positions_PC, cache, layer_params(model.blocks.arrays(), model.config.num_layers))
-    return cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    _, cache, experts_PCLk = model.decode_routed(ids_PC, positions_PC, cache,
+                                                 layer_params(model.blocks.arrays(), model.config.num_layers))
+    return (cache if mesh is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh)),
+            experts_PCLk)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_slots", "cache_dtype", "mesh",
-                                             "done"))
+                                             "done", "record_experts"))
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Array], *, max_new_tokens: int,
              num_slots: int, cache_dtype: jnp.dtype, mesh: Mesh | None = None, cache: KVCache | None = None,
-             done: int = 0) -> _Decoding:
+             done: int = 0, record_experts: bool = False) -> _Decoding:
     """Prefills each distinct prompt once, copies its slots to its rows (a cache of `num_slots`), samples token 0.
-    `cache`: the prompts' cache with its first `done` columns written already (`_prefill_part`), the rest here."""
+    `cache`: the prompts' cache with its first `done` columns written already (`_prefill_part`), the rest here.
+    `record_experts`: the output carries the experts of prompt columns `done` on and a buffer for the rows'."""
     model = nnx.merge(graphdef, state)
+    if record_experts and not model.config.moe:
+        raise ValueError(f"record_experts: {model.config.family} has no router (a dense MLP in every layer)")
     num_prompts, prompt_len = batch.prompt_ids_PU.shape
     layers = layer_params(model.blocks.arrays(), model.config.num_layers)
     if cache is None:
         cache = _prompt_cache(model, num_prompts, prompt_len, cache_dtype, mesh)
     # Prefill all but the last prompt column (its logits are unused, so XLA drops the unembedding),
     # then feed the last column alone: only [P, 1, V] logits are ever made, not [P, U, V].
+    prompt_experts = []
     if prompt_len - done > 1:
-        _, cache = model.decode(batch.prompt_ids_PU[:, done:-1], batch.prompt_positions_PU[:, done:-1], cache,
-                                layers)
-    logits_P1V, cache = model.decode(batch.prompt_ids_PU[:, -1:], batch.prompt_positions_PU[:, -1:], cache, layers)
+        _, cache, experts_PULk = model.decode_routed(batch.prompt_ids_PU[:, done:-1],
+                                                     batch.prompt_positions_PU[:, done:-1], cache, layers)
+        prompt_experts.append(experts_PULk)
+    logits_P1V, cache, experts_P1Lk = model.decode_routed(batch.prompt_ids_PU[:, -1:],
+                                                          batch.prompt_positions_PU[:, -1:], cache, layers)
+    prompt_experts.append(experts_P1Lk)
     rows = batch.rows
     num_rows = rows.live_B.shape[0]
+    config = model.config
     out = SamplerOutput(tokens_BT=jnp.zeros((num_rows, max_new_tokens), jnp.int32),
                         logprobs_BT=jnp.zeros((num_rows, max_new_tokens), jnp.float32),
                         lengths_B=jnp.zeros((num_rows,), jnp.int32), stopped_B=jnp.zeros((num_rows,), bool),
                         num_steps=jnp.int32(0))
+    if record_experts:
+        out = dataclasses.replace(
+            out, prompt_experts_PULk=jnp.concatenate(prompt_experts, axis=1),
+            experts_BTLk=jnp.zeros((num_rows, max_new_tokens, config.num_layers, config.experts_per_token), jnp.int32))
     decoding = _Decoding(step=jnp.int32(0), cache=_take_and_grow(cache, rows.prompt_index_B, num_slots),
                          tokens_B=jnp.zeros((num_rows,), jnp.int32), done_B=~rows.live_B | (rows.max_new_tokens_B <= 0),
                          out=out, rows=rows, keys_B=row_keys(rows.seeds_B, rows.streams_B, rows.samples_B))
@@ -404,7 +442,8 @@ def _decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: _Decoding,
     def decode_one(d: _Decoding) -> _Decoding:
         positions_B1 = (d.rows.prompt_lengths_B + d.step - 1)[:, None]
         rope = jax.tree.map(lambda table_SB1H: table_SB1H[d.step - first], rope_S)
-        logits_B1V, cache = model.decode(d.tokens_B[:, None], positions_B1, d.cache, layers, rope)
+        logits_B1V, cache, experts_B1Lk = model.decode_routed(d.tokens_B[:, None], positions_B1, d.cache, layers, rope)
+        d = _record_experts(d, None if experts_B1Lk is None else experts_B1Lk[:, 0])
         d = dataclasses.replace(d, cache=cache, out=dataclasses.replace(d.out, num_steps=d.out.num_steps + 1))
         return _constrain(_record(d, *_draw(d, logits_B1V[:, 0])), mesh)
 
@@ -422,7 +461,8 @@ def _regrow(decoding: _Decoding, index_B: jax.Array, *, num_slots: int, mesh: Me
         decoding, cache=_take_and_grow(decoding.cache, index_B, num_slots), tokens_B=take(decoding.tokens_B),
         done_B=take(decoding.done_B), rows=jax.tree.map(take, decoding.rows), keys_B=take(decoding.keys_B),
         out=dataclasses.replace(out, tokens_BT=take(out.tokens_BT), logprobs_BT=take(out.logprobs_BT),
-                                lengths_B=take(out.lengths_B), stopped_B=take(out.stopped_B))), mesh)
+                                lengths_B=take(out.lengths_B), stopped_B=take(out.stopped_B),
+                                experts_BTLk=None if out.experts_BTLk is None else take(out.experts_BTLk))), mesh)
 
 
 def _kept_rows(done_B: np.ndarray, data: int = 1) -> np.ndarray | None:
@@ -438,18 +478,24 @@ def _kept_rows(done_B: np.ndarray, data: int = 1) -> np.ndarray | None:
 class _Collected:
     """Host copies of every row's output, filled as rows leave the device batch."""
 
-    def __init__(self, num_rows: int, max_new_tokens: int):
+    def __init__(self, num_rows: int, max_new_tokens: int, experts: tuple[int, int] | None = None):
         self.tokens_BT = np.zeros((num_rows, max_new_tokens), np.int32)
         self.logprobs_BT = np.zeros((num_rows, max_new_tokens), np.float32)
         self.lengths_B = np.zeros(num_rows, np.int32)
         self.stopped_B = np.zeros(num_rows, bool)
+        # (L, k) when the sampler records experts
+        self.experts_BTLk = None if experts is None else np.zeros((num_rows, max_new_tokens, *experts), np.int32)
 
     def save(self, out: SamplerOutput, row_ids: np.ndarray) -> None:
         """Stores the device rows whose original index is `row_ids` (-1 = a padding row, skipped)."""
-        got = jax.device_get((out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+        mine = [self.tokens_BT, self.logprobs_BT, self.lengths_B, self.stopped_B]
+        theirs: list[jax.Array | None] = [out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B]
+        if self.experts_BTLk is not None:
+            mine.append(self.experts_BTLk)
+            theirs.append(out.experts_BTLk)
         real = row_ids >= 0
-        for mine, theirs in zip((self.tokens_BT, self.logprobs_BT, self.lengths_B, self.stopped_B), got):
-            mine[row_ids[real]] = theirs[real]
+        for into, got in zip(mine, jax.device_get(theirs)):
+            into[row_ids[real]] = got[real]
 
 
 def _unwanted_mask(unwanted: Callable[[], Sequence[bool]] | None, num_rows: int) -> np.ndarray:
@@ -463,17 +509,23 @@ def _unwanted_mask(unwanted: Callable[[], Sequence[bool]] | None, num_rows: int)
     return mask
 
 
-def _nothing_sampled(num_rows: int, max_new_tokens: int) -> SamplerOutput:
-    """What a batch returns when its prefill stopped because no row was wanted any more."""
-    return SamplerOutput(jnp.zeros((num_rows, max_new_tokens), jnp.int32),
-                         jnp.zeros((num_rows, max_new_tokens), jnp.float32), jnp.zeros((num_rows,), jnp.int32),
-                         jnp.zeros((num_rows,), bool), jnp.int32(0))
+def _nothing_sampled(num_rows: int, max_new_tokens: int, experts: tuple[int, int, int, int] | None) -> SamplerOutput:
+    """What a batch returns when its prefill stopped because no row was wanted any more (`experts`: (P, U, L, k)
+    when recording; the prompts' experts are then left 0 too)."""
+    out = SamplerOutput(jnp.zeros((num_rows, max_new_tokens), jnp.int32),
+                        jnp.zeros((num_rows, max_new_tokens), jnp.float32), jnp.zeros((num_rows,), jnp.int32),
+                        jnp.zeros((num_rows,), bool), jnp.int32(0))
+    if experts is None:
+        return out
+    P, U, L, k = experts
+    return dataclasses.replace(out, experts_BTLk=jnp.zeros((num_rows, max_new_tokens, L, k), jnp.int32),
+                               prompt_experts_PULk=jnp.zeros((P, U, L, k), jnp.int32))
 
 
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
              cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
              unwanted: Callable[[], Sequence[bool]] | None = None, check_every: int | None = None,
-             mesh: Mesh | None = None) -> SamplerOutput:
+             mesh: Mesh | None = None, record_experts: bool = False) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
     `unwanted`: called on the host between the prefill's programs of a prompt longer than PREFILL_CHUNK, before
@@ -485,6 +537,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     `mesh`: a (data, fsdp=1, tensor) mesh that `state` is placed on (`sharding.param_shardings`): the batch's
     prompts and rows are split over `data` (their counts must divide by it: `mesh_rows`), heads, MLP and
     vocabulary over `tensor`. A row's draws are its own (`row_keys`); the mesh changes only the order of float sums.
+    `record_experts` (a mixture of experts only): the output also holds the experts every layer's router chose for
+    every prompt and generated token the model read (`SamplerOutput.experts_BTLk`, `prompt_experts_PULk`), what
+    router replay gives the trainer; the tokens and log-probs are the same either way.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -498,6 +553,13 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     spans = span_schedule(prompt_len, max_new_tokens)
     placed = place_batch(batch, mesh)
     cache, done = None, 0
+    experts_Lk: tuple[int, int] | None = None  # (L, k) when recording
+    prompt_parts: list[Any] = []  # the experts [P, C, L, k] of the chunked prompt columns (None unless a mixture)
+    if record_experts:
+        config = nnx.merge(graphdef, state).config
+        if not config.moe:
+            raise ValueError(f"record_experts: {config.family} has no router (a dense MLP in every layer)")
+        experts_Lk = (config.num_layers, config.experts_per_token)
     if prompt_len > PREFILL_CHUNK:
         # A long prompt is prefilled PREFILL_CHUNK columns a program: its attention scores grow linearly with the
         # prompt, not with its square (sampler/memory.py), and `unwanted` is asked between the programs, so a
@@ -505,16 +567,23 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         live_B = jax.device_get(batch.rows.live_B)
         for start in range(0, prompt_len - PREFILL_CHUNK, PREFILL_CHUNK):
             if unwanted is not None and (_unwanted_mask(unwanted, num_rows) | ~live_B).all():
-                return _nothing_sampled(num_rows, max_new_tokens)
+                shape = None if experts_Lk is None else (batch.prompt_ids_PU.shape[0], prompt_len, *experts_Lk)
+                return _nothing_sampled(num_rows, max_new_tokens, shape)
             columns = slice(start, start + PREFILL_CHUNK)
-            cache = _prefill_part(graphdef, state, placed.prompt_ids_PU[:, columns],
+            cache, experts_PCLk = _prefill_part(graphdef, state, placed.prompt_ids_PU[:, columns],
                                   placed.prompt_positions_PU[:, columns], cache, prompt_len=prompt_len,
                                   cache_dtype=cache_dtype, mesh=mesh)
+            prompt_parts.append(experts_PCLk)
             done = start + PREFILL_CHUNK
     decoding = _prefill(graphdef, state, placed, max_new_tokens=max_new_tokens,
                         num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh, cache=cache,
-                        done=done)
-    collected, row_ids = _Collected(num_rows, max_new_tokens), np.arange(num_rows)
+                        done=done, record_experts=record_experts)
+    prompt_experts_PULk = None
+    if record_experts:
+        prompt_experts_PULk = jnp.concatenate([*prompt_parts, decoding.out.prompt_experts_PULk], axis=1)
+        prompt_experts_PULk = jnp.where(placed.prompt_positions_PU[:, :, None, None] >= 0, prompt_experts_PULk, 0)
+        decoding = dataclasses.replace(decoding, out=dataclasses.replace(decoding.out, prompt_experts_PULk=None))
+    collected, row_ids = _Collected(num_rows, max_new_tokens, experts_Lk), np.arange(num_rows)
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
     pause = max_new_tokens if unwanted is None or check_every is None else check_every
@@ -559,7 +628,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     steps_run = np.diff([*first_steps, num_steps]).tolist()
     return SamplerOutput(jnp.asarray(collected.tokens_BT), jnp.asarray(collected.logprobs_BT),
                          jnp.asarray(collected.lengths_B), jnp.asarray(collected.stopped_B), jnp.int32(num_steps),
-                         tuple((rows, span, steps) for (rows, span), steps in zip(phases, steps_run)))
+                         tuple((rows, span, steps) for (rows, span), steps in zip(phases, steps_run)),
+                         None if collected.experts_BTLk is None else jnp.asarray(collected.experts_BTLk),
+                         prompt_experts_PULk)
 
 
 def compiled_programs() -> int:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.errors import InvalidWeights, QueueFull
@@ -52,6 +53,9 @@ class RowResult:
     weight_version: str
     aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty), or its
     # client left while it was sampled (output_ids: what was sampled until then; nobody reads it)
+    # int32 [prompt + output - 1, L, k] (the row's `return_routed_experts`): the experts every layer chose for each
+    # token the model read, the prompt's then the output's but its last (SGLang's routed_experts); else None
+    routed_experts: np.ndarray | None = None
 
 
 def row_cost(row: RowRequest) -> int:
@@ -402,12 +406,21 @@ class Engine:
                 self.phase_checks += 1
             return gone
 
+        record = any(r.return_routed_experts for r in rows)
         out = sampling.generate(weights.graphdef, weights.state, batch,
                                 max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
                                 cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
-                                check_every=self.config.cancel_check_steps, mesh=self.mesh)
+                                check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+        routed: list[np.ndarray | None] = [None] * len(rows)
+        if record:
+            prompt_experts, experts = jax.device_get((out.prompt_experts_PULk, out.experts_BTLk))
+            for b, row in enumerate(rows):
+                if row.return_routed_experts:  # the prompt's (left-padded) then the output's, but its last
+                    read = np.concatenate([prompt_experts[batch.rows.prompt_index_B[b], -len(row.prompt_ids):],
+                                           experts[b, :max(int(lengths[b]) - 1, 0)]])
+                    routed[b] = read[:len(row.prompt_ids) + int(lengths[b]) - 1]
         # Python bools (not numpy's): the counters below are served as JSON by /get_model_info.
         cut = [bool(gone[b] and not stopped[b] and lengths[b] < rows[b].params.max_new_tokens)
                for b in range(len(rows))]
@@ -417,7 +430,7 @@ class Engine:
             self.rows_cut += sum(cut)
             self.batches_stopped += all(gone) and any(cut)
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
-                          weights.version, aborted=cut[b]) for b in range(len(rows))]
+                          weights.version, aborted=cut[b], routed_experts=routed[b]) for b in range(len(rows))]
 
 
 def _clients_gone(taken: list[tuple[_Job, int]]) -> Callable[[], list[bool]]:

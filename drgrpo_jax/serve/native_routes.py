@@ -4,6 +4,8 @@ updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the train
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import secrets
 import time
 from typing import Any
@@ -175,13 +177,20 @@ def _finish_reason(result: RowResult, choice: Choice) -> dict:
 
 def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, latency: float,
                return_logprob: bool) -> dict:
-    """One completion in SGLang's /generate shape (its tokens through the one that completed a stop string)."""
+    """One completion in SGLang's /generate shape (its tokens through the one that completed a stop string).
+
+    `routed_experts` (asked for): SGLang's base64 of the int32 (little-endian) experts [prompt + completion - 1,
+    L, k] of every token the model read, in token, layer, slot order (a stop string's cut drops the tail's).
+    """
     ids = choice.token_ids
     meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(ids),
             "finish_reason": _finish_reason(result, choice), "weight_version": result.weight_version,
             "e2e_latency": latency}
     if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, ids)]
+    if result.routed_experts is not None:
+        read = result.routed_experts[:max(len(row.prompt_ids) + len(ids) - 1, 0)]
+        meta["routed_experts"] = base64.b64encode(read.astype("<i4").tobytes()).decode("ascii")
     return {"text": choice.text, "output_ids": ids, "meta_info": meta}
 
 
@@ -199,6 +208,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     """POST /generate: completions prompt-major, a single object when one prompt asked for one."""
     service = service_of(request)
     engine = service.engine
+    if body.return_routed_experts and not engine.weights.config.moe:
+        raise BadRequest(f"return_routed_experts: the served {engine.weights.config.family} model has no router "
+                         f"(only a mixture of experts routes tokens)")
     deadline = deadline_of(engine)
     field = "input_ids" if body.text is None else "text"
     # Off the event loop: tokenizing long texts must not stall /health and every other client.
@@ -214,6 +226,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts")
     rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
     rows = sampler_rows(prompts, per_prompt, not isinstance(params, list), engine.weights.config.vocab_size)
+    if body.return_routed_experts:
+        rows = [dataclasses.replace(row, return_routed_experts=True) for row in rows]
     start = time.perf_counter()
     results = await run_rows(engine, rows, request, deadline)
     latency = time.perf_counter() - start

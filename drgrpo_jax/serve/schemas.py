@@ -112,6 +112,8 @@ class GenerateRequest(_Request):
     input_ids: PromptIds | Annotated[list[PromptIds], Field(max_length=MAX_PROMPTS)] | None = None
     sampling_params: SamplingParamsIn | Annotated[list[SamplingParamsIn], Field(max_length=MAX_PROMPTS)] | None = None
     return_logprob: StrictBool = False
+    # SGLang's: a mixture of experts' routed experts of every token read, base64 int32 in meta_info.routed_experts
+    return_routed_experts: StrictBool = False
     stream: Literal[False] = False  # streaming is not implemented
     rid: Rid | Annotated[list[Rid], Field(max_length=MAX_PROMPTS)] | None = None
 

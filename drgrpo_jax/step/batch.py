@@ -35,6 +35,10 @@ class Batch(Generic[ArrayT]):
     # bool [N, T]: the tokens that count in the loss, the KL and the window's T_w; None = response_mask. A
     # multi-turn trajectory's environment and tool tokens are real (context) but not the model's: False here.
     loss_mask: ArrayT | None = None
+    # int32 [N, U + T, L, k] (router replay, a mixture of experts): the experts every layer of the sampler chose for
+    # each token of prompt_ids ++ response_ids as the model reads them (the last response token's are never read);
+    # None = the policy's router chooses.
+    routed_experts: ArrayT | None = None
 
     def tokens_in_loss(self) -> ArrayT:
         """The loss mask (response_mask where None); a loss token is always a real one."""

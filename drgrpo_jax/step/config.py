@@ -41,6 +41,10 @@ class StepConfig:
     # into pack_rows rows of pack_length tokens, so padding is not computed; 0 = off (the padded layout).
     pack_rows: int = 0
     pack_length: int = 0
+    # A mixture of experts' router terms, added to the loss (0 = off): Switch's load-balancing loss as transformers
+    # computes it (1 when balanced) and ST-MoE's router z-loss, each over a micro-batch's tokens (models/moe.py).
+    router_aux_coef: float = 0.0
+    router_z_coef: float = 0.0
 
     def __post_init__(self):
         for name, kinds in [("micro_batches", int), ("logprob_chunk", int), ("temperature", (int, float)),
@@ -62,6 +66,12 @@ class StepConfig:
             raise FieldError("StepConfig", "tis_cap", "must be finite and >= 1 (a cap on an importance ratio), "
                                                       f"got {self.tis_cap}")
         self._check_masked_is()
+        for name in ("router_aux_coef", "router_z_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise FieldTypeError("StepConfig", name, f"must be a number, got {type(value).__name__} {value!r}")
+            if not 0 <= value < float("inf"):
+                raise FieldError("StepConfig", name, f"must be finite and >= 0 (0 = off), got {value}")
         for name in ("pack_rows", "pack_length"):
             if getattr(self, name) < 0:
                 raise FieldError("StepConfig", name, f"must be an int >= 0 (0 = no packing), got {getattr(self, name)}")

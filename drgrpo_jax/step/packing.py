@@ -70,18 +70,21 @@ def pack_cell(ids_NS: jax.Array, prompt_len_N: jax.Array, lengths_N: jax.Array, 
     """One shard's packed (tokens, positions, segment ids) [B, S] and each response's (row, start) [N].
 
     `ids_NS` is the padded layout's input (prompt left-padded to `prompt_width`, then the response): response n's
-    inputs are the `lengths_N[n]` columns from prompt_width - prompt_len_N[n] on. Segment n + 1 marks response n,
+    inputs are the `lengths_N[n]` columns from prompt_width - prompt_len_N[n] on. Trailing axes of `ids_NS` (a
+    token's routed experts beside its id) are packed with it. Segment n + 1 marks response n,
     its positions counting from 0 as in the padded layout; 0 is padding (seen by nobody).
     """
-    N, S_padded = ids_NS.shape
+    N, S_padded = ids_NS.shape[:2]
     row_N, start_N, _ = first_fit(lengths_N, rows, length)
     offset_NS = jnp.arange(S_padded, dtype=_I32)[None, :] - (prompt_width - prompt_len_N)[:, None]
     keep_NS = (offset_NS >= 0) & (offset_NS < lengths_N[:, None]) & (row_N < rows)[:, None]
     target_NS = jnp.where(keep_NS, row_N[:, None] * length + start_N[:, None] + offset_NS, rows * length)
 
-    def scatter(values_NS):
-        flat = jnp.zeros(rows * length, _I32).at[target_NS.reshape(-1)].set(values_NS.reshape(-1), mode="drop")
-        return flat.reshape(rows, length)
+    def scatter(values_NS):  # [N, S, ...] -> [rows, length, ...]
+        rest = values_NS.shape[2:]
+        flat = jnp.zeros((rows * length, *rest), _I32).at[target_NS.reshape(-1)].set(
+            values_NS.reshape(N * S_padded, *rest), mode="drop")
+        return flat.reshape(rows, length, *rest)
 
     segment_NS = jnp.broadcast_to(jnp.arange(1, N + 1, dtype=_I32)[:, None], (N, S_padded))
     return scatter(ids_NS.astype(_I32)), scatter(offset_NS), scatter(segment_NS), row_N, start_N
@@ -98,11 +101,13 @@ def _unpack_cell(hidden_BSD: jax.Array, row_N: jax.Array, start_N: jax.Array, pr
 
 def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: jax.Array, response_ids_NT: jax.Array,
                          response_mask_NT: jax.Array, row_valid_N: jax.Array, spec: PackSpec,
-                         lora_key: jax.Array | None = None, grad_sums: dict[str, jax.Array] | None = None
-                         ) -> jax.Array:
-    """[N, T, D] final hidden states before each response token, from one model call on the packed rows.
+                         lora_key: jax.Array | None = None, grad_sums: dict[str, jax.Array] | None = None,
+                         routed_NSLk: jax.Array | None = None, with_stats: bool = False) -> tuple[jax.Array, Any]:
+    """([N, T, D] final hidden states before each response token, a mixture's `RouterStats` or None), from one
+    model call on the packed rows.
 
-    `lora_key` and `grad_sums` go to `model.hidden_states`.
+    `lora_key`, `grad_sums` and `with_stats` go to `model.hidden_states_and_router`; `routed_NSLk` (router replay:
+    the experts of each token of the padded layout's input) is packed with the tokens.
 
     The N responses are cut into `spec.shards` contiguous equal shares (a micro-batch's split over the data-parallel
     devices); each packs into its own spec.rows x spec.length rows, so packing and gathering stay per device.
@@ -113,6 +118,8 @@ def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: j
     if N % O:
         raise ValueError(f"packing: {N} responses per micro-batch do not split over {O} data-parallel shards")
     ids_NS = jnp.concatenate([prompt_ids_NU, response_ids_NT], axis=1)[:, :-1]
+    if routed_NSLk is not None:  # packed beside the ids: [N, S, 1 + L * k]
+        ids_NS = jnp.concatenate([ids_NS[:, :, None], routed_NSLk.reshape(*ids_NS.shape, -1)], axis=-1)
     prompt_len_N = prompt_mask_NU.sum(axis=1, dtype=_I32)
     lengths_N = sequence_lengths(prompt_mask_NU, response_mask_NT, row_valid_N)
 
@@ -124,14 +131,19 @@ def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: j
                                                                    per_shard(lengths_N))
 
     def rows_of_call(x_OBS):
-        return x_OBS.reshape(O * spec.rows, spec.length)
+        return x_OBS.reshape(O * spec.rows, spec.length, *x_OBS.shape[3:])
 
-    hidden_BSD = model.hidden_states(rows_of_call(tokens), rows_of_call(positions), rows_of_call(segments), lora_key,
-                                      grad_sums)
+    routed_BSLk = None
+    if routed_NSLk is not None:
+        tokens, routed = tokens[..., 0], tokens[..., 1:]
+        routed_BSLk = rows_of_call(routed).reshape(O * spec.rows, spec.length, *routed_NSLk.shape[2:])
+    hidden_BSD, stats = model.hidden_states_and_router(rows_of_call(tokens), rows_of_call(positions),
+                                                       rows_of_call(segments), lora_key, grad_sums, routed_BSLk,
+                                                       with_stats)
     hidden_OBSD = hidden_BSD.reshape(O, spec.rows, spec.length, hidden_BSD.shape[-1])
     unpack = functools.partial(_unpack_cell, response_width=T)
     hidden_ONTD = jax.vmap(unpack)(hidden_OBSD, row_ON, start_ON, per_shard(prompt_len_N))
-    return hidden_ONTD.reshape(N, T, hidden_ONTD.shape[-1])
+    return hidden_ONTD.reshape(N, T, hidden_ONTD.shape[-1]), stats
 
 
 def window_rows_needed(prompt_mask_MNU: jax.Array, response_mask_MNT: jax.Array, row_valid_MN: jax.Array,

@@ -1,7 +1,7 @@
 """The policy's forward over a batch: per-token log-probs and entropies of the responses, padded or packed rows.
 
 Shape letters (docs/shape_letters.md): N responses, U prompt positions (left-padded), T response positions
-(right-padded), S = U + T - 1 positions of one forward, D model dim.
+(right-padded), S = U + T - 1 positions of one forward, D model dim; L layers and k experts per token of a mixture.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from flax import nnx
 
 from drgrpo_jax.models.grad_sums import into_sums
 from drgrpo_jax.models.logprobs import token_logprobs
+from drgrpo_jax.models.moe import RouterStats
 from drgrpo_jax.models.precision import DTYPES, DtypeName, matmul_weights_in
 from drgrpo_jax.step.batch import Batch, join_micro_batches, pack_spec, split_micro_batches
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.packing import PackSpec, packed_hidden_states
 
-__all__ = ["merge_model", "policy_logprobs", "response_logprobs"]
+__all__ = ["merge_model", "policy_forward", "policy_logprobs", "response_logprobs"]
 
 
 def merge_model(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | None = None) -> Any:
@@ -39,9 +40,24 @@ def _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask):
 def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids,
                       response_mask, *, temperature: float, chunk: int, compute_dtype: DtypeName = "float32",
                       frozen: nnx.State | None = None, lora_key: jax.Array | None = None,
-                      packing: PackSpec | None = None, row_valid=None, grad_sums: nnx.State | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
-    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy.
+                      packing: PackSpec | None = None, row_valid=None, grad_sums: nnx.State | None = None,
+                      routed_experts=None) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy
+    (`policy_forward` without the router's sums)."""
+    logprobs, entropy, _ = policy_forward(graphdef, params, prompt_ids, prompt_mask, response_ids, response_mask,
+                                          temperature=temperature, chunk=chunk, compute_dtype=compute_dtype,
+                                          frozen=frozen, lora_key=lora_key, packing=packing, row_valid=row_valid,
+                                          grad_sums=grad_sums, routed_experts=routed_experts)
+    return logprobs, entropy
+
+
+def policy_forward(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt_mask, response_ids, response_mask,
+                   *, temperature: float, chunk: int, compute_dtype: DtypeName = "float32",
+                   frozen: nnx.State | None = None, lora_key: jax.Array | None = None, packing: PackSpec | None = None,
+                   row_valid=None, grad_sums: nnx.State | None = None, routed_experts=None, router_stats: bool = False
+                   ) -> tuple[jax.Array, jax.Array, RouterStats | None]:
+    """Per-token log-probs and entropies [N, T] of the response tokens under the temperature-scaled policy, and
+    with `router_stats` (a mixture of experts) the router's sums over the real tokens (models/moe.py).
 
     `compute_dtype="bfloat16"`: every GEMM (the layers', attention's, the vocabulary's, forward and backward)
     rounds its operands to bfloat16 and accumulates in float32 (models/gemm.py), the weights cast inside each
@@ -51,6 +67,8 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
     `packing`: the model runs on packed rows (step/packing.py; padding rows, `row_valid` False, are left
     out), with the same values at every response token.
     `grad_sums` (float32 like params; remat `full`, no LoRA) take the gradient, sums + d/d(params) (grad_sums.py).
+    `routed_experts` (int32 [N, U + T, L, k], `Batch.routed_experts`): router replay, every layer uses those
+    experts for each token, weighted by this policy's router.
     """
     low = None if compute_dtype == "float32" else DTYPES[compute_dtype]
     if low is not None and frozen is not None:
@@ -62,23 +80,28 @@ def response_logprobs(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, pro
     model = merge_model(graphdef, params, frozen)
     if low is not None:
         model.config = dataclasses.replace(model.config, compute_dtype=compute_dtype)
-    hidden_NTD = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing,
-                                  row_valid, layer_sums)
-    return token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature, chunk_size=chunk,
-                          final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low,
-                          unembed_sum=unembed_sum, sum_layout=sum_layout)
+    routed_NSLk = None if routed_experts is None else routed_experts[:, :-1]  # as the tokens: the last never read
+    hidden_NTD, stats = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key,
+                                         packing, row_valid, layer_sums, routed_NSLk, router_stats)
+    logprobs, entropy = token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature,
+                                       chunk_size=chunk, final_logit_softcap=model.config.final_logit_softcap,
+                                       compute_dtype=low, unembed_sum=unembed_sum, sum_layout=sum_layout)
+    return logprobs, entropy, stats
 
 
 def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid,
-                     layer_sums=None):
-    """[N, T, D]: the final hidden state before each response token (it predicts that token)."""
+                     layer_sums=None, routed_NSLk=None, router_stats=False):
+    """([N, T, D]: the final hidden state before each response token (it predicts that token), RouterStats or
+    None)."""
     if packing is not None:
         valid = jnp.ones(prompt_ids.shape[0], bool) if row_valid is None else row_valid
         return packed_hidden_states(model, prompt_ids, prompt_mask, response_ids, response_mask, valid, packing,
-                                    lora_key, layer_sums)
+                                    lora_key, layer_sums, routed_NSLk, router_stats)
     tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-    hidden_NSD = model.hidden_states(tokens, positions, segments, lora_key, layer_sums)
-    return hidden_NSD[:, prompt_ids.shape[1] - 1:]
+    counted = None if row_valid is None else (segments != 0) & row_valid[:, None]  # a padding row's are not
+    hidden_NSD, stats = model.hidden_states_and_router(tokens, positions, segments, lora_key, layer_sums, routed_NSLk,
+                                                       router_stats, counted)
+    return hidden_NSD[:, prompt_ids.shape[1] - 1:], stats
 
 
 def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.State, batch: Batch,
@@ -93,6 +116,6 @@ def policy_logprobs(graphdef: nnx.GraphDef, config: StepConfig, params: nnx.Stat
         return response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
                                  micro.response_mask, temperature=config.temperature, chunk=config.logprob_chunk,
                                  compute_dtype=config.compute_dtype, frozen=frozen, packing=packing,
-                                 row_valid=micro.row_valid)[0]
+                                 row_valid=micro.row_valid, routed_experts=micro.routed_experts)[0]
 
     return join_micro_batches(jax.lax.map(one, split_micro_batches(batch, config.micro_batches)))

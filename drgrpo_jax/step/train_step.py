@@ -25,14 +25,15 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
+from drgrpo_jax.models.moe import RouterStats, expert_load, load_balancing_loss, router_z_loss
 from drgrpo_jax.sharding import batch_sharding, batch_shards
 from drgrpo_jax.step.batch import Batch, pack_demand, pack_spec, split_micro_batches
 from drgrpo_jax.step.config import StepConfig, importance_weights
 from drgrpo_jax.step.optimizer import AdamW
 from drgrpo_jax.step.packing import PackSpec
-from drgrpo_jax.step.policy import merge_model, policy_logprobs, response_logprobs
+from drgrpo_jax.step.policy import merge_model, policy_forward, policy_logprobs, response_logprobs
 
-__all__ = ["TrainState", "init_state", "jit_policy_logprobs", "jit_train_step", "train_step"]
+__all__ = ["TrainState", "init_state", "jit_policy_logprobs", "jit_train_step", "router_metrics", "train_step"]
 
 
 @struct.dataclass
@@ -87,20 +88,22 @@ def _reference(params, ref_params, frozen, config: StepConfig):
 
 
 def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, frozen,
-                micro: Batch[jax.Array], lora_key: jax.Array, packing: PackSpec | None = None, grad_sums=None):
-    """This micro-batch's share of the window's loss, and its metric shares (`grad_sums`: see response_logprobs)."""
-    logprobs, entropy = response_logprobs(graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                                          micro.response_mask, temperature=config.temperature,
-                                          chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
-                                          frozen=frozen, lora_key=lora_key, packing=packing, row_valid=micro.row_valid,
-                                          grad_sums=grad_sums)
+                micro: Batch[jax.Array], lora_key: jax.Array, packing: PackSpec | None = None, grad_sums=None,
+                moe: bool = False):
+    """This micro-batch's share of the window's loss, and (its metric shares, a mixture's `RouterStats` or None)
+    (`grad_sums`: see response_logprobs; `moe`: the policy is a mixture of experts)."""
+    logprobs, entropy, stats = policy_forward(
+        graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
+        temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype, frozen=frozen,
+        lora_key=lora_key, packing=packing, row_valid=micro.row_valid, grad_sums=grad_sums,
+        routed_experts=micro.routed_experts, router_stats=moe)
     ref_logprobs = None
     reference = _reference(params, ref_params, frozen, config)
     if reference is not None:
         ref_logprobs = jax.lax.stop_gradient(response_logprobs(
             graphdef, reference, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
             temperature=config.temperature, chunk=config.logprob_chunk, compute_dtype=config.compute_dtype,
-            frozen=frozen, packing=packing, row_valid=micro.row_valid)[0])
+            frozen=frozen, packing=packing, row_valid=micro.row_valid, routed_experts=micro.routed_experts)[0])
     old_logprobs = jax.lax.stop_gradient(logprobs) if config.on_policy else micro.old_logprobs
     loss_mask = micro.tokens_in_loss()
     token = loss_mask & micro.row_valid[:, None]
@@ -120,7 +123,11 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
     metrics["tis_weight"] = token_share(tis_weight)
     metrics["is_truncated"] = token_share(truncated.astype(jnp.float32))
     metrics["is_dropped"] = token_share(dropped.astype(jnp.float32))
-    return loss, metrics
+    if stats is not None and (config.router_aux_coef or config.router_z_coef):
+        # Each micro-batch's own terms, averaged over the window's micro-batches.
+        router_loss = config.router_aux_coef * load_balancing_loss(stats) + config.router_z_coef * router_z_loss(stats)
+        loss = loss + router_loss / config.micro_batches
+    return loss, (metrics, stats)
 
 
 def _false_after(tree) -> jax.Array:
@@ -150,27 +157,37 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
 
     def share_of_loss(params, grad_sums, micro, index):
         return _micro_loss(params, graphdef, config, window, state.ref_params, state.frozen, micro,
-                           jax.random.fold_in(step_key, index), packing, grad_sums)
+                           jax.random.fold_in(step_key, index), packing, grad_sums, model_config.moe)
 
     # Full remat reruns each layer in the backward, which then adds the layer's gradient into the running sum in
     # place: the sum takes the gradient (models/grad_sums.py), no second whole gradient beside it. LoRA's adapters
     # are small, and the other policies keep the forward's values: they add each micro-batch's gradient.
-    in_place = state.frozen is None and merge_model(graphdef, state.params).config.remat == "full"
+    model_config = merge_model(graphdef, state.params, state.frozen).config
+    in_place = state.frozen is None and model_config.remat == "full"
     grad_fn = jax.value_and_grad(share_of_loss, argnums=1 if in_place else 0, has_aux=True)
 
     def accumulate(carry, micro_and_index):
-        grads, loss, metrics = carry
-        (micro_loss, micro_metrics), micro_grads = grad_fn(state.params, grads if in_place else None, *micro_and_index)
+        grads, loss, metrics, stats = carry
+        (micro_loss, (micro_metrics, micro_stats)), micro_grads = grad_fn(state.params, grads if in_place else None,
+                                                                          *micro_and_index)
         grads = micro_grads if in_place else jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
         metrics = jax.tree.map(jnp.add, metrics, micro_metrics)
-        return (grads, loss + micro_loss, metrics), None
+        stats = jax.tree.map(jnp.add, stats, jax.lax.stop_gradient(micro_stats))
+        return (grads, loss + micro_loss, metrics, stats), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
     metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "behaviour_kl", "tis_weight",
                     "is_truncated", "is_dropped")
-    carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names})
+    stats = None
+    if model_config.moe:
+        L, e = model_config.num_layers, model_config.num_experts
+        stats = RouterStats(counts_Le=jnp.zeros((L, e), jnp.float32), probs_e=jnp.zeros(e, jnp.float32),
+                            z=jnp.zeros((), jnp.float32), rows=jnp.zeros((), jnp.float32))
+    carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names}, stats)
     micro_batches = (split_micro_batches(batch, config.micro_batches), jnp.arange(config.micro_batches))
-    (grads, loss, metrics), _ = jax.lax.scan(accumulate, carry, micro_batches)
+    (grads, loss, metrics, stats), _ = jax.lax.scan(accumulate, carry, micro_batches)
+    if stats is not None:
+        metrics.update(router_metrics(stats))
 
     skipped = window.num_tokens == 0
     if packing is not None:
@@ -197,6 +214,17 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         skipped=skipped.astype(jnp.float32),
     )
     return new_state, metrics
+
+
+def router_metrics(stats: RouterStats) -> dict[str, jax.Array]:
+    """A mixture's router over the window: its two loss terms (whatever their coefficients) and each layer's expert
+    load, `expert_max_share/<layer>` (1/e balanced, 1 collapsed) and `expert_entropy/<layer>` (nats, log e balanced)."""
+    max_share_L, entropy_L = expert_load(stats)
+    metrics = {"router_aux_loss": load_balancing_loss(stats), "router_z_loss": router_z_loss(stats)}
+    for layer in range(max_share_L.shape[0]):
+        metrics[f"expert_max_share/{layer}"] = max_share_L[layer]
+        metrics[f"expert_entropy/{layer}"] = entropy_L[layer]
+    return metrics
 
 
 # ------------------------------------------------------------------ jit with explicit shardings

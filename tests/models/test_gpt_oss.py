@@ -190,7 +190,7 @@ def test_grouped_experts_with_biases_and_clamp_equal_the_dense_reference_in_valu
         return jnp.sum(jnp.sin(fn(x_MD, p)))
 
     ours = jax.jit(jax.value_and_grad(functools.partial(
-        loss, lambda x, p: moe_mlp(x, p, k, True, clamped_swiglu(alpha, limit), topk_first=True)), argnums=(0, 1))
+        loss, lambda x, p: moe_mlp(x, p, k, True, clamped_swiglu(alpha, limit), topk_first=True)[0]), argnums=(0, 1))
     )(x_MD, p)
     oracle = jax.jit(jax.value_and_grad(functools.partial(
         loss, lambda x, p: dense_gpt_oss_mlp(x, p, k, alpha, limit)), argnums=(0, 1)))(x_MD, p)

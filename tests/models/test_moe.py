@@ -202,7 +202,7 @@ def test_routed_layer_equals_the_dense_reference_with_the_routers_gradient():
     def loss(fn, x_MD, p):
         return jnp.sum(jnp.sin(fn(x_MD, p)))
 
-    ours = jax.jit(jax.value_and_grad(functools.partial(loss, lambda x, p: moe_mlp(x, p, k, True, silu_glu)),
+    ours = jax.jit(jax.value_and_grad(functools.partial(loss, lambda x, p: moe_mlp(x, p, k, True, silu_glu)[0]),
                                       argnums=(0, 1)))(x_MD, p)
     oracle = jax.jit(jax.value_and_grad(functools.partial(loss, reference), argnums=(0, 1)))(x_MD, p)
     np.testing.assert_allclose(ours[0], oracle[0], rtol=1e-5)
