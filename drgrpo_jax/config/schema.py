@@ -161,7 +161,8 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature (> 0 for training rollouts)")
     top_p: float = _f(1.0, "nucleus sampling mass in (0, 1]; 1 = off")
     top_k: int = _f(0, "sample among the k most likely tokens; 0 = off")
-    max_staleness: int = _f(0, "rollouts may come from a policy this many versions old; 0 = strictly on-policy")
+    max_staleness: int = _f(0, "rollouts may come from a policy this many versions old; 0 = strictly on-policy; "
+                               "with rollout.async, K: rounds are sampled K steps ahead of the update")
     timeout_s: float = _f(600.0, "seconds to wait for one generation request before failing")
     dynamic_sampling: bool = _f(
         False, "drop groups with no learning signal and draw more prompts until the batch is full (DAPO's filter)"
@@ -186,9 +187,9 @@ class RolloutConfig:
                 "(no disk write); disk = a versioned folder and /update_weights_from_disk; auto = shm for the child "
                 "service unless model.lora.push=adapter or run.weights_dir is set, disk for rollout.urls")
     async_: bool = _f(
-        False, "(YAML/CLI key: rollout.async) one-step-off rollouts: the next step's rollout is sampled while this "
-               "step's update runs, from the policy one version old (needs max_staleness >= 1 and algorithm.tis_cap "
-               "or mis_high to correct the lag)")
+        False, "(YAML/CLI key: rollout.async) K-step-off rollouts, K = max_staleness (>= 1): step s+K's first round "
+               "is sampled while step s's update runs, by the policy K versions older than the one that trains on it "
+               "(a queue of K rounds; needs algorithm.tis_cap or mis_high to correct the lag)")
 
 
 @dataclasses.dataclass(frozen=True)

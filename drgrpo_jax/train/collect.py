@@ -1,6 +1,6 @@
 """A training step's rollout: prompts drawn and templated, completions sampled from the generation service(s)
 (each process its contiguous share), scored, gathered onto every host in prompt order; dynamic sampling's
-extra rounds; and rollout.async's first round launched a step ahead (`prefetch`, `prime`; the timeline is in
+extra rounds; and rollout.async's first rounds launched K steps ahead (`prefetch`, `prime`; the timeline is in
 drgrpo_jax.train.prefetch). Every random choice derives from (run.seed, step, purpose)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import reward_weights
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data.examples import Example
+from drgrpo_jax.data.order import batch_at
 from drgrpo_jax.data.prompts import tokenize_prompt
 from drgrpo_jax.environments.build import Episodes
 from drgrpo_jax.environments.trajectory import run_episodes, trajectory_arrays
@@ -25,7 +26,13 @@ from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, host_share, merge_host_rows
 from drgrpo_jax.rollout.weight_push import publish_weights
 from drgrpo_jax.seeds import rollout_seed
-from drgrpo_jax.train.prefetch import PendingRound, Prefetcher
+from drgrpo_jax.train.prefetch import (
+    PendingRound,
+    Prefetcher,
+    rounds_in_flight,
+    sampled_ahead,
+    sampler_version,
+)
 
 if TYPE_CHECKING:
     from drgrpo_jax.step.train_step import TrainState
@@ -154,7 +161,7 @@ def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[lis
     return rollout, counters.across_hosts(stacked_counters)
 
 
-def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
+def collect_rollout(run: Run, step: int, pending: PendingRound | None = None, prefetcher: Prefetcher | None = None
                     ) -> tuple[ScoredRollout, np.ndarray, HostCounters, dict[str, Any]]:
     """The step's P scored groups, bool [P] which carry a learning signal, every round's counters, sampling metrics.
 
@@ -163,7 +170,8 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
     of P prompts are drawn until P groups have one; a batch still short is filled with dropped
     groups marked as padding (group_valid False: no loss, no whitening statistics), so the step
     keeps its static shapes. Every process takes the same decisions from the shared rewards. `pending`: the
-    first round, sampled ahead (rollout.async).
+    first round, sampled ahead (rollout.async); the extra rounds then queue on `prefetcher`'s thread too, behind
+    the push of this step's version, so no two rounds ever sample at once.
     """
     c, r = run.config, run.config.rollout
     rounds: list[ScoredRollout] = []
@@ -174,6 +182,8 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
         examples = first.examples if first is not None else next(run.stream)
         prompts = first.prompts if first is not None else prompt_ids(examples, c, run.tokenizer, run.episodes)
         seed = rollout_seed(c.run.seed, step, len(rounds))
+        if first is None and prefetcher is not None:
+            first = _launch(run, prefetcher, step, examples, prompts, run.stream.state() - 1, seed, step)
         rollout, counted = sample(run, step, examples, prompts, seed, first)
         rounds.append(rollout)
         counters.append(counted)
@@ -196,24 +206,49 @@ def collect_rollout(run: Run, step: int, pending: PendingRound | None = None
     return chosen, chosen.group_valid, total, metrics  # the kept groups have a signal, the padding ones none
 
 
-def prefetch(run: Run, prefetcher: Prefetcher, step: int) -> PendingRound:
-    """Step `step`'s first sampling round, launched in the background now (rollout.async; see train/prefetch.py)."""
-    position, examples = run.stream.state(), next(run.stream)
-    prompts = prompt_ids(examples, run.config, run.tokenizer, run.episodes)
+def _launch(run: Run, prefetcher: Prefetcher, step: int, examples: tuple[Example, ...], prompts: list[list[int]],
+            position: int, seed: int, version: int) -> PendingRound:
+    """A round of step `step` queued on the sampling thread: this process's share, sampled and scored there."""
     start, stop = host_share(len(prompts), jax.process_count(), jax.process_index())
     return prefetcher.launch(step, examples, prompts, position, _sample_share, run, step, examples[start:stop],
-                             prompts[start:stop], rollout_seed(run.config.run.seed, step), start)
+                             prompts[start:stop], seed, start, version=version)
 
 
-def prime(run: Run, state: TrainState, prefetcher: Prefetcher) -> PendingRound:
-    """The first step's pending round, sampled now by the version before it: on resume, the checkpoint's
-    behaviour params are pushed back for it (then the current ones), so it equals the uninterrupted run's."""
-    step, behaviour = run.start_step, run.behaviour_params
-    if behaviour is not None:
-        publish_weights(run.publisher, run.client, behaviour, step - 1, rollback=True, frozen=state.frozen,
+def prefetch(run: Run, prefetcher: Prefetcher, step: int, position: int | None = None) -> PendingRound:
+    """Step `step`'s first sampling round, launched in the background now, sampled by the version the service
+    holds (`sampler_version`; see train/prefetch.py): its prompts are the stream's next (or those at `position`,
+    re-drawn on resume)."""
+    if position is None:
+        position, examples = run.stream.state(), next(run.stream)
+    else:
+        examples = batch_at(run.dataset, position, run.config.rollout.prompts_per_step, run.config.run.seed)
+    prompts = prompt_ids(examples, run.config, run.tokenizer, run.episodes)
+    return _launch(run, prefetcher, step, examples, prompts, position, rollout_seed(run.config.run.seed, step),
+                   sampler_version(step, run.config.rollout.max_staleness))
+
+
+def prime(run: Run, state: TrainState, prefetcher: Prefetcher) -> tuple[list[PendingRound], dict[int, Any]]:
+    """The rounds queued before the first step (`rounds_in_flight`) and the params of the versions that sample them
+    (version -> params, what the next checkpoints save). Fresh, version 0 samples them all; resumed, each is
+    re-drawn from its saved data position by its saved version's params, pushed back for it (then the current
+    ones), so the queue equals the uninterrupted run's."""
+    c = run.config
+    steps = rounds_in_flight(run.start_step, c.rollout.max_staleness, c.train.steps)
+    if run.in_flight is None:
+        return [prefetch(run, prefetcher, step) for step in steps], {}
+    k = c.rollout.max_staleness
+    params_of = {sampler_version(step, k): params
+                 for step, params in zip(sampled_ahead(run.start_step, k), run.in_flight.params)}
+    queue, pushed = [], run.start_step
+    for step, position in zip(steps, run.in_flight.positions):
+        version = sampler_version(step, k)
+        if version != pushed:  # the round before is done: the service may move to this one's version
+            publish_weights(run.publisher, run.client, params_of[version], version, rollback=True,
+                            frozen=state.frozen, pusher=run.pusher)
+            pushed = version
+        queue.append(prefetch(run, prefetcher, step, position))
+        prefetcher.wait(queue[-1])
+    if pushed != run.start_step:
+        publish_weights(run.publisher, run.client, state.params, run.start_step, frozen=state.frozen,
                         pusher=run.pusher)
-    pending = prefetch(run, prefetcher, step)
-    prefetcher.wait(pending)
-    if behaviour is not None:
-        publish_weights(run.publisher, run.client, state.params, step, frozen=state.frozen, pusher=run.pusher)
-    return pending
+    return queue, params_of

@@ -9,8 +9,11 @@ with the train state, so a resumed run reproduces an uninterrupted one.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -33,7 +36,16 @@ from drgrpo_jax.sharding import batch_sharding, place
 from drgrpo_jax.train.collect import collect_rollout, prefetch, prime, prompt_ids, stop_ids
 from drgrpo_jax.train.hub import model_card, push_folder
 from drgrpo_jax.train.metrics import UpdateResult, sample_rows, step_metrics
-from drgrpo_jax.train.prefetch import PendingRound, Prefetcher, check_fresh, snapshot
+from drgrpo_jax.train.prefetch import (
+    PendingRound,
+    Prefetcher,
+    check_fresh,
+    push_waits_for,
+    sampled_ahead,
+    sampler_version,
+    saved_params,
+    snapshot,
+)
 from drgrpo_jax.train.setup import Run, setup
 from drgrpo_jax.weight_folders import copy_folder, remove_folder, scratch_folder
 
@@ -84,57 +96,116 @@ def update(run: Run, state: TrainState, step: int, batch: Batch,
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Ahead:
-    """rollout.async: the next step's round sampled during this step, and what a checkpoint after it needs."""
+    """rollout.async: the queue of rounds sampled ahead (oldest first, at most K = rollout.max_staleness) and the
+    params of the versions that sample them (version -> a copy: what a checkpoint taken while they are queued
+    saves); the main thread changes it, step by step."""
 
-    pending: PendingRound | None  # None after the last step
-    data_position: int  # the prompt stream's position before the pending round's prompts
-    behaviour_params: Any = None  # the params that sample the pending round (copied on checkpoint steps only)
+    prefetcher: Prefetcher
+    queue: collections.deque[PendingRound]
+    params_of: dict[int, Any]
+    deferred: bool = False  # the pushes queue on the sampling thread (train/prefetch.py: K > 1, one host, no base)
+    pushes: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)  # deferred, not yet checked
+
+    def check_pushes(self, *, wait: bool = False) -> None:
+        """Raises a deferred push's error here, on the update loop (`wait`: first waits for every push, and so
+        for every round queued before the last: the service then holds the newest version)."""
+        if wait and self.pushes:
+            concurrent.futures.wait(self.pushes)
+        for push in [p for p in self.pushes if p.done()]:
+            push.result()
+            self.pushes.remove(push)
 
 
-def train_one_step(run: Run, state: TrainState, step: int, prefetcher: Prefetcher | None = None,
-                   pending: PendingRound | None = None) -> tuple[TrainState, dict[str, Any], Ahead | None]:
-    """Step `step` (0-based): rollout -> rewards -> advantages -> update -> weight push; (new state, metrics row,
-    with a `prefetcher` (rollout.async) the next step's round, sampled while the update ran).
+def defers_push(config: Config, frozen: Any) -> bool:
+    """Whether the pushes queue on the sampling thread: K > 1 (with K = 1 the next step needs the pushed version's
+    round at once), one process (a push is a collective of every host, kept on the update loop) and no frozen
+    LoRA base (the update donates it, so a queued push could not read it)."""
+    return config.rollout.max_staleness > 1 and jax.process_count() == 1 and frozen is None
+
+
+def _sample_ahead(run: Run, state: TrainState, step: int, ahead: Ahead) -> None:
+    """Launches the round K steps ahead (the service holds version `step`) and keeps version `step`'s params while
+    a checkpoint may need them: with K = 1 on checkpoint steps only, with K > 1 always (a preemption can save any
+    step), the last K versions."""
+    c, k = run.config, run.config.rollout.max_staleness
+    if step not in ahead.params_of and (k > 1 or run.checkpointer.due(step + 1, force=step + 1 == c.train.steps)):
+        ahead.params_of[step] = snapshot(state.params)
+    for version in [v for v in ahead.params_of if v < sampler_version(step + 1, k)]:
+        del ahead.params_of[version]  # no checkpoint after this step holds a round it samples
+    if step + k < c.train.steps:
+        ahead.queue.append(prefetch(run, ahead.prefetcher, step + k))
+
+
+def checkpoint_contents(run: Run, state: TrainState, steps_done: int,
+                        ahead: Ahead | None) -> tuple[Any, dict[str, Any]]:
+    """(the saved trees, the host JSON) after `steps_done` steps; with rollout.async also the queue: its rounds'
+    data positions and the params of the versions that sample them (`train.prefetch.InFlight`)."""
+    host: dict[str, Any] = {"step": steps_done, "data_position": run.stream.state(), "weight_version": steps_done}
+    if ahead is None:
+        return state.checkpointed(), host
+    k, position = run.config.rollout.max_staleness, run.stream.state()
+    positions = [p.data_position for p in ahead.queue]
+    positions += range(position, position + k - len(positions))  # not launched (the run ends): the next prompts
+    params = [ahead.params_of[sampler_version(t, k)] for t in sampled_ahead(steps_done, k)]
+    host.update(data_position=positions[0], round_positions=positions, stream_position=position)
+    return (state.checkpointed(), saved_params(params, k)), host
+
+
+def train_one_step(run: Run, state: TrainState, step: int,
+                   ahead: Ahead | None = None) -> tuple[TrainState, dict[str, Any]]:
+    """Step `step` (0-based): rollout -> rewards -> advantages -> update -> weight push; (new state, metrics row).
 
     Every process samples G completions of its contiguous share of the P prompts from the generation service(s)
     (the local child unless rollout.urls is set; several hosts need rollout.urls) and scores them, and the hosts
     all-gather the rows in prompt order (`train.collect`); the old log-probs are recomputed, ppo_epochs x
     minibatches_per_rollout jitted updates run, and the new weights go to every service (`rollout.weight_push`).
-    With rollout.async the next step's rollout is sampled during the update, one version stale (`train.prefetch`).
+    With rollout.async (`ahead`) the step takes its first round from the queue and launches the round K steps
+    ahead, sampled during the update (`train.prefetch`).
     """
     c = run.config
     started = time.perf_counter()
-    rollout, signal_P, counters, sampling = collect_rollout(run, step, pending)
+    pending = ahead.queue.popleft() if ahead is not None else None
+    Prefetcher.wait(pending)
+    take_seconds = time.perf_counter() - started
+    if ahead is not None:
+        ahead.check_pushes()
+    rollout, signal_P, counters, sampling = collect_rollout(run, step, pending,
+                                                            None if ahead is None else ahead.prefetcher)
     check_fresh(rollout.weight_versions, step, c.rollout.max_staleness)  # never trains on a rollout older than allowed
     advantages_N = rollout.advantages_N(ALGORITHMS[c.algorithm.name], reward_weights(c),
                                         scale_rewards=c.algorithm.scale_rewards,
                                         whiten_advantages=c.algorithm.whiten_advantages)
     batch = rollout.to_batch(advantages_N, c.rollout.max_prompt_tokens)
     signal_N = np.repeat(signal_P, rollout.group_size)
-    ahead = None
-    if prefetcher is not None:
-        position = run.stream.state()
-        upcoming = prefetch(run, prefetcher, step + 1) if step + 1 < c.train.steps else None
-        saving = run.checkpointer.due(step + 1, force=step + 1 == c.train.steps)
-        ahead = Ahead(upcoming, position, snapshot(state.params) if saving else None)
+    if ahead is not None:
+        _sample_ahead(run, state, step, ahead)
     train_start = time.perf_counter()
     state, updates = update(run, state, step, batch, signal_N)
     wait_start = time.perf_counter()
-    if ahead is not None:  # all of the next round comes from this version: the push waits for it
-        Prefetcher.wait(ahead.pending)
+    if ahead is not None and not ahead.deferred:  # the service leaves this version once the rounds it samples are done
+        for i in push_waits_for([p.version for p in ahead.queue], step):
+            Prefetcher.wait(ahead.queue[i])
     push_start = time.perf_counter()
-    publish_weights(run.publisher, run.client, state.params, step + 1, frozen=state.frozen, pusher=run.pusher)
+    if ahead is not None and ahead.deferred:  # queued behind those rounds, from a copy the next update cannot donate
+        params = ahead.params_of[step + 1] = snapshot(state.params)
+        ahead.pushes.append(ahead.prefetcher.submit(functools.partial(
+            publish_weights, run.publisher, run.client, params, step + 1, pusher=run.pusher)))
+    else:
+        publish_weights(run.publisher, run.client, state.params, step + 1, frozen=state.frozen, pusher=run.pusher)
     now = time.perf_counter()
     seconds = {"train": wait_start - train_start, "wait": push_start - wait_start, "push": now - push_start,
                "step": now - started}
     row = step_metrics(c, step + 1, rollout, batch, counters, updates, seconds)
     row.update(sampling, data_position=run.stream.state(), service_restarts=run.client.service_restarts,
                peak_rss_gb=peak_rss_gb())
+    if ahead is not None:
+        row.update(queue_depth=len(ahead.queue), consumer_idle_seconds=take_seconds + seconds["wait"],
+                   producer_idle_seconds=ahead.prefetcher.idle_seconds(started, now))
     if run.log.enabled and c.run.sample_every and (step + 1) % c.run.sample_every == 0:
         run.log.samples(sample_rows(c, run.tokenizer, step + 1, rollout))
-    return state, row, ahead
+    return state, row
 
 
 def periodic_eval(run: Run, step: int) -> dict[str, Any] | None:
@@ -196,10 +267,13 @@ def train(config: Config, command: str = "") -> str:
                 run.log.metrics(row)
                 last_eval = row
         return_freed_memory()  # what loading and dequantising the weights freed
-        prefetcher = stack.enter_context(Prefetcher()) if c.rollout.async_ else None
-        pending = prime(run, state, prefetcher) if prefetcher is not None and run.start_step < c.train.steps else None
+        ahead = None
+        if c.rollout.async_:
+            prefetcher = stack.enter_context(Prefetcher())
+            queue, params_of = prime(run, state, prefetcher) if run.start_step < c.train.steps else ([], {})
+            ahead = Ahead(prefetcher, collections.deque(queue), params_of, defers_push(c, state.frozen))
         for step in range(run.start_step, c.train.steps):
-            state, row, ahead = train_one_step(run, state, step, prefetcher, pending)
+            state, row = train_one_step(run, state, step, ahead)
             run.log.metrics(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
@@ -209,19 +283,21 @@ def train(config: Config, command: str = "") -> str:
                           f"accuracy {row['accuracy']:.3f} loss {row['loss']:.4g} kl {row['kl']:.3g} "
                           f"length {row['response_length_mean']:.1f} {row['tokens_per_second']:.0f} tok/s")
             if c.train.eval_every and ((step + 1) % c.train.eval_every == 0 or step + 1 == c.train.steps):
+                if ahead is not None:  # evaluation samples alone, from the version just pushed
+                    ahead.check_pushes(wait=True)
                 if (eval_row := periodic_eval(run, step + 1)) is not None:
                     run.log.metrics(eval_row)
                     last_eval = eval_row
                     bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
-            host = {"step": step + 1, "data_position": run.stream.state() if ahead is None else ahead.data_position,
-                    "weight_version": step + 1}
-            saved = state.checkpointed() if ahead is None else (state.checkpointed(), ahead.behaviour_params)
-            run.checkpointer.save(step + 1, saved, host, force=step + 1 == c.train.steps)
+            if run.checkpointer.due(step + 1, force=step + 1 == c.train.steps):
+                run.checkpointer.save(step + 1, *checkpoint_contents(run, state, step + 1, ahead),
+                                      force=step + 1 == c.train.steps)
             if step + 1 < c.train.steps and run.checkpointer.preempted(step + 1):  # saved above, on every process
                 bar.write(f"preempted: saved step {step + 1}; the same command resumes it")
                 raise Preempted(step + 1)  # leaving the stack flushes the run log and stops the services
-            pending = None if ahead is None else ahead.pending
             return_freed_memory()
+        if ahead is not None:  # the last deferred push is done (or its error raised) before the run ends
+            ahead.check_pushes(wait=True)
         final = os.path.join(c.run.output_dir, "final")
         local_final = os.path.join(scratch_folder(c.run.output_dir), "final")  # final itself unless on a bucket
         run.publisher.export(state.params, local_final, tokenizer=run.tokenizer)  # with LoRA: the PEFT adapter

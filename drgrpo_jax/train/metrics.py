@@ -14,7 +14,7 @@ from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollo
 if TYPE_CHECKING:
     from drgrpo_jax.step.batch import Batch
 
-__all__ = ["UpdateResult", "sample_rows", "step_metrics"]
+__all__ = ["UpdateResult", "sample_rows", "staleness_metrics", "step_metrics"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         "train_seconds": seconds["train"], "old_logprob_seconds": updates.old_logprob_seconds,
         "push_seconds": seconds["push"], "step_seconds": seconds["step"],
         "rollout_wait_seconds": seconds["wait"]}  # rollout.async: the wait for the next round after the update
+    row.update(staleness_metrics(step - 1, rollout, config.rollout.max_staleness))
     for key in updates.window_reports[0]:  # the window step's report (gdpo: whitening), averaged over windows
         row[key] = float(np.mean([report[key] for report in updates.window_reports]))
     row.update({f"reward/{name}": float(components[:, k].mean()) for k, name in enumerate(names)})
@@ -61,6 +62,17 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         row.update({f"episode/{column}": float(episodes[:, k].mean()) if len(episodes) else None
                     for k, column in enumerate(EPISODE_COLUMNS)})
     return row | counters.metrics()
+
+
+def staleness_metrics(version: int, rollout: ScoredRollout, max_staleness: int) -> dict[str, float]:
+    """How old the rollout is for the policy `version` trained on it: its groups' staleness (a group's oldest
+    completion) min, mean and max, and the share of generated tokens sampled 0..max_staleness versions back."""
+    groups = version - rollout.weight_versions.reshape(-1, rollout.group_size).min(axis=1)
+    lags, tokens = version - rollout.weight_versions, rollout.lengths.astype(np.float64)
+    total = max(float(tokens.sum()), 1.0)
+    return {"staleness_min": int(groups.min()), "staleness_mean": float(groups.mean()),
+            "staleness_max": int(groups.max()),
+            **{f"tokens_at_staleness/{k}": float(tokens[lags == k].sum() / total) for k in range(max_staleness + 1)}}
 
 
 def sample_rows(config: Config, tokenizer: Any, step: int, rollout: ScoredRollout) -> list[dict[str, Any]]:

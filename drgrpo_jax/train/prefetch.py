@@ -1,19 +1,29 @@
-"""The one-step-off prefetch (rollout.async=true): step s+1's first sampling round runs in a background thread (the
-HTTP call and the scoring; the hosts' collectives stay on the main thread) while step s's update runs:
+"""K-step-off rollouts (rollout.async=true, K = rollout.max_staleness): a bounded queue of whole sampling rounds
+between sampling and the update. A background thread samples and scores each step's first round (the HTTP call
+and the scoring; the hosts' collectives stay on the main thread) while earlier steps update:
 
-    collect R_s (pending since step s-1) -> launch R_{s+1} (the service holds version s = the policy after s
-    updates) -> update (version s+1) -> wait for R_{s+1} -> push version s+1 -> checkpoint
+    take R_s (queued since step s-K) -> [its extra rounds, by version s] -> launch R_{s+K} (the service holds
+    version s = the policy after s updates) -> update (version s+1) -> push version s+1 -> checkpoint
 
-The push waits for the round, so R_{s+1} comes wholly from version s: one version stale, never a race, corrected
-by the capped or masked importance weight (algorithm.tis_cap, mis_high) and bounded by `check_fresh`. A
-checkpoint keeps the round's sampler params and data position, and `collect.prime` regenerates it on resume.
+Round R_t is sampled by version max(0, t - K) (`sampler_version`), a function of the step alone, so which version
+samples which round never depends on timing: a run is reproducible, and a resumed one re-draws the rounds in flight
+at its checkpoint (`rounds_in_flight`) from their saved data positions with the saved params of their versions
+(`collect.prime`) and equals the uninterrupted one. The thread runs its work in submission order, one job at a
+time, so a round is sampled by one version alone. The push of version s+1 waits only for the rounds version s
+samples (`push_waits_for`): with K = 1 (and on several hosts, or with a frozen LoRA base) the update loop waits for
+them and pushes; with K > 1 on one host it queues the push on the thread behind them, from a copy of the params,
+and goes on to the next step, whose round is ready (a deferred push). A round is trained only while its staleness
+is at most K (`admits`, enforced by `check_fresh`), and whole: a group is never split across updates. The lag is
+corrected by the capped or masked importance weight (algorithm.tis_cap, mis_high).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -25,7 +35,99 @@ from drgrpo_jax.errors import StaleWeightsError
 if TYPE_CHECKING:
     from drgrpo_jax.data.examples import Example
 
-__all__ = ["PendingRound", "Prefetcher", "check_fresh", "snapshot"]
+__all__ = ["InFlight", "PendingRound", "Prefetcher", "admits", "busy_seconds", "check_fresh", "in_flight",
+           "push_waits_for", "resumed_stream_position", "rounds_in_flight", "sampled_ahead", "sampler_version",
+           "saved_params", "snapshot"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule: pure functions of the step (the property tests drive them under random delays)
+# ---------------------------------------------------------------------------------------------
+
+
+def sampler_version(round_step: int, max_staleness: int) -> int:
+    """The weight version that samples step `round_step`'s first round: K versions before it (version 0 samples
+    the first K + 1 rounds)."""
+    return max(0, round_step - max_staleness)
+
+
+def rounds_in_flight(steps_done: int, max_staleness: int, steps: int) -> range:
+    """The steps whose first rounds are queued after `steps_done` steps: launched, not yet trained on (what a
+    checkpoint taken then must re-create)."""
+    return range(steps_done, min(steps_done + max_staleness, steps))
+
+
+def sampled_ahead(steps_done: int, max_staleness: int) -> range:
+    """The K steps after `steps_done` whose first rounds a checkpoint taken then holds (rounds_in_flight, uncapped:
+    a run resumed with more train.steps samples them)."""
+    return range(steps_done, steps_done + max_staleness)
+
+
+def admits(round_version: int, step: int, max_staleness: int) -> bool:
+    """Whether step `step` (0-based: the policy is version `step`) may train on a round sampled by `round_version`."""
+    return 0 <= step - round_version <= max_staleness
+
+
+def push_waits_for(queued_versions: Sequence[int], service_version: int) -> list[int]:
+    """The queued rounds (their indices) the push of version service_version + 1 must wait for: those the service's
+    version samples (a round is sampled by one version, never by two)."""
+    return [i for i, version in enumerate(queued_versions) if version == service_version]
+
+
+def busy_seconds(intervals: Sequence[tuple[float, float]], start: float, stop: float) -> float:
+    """Seconds of [start, stop] covered by the (non-overlapping) busy intervals."""
+    return float(sum(max(0.0, min(b, stop) - max(a, start)) for a, b in intervals))
+
+
+def check_fresh(versions: Sequence[int] | np.ndarray, step: int, max_staleness: int) -> int:
+    """The rollout's staleness at step `step` (0-based: the policy is version `step`); StaleWeightsError when a
+    completion is more than max_staleness versions old or from a version the trainer has not pushed yet."""
+    oldest, newest = int(np.min(versions)), int(np.max(versions))
+    if not (admits(oldest, step, max_staleness) and admits(newest, step, max_staleness)):
+        raise StaleWeightsError(f"weight_version: step {step + 1} trains on versions {oldest}..{newest}; "
+                                f"rollout.max_staleness = {max_staleness} allows {step - max_staleness}..{step}")
+    return step - oldest
+
+
+# ---------------------------------------------------------------------------------------------
+# What a checkpoint holds of the queue
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A checkpoint's queue: the data positions of the K rounds after its step (those not launched because the run
+    ended: the stream's next positions, so a longer run can continue it) and the params of the versions that sample
+    them; `collect.prime` re-draws them."""
+
+    positions: tuple[int, ...]
+    params: tuple[Any, ...]
+    stream_position: int  # the prompt stream's position at the save (after every launched round's prompts)
+
+
+def saved_params(params: Sequence[Any], max_staleness: int) -> Any:
+    """The queue's params as checkpointed: one-step-off saves one tree (the format it always had), K > 1 a tuple."""
+    return params[0] if max_staleness == 1 else tuple(params)
+
+
+def in_flight(host: dict[str, Any], saved: Any, max_staleness: int) -> InFlight:
+    """The restored queue: from the host JSON and the saved params (a one-step-off checkpoint without
+    round_positions holds the pending round's position as data_position)."""
+    params = (saved,) if max_staleness == 1 else tuple(saved)
+    position = int(host["data_position"])
+    positions = tuple(int(p) for p in host.get("round_positions", [position]))
+    return InFlight(positions, params, int(host.get("stream_position", position)))
+
+
+def resumed_stream_position(queue: InFlight, redrawn: int) -> int:
+    """Where the prompt stream continues once the first `redrawn` queued rounds are re-drawn: after the last prompts
+    drawn before the save, or after a re-drawn round the saved run did not launch (a run given more steps)."""
+    return max([queue.stream_position] + [p + 1 for p in queue.positions[:redrawn]])
+
+
+# ---------------------------------------------------------------------------------------------
+# The producer thread
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +137,47 @@ class PendingRound:
     step: int  # the step (0-based) that trains on it
     examples: tuple[Example, ...]
     prompts: list[list[int]]
-    data_position: int  # the prompt stream's position before its prompts were drawn (what a checkpoint saves)
+    data_position: int  # the prompt stream's position of its prompts (what a checkpoint saves)
     future: concurrent.futures.Future  # -> this process's (ScoredRollout share, HostCounters)
+    version: int = 0  # the weight version that samples it (sampler_version)
 
 
 class Prefetcher:
-    """The one background thread that samples pending rounds (a context manager)."""
+    """The one background thread that samples pending rounds, in launch order (a context manager); it records when
+    it was busy (the producer's idle time is the rest)."""
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        self._lock = threading.Lock()
+        self._busy: list[tuple[float, float]] = []  # finished rounds' (start, stop), perf_counter seconds
+        self._running_since: float | None = None
 
     def launch(self, step: int, examples: tuple[Example, ...], prompts: list[list[int]], data_position: int,
-               work: Any, *args: Any) -> PendingRound:
-        """Starts `work(*args)` (this process's share: sample and score) for step `step`."""
-        return PendingRound(step, examples, prompts, data_position, self._pool.submit(work, *args))
+               work: Callable[..., Any], *args: Any, version: int = 0) -> PendingRound:
+        """Starts `work(*args)` (this process's share: sample and score) for step `step`, sampled by `version`."""
+        return PendingRound(step, examples, prompts, data_position, self._pool.submit(self._timed, work, *args),
+                            version)
+
+    def _timed(self, work: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            self._running_since = time.perf_counter()
+        try:
+            return work(*args)
+        finally:
+            with self._lock:
+                self._busy.append((self._running_since, time.perf_counter()))
+                self._running_since = None
+
+    def idle_seconds(self, start: float, stop: float) -> float:
+        """Seconds of [start, stop] the thread had no round to sample; forgets the rounds that ended before it."""
+        with self._lock:
+            self._busy = [(a, b) for a, b in self._busy if b > start]
+            intervals = self._busy + ([(self._running_since, stop)] if self._running_since is not None else [])
+        return max(0.0, stop - start - busy_seconds(intervals, start, stop))
+
+    def submit(self, work: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Queues `work(*args)` behind the rounds launched so far (a deferred weight push)."""
+        return self._pool.submit(self._timed, work, *args)
 
     @staticmethod
     def wait(pending: PendingRound | None) -> None:
@@ -68,17 +197,7 @@ class Prefetcher:
         self.close()
 
 
-def check_fresh(versions: Sequence[int] | np.ndarray, step: int, max_staleness: int) -> int:
-    """The rollout's staleness at step `step` (0-based: the policy is version `step`); StaleWeightsError when a
-    completion is more than max_staleness versions old or from a version the trainer has not pushed yet."""
-    oldest, newest = int(np.min(versions)), int(np.max(versions))
-    if step - oldest > max_staleness or newest > step:
-        raise StaleWeightsError(f"weight_version: step {step + 1} trains on versions {oldest}..{newest}; "
-                                f"rollout.max_staleness = {max_staleness} allows {step - max_staleness}..{step}")
-    return step - oldest
-
-
 def snapshot(params: Any) -> Any:
-    """A copy of the params on their devices (the update donates the originals): the pending round's
-    sampler, saved with the step's checkpoint."""
+    """A copy of the params on their devices (the update donates the originals): a queued round's sampler, saved
+    with a checkpoint taken while the round is in flight."""
     return jax.tree.map(jnp.copy, params)

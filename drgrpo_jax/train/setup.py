@@ -41,6 +41,7 @@ from drgrpo_jax.seeds import init_key, lora_init_key
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, parse_service_mesh, place, service_mesh
 from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 from drgrpo_jax.train.hub import check_hub
+from drgrpo_jax.train.prefetch import InFlight, in_flight, resumed_stream_position, rounds_in_flight, saved_params
 from drgrpo_jax.train.run_log import RunLog
 from drgrpo_jax.train.trackers import check_trackers, open_trackers
 from drgrpo_jax.weight_folders import absolute, is_remote, scratch_folder, write_text
@@ -75,7 +76,7 @@ class Run:
     scorer: RewardScorer  # every process scores its own share
     server: LocalServer | None = None  # the local child service (one process, no rollout.urls)
     pusher: SegmentPusher | None = None  # weight pushes to that child through shared memory (rollout.weight_sync)
-    behaviour_params: nnx.State | None = None  # rollout.async resumed: the params that sample the pending round
+    in_flight: InFlight | None = None  # rollout.async resumed: the queued rounds to re-draw (train/prefetch.py)
     episodes: Episodes | None = None  # environment.tools/factory: multi-turn episodes instead of one completion
 
 
@@ -206,17 +207,22 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
     state = place(state, shardings)  # works across processes, where device_put cannot
     weight_sync = check_room(c, weight_sync, state.params, state.frozen)  # /dev/shm may be too small for two versions
-    start_step, position, behaviour = 0, 0, None
+    start_step, position, queued = 0, 0, None
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
-        # rollout.async also saves the params that sample the pending round (drgrpo_jax.train.prefetch).
-        target = (state.checkpointed(), state.params) if c.rollout.async_ else state.checkpointed()
+        # rollout.async also saves the params that sample the queued rounds (drgrpo_jax.train.prefetch).
+        k = c.rollout.max_staleness
+        target = (state.checkpointed(), saved_params([state.params] * k, k)) if c.rollout.async_ else \
+            state.checkpointed()
         restored = checkpointer.restore_latest(target)
         if restored is None:  # should_resume saw a checkpoint; none is left
             raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
-        restored_state, behaviour = restored.state if c.rollout.async_ else (restored.state, None)
+        restored_state = restored.state[0] if c.rollout.async_ else restored.state
         state = dataclasses.replace(restored_state, frozen=state.frozen)
         start_step, position = int(restored.host["step"]), int(restored.host["data_position"])
+        if c.rollout.async_:
+            queued = in_flight(restored.host, restored.state[1], k)
+            position = resumed_stream_position(queued, len(rounds_in_flight(start_step, k, c.train.steps)))
     if main_process:
         write_text(os.path.join(out, "config.yaml"), dump_config(c))
     log = RunLog(out, start_step, main_process, open_trackers(c, out, start_step) if main_process else [])
@@ -249,5 +255,5 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
               checkpointer=checkpointer, publisher=publisher, log=log,
               stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
               start_step=start_step, client=client, scorer=scorer, server=server, pusher=pusher,
-              behaviour_params=behaviour, episodes=episodes)
+              in_flight=queued, episodes=episodes)
     return run, state
