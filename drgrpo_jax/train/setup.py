@@ -22,6 +22,7 @@ from drgrpo_jax.config.derived import (
     step_configs,
 )
 from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
+from drgrpo_jax.config.rules import check_lora_targets
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data.examples import PromptDataset
 from drgrpo_jax.data.order import PromptStream
@@ -29,6 +30,7 @@ from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, start_distributed
+from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.models.lora import add_adapters, store_base
 from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
@@ -167,6 +169,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     weight_sync = sync_mode(c, local_child=not c.rollout.urls)  # shm: the pushes to the child skip the disk
     check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
+    if c.model.lora.rank and os.path.isdir(model_path):  # the architecture's own rules, before the model loads
+        check_lora_targets(c, load_hf_config(model_path))
     stored_dtype = lora_base_dtype(c) if c.model.lora.rank else c.model.dtype  # bfloat16 base: bfloat16 GEMMs
     compute_dtype = resolve_compute_dtype(c.model.compute_dtype, stored_dtype, jax.devices()[0])
     train_config, logprob_config = step_configs(c, compute_dtype)

@@ -15,6 +15,7 @@ from drgrpo_jax.seeds import step_seed
 
 from support.gcs_emulator import bucket_objects, gcs_emulator
 from support.paths import REPO
+from support.tiny_models import write_tiny_qwen3_moe
 from support.trainer_runs import start_trainer, trainer_overrides
 from support.wandb_offline import wandb_offline_run
 
@@ -431,8 +432,11 @@ def test_the_run_survives_its_keyed_service_being_killed_mid_rollout(inputs, uni
 @pytest.mark.subprocess  # the trainer CLI and its generation service
 def test_bad_model_path_task_and_url_fail_in_one_line(inputs, tmp_path):
     base = _overrides(inputs, tmp_path / "run", steps=1)
+    moe = write_tiny_qwen3_moe(str(tmp_path / "moe"))
     cases = {
         "model.path": [f"model.path={tmp_path / 'missing'}"],
+        # A mixture's MLP is its experts: refused before the model loads (its config.json read, not its weights)
+        "model.lora.targets": [f"model.path={moe}", "model.lora.rank=4", "model.lora.targets=[q_proj,up_proj]"],
         "data.task": ["data.source=reasoning_gym", "data.task=no_such_task", "data.size=10",
                       "reward.functions=[format]"],
         "rollout.urls": ["rollout.urls=[http://127.0.0.1:9]"],
