@@ -24,7 +24,7 @@ from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
 from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh
 
-from support.tiny_models import write_tiny_gpt_oss
+from support.tiny_models import hf_logits, write_tiny_gpt_oss
 
 VOCAB = 96
 TOL = 1e-4
@@ -35,12 +35,6 @@ def gpt_oss_pair(tmp_path_factory):
     """(transformers' GptOssForCausalLM, the folder it was saved to)."""
     folder = write_tiny_gpt_oss(str(tmp_path_factory.mktemp("gpt_oss")))
     return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), folder
-
-
-def _hf_logits(model, ids, **kwargs) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids)), **{k: torch.tensor(np.asarray(v)) for k, v in kwargs.items()}
-                     ).logits.float().numpy()
 
 
 def _ids(seed: int, shape) -> np.ndarray:
@@ -94,12 +88,12 @@ def test_logits_match_transformers(gpt_oss_pair, impl):
     model, folder = gpt_oss_pair
     ours = from_pretrained(folder, attention_impl=impl)
     ids = _ids(0, (2, 30))
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), _hf_logits(model, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), hf_logits(model, ids), atol=TOL, rtol=0)
     lengths = np.array([24, 13, 5])
     real = np.arange(24)[None, :] >= (24 - lengths)[:, None]
     ids = np.where(real, _ids(1, (3, 24)), 0)
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
-    ref = _hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
+    ref = hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
     got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(real, jnp.int32)))
     np.testing.assert_allclose(got[real], ref[real], atol=TOL, rtol=0)
 
@@ -111,7 +105,7 @@ def test_saved_folder_loads_in_transformers_with_the_same_logits(gpt_oss_pair, t
         assert json.load(f)["architectures"] == ["GptOssForCausalLM"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     ids = _ids(3, (2, 21))
-    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(model, ids), atol=1e-6, rtol=0)
 
 
 def test_quantised_experts_are_refused_in_one_line(gpt_oss_pair):
@@ -131,7 +125,7 @@ def test_expert_sharded_logits_equal_transformers(gpt_oss_pair):
     ids = jax.device_put(jnp.asarray(_ids(4, (4, 20))), batch_sharding(mesh))
     graphdef, state = nnx.split(sharded)
     logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
-    np.testing.assert_allclose(np.asarray(logits), _hf_logits(model, np.asarray(ids)), atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(model, np.asarray(ids)), atol=TOL, rtol=0)
 
 
 @pytest.mark.heavy

@@ -17,6 +17,8 @@ from drgrpo_jax.models.kv_cache import init_cache, split_cache, stack_cache, wri
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import Transformer, layer_params, rope_for_layers
 
+from support.tiny_models import hf_logits
+
 # Every family's forward against transformers runs in the inner loop; the decode, bfloat16, gradient and remat
 # checks compile more programs per family and are `heavy`.
 
@@ -65,17 +67,6 @@ def hf_pair(request, tmp_path_factory):
     return request.param, model, str(folder)
 
 
-def _hf_logits(model, ids, attention_mask=None, position_ids=None) -> np.ndarray:
-    """float32 logits from the torch reference."""
-    kwargs = {}
-    if attention_mask is not None:
-        kwargs["attention_mask"] = torch.tensor(np.asarray(attention_mask))
-    if position_ids is not None:
-        kwargs["position_ids"] = torch.tensor(np.asarray(position_ids))
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids)), **kwargs).logits.float().numpy()
-
-
 def _ids(seed: int, shape) -> np.ndarray:
     """Random token ids avoiding the special ids."""
     return np.random.RandomState(seed).randint(3, VOCAB, shape)
@@ -95,7 +86,7 @@ def test_unpadded_parity(hf_pair):
     _, model, folder = hf_pair
     ours = from_pretrained(folder)
     ids = _ids(0, (2, 12))
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), _hf_logits(model, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), hf_logits(model, ids), atol=TOL, rtol=0)
 
 
 def test_left_padded_parity(hf_pair):
@@ -106,7 +97,7 @@ def test_left_padded_parity(hf_pair):
     real = np.arange(10)[None, :] >= (10 - lengths)[:, None]
     ids = np.where(real, ids, 0)
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
-    ref = _hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
+    ref = hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
     got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(real, jnp.int32)))
     np.testing.assert_allclose(got[real], ref[real], atol=TOL, rtol=0)
 
@@ -119,8 +110,8 @@ def test_packed_parity(hf_pair):
     segments = np.array([[1] * 7 + [2] * 6 + [0] * 2], np.int32)
     positions = np.array([list(range(7)) + list(range(6)) + [0, 0]], np.int32)
     got = np.asarray(ours(jnp.asarray(packed), jnp.asarray(positions), jnp.asarray(segments)))
-    np.testing.assert_allclose(got[0, :7], _hf_logits(model, a)[0], atol=TOL, rtol=0)
-    np.testing.assert_allclose(got[0, 7:13], _hf_logits(model, b)[0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[0, :7], hf_logits(model, a)[0], atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[0, 7:13], hf_logits(model, b)[0], atol=TOL, rtol=0)
 
 
 @pytest.mark.heavy
@@ -131,7 +122,7 @@ def test_roundtrip_through_save_pretrained(hf_pair, tmp_path):
     assert (tmp_path / "model.safetensors.index.json").exists()
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = _ids(4, (2, 9))
-    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(model, ids), atol=TOL, rtol=0)
     again = from_pretrained(str(tmp_path))
     assert again.config == ours.config
     np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids))), np.asarray(ours(jnp.asarray(ids))))

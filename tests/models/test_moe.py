@@ -32,7 +32,7 @@ from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shar
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.train_step import init_state, jit_train_step, state_shardings
 
-from support.tiny_models import write_tiny_qwen3_moe
+from support.tiny_models import hf_logits, write_tiny_qwen3_moe
 from support.tiny_step import STEP_RESPONSE, assert_same, make_step_batch
 
 VOCAB = 96
@@ -44,12 +44,6 @@ def moe_pair(request, tmp_path_factory):
     """(transformers' Qwen3MoeForCausalLM, the folder it was saved to), routing weights renormalised or not."""
     folder = write_tiny_qwen3_moe(str(tmp_path_factory.mktemp("qwen3_moe")), norm_topk_prob=request.param)
     return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), folder
-
-
-def _hf_logits(model, ids, **kwargs) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(ids)), **{k: torch.tensor(np.asarray(v)) for k, v in kwargs.items()}
-                     ).logits.float().numpy()
 
 
 def _ids(seed: int, shape) -> np.ndarray:
@@ -69,13 +63,13 @@ def test_logits_match_transformers(moe_pair):
     model, folder = moe_pair
     ours = from_pretrained(folder)
     ids = _ids(0, (2, 12))
-    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), _hf_logits(model, ids), atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), hf_logits(model, ids), atol=TOL, rtol=0)
     # Left-padded rows: padding tokens are routed too (dropless), and change no real token's experts.
     lengths = np.array([10, 7, 3])
     real = np.arange(10)[None, :] >= (10 - lengths)[:, None]
     ids = np.where(real, _ids(1, (3, 10)), 0)
     positions = np.maximum(np.cumsum(real, axis=1) - 1, 0)
-    ref = _hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
+    ref = hf_logits(model, ids, attention_mask=real.astype(np.int64), position_ids=positions)
     got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(real, jnp.int32)))
     np.testing.assert_allclose(got[real], ref[real], atol=TOL, rtol=0)
 
@@ -102,8 +96,8 @@ def test_fused_layout_reads_the_same_model(moe_pair, tmp_path):
     _fuse_experts(folder, fused, model.config.num_experts)
     ids = _ids(2, (2, 9))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(fused, attn_implementation="eager").eval()
-    np.testing.assert_array_equal(_hf_logits(reloaded, ids), _hf_logits(model, ids))  # transformers' own layout
-    np.testing.assert_allclose(np.asarray(from_pretrained(fused)(jnp.asarray(ids))), _hf_logits(model, ids),
+    np.testing.assert_array_equal(hf_logits(reloaded, ids), hf_logits(model, ids))  # transformers' own layout
+    np.testing.assert_allclose(np.asarray(from_pretrained(fused)(jnp.asarray(ids))), hf_logits(model, ids),
                                atol=TOL, rtol=0)
 
 
@@ -114,7 +108,7 @@ def test_saved_folder_loads_in_transformers_with_the_same_logits(moe_pair, tmp_p
         assert json.load(f)["architectures"] == ["Qwen3MoeForCausalLM"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     ids = _ids(3, (2, 11))
-    np.testing.assert_allclose(_hf_logits(reloaded, ids), _hf_logits(model, ids), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(model, ids), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("field, value, dense", [("mlp_only_layers", [1], "[1]"), ("decoder_sparse_step", 2, "[0]")])
@@ -227,7 +221,7 @@ def test_expert_sharded_logits_equal_one_device(moe_pair, mesh_shape):
     ids = jax.device_put(jnp.asarray(_ids(4, (8, 10))), batch_sharding(mesh))
     graphdef, state = nnx.split(sharded)
     logits = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, ids)
-    np.testing.assert_allclose(np.asarray(logits), _hf_logits(model, np.asarray(ids)), atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(model, np.asarray(ids)), atol=TOL, rtol=0)
 
 
 MOE_CONFIG = DecoderConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,

@@ -1,9 +1,20 @@
 """The tests' tiny random models: a transformers Llama saved offline with a character-level tokenizer (the
 service, trainer and conversion tests load it from disk), a transformers Qwen3-MoE (tests/models/test_moe.py)
-and GPT-OSS (tests/models/test_gpt_oss.py),
-the step tests' DecoderConfig and the sampler's in-memory Transformer."""
+and GPT-OSS (tests/models/test_gpt_oss.py), the step tests' DecoderConfig and the sampler's in-memory
+Transformer; and `hf_logits`, a transformers model's logits, which the parity tests compare with ours."""
 
 from __future__ import annotations
+
+
+def hf_logits(model, ids, **arrays):
+    """float32 logits of a transformers model (numpy out); `arrays`: attention_mask, position_ids, ... as numpy."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids)), **{k: torch.tensor(np.asarray(v)) for k, v in arrays.items()
+                                                        if v is not None}).logits.float().numpy()
+
 
 # ---------------------------------------------------------------------------------------------
 # The tiny random Llama (transformers, saved offline) with a character-level tokenizer
