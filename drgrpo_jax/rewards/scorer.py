@@ -66,7 +66,11 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _worker_main(fd: int, parent_pid: int) -> None:
-    """Worker loop: a RewardConfig first, then (call id, component, completion, example) in, results out."""
+    """Worker loop: a RewardConfig first, then (call id, component, completion, example) in, results out.
+
+    SIGTERM is the trainer's to answer (it saves and exits 42), so the worker ignores it (`_WORKER_COMMAND`): a
+    scheduler that signals every process of the job (`scancel --signal=TERM`, a pod's eviction) must not kill the
+    workers mid-step. The trainer stops them itself (`close`), and they die with it (`_die_with_parent`)."""
     _die_with_parent(parent_pid)
     conn = multiprocessing.connection.Connection(fd)
     config = conn.recv()
@@ -92,8 +96,20 @@ def _worker_main(fd: int, parent_pid: int) -> None:
 
 # A fresh interpreter, not multiprocessing's spawn: spawn re-runs the parent's __main__ (the
 # trainer, a notebook, a script without a main guard), and fork would copy JAX's threads.
-_WORKER_COMMAND = ("import sys; from drgrpo_jax.rewards.scorer import _worker_main; "
-                   "_worker_main(*map(int, sys.argv[1:]))")
+# The worker starts with SIGTERM blocked (`_start_worker`) and ignores it before unblocking it, so a job-wide signal
+# while the pool starts spares it too (a pending TERM is dropped once ignored).
+_WORKER_COMMAND = ("import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM}); "
+                   "from drgrpo_jax.rewards.scorer import _worker_main; _worker_main(*map(int, sys.argv[1:]))")
+
+
+def _start_worker(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """Popen with SIGTERM blocked in this thread across the fork: the child inherits the block."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return subprocess.Popen(args, **kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @dataclasses.dataclass
@@ -130,7 +146,7 @@ class RewardScorer:
         parent_conn, child_conn = multiprocessing.Pipe()
         # The worker imports what this process can (user reward modules next to the script or tests).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        process = subprocess.Popen(
+        process = _start_worker(
             [sys.executable, "-c", _WORKER_COMMAND, str(child_conn.fileno()), str(os.getpid())],
             pass_fds=(child_conn.fileno(),),
             env=env,

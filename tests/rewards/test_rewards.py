@@ -150,6 +150,22 @@ def test_close_stops_every_worker():
     assert all(process.poll() is not None for process in processes)
 
 
+@pytest.mark.subprocess  # reward worker processes
+def test_a_job_wide_sigterm_leaves_the_workers_to_the_trainer():
+    """`scancel --signal=TERM` signals every process of the job step: the workers ignore it, from their first line
+    (a worker killed while the pool started failed a preempted SLURM run with RewardError instead of exit 42)."""
+    import signal
+
+    scorer = RewardScorer(RewardConfig(functions=("format",), num_workers=1, timeout_s=TIMEOUT_S))
+    try:
+        for worker in scorer._workers:
+            worker.process.send_signal(signal.SIGTERM)
+        assert scorer.score(["\\boxed{3}"], [Example("p/0", "q", "3")]).components_NK[0, 0] == 1.0
+        assert all(worker.process.poll() is None for worker in scorer._workers)
+    finally:
+        scorer.close()
+
+
 def test_functions_are_named_after_the_builtin_or_the_imported_function():
     specs = build_reward_fns(RewardConfig(functions=("math_verify", "test_rewards:user_reward")))
     assert [s.name for s in specs] == ["math_verify", "user_reward"]
