@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
@@ -73,25 +74,15 @@ def test_7b_plan_matches_the_hand_calculation():
     assert result["fits"] == {"trainer": True, "service": True}
 
 
-@pytest.mark.heavy  # a train state placed on each mesh
-@pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
-def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
-    """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
+def _placed_bytes(model: DecoderConfig, dtype, mesh: tuple[int, int, int], weight_decay: float = 0.0):
+    """(params, optimizer state) bytes that device 0 holds of a train state placed on a (data, fsdp, tensor) mesh."""
     from drgrpo_jax.sharding import param_shardings, place
     from drgrpo_jax.step.optimizer import make_optimizer
     from drgrpo_jax.step.train_step import init_state, state_shardings
 
-    data, fsdp, tensor = mesh
-    config = load_config(None, ["model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
-                                f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
-    tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
-    result = plan.make_plan(config, tiny)
-
-    jax_dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-    optimizer, _ = make_optimizer(1e-3, total_steps=10, weight_decay=0.1)
-    _, state = init_state(Transformer(tiny, rngs=nnx.Rngs(0), dtype=jax_dtype), optimizer, jax.random.key(0))
-    jax_mesh = jax.make_mesh(mesh, ("data", "fsdp", "tensor"), devices=jax.devices()[:8])
+    optimizer, _ = make_optimizer(1e-3, total_steps=10, weight_decay=weight_decay)
+    _, state = init_state(Transformer(model, rngs=nnx.Rngs(0), dtype=dtype), optimizer, jax.random.key(0))
+    jax_mesh = jax.make_mesh(mesh, ("data", "fsdp", "tensor"), devices=jax.devices()[:math.prod(mesh)])
     state = place(state, state_shardings(state, param_shardings(state.params, jax_mesh), jax_mesh))
     device = jax.devices()[0]
 
@@ -99,6 +90,22 @@ def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
         return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
                    if shard.device == device)
 
+    return on_device, state
+
+
+@pytest.mark.heavy  # a train state placed on each mesh
+@pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
+def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
+    """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
+    data, fsdp, tensor = mesh
+    config = load_config(None, ["model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                                f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
+    tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
+    result = plan.make_plan(config, tiny)
+
+    on_device, state = _placed_bytes(tiny, {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype], mesh,
+                                     weight_decay=0.1)
     assert result["trainer"]["params"] == on_device(state.params)
     assert result["trainer"]["optimizer"] == on_device(state.opt_state)
     floats = {x.dtype for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)}
@@ -324,26 +331,13 @@ MOE = DecoderConfig(family="qwen3_moe", vocab_size=64, hidden_size=64, intermedi
 def test_moe_plan_equals_the_real_allocation_with_experts_over_fsdp(mesh):
     """A mixture's planned parameter and optimizer bytes per device equal a placed train state's: each fsdp shard
     holds e / fsdp whole experts (ShardingRules.expert), the router splits its model dim."""
-    from drgrpo_jax.sharding import param_shardings, place
-    from drgrpo_jax.step.optimizer import make_optimizer
-    from drgrpo_jax.step.train_step import init_state, state_shardings
-
     data, fsdp, tensor = mesh
     config = load_config(None, ["model.path=tiny", "model.dtype=bfloat16", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                 f"mesh.tensor={tensor}"])
     result = plan.make_plan(config, MOE)
     specs = {g["name"]: g["spec"] for g in result["param_groups"]}
     assert specs["blocks/expert_gate"] == [None, "fsdp", None, "tensor"]
-    optimizer, _ = make_optimizer(1e-3, total_steps=10)
-    _, state = init_state(Transformer(MOE, rngs=nnx.Rngs(0), dtype=jnp.bfloat16), optimizer, jax.random.key(0))
-    jax_mesh = jax.make_mesh(mesh, ("data", "fsdp", "tensor"), devices=jax.devices()[:data * fsdp * tensor])
-    state = place(state, state_shardings(state, param_shardings(state.params, jax_mesh), jax_mesh))
-    device = jax.devices()[0]
-
-    def on_device(tree) -> int:
-        return sum(shard.data.nbytes for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards
-                   if shard.device == device)
-
+    on_device, state = _placed_bytes(MOE, jnp.bfloat16, mesh)
     assert result["trainer"]["params"] == on_device(state.params)
     assert result["trainer"]["optimizer"] == on_device(state.opt_state)
     assert on_device(state.params["blocks"]["expert_gate"]) * fsdp * tensor == 4 * 16 * 64 * 48 * 2
