@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 __all__ = [
-    "derive_seed", "epoch_permutation", "eval_seed", "init_key", "lora_init_key", "minibatch_permutation",
-    "prompt_seeds", "rollout_seed", "shuffle_permutation", "step_seed", "turn_seed",
+    "completion_seeds", "derive_seed", "epoch_permutation", "eval_seed", "init_key", "lora_init_key",
+    "minibatch_permutation", "prompt_seeds", "rollout_seed", "shuffle_permutation", "step_seed", "turn_seed",
 ]
 
 _ROLLOUT = 0  # a step's first sampling round
@@ -53,6 +53,12 @@ def eval_seed(seed: int, step: int) -> int:
 def prompt_seeds(seed: int, num_prompts: int, offset: int = 0) -> list[int]:
     """One seed per prompt from (a request's seed, global prompt index): independent of how prompts are split."""
     return [derive_seed(seed, offset + i) for i in range(num_prompts)]
+
+
+def completion_seeds(prompt_seed: int, group_size: int) -> list[int]:
+    """One seed per completion g of a prompt's group, from (the prompt's seed, g): for an engine that samples each
+    completion from its own request's seed (SGLang copies one request's seed into all n of its copies)."""
+    return [derive_seed(prompt_seed, g) for g in range(group_size)]
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -87,6 +87,11 @@ class ServeConfig:
                        f"changes (e.g. {SERVICE_MESH_EXAMPLE}; default: one device)",
                    metavar="tensor=T[,data=D]")
     weight_version: str = _f("0", "version reported until the first weight update")
+    inflight_updates: bool = _f(False, "a weight update reaches the batches already running at their next decode "
+                                       "phase or --cancel-check-steps pause (the tokens sampled so far stay in the "
+                                       "KV cache), and /generate reports the version of every output token "
+                                       "(meta_info.output_token_weight_versions); off: a batch samples on one "
+                                       "version")
     max_batch_size: int = _f(DEFAULT_MAX_BATCH_SIZE, "rows (prompts x n) per sampler call")
     batch_wait_ms: float = _f(5.0, "after a request, wait this long for others to batch with it")
     max_context: int = _f(0, "prompt + new tokens limit (default: the model's max_position_embeddings)")

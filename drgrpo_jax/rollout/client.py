@@ -1,7 +1,8 @@
 """Trainer-side rollout client: prompts out, completions + behaviour log-probs + weight version back.
 
-Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve`, a real SGLang or
-SGLang-JAX server alike; with `engine="vllm"`, vLLM's own routes instead (rollout/vllm.py translates them).
+Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve` and a real SGLang server (with
+`engine="sglang"`, one request row per completion, each with its own seed); with `engine="vllm"`, vLLM's own
+routes instead (rollout/vllm.py translates them).
 Several URLs form a data-parallel fleet: each gets a contiguous share of the prompts (whole groups), and a URL
 that keeps failing hands its share to the others (`retryable`). Weight pushes go by folder (`update_weights`,
 SGLang's /update_weights_from_disk, or vLLM's reload) or, to the trainer's own child
@@ -10,6 +11,7 @@ SGLang's /update_weights_from_disk, or vLLM's reload) or, to the trainer's own c
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
 import itertools
@@ -19,7 +21,7 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, Self, get_args
+from typing import Any, Literal, NamedTuple, Self, get_args
 
 import httpx
 import numpy as np
@@ -27,11 +29,12 @@ import numpy as np
 from drgrpo_jax.errors import ConfigError, RolloutError, StaleWeightsError
 from drgrpo_jax.rollout import vllm
 from drgrpo_jax.rollout.local_service import LocalServer
-from drgrpo_jax.seeds import prompt_seeds
+from drgrpo_jax.seeds import completion_seeds, prompt_seeds
 from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["ENGINES", "Completions", "Engine", "RolloutClient", "check_versions", "retryable"]
+__all__ = ["ENGINES", "Completions", "Engine", "RolloutClient", "RouterShape", "check_versions",
+           "decode_routed_experts", "retryable"]
 
 Engine = Literal["ours", "sglang", "vllm"]  # the wire a service speaks (rollout.engine)
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -60,8 +63,22 @@ class Completions:
     response_mask: np.ndarray  # bool [N, T]: True on generated tokens
     lengths: np.ndarray  # int32 [N]
     truncated: np.ndarray  # bool [N]: hit the budget without a stop token
-    weight_versions: tuple[str | None, ...]  # [N] as the service reported them
+    weight_versions: tuple[str | None, ...]  # [N] as the service reported them: the oldest that sampled the row
+    # int32 [N, T]: the version that sampled each token (a service with --inflight-updates reports it per token;
+    # otherwise the row's), -1 on padding and where the version is not an integer
+    token_versions: np.ndarray
     group_size: int  # G
+    # Router replay (asked for): per row int32 [prompt + length - 1, L, k], the experts every layer chose for each
+    # token the service read (the prompt's, then the completion's but its last); None when not asked.
+    routed_experts: tuple[np.ndarray, ...] | None = None
+
+
+class RouterShape(NamedTuple):
+    """What a served mixture's routed experts look like: L layers, k experts per token out of e."""
+
+    layers: int
+    experts_per_token: int
+    num_experts: int
 
 
 def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
@@ -114,7 +131,9 @@ class RolloutClient:
         if engine not in ENGINES:
             raise ValueError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
         self.engine = engine
-        self._ready: set[str] = set()  # the vLLM URLs found to have what this client needs
+        self._ready: set[str] = set()  # the URLs checked by check_engine
+        self._returns_experts: set[str] = set()  # the vLLM URLs found to return routed experts
+        self.seeds_ignored_by: tuple[str, ...] = ()  # the sglang URLs that sample without honouring sampling_seed
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.local_server, self.max_restarts = local_server, max_restarts
@@ -211,7 +230,8 @@ class RolloutClient:
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
                  expected_version: str | int | None = None, max_staleness: int = 0, prompt_offset: int = 0,
-                 first_url: int = 0, ignore_eos: bool = False, seeds: Sequence[int] | None = None) -> Completions:
+                 first_url: int = 0, ignore_eos: bool = False, seeds: Sequence[int] | None = None,
+                 return_routed_experts: RouterShape | None = None) -> Completions:
         """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version.
 
         `prompt_offset`: the index of prompts[0] in the whole rollout, so that a host sampling its share
@@ -219,6 +239,9 @@ class RolloutClient:
         takes the first share (hosts start at different URLs to spread the load). `ignore_eos`: SGLang's
         sampling parameter, the model's EOS does not end a completion (stop_token_ids still do). `seeds`: each
         prompt's own sampling seed, in place of those drawn from `seed` and `prompt_offset`.
+        `return_routed_experts` (the served mixture's shape): each completion also brings the experts its tokens
+        were routed to (SGLang's `return_routed_experts`; a vLLM server must run with
+        --enable-return-routed-experts), checked against that shape (`Completions.routed_experts`).
         """
         if group_size < 1 or max_new_tokens < 1:
             raise ValueError(f"group_size, max_new_tokens: must be >= 1, got {group_size}, {max_new_tokens}")
@@ -229,15 +252,22 @@ class RolloutClient:
         elif len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         shares = _split(len(prompts), len(self.urls))
-        self._check_engine()
+        self.check_engine()
+        if return_routed_experts is not None:
+            self._check_routed_experts()
+        # SGLang copies one row's sampling_seed into all n copies of it: each completion is its own row and seed.
+        one_row_each = self.engine == "sglang"
 
         def body(start: int, stop: int) -> dict:
+            rows = [(i, s) for i in range(start, stop)
+                    for s in (completion_seeds(seeds[i], group_size) if one_row_each else [seeds[i]])]
             params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                       "top_k": top_k if top_k > 0 else -1, "n": group_size, "sampling_seed": seeds[i],
-                       "stop_token_ids": list(stop_token_ids), **({"ignore_eos": True} if ignore_eos else {})}
-                      for i in range(start, stop)]
-            return {"input_ids": [list(map(int, p)) for p in prompts[start:stop]], "sampling_params": params,
-                    "return_logprob": True}
+                       "top_k": top_k if top_k > 0 else -1, "n": 1 if one_row_each else group_size,
+                       "sampling_seed": s, "stop_token_ids": list(stop_token_ids),
+                       **({"ignore_eos": True} if ignore_eos else {})}
+                      for _, s in rows]
+            return {"input_ids": [list(map(int, prompts[i])) for i, _ in rows], "sampling_params": params,
+                    "return_logprob": True, **({"return_routed_experts": True} if return_routed_experts else {})}
 
         if self.engine == "vllm":  # one request per prompt, sent to its share's URL
             calls = [(k, vllm.GENERATE_PATH, vllm.generate_body(
@@ -254,8 +284,14 @@ class RolloutClient:
                 if not (retryable(error.status) and self._restart_local_server()):
                     raise
         completions = _to_completions(items, group_size, max_new_tokens)
-        if expected_version is not None:
-            check_versions(completions.weight_versions, expected_version, max_staleness)
+        if return_routed_experts is not None:
+            completions = dataclasses.replace(completions, routed_experts=tuple(
+                decode_routed_experts(item, r, len(prompts[r // group_size]), int(completions.lengths[r]),
+                                      return_routed_experts) for r, item in enumerate(items)))
+        if expected_version is not None:  # every token's version (a non-integer one is its row's: _token_versions)
+            token_versions = np.unique(completions.token_versions[completions.token_versions >= 0])
+            check_versions([*completions.weight_versions, *map(str, token_versions)], expected_version,
+                           max_staleness)
         return completions
 
     def _gather(self, calls: list[tuple[int, str, dict, int]], first_url: int, group_size: int) -> list[dict]:
@@ -274,11 +310,21 @@ class RolloutClient:
             items += answer
         return items
 
-    def _check_engine(self) -> None:
-        """With engine vllm, ConfigError naming the start-up setting a URL lacks (read once per URL from what the
-        server exposes: its routes, and its config under dev mode)."""
+    def check_engine(self) -> None:
+        """Reads once per URL what the server says of its start-up settings. With engine vllm, ConfigError naming
+        a setting it lacks (from its routes, and its config under dev mode); with engine sglang, a warning and
+        `seeds_ignored_by` for a server that does not say it runs with --enable-deterministic-inference (without
+        it SGLang ignores sampling seeds)."""
         for url in self.urls:
-            if self.engine != "vllm" or url in self._ready:
+            if self.engine == "ours" or url in self._ready:
+                continue
+            if self.engine == "sglang":
+                # ServerArgs' field; a server that does not report it is taken to ignore seeds
+                if self._sglang_server_info(url).get("enable_deterministic_inference") is not True:
+                    log.warning("rollout.engine=sglang: %s does not run with --enable-deterministic-inference, so it "
+                                "ignores sampling seeds and its rollouts cannot be reproduced (docs/engines.md)", url)
+                    self.seeds_ignored_by += (url,)
+                self._ready.add(url)
                 continue
             openapi = self._request("GET", url, "/openapi.json") or {}
             dev_mode = "/server_info" in openapi.get("paths", {})
@@ -287,6 +333,30 @@ class RolloutClient:
             if missing is not None:
                 raise ConfigError("rollout.engine", f"vllm: {url} is not ready for training: {missing}")
             self._ready.add(url)
+
+    def _check_routed_experts(self) -> None:
+        """With engine vllm, ConfigError for a URL whose server does not return routed experts (read once per URL
+        from its config; check_engine has found its /server_info)."""
+        for url in self.urls:
+            if self.engine != "vllm" or url in self._returns_experts:
+                continue
+            missing = vllm.missing_routed_experts(self._request("GET", url, "/server_info?config_format=json") or {})
+            if missing is not None:
+                raise ConfigError("model.moe.router_replay", f"vllm: {url} {missing}")
+            self._returns_experts.add(url)
+
+    def _sglang_server_info(self, url: str) -> dict:
+        """SGLang's ServerArgs as its server reports them (/server_info, or /get_server_info before SGLang renamed
+        it); {} when it has neither route."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = self._request("GET", url, path)
+            except RolloutError as error:
+                if error.status == 404:
+                    continue
+                raise
+            return info if isinstance(info, dict) else {}
+        return {}
 
     def update_weights(self, model_path: str, weight_version: str | int, *, rollback: bool = False) -> None:
         """Tells every service to load `model_path` as `weight_version`; raises naming every URL that refused.
@@ -301,7 +371,7 @@ class RolloutClient:
             model_path = os.path.abspath(model_path)
         elif self.engine == "vllm":
             raise RolloutError(f"{model_path}: vLLM reloads weights from a folder on its own disk, not a bucket")
-        self._check_engine()
+        self.check_engine()
         body: dict[str, Any] = {"model_path": model_path, "weight_version": str(weight_version)}
         if rollback:  # only then: a stand-in SGLang server never sees this service's extension
             body["allow_rollback"] = True
@@ -409,6 +479,48 @@ def _finite_logprobs(row: int, pairs: list) -> list[float]:
     return values
 
 
+def _token_versions(row: int, meta: dict, num_tokens: int, row_version: str | None) -> list[int]:
+    """Each token's version as an int (-1: not an integer): `output_token_weight_versions` where the service reports
+    it, else the row's version on every token; RolloutError when the list does not match the tokens, or names a
+    version that is neither an integer nor the row's (which `check_versions` checks)."""
+    reported = meta.get("output_token_weight_versions")
+    if reported is None:
+        return [int(row_version) if row_version is not None and row_version.isdigit() else -1] * num_tokens
+    if not isinstance(reported, list) or len(reported) != num_tokens:
+        raise RolloutError(f"completion {row}: output_token_weight_versions is not a list of one version per output "
+                           f"token ({num_tokens})")
+    out = []
+    for position, version in enumerate(map(str, reported)):
+        if not version.isdigit() and version != row_version:
+            raise RolloutError(f"completion {row}: output_token_weight_versions[{position}] is {version!r}, neither "
+                               f"an integer version nor the completion's weight_version {row_version!r}")
+        out.append(int(version) if version.isdigit() else -1)
+    return out
+
+
+def decode_routed_experts(item: dict, row: int, prompt_length: int, length: int, shape: RouterShape) -> np.ndarray:
+    """int32 [prompt_length + length - 1, L, k] from an item's `meta_info.routed_experts` (SGLang's base64 of
+    little-endian int32); RolloutError naming the completion when it is missing, of another shape or out of range."""
+    encoded = item["meta_info"].get("routed_experts")
+    if not isinstance(encoded, str):
+        raise RolloutError(f"completion {row}: no meta_info.routed_experts (the service did not return the routed "
+                           "experts: a dense model, or a server that does not support them)")
+    try:
+        flat = np.frombuffer(base64.b64decode(encoded, validate=True), "<i4")
+    except ValueError:  # bad base64 (binascii.Error) or a byte count that is no whole int32
+        raise RolloutError(f"completion {row}: meta_info.routed_experts is not base64 of int32 values") from None
+    per_token = shape.layers * shape.experts_per_token
+    tokens = max(prompt_length + length - 1, 0)
+    if flat.size != tokens * per_token:
+        raise RolloutError(f"completion {row}: meta_info.routed_experts holds {flat.size} ids, not the {tokens} "
+                           f"tokens read (prompt {prompt_length} + completion {length} - 1) x {shape.layers} layers "
+                           f"x {shape.experts_per_token} experts = {tokens * per_token}")
+    if flat.size and not (flat.min() >= 0 and flat.max() < shape.num_experts):
+        raise RolloutError(f"completion {row}: meta_info.routed_experts has expert ids in [{flat.min()}, "
+                           f"{flat.max()}], outside the model's [0, {shape.num_experts})")
+    return flat.astype(np.int32).reshape(tokens, shape.layers, shape.experts_per_token)
+
+
 def _to_completions(items: list[dict], group_size: int, budget: int) -> Completions:
     """Pads SGLang /generate items (`output_ids`, `meta_info`) into Completions; checks ids and log-probs line up."""
     rows = len(items)
@@ -417,6 +529,7 @@ def _to_completions(items: list[dict], group_size: int, budget: int) -> Completi
     lengths = np.zeros(rows, np.int32)
     truncated = np.zeros(rows, bool)
     versions = []
+    token_versions = np.full((rows, budget), -1, np.int32)
     for r, item in enumerate(items):
         ids = item["output_ids"]
         meta = item["meta_info"]
@@ -431,6 +544,8 @@ def _to_completions(items: list[dict], group_size: int, budget: int) -> Completi
         truncated[r] = _finish_is_length(meta.get("finish_reason"))
         version = meta.get("weight_version")
         versions.append(None if version is None else str(version))
+        token_versions[r, :len(ids)] = _token_versions(r, meta, len(ids), versions[-1])
     response_mask = np.arange(budget)[None, :] < lengths[:, None]
     return Completions(response_ids=response_ids, behaviour_logprobs=behaviour_logprobs, response_mask=response_mask,
-                       lengths=lengths, truncated=truncated, weight_versions=tuple(versions), group_size=group_size)
+                       lengths=lengths, truncated=truncated, weight_versions=tuple(versions),
+                       token_versions=token_versions, group_size=group_size)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from drgrpo_jax.data.examples import Example
 
 __all__ = ["EPISODE_COLUMNS", "HostCounters", "ScoredRollout", "correct_mask", "host_share", "left_pad",
-           "merge_host_rows", "response_stats"]
+           "merge_host_rows", "response_stats", "routed_layout"]
 
 
 # A multi-turn row's episode counts (environments/trajectory.py), the columns of ScoredRollout.episodes.
@@ -57,12 +57,21 @@ class ScoredRollout:
     # [N, len(EPISODE_COLUMNS)] the episode counts (None: zeros, a single-turn rollout).
     loss_mask: np.ndarray | None = dataclasses.field(default=None, metadata=_PER_ROW)
     episodes: np.ndarray | None = dataclasses.field(default=None, metadata=_PER_ROW)
+    # int64 [N, T]: the version that sampled each token, -1 on padding (a service with --inflight-updates switches
+    # versions within a response; None: the response's version on every token)
+    token_versions: np.ndarray | None = dataclasses.field(default=None, metadata=_PER_ROW)
+    # Router replay: int32 [N, U + T, L, k], the experts the service's router chose for each token it read, laid out
+    # as the batch's prompt (left-padded to U) ++ response (`routed_layout`); None = not asked for.
+    routed_experts: np.ndarray | None = dataclasses.field(default=None, metadata=_PER_ROW)
 
     def __post_init__(self):
         if self.loss_mask is None:
             object.__setattr__(self, "loss_mask", self.response_mask)
         if self.episodes is None:
             object.__setattr__(self, "episodes", np.zeros((len(self.response_ids), len(EPISODE_COLUMNS)), np.float32))
+        if self.token_versions is None:
+            object.__setattr__(self, "token_versions",
+                               np.where(self.response_mask, np.asarray(self.weight_versions)[:, None], -1))
         num_prompts, num_rows = len(self.examples), len(self.response_ids)
         if len(self.prompt_ids) != num_prompts or len(self.group_valid) != num_prompts:
             raise ValueError(f"ScoredRollout: {num_prompts} examples, {len(self.prompt_ids)} prompts and "
@@ -84,8 +93,9 @@ class ScoredRollout:
         return np.repeat(self.group_valid, self.group_size)
 
     def row_arrays(self) -> dict[str, np.ndarray]:
-        """The per-row fields by name (what the hosts all-gather)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("per_row")}
+        """The per-row fields by name (what the hosts all-gather); a field left None is not one."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("per_row") and getattr(self, f.name) is not None}
 
     @classmethod
     def from_prompts(cls, examples: Sequence[Example], prompt_ids: Sequence[Sequence[int]],
@@ -137,11 +147,15 @@ class ScoredRollout:
     def to_batch(self, advantages_N: np.ndarray, prompt_length: int) -> Batch[np.ndarray]:
         """The step's host batch (numpy): prompts left-padded to prompt_length; old log-probs still zero."""
         prompt_ids, prompt_mask = left_pad(self.prompt_ids, prompt_length, self.group_size)
+        routed = self.routed_experts
+        if routed is not None and routed.shape[1] != prompt_length + self.response_ids.shape[1]:
+            raise ValueError(f"ScoredRollout.routed_experts: {routed.shape[1]} positions, not prompt_length "
+                             f"{prompt_length} + the budget {self.response_ids.shape[1]}")
         return Batch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=self.response_ids,
                      response_mask=self.response_mask, advantages=np.asarray(advantages_N, np.float32),
                      old_logprobs=np.zeros_like(self.behaviour_logprobs),
                      behaviour_logprobs=self.behaviour_logprobs, row_valid=self.row_valid,
-                     loss_mask=self.loss_mask)
+                     loss_mask=self.loss_mask, routed_experts=routed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,3 +244,16 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, repeat: int) -> tupl
         ids[p * repeat:(p + 1) * repeat, length - len(prompt):] = prompt
     lengths = np.repeat([len(p) for p in prompts], repeat)
     return ids, np.arange(length)[None, :] >= length - lengths[:, None]
+
+
+def routed_layout(experts: Sequence[np.ndarray], prompt_lengths: Sequence[int], prompt_length: int,
+                  budget: int) -> np.ndarray:
+    """int32 [N, U + T, L, k]: each row's experts [prompt + completion - 1, L, k] (`Completions.routed_experts`) at
+    the positions of the tokens they routed in prompt_ids (left-padded to U = prompt_length) ++ response_ids (T =
+    budget); 0 (a valid expert, never read) on padding and the last token."""
+    L, k = experts[0].shape[1:]
+    out = np.zeros((len(experts), prompt_length + budget, L, k), np.int32)
+    for n, (read, prompt) in enumerate(zip(experts, prompt_lengths)):
+        start = prompt_length - prompt  # the row's first prompt token
+        out[n, start:start + len(read)] = read
+    return out

@@ -8,17 +8,24 @@ server runs with `--logprobs-mode processed_logprobs`. The answers are translate
 A weight push reloads the exported safetensors folder (`/collective_rpc` `reload_weights`) and then labels it
 (`/update_weight_version`); both routes exist only under `VLLM_SERVER_DEV_MODE=1`. vLLM takes any label, so a
 version that goes backwards is refused here (`check_forward`). `missing_setting` reads what a server exposes at
-connect time and names the start-up setting it lacks.
+connect time and names the start-up setting it lacks. Router replay: a server started with
+--enable-return-routed-experts answers each choice's `routed_experts` (base64 of a `.npy` [prompt + completion - 1,
+L, k]), translated here into SGLang's `meta_info.routed_experts` (base64 of little-endian int32).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from drgrpo_jax.errors import RolloutError
 
-__all__ = ["GENERATE_PATH", "check_forward", "generate_body", "missing_setting", "sglang_items", "weight_push_calls"]
+__all__ = ["GENERATE_PATH", "check_forward", "generate_body", "missing_routed_experts", "missing_setting",
+           "sglang_items", "weight_push_calls"]
 
 GENERATE_PATH = "/inference/v1/generate"
 _NEEDED_ROUTES = ((GENERATE_PATH, "start it with --enable-scale-out"),
@@ -40,6 +47,29 @@ def missing_setting(openapi: dict[str, Any], server_info: dict[str, Any]) -> str
         return (f"its log-probs are {mode!r}, not the sampled distribution's: start it with "
                 f"--logprobs-mode {_LOGPROBS_MODE}")
     return None
+
+
+def missing_routed_experts(server_info: dict[str, Any]) -> str | None:
+    """Why the vLLM server described by /server_info?config_format=json returns no routed experts; None if it does."""
+    config = server_info.get("vllm_config", {})
+    aux = config.get("aux_output_config", {}) if isinstance(config, dict) else {}
+    if not (isinstance(aux, dict) and aux.get("enable_return_routed_experts") is True):
+        return "returns no routed experts: start it with --enable-return-routed-experts"
+    return None
+
+
+def _sglang_routed_experts(choice: dict[str, Any]) -> str:
+    """A choice's `routed_experts` (base64 of a .npy of uint8/uint16/int32) as SGLang's base64 of little-endian
+    int32; RolloutError naming the choice when it is no such array."""
+    try:
+        experts = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"], validate=True)), allow_pickle=False)
+    except (ValueError, OSError, TypeError):
+        raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')}: routed_experts is not a base64 .npy "
+                           "array") from None
+    if experts.dtype.kind not in "iu":
+        raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')}: routed_experts are {experts.dtype}, not "
+                           "integer expert ids")
+    return base64.b64encode(experts.astype("<i4").tobytes()).decode("ascii")
 
 
 def generate_body(prompt: Sequence[int], seed: int, group_size: int, *, max_new_tokens: int, temperature: float,
@@ -68,10 +98,12 @@ def sglang_items(answer: Any, group_size: int) -> list[dict[str, Any]]:
         if content is None or ids is None:
             raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')} has no token_ids or logprobs")
         spans = choice.get("weight_versions") or []
-        items.append({"output_ids": ids, "meta_info": {
-            "output_token_logprobs": [[entry.get("logprob"), entry.get("token_id"), None] for entry in content],
-            "finish_reason": choice.get("finish_reason"),
-            "weight_version": spans[0].get("version") if spans else None}})
+        meta = {"output_token_logprobs": [[entry.get("logprob"), entry.get("token_id"), None] for entry in content],
+                "finish_reason": choice.get("finish_reason"),
+                "weight_version": spans[0].get("version") if spans else None}
+        if choice.get("routed_experts") is not None:
+            meta["routed_experts"] = _sglang_routed_experts(choice)
+        items.append({"output_ids": ids, "meta_info": meta})
     return items
 
 

@@ -12,7 +12,10 @@ the step (`draws.row_keys`), never on the phases or on its batch-mates.
 
 Between phases (on the host, outside every compiled program) `generate` asks its caller's `unwanted` hook which
 rows nobody waits for any more: those rows are finished where they are, and once every row is, the batch ends
-there instead of running its remaining phases.
+there instead of running its remaining phases. At the same boundaries its `weights_now` hook may hand it newer
+weights of the same shapes (an in-flight weight update): the rows go on with them from there, over the KV cache
+the earlier weights wrote (as PipelineRL's in-flight updates do), and `SamplerOutput.versions_BT` says which
+weights sampled each token.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ class SamplerOutput:
     # its length); each distinct prompt's (row b reads prompt rows.prompt_index_B[b]), left-padded (0) like the prompt.
     experts_BTLk: jax.Array | None = None
     prompt_experts_PULk: jax.Array | None = None
+    # `weights_now`: int32, the index of the weights that sampled each token (0 = `generate`'s `state`, then the
+    # hook's), -1 past a row's length.
+    versions_BT: jax.Array | None = None
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -522,10 +528,32 @@ def _nothing_sampled(num_rows: int, max_new_tokens: int, experts: tuple[int, int
                                prompt_experts_PULk=jnp.zeros((P, U, L, k), jnp.int32))
 
 
+def _check_same_layout(old: nnx.State, new: nnx.State) -> None:
+    """ValueError unless `new` has `old`'s tree, shapes and dtypes: the running batch's programs take it as it is."""
+    old_leaves = jax.tree_util.tree_leaves_with_path(old)
+    new_leaves = jax.tree_util.tree_leaves_with_path(new)
+    if [path for path, _ in old_leaves] != [path for path, _ in new_leaves]:
+        raise ValueError("weights_now: the new weights' tree differs from the running batch's")
+    for (_, a), (_, b) in zip(old_leaves, new_leaves):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(f"weights_now: a weight of shape/dtype {b.shape} {b.dtype} replaces {a.shape} {a.dtype}; "
+                             "only weights of the running batch's shapes may swap in")
+
+
+def _token_versions(switches: Sequence[tuple[int, int]], lengths_B: np.ndarray, max_new_tokens: int) -> np.ndarray:
+    """int32 [B, T]: the weights' index that sampled each token, from the (first column, index) of each swap (every
+    row writes the same column at a step), -1 past a row's length."""
+    version_T = np.zeros(max_new_tokens, np.int32)
+    for first, version in switches:
+        version_T[first:] = version
+    return np.where(np.arange(max_new_tokens) < lengths_B[:, None], version_T, -1).astype(np.int32)
+
+
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
              cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
              unwanted: Callable[[], Sequence[bool]] | None = None, check_every: int | None = None,
-             mesh: Mesh | None = None, record_experts: bool = False) -> SamplerOutput:
+             mesh: Mesh | None = None, record_experts: bool = False,
+             weights_now: Callable[[], tuple[nnx.State, int]] | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
     `unwanted`: called on the host between the prefill's programs of a prompt longer than PREFILL_CHUNK, before
@@ -540,6 +568,13 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     `record_experts` (a mixture of experts only): the output also holds the experts every layer's router chose for
     every prompt and generated token the model read (`SamplerOutput.experts_BTLk`, `prompt_experts_PULk`), what
     router replay gives the trainer; the tokens and log-probs are the same either way.
+    `weights_now` (in-flight weight updates): asked at the same boundaries as `unwanted` (before each decode phase
+    and, with `check_every`, every `check_every` decode steps; not within the prefill), it answers (state, index):
+    the weights to sample with from there and the caller's index for them (`state` is index 0). A new index swaps
+    them in: every row goes on with them over its KV cache as the earlier weights wrote it (the prompt and the
+    tokens sampled so far are not recomputed, as in PipelineRL), and `SamplerOutput.versions_BT` records the index
+    that sampled each token. The new state must have `state`'s tree, shapes and dtypes (ValueError otherwise); it is
+    an argument of the same programs, so a swap compiles nothing.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -568,7 +603,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         for start in range(0, prompt_len - PREFILL_CHUNK, PREFILL_CHUNK):
             if unwanted is not None and (_unwanted_mask(unwanted, num_rows) | ~live_B).all():
                 shape = None if experts_Lk is None else (batch.prompt_ids_PU.shape[0], prompt_len, *experts_Lk)
-                return _nothing_sampled(num_rows, max_new_tokens, shape)
+                nothing = _nothing_sampled(num_rows, max_new_tokens, shape)
+                return nothing if weights_now is None else dataclasses.replace(
+                    nothing, versions_BT=jnp.full((num_rows, max_new_tokens), -1, jnp.int32))
             columns = slice(start, start + PREFILL_CHUNK)
             cache, experts_PCLk = _prefill_part(graphdef, state, placed.prompt_ids_PU[:, columns],
                                   placed.prompt_positions_PU[:, columns], cache, prompt_len=prompt_len,
@@ -586,7 +623,20 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     collected, row_ids = _Collected(num_rows, max_new_tokens, experts_Lk), np.arange(num_rows)
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
-    pause = max_new_tokens if unwanted is None or check_every is None else check_every
+    pause = max_new_tokens if (unwanted is None and weights_now is None) or check_every is None else check_every
+    version = 0  # the index of the weights sampling now
+    switches: list[tuple[int, int]] = []  # (first column, index) of each swap
+
+    def take_newer_weights(step: int) -> None:
+        """Swaps in the hook's weights when they are new; the token of column `step` is the first they sample."""
+        nonlocal state, version
+        if weights_now is None:
+            return
+        new_state, new_version = weights_now()
+        if new_version != version:
+            _check_same_layout(state, new_state)
+            state, version = new_state, new_version
+            switches.append((step, version))
 
     def drop_unwanted(decoding: _Decoding) -> tuple[_Decoding, np.ndarray, bool]:
         """(decoding with the unwanted rows finished, done_B, whether any row is left)."""
@@ -603,6 +653,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         if not left:
             break
         steps, step = (int(x) for x in jax.device_get((decoding.out.num_steps, decoding.step)))
+        take_newer_weights(step)
         if index:
             kept = _kept_rows(done_B, data) if compact else None
             if kept is not None:
@@ -621,6 +672,7 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
             decoding, done_B, left = drop_unwanted(decoding)
             if not left:
                 break
+            take_newer_weights(step)
         if not left:
             break
     num_steps = int(jax.device_get(decoding.out.num_steps))
@@ -630,7 +682,8 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
                          jnp.asarray(collected.lengths_B), jnp.asarray(collected.stopped_B), jnp.int32(num_steps),
                          tuple((rows, span, steps) for (rows, span), steps in zip(phases, steps_run)),
                          None if collected.experts_BTLk is None else jnp.asarray(collected.experts_BTLk),
-                         prompt_experts_PULk)
+                         prompt_experts_PULk, None if weights_now is None else jnp.asarray(
+                             _token_versions(switches, collected.lengths_B, max_new_tokens)))
 
 
 def compiled_programs() -> int:

@@ -50,12 +50,14 @@ class RowResult:
     output_ids: list[int]
     logprobs: list[float]
     stopped: bool  # ended on a stop/EOS token (the last of output_ids), else hit max_new_tokens
-    weight_version: str
+    weight_version: str  # the version the batch started on: the oldest that sampled any of its tokens
     aborted: bool = False  # the request's deadline passed before this row was sampled (output_ids: empty), or its
     # client left while it was sampled (output_ids: what was sampled until then; nobody reads it)
     # int32 [prompt + output - 1, L, k] (the row's `return_routed_experts`): the experts every layer chose for each
     # token the model read, the prompt's then the output's but its last (SGLang's routed_experts); else None
     routed_experts: np.ndarray | None = None
+    # --inflight-updates: the version that sampled each of output_ids (a weight update can reach a running batch)
+    token_versions: list[str] | None = None
 
 
 def row_cost(row: RowRequest) -> int:
@@ -100,7 +102,9 @@ class Engine:
 
     Requests from concurrent clients are cut into batches (rows = prompts x n); each batch runs on the weights
     current when it starts, so a weight update swaps atomically between batches: batches in flight finish on
-    the old weights, and every completion reports the `weight_version` it was sampled with. Short requests
+    the old weights, and every completion reports the `weight_version` it was sampled with. With
+    --inflight-updates a batch in flight takes a newer version at its next decode phase or pause instead (the
+    sampler's `weights_now`), and every completion reports the version of each of its tokens. Short requests
     (`short_request_tokens`) have their own worker, so a health probe's or a one-token request's wait does not
     depend on a long batch running meanwhile; a row's tokens depend only on its seed, not on its lane or batch.
     """
@@ -331,7 +335,7 @@ class Engine:
     def _run(self, lane: _Lane) -> None:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
         while (taken := self._take_rows(lane)) is not None:
-            weights = self.weights  # one read: the whole batch uses one version
+            weights = self.weights  # one read: the version the batch starts on (its only one: see run_batch)
             start = time.perf_counter()
             for part, outcome in self._sample(weights, taken):
                 for (job, i), result in zip(part, outcome if isinstance(outcome, list) else [None] * len(part)):
@@ -406,13 +410,25 @@ class Engine:
                 self.phase_checks += 1
             return gone
 
+        seen = [weights]  # every version this batch sampled with, by the sampler's index
+
+        def weights_now() -> tuple[Any, int]:
+            served = self.weights  # one read: swapped whole by the updates (their checks made it fit the batch's)
+            if served is not seen[-1] and served.graphdef is weights.graphdef:
+                seen.append(served)
+            return seen[-1].state, len(seen) - 1
+
         record = any(r.return_routed_experts for r in rows)
         out = sampling.generate(weights.graphdef, weights.state, batch,
                                 max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
                                 cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
-                                check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record)
+                                check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record,
+                                weights_now=weights_now if self.config.inflight_updates else None)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+        names = [w.version for w in seen]
+        versions = None if out.versions_BT is None else [
+            [names[v] for v in row[:lengths[b]]] for b, row in enumerate(jax.device_get(out.versions_BT))]
         routed: list[np.ndarray | None] = [None] * len(rows)
         if record:
             prompt_experts, experts = jax.device_get((out.prompt_experts_PULk, out.experts_BTLk))
@@ -430,7 +446,9 @@ class Engine:
             self.rows_cut += sum(cut)
             self.batches_stopped += all(gone) and any(cut)
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
-                          weights.version, aborted=cut[b], routed_experts=routed[b]) for b in range(len(rows))]
+                          weights.version, aborted=cut[b], routed_experts=routed[b],
+                          token_versions=None if versions is None else versions[b])
+                for b in range(len(rows))]
 
 
 def _clients_gone(taken: list[tuple[_Job, int]]) -> Callable[[], list[bool]]:

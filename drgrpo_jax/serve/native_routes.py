@@ -181,6 +181,8 @@ def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, lat
 
     `routed_experts` (asked for): SGLang's base64 of the int32 (little-endian) experts [prompt + completion - 1,
     L, k] of every token the model read, in token, layer, slot order (a stop string's cut drops the tail's).
+    `output_token_weight_versions` (--inflight-updates): the version that sampled each of `output_ids`;
+    `weight_version` stays the batch's first, the oldest of them.
     """
     ids = choice.token_ids
     meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(ids),
@@ -188,6 +190,8 @@ def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, lat
             "e2e_latency": latency}
     if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, ids)]
+    if result.token_versions is not None:
+        meta["output_token_weight_versions"] = result.token_versions[:len(ids)]
     if result.routed_experts is not None:
         read = result.routed_experts[:max(len(row.prompt_ids) + len(ids) - 1, 0)]
         meta["routed_experts"] = base64.b64encode(read.astype("<i4").tobytes()).decode("ascii")

@@ -66,12 +66,16 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
 
 def staleness_metrics(version: int, rollout: ScoredRollout, max_staleness: int) -> dict[str, float]:
     """How old the rollout is for the policy `version` trained on it: its groups' staleness (a group's oldest
-    completion) min, mean and max, and the share of generated tokens sampled 0..max_staleness versions back."""
+    completion) min, mean and max and its histogram (the share of groups 0..max_staleness versions back), and the
+    share of generated tokens sampled 0..max_staleness versions back."""
     groups = version - rollout.weight_versions.reshape(-1, rollout.group_size).min(axis=1)
-    lags, tokens = version - rollout.weight_versions, rollout.lengths.astype(np.float64)
+    # Each token's own version: a response that crossed an in-flight weight update counts at both.
+    sampled = rollout.token_versions[rollout.response_mask]
+    lags, tokens = version - sampled, np.ones(len(sampled))
     total = max(float(tokens.sum()), 1.0)
     return {"staleness_min": int(groups.min()), "staleness_mean": float(groups.mean()),
             "staleness_max": int(groups.max()),
+            **{f"groups_at_staleness/{k}": float(np.mean(groups == k)) for k in range(max_staleness + 1)},
             **{f"tokens_at_staleness/{k}": float(tokens[lags == k].sum() / total) for k in range(max_staleness + 1)}}
 
 

@@ -50,7 +50,7 @@ class StandInClient:
         mask = np.arange(max_new_tokens)[None, :] < lengths[:, None]
         return Completions(response_ids=ids, behaviour_logprobs=np.zeros(ids.shape, np.float32), response_mask=mask,
                            lengths=lengths, truncated=lengths == max_new_tokens, weight_versions=("0",) * rows,
-                           group_size=group_size)
+                           token_versions=np.where(mask, 0, -1).astype(np.int32), group_size=group_size)
 
 
 class StandInTokenizer:

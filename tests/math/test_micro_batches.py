@@ -4,6 +4,8 @@ A host that averages k micro-batch gradients needs each share scaled by k (`loss
 host that cuts the micro-batches itself needs the window's counts carried as columns of the batch
 (`window_stats(..., per_row=True)`), computed before the cut. Checked against the float64 one-batch oracle for every
 aggregation over unequal micro-batches (3, 8, 5 rows), and the advice without `averaged_over` shown to give 1/k.
+The importance correction of the sampler's lag (tis_cap, mis_high) is checked the same way on responses that two
+weight versions sampled (an in-flight weight update, issue #56).
 """
 
 import jax
@@ -13,6 +15,7 @@ import optax
 import pytest
 
 from drgrpo_jax.losses import LossConfig, WindowStats, loss_fn, window_stats
+from drgrpo_jax.step.config import StepConfig, importance_weights
 
 from support import oracles
 
@@ -63,23 +66,31 @@ def micro_batches(batch):
     return [{k: v[rows] for k, v in batch.items()} for rows in np.split(np.arange(16), cuts)]
 
 
-def micro_loss(w, micro, config, averaged_over):
-    """A registered loss as a host sees it: its own micro-batch only, the window's counts among its columns."""
+def micro_loss(w, micro, config, averaged_over, correction=None):
+    """A registered loss as a host sees it: its own micro-batch only, the window's counts among its columns.
+    `correction` (a StepConfig): each token's advantage weighted by its importance weight from the micro-batch's
+    behaviour log-probs, as the training step does (step/train_step.py)."""
     logprobs = jnp.asarray(micro["base"], jnp.float32) + jnp.asarray(micro["features"], jnp.float32) @ w
     window = WindowStats(jnp.asarray(micro["num_responses"]), jnp.asarray(micro["num_tokens"]))
-    return loss_fn(logprobs, jnp.asarray(micro["old"], jnp.float32), jnp.asarray(micro["adv"], jnp.float32),
+    advantages = jnp.asarray(micro["adv"], jnp.float32)
+    if correction is not None:
+        token = micro["mask"] & micro["row_valid"][:, None]
+        mismatch = jnp.where(token, jnp.asarray(micro["old"] - micro["behaviour"], jnp.float32), 0.0)
+        advantages = advantages[:, None] * importance_weights(mismatch, correction)[0]
+    return loss_fn(logprobs, jnp.asarray(micro["old"], jnp.float32), advantages,
                    micro["mask"], config=config, window=window, row_valid=micro["row_valid"],
                    averaged_over=averaged_over)
 
 
-def multi_steps_update(batch, config, averaged_over):
+def multi_steps_update(batch, config, averaged_over, correction=None):
     """optax.MultiSteps(SGD, lr 1) over the micro-batches: the applied update is minus the mean gradient."""
     w0 = jnp.zeros(FEATURES, jnp.float32)
     optimizer = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=len(SIZES))
     state, w, losses = optimizer.init(w0), w0, []
-    grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True), static_argnames=("config", "averaged_over"))
+    grad_fn = jax.jit(jax.value_and_grad(micro_loss, has_aux=True),
+                      static_argnames=("config", "averaged_over", "correction"))
     for micro in micro_batches(with_window_columns(batch)):
-        (loss, _), grad = grad_fn(w, micro, config, averaged_over)
+        (loss, _), grad = grad_fn(w, micro, config, averaged_over, correction)
         updates, state = optimizer.update(grad, state, w)
         w = optax.apply_updates(w, updates)
         losses.append(float(loss))
@@ -93,6 +104,39 @@ def test_multi_steps_gives_the_window_loss_and_gradient(aggregation):
     want_loss, want_gradient = oracle(batch, config, np.zeros(FEATURES))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(gradient, want_gradient, rtol=1e-4, atol=1e-7)
+
+
+def two_version_behaviour(batch, seed=3):
+    """Behaviour log-probs as an in-flight weight update leaves them: each response's tokens before its switch
+    column sampled by version v, the rest by v + 1 over v's KV cache (closer to the trainer's old policy)."""
+    rng = np.random.default_rng(seed)
+    shape = batch["mask"].shape
+    after_switch = np.arange(BUDGET)[None, :] >= rng.integers(0, BUDGET, (shape[0], 1))
+    by_v = batch["old"] + rng.normal(0, 0.3, shape)
+    by_next = batch["old"] + rng.normal(0, 0.05, shape)
+    return np.where(after_switch, by_next, by_v), by_v
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("options", [dict(tis_cap=1.5), dict(mis_high=2.0, mis_low=0.5)])
+def test_two_version_responses_are_corrected_token_by_token_and_window_exact(aggregation, level, options):
+    """Each token's ratio uses the behaviour log-prob of the version that sampled it: the step's importance weights
+    over unequal micro-batches give the float64 oracle's window loss and gradient."""
+    batch, config = window_batch(2), config_for(aggregation)
+    behaviour, by_v = two_version_behaviour(batch)
+    correction = StepConfig(loss=config, tis_level=level, **options)
+    loss, gradient = multi_steps_update(dict(batch, behaviour=behaviour), config, len(SIZES), correction)
+    mask = batch["mask"] & batch["row_valid"][:, None]
+    weight = oracles.importance_oracle(np.where(mask, batch["old"] - behaviour, 0.0), mask, level, **options)
+    want_loss, want_gradient = oracle(dict(batch, adv=batch["adv"][:, None] * weight), config, np.zeros(FEATURES))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(gradient, want_gradient, rtol=1e-4, atol=1e-7)
+    capped_or_dropped = weight[mask] == options.get("tis_cap", 0.0)
+    assert 0 < capped_or_dropped.mean() < 1, "the cap or the mask acts on some tokens, not all"
+    # Scored as if version v had sampled the whole response, the correction would be another one.
+    one_version, _ = multi_steps_update(dict(batch, behaviour=by_v), config, len(SIZES), correction)
+    assert abs(one_version - want_loss) > 1e-3 * abs(want_loss)
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)

@@ -19,6 +19,7 @@ from drgrpo_jax.step.optimizer import make_optimizer
 from drgrpo_jax.step.policy import policy_logprobs
 from drgrpo_jax.step.train_step import init_state, train_step
 
+from support import oracles
 from support.compiled import compiled_dots
 from support.tiny_models import tiny_decoder_config
 from support.tiny_step import STEP_RESPONSE, STEP_ROWS, assert_same, make_step_batch, run_step
@@ -287,19 +288,6 @@ def test_two_processes_match_one(reference, tmp_path, dcn_data):
 # ------------------------------------------------------------------ sequence-level TIS / MIS, GSPO and CISPO
 
 
-def importance_oracle(mismatch, mask, level, tis_cap=None, mis_high=None, mis_low=0.0):
-    """float64 weights per token from log(pi_old / pi_sampler), written from the formulas with loops."""
-    mismatch, mask = np.asarray(mismatch, np.float64), np.asarray(mask, bool)
-    out = np.ones_like(mismatch)
-    for i, t in zip(*np.nonzero(mask)):
-        ratio = np.exp(mismatch[i, mask[i]].sum() if level == "sequence" else mismatch[i, t])
-        if tis_cap is not None:
-            out[i, t] = min(ratio, tis_cap)
-        elif mis_high is not None:
-            out[i, t] = ratio if mis_low <= ratio <= mis_high else 0.0
-    return out
-
-
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("options", [dict(tis_cap=1.5), dict(mis_high=1.5), dict(mis_high=2.0, mis_low=0.7), {}])
 def test_importance_weights_match_the_oracle(level, options):
@@ -308,7 +296,7 @@ def test_importance_weights_match_the_oracle(level, options):
     mismatch = np.where(mask, rng.normal(0, 0.15, (32, STEP_RESPONSE)), 0.0).astype(np.float32)
     config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), tis_level=level, **options)
     weight, truncated, dropped = importance_weights(jnp.asarray(mismatch), config)
-    expected = importance_oracle(mismatch, mask, level, **options)
+    expected = oracles.importance_oracle(mismatch, mask, level, **options)
     np.testing.assert_allclose(np.where(mask, weight, 1.0), expected, rtol=1e-5)
     if "mis_high" in options:
         assert 0 < (dropped & mask).sum() < mask.sum() and not truncated.any()

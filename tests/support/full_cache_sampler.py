@@ -6,10 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def full_cache_sample(model, batch, max_new_tokens: int) -> dict[str, np.ndarray]:
+def full_cache_sample(model, batch, max_new_tokens: int, switch: tuple[int, object] | None = None
+                      ) -> dict[str, np.ndarray]:
     """The sampler as it was before issue 14, as an oracle: every row prefilled on its own (its prompt repeated
     per sample), every step attending over all U + T - 1 slots, one step per Python iteration. Same draws
-    (`sample_step` with each row's key and the step), so its tokens are what `generate` must give."""
+    (`sample_step` with each row's key and the step), so its tokens are what `generate` must give.
+
+    `switch` (first step, new model): an in-flight weight update; the steps from `first` on run the new model over
+    the cache the old one wrote (`generate`'s `weights_now`)."""
     import jax
     import jax.numpy as jnp
 
@@ -30,6 +34,8 @@ def full_cache_sample(model, batch, max_new_tokens: int) -> dict[str, np.ndarray
     done_B = ~rows.live_B | (rows.max_new_tokens_B <= 0)
     tokens_B = np.zeros(num_rows, np.int32)  # the token fed at the next step
     for step in range(max_new_tokens):
+        if switch is not None and step == switch[0]:
+            model = switch[1]
         if step:
             positions_B1 = (rows.prompt_lengths_B + step - 1)[:, None]
             logits_BTV, cache = decode(model, jnp.asarray(tokens_B[:, None]), positions_B1, cache)

@@ -159,3 +159,16 @@ def aggregation_weights(mask, aggregation, budget=None):
         else:
             weights[i, t] = 1 / (n_valid * mask[i].sum())
     return weights
+
+
+def importance_oracle(mismatch, mask, level, tis_cap=None, mis_high=None, mis_low=0.0):
+    """float64 weights per token from log(pi_old / pi_sampler), written from the formulas with loops."""
+    mismatch, mask = np.asarray(mismatch, np.float64), np.asarray(mask, bool)
+    out = np.ones_like(mismatch)
+    for i, t in zip(*np.nonzero(mask)):
+        ratio = np.exp(mismatch[i, mask[i]].sum() if level == "sequence" else mismatch[i, t])
+        if tis_cap is not None:
+            out[i, t] = min(ratio, tis_cap)
+        elif mis_high is not None:
+            out[i, t] = ratio if mis_low <= ratio <= mis_high else 0.0
+    return out
