@@ -95,6 +95,13 @@ class Checkpointer:
         """Steps of every complete checkpoint kept, oldest first."""
         return sorted(self._manager.all_steps())
 
+    def latest_host_state(self) -> dict[str, Any] | None:
+        """The newest checkpoint's host JSON alone (read before anything is built to restore its arrays into)."""
+        step = self.latest_step()
+        if step is None:
+            return None
+        return dict(self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"])
+
     def should_resume(self, resume: bool | None) -> bool:
         """train.resume: null resumes when a checkpoint exists; true requires one; false refuses to overwrite."""
         latest = self.latest_step()

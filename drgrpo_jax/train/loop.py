@@ -41,6 +41,7 @@ from drgrpo_jax.train.prefetch import (
     Prefetcher,
     check_fresh,
     push_waits_for,
+    queue_length,
     sampled_ahead,
     sampler_version,
     saved_params,
@@ -142,7 +143,8 @@ def checkpoint_contents(run: Run, state: TrainState, steps_done: int,
                         ahead: Ahead | None) -> tuple[Any, dict[str, Any]]:
     """(the saved trees, the host JSON) after `steps_done` steps; with rollout.async also the queue: its rounds'
     data positions and the params of the versions that sample them (`train.prefetch.InFlight`)."""
-    host: dict[str, Any] = {"step": steps_done, "data_position": run.stream.state(), "weight_version": steps_done}
+    host: dict[str, Any] = {"step": steps_done, "data_position": run.stream.state(), "weight_version": steps_done,
+                            "rollout_queue": queue_length(ahead is not None, run.config.rollout.max_staleness)}
     if ahead is None:
         return state.checkpointed(), host
     k, position = run.config.rollout.max_staleness, run.stream.state()

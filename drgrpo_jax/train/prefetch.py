@@ -30,14 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from drgrpo_jax.errors import StaleWeightsError
+from drgrpo_jax.errors import ConfigError, StaleWeightsError
 
 if TYPE_CHECKING:
     from drgrpo_jax.data.examples import Example
 
-__all__ = ["InFlight", "PendingRound", "Prefetcher", "admits", "busy_seconds", "check_fresh", "in_flight",
-           "push_waits_for", "resumed_stream_position", "rounds_in_flight", "sampled_ahead", "sampler_version",
-           "saved_params", "snapshot"]
+__all__ = ["InFlight", "PendingRound", "Prefetcher", "admits", "busy_seconds", "check_fresh", "check_queue",
+           "in_flight", "push_waits_for", "queue_length", "resumed_stream_position", "rounds_in_flight",
+           "sampled_ahead", "sampler_version", "saved_params", "snapshot"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +108,25 @@ class InFlight:
 def saved_params(params: Sequence[Any], max_staleness: int) -> Any:
     """The queue's params as checkpointed: one-step-off saves one tree (the format it always had), K > 1 a tuple."""
     return params[0] if max_staleness == 1 else tuple(params)
+
+
+def queue_length(async_: bool, max_staleness: int) -> int:
+    """How many rounds a checkpoint's queue holds (its host JSON's `rollout_queue`): K with rollout.async, else 0."""
+    return max_staleness if async_ else 0
+
+
+def check_queue(host: dict[str, Any], async_: bool, max_staleness: int) -> None:
+    """ConfigError when the checkpoint to resume from holds another queue than this run's rollout.async and
+    max_staleness make (its saved params would not fit, and its rounds could not be re-drawn). Checkpoints from
+    before `rollout_queue` was saved are not checked."""
+    saved = host.get("rollout_queue")
+    if saved is None or int(saved) == queue_length(async_, max_staleness):
+        return
+    was = f"rollout.async=true with max_staleness={saved}" if saved else "rollout.async=false"
+    now = f"rollout.async=true with max_staleness={max_staleness}" if async_ else "rollout.async=false"
+    raise ConfigError("rollout.max_staleness" if async_ and saved else "rollout.async",
+                      f"the checkpoint at step {host.get('step')} was saved with {was}, this run has {now}; resume "
+                      "with the saved settings (its queue of rounds in flight is part of the checkpoint)")
 
 
 def in_flight(host: dict[str, Any], saved: Any, max_staleness: int) -> InFlight:

@@ -30,20 +30,28 @@ from drgrpo_jax.data.sources import load_dataset
 from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, start_distributed
+from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.models.lora import add_adapters, store_base
 from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
 from drgrpo_jax.plan.planner import auto_remat
 from drgrpo_jax.rewards.scorer import RewardScorer
-from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.rollout.client import RolloutClient, RouterShape
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.rollout.weight_push import SegmentPusher, WeightPublisher, check_room, publish_weights, sync_mode
 from drgrpo_jax.seeds import init_key, lora_init_key
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, parse_service_mesh, place, service_mesh
 from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
 from drgrpo_jax.train.hub import check_hub
-from drgrpo_jax.train.prefetch import InFlight, in_flight, resumed_stream_position, rounds_in_flight, saved_params
+from drgrpo_jax.train.prefetch import (
+    InFlight,
+    check_queue,
+    in_flight,
+    resumed_stream_position,
+    rounds_in_flight,
+    saved_params,
+)
 from drgrpo_jax.train.run_log import RunLog
 from drgrpo_jax.train.trackers import check_trackers, open_trackers
 from drgrpo_jax.weight_folders import absolute, is_remote, scratch_folder, write_text
@@ -186,6 +194,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
                                                     keep=c.train.keep_checkpoints, catch_sigterm=True))
     resume = checkpointer.should_resume(c.train.resume)
+    if resume:  # before anything is built: a queue the run cannot restore must not be mistaken for a damaged save
+        check_queue(checkpointer.latest_host_state() or {}, c.rollout.async_, c.rollout.max_staleness)
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None
     if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error

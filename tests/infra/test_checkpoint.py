@@ -75,12 +75,14 @@ def test_cadence_force_and_retention(tmp_path):
     state = _train_state(0)
     with Checkpointer(tmp_path, save_every=2, keep=2) as checkpointer:
         assert checkpointer.restore_latest(jax.eval_shape(lambda: state)) is None
+        assert checkpointer.latest_host_state() is None
         saved = [step for step in range(1, 8)
                  if checkpointer.save(step, state, {"data_position": step}, force=step == 7)]
         assert saved == [2, 4, 6, 7]
         assert not checkpointer.save(7, state, {"data_position": 7}, force=True)  # the end right after a save
         assert checkpointer.all_steps() == [6, 7] and checkpointer.latest_step() == 7
         assert checkpointer.restore(6, state).host == {"data_position": 6}
+        assert checkpointer.latest_host_state() == {"data_position": 7}  # without a tree to restore into
 
 
 def _damage(step_folder, how: str) -> None:

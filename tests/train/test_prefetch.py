@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -24,8 +25,10 @@ from drgrpo_jax.train.prefetch import (
     admits,
     busy_seconds,
     check_fresh,
+    check_queue,
     in_flight,
     push_waits_for,
+    queue_length,
     resumed_stream_position,
     rounds_in_flight,
     sampled_ahead,
@@ -238,15 +241,36 @@ def test_the_checkpointed_queue_restores_its_positions_and_params():
     assert resumed_stream_position(two, 1) == 9 and resumed_stream_position(two, 2) == 10
 
 
+@pytest.mark.parametrize(("saved", "async_", "k", "key", "message"), [
+    (2, True, 1, "rollout.max_staleness", "saved with rollout.async=true with max_staleness=2, this run has "
+     "rollout.async=true with max_staleness=1"),
+    (0, True, 2, "rollout.async", "saved with rollout.async=false, this run has rollout.async=true"),
+    (1, False, 1, "rollout.async", "saved with rollout.async=true with max_staleness=1, this run has "
+     "rollout.async=false"),
+])
+def test_a_checkpoint_holding_another_queue_is_refused_naming_the_key(saved, async_, k, key, message):
+    with pytest.raises(ConfigError, match=key) as error:
+        check_queue({"step": 4, "rollout_queue": saved}, async_, k)
+    assert message in str(error.value) and "step 4" in str(error.value)
+
+
+def test_a_checkpoint_holding_this_runs_queue_or_from_before_the_key_resumes():
+    check_queue({"step": 4, "rollout_queue": queue_length(True, 2)}, True, 2)
+    check_queue({"step": 4, "rollout_queue": queue_length(False, 3)}, False, 3)  # synchronous: K does not matter
+    check_queue({"step": 4}, True, 2)  # saved before rollout_queue existed: not checked
+
+
 def test_staleness_metrics_per_group_and_tokens_per_version():
-    class Rollout:  # the two fields staleness_metrics reads, for 2 groups of 2
-        weight_versions = np.array([3, 3, 1, 2])
-        lengths = np.array([10, 10, 5, 15])
+    class Rollout:  # the fields staleness_metrics reads, for 2 groups of 2; the last response crossed a weight update
+        token_versions = np.array([[3, 3, -1], [3, 3, -1], [1, -1, -1], [2, 3, 3]])
+        response_mask = token_versions >= 0
+        weight_versions = np.array([3, 3, 1, 2])  # each response's oldest token
         group_size = 2
 
     got = staleness_metrics(3, Rollout(), 2)  # type: ignore[arg-type]
-    assert got == {"staleness_min": 0, "staleness_mean": 1.0, "staleness_max": 2, "tokens_at_staleness/0": 0.5,
-                   "tokens_at_staleness/1": 0.375, "tokens_at_staleness/2": 0.125}
+    assert got == {"staleness_min": 0, "staleness_mean": 1.0, "staleness_max": 2, "groups_at_staleness/0": 0.5,
+                   "groups_at_staleness/1": 0.0, "groups_at_staleness/2": 0.5, "tokens_at_staleness/0": 0.75,
+                   "tokens_at_staleness/1": 0.125, "tokens_at_staleness/2": 0.125}
 
 
 def test_the_producers_idle_time_is_the_time_it_had_no_round():
@@ -324,6 +348,20 @@ def test_a_killed_async_run_resumes_exactly(async_run):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     if os.path.isdir("/dev/shm"):  # the killed run's last segment was removed by the resumed one
         assert _segments_of(killed) == [] and _segments_of(resumed) == []
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # a trainer start-up (~20 s), after the module's async run
+def test_resuming_with_another_max_staleness_fails_in_one_line_and_keeps_the_checkpoints(async_run, tmp_path):
+    output_dir = tmp_path / "run"
+    shutil.copytree(async_run["dir"], output_dir)
+    overrides = trainer_overrides(async_run["model"], async_run["prompts"], output_dir, steps=6) + ASYNC
+    process = start_trainer([*overrides, "rollout.max_staleness=2"])
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 2, stderr[-3000:]
+    assert "rollout.max_staleness: the checkpoint at step 4 was saved with rollout.async=true with " \
+           "max_staleness=1" in stderr
+    assert sorted(os.listdir(output_dir / "checkpoints")) == sorted(os.listdir(async_run["dir"] / "checkpoints"))
 
 
 # ---------------------------------------------------------------------------------------------
