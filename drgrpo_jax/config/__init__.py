@@ -33,6 +33,7 @@ from drgrpo_jax.config.schema import (
     LoraConfig,
     MeshConfig,
     ModelConfig,
+    MoeConfig,
     OptimizerConfig,
     RewardConfig,
     RolloutConfig,
@@ -41,9 +42,10 @@ from drgrpo_jax.config.schema import (
 )
 
 __all__ = [
-    "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig", "OptimizerConfig",
-    "RewardConfig", "RolloutConfig", "RunConfig", "TRACKERS", "TrainConfig", "check_paths", "component_names",
-    "config_from_argv", "describe_config", "dump_config", "function_name", "load_config", "lora_base_dtype",
-    "lora_spec", "one_window_per_rollout", "pack_length", "resolve_model_path", "step_configs", "validate"
+    "AlgorithmConfig", "Config", "DataConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MoeConfig",
+    "OptimizerConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TRACKERS", "TrainConfig", "check_paths",
+    "component_names", "config_from_argv", "describe_config", "dump_config", "function_name", "load_config",
+    "lora_base_dtype", "lora_spec", "one_window_per_rollout", "pack_length", "resolve_model_path", "step_configs",
+    "validate"
 ]
 

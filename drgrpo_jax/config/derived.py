@@ -46,6 +46,8 @@ _LIBRARY_KEYS: dict[tuple[str, str], str] = {
     ("StepConfig", "compute_dtype"): "model.compute_dtype",
     ("StepConfig", "pack_rows"): "train.pack_rows",
     ("StepConfig", "pack_length"): "train.pack_length",
+    ("StepConfig", "router_aux_coef"): "model.moe.router_aux_coef",
+    ("StepConfig", "router_z_coef"): "model.moe.router_z_coef",
     ("LoraSpec", "rank"): "model.lora.rank",
     ("LoraSpec", "alpha"): "model.lora.alpha",
     ("LoraSpec", "dropout"): "model.lora.dropout",
@@ -96,7 +98,9 @@ def step_configs(config: Config, compute_dtype: str | None = None) -> tuple[Step
                            temperature=config.rollout.temperature, tis_cap=a.tis_cap, tis_level=a.tis_level,
                            mis_high=a.mis_high, mis_low=a.mis_low, on_policy=one_window_per_rollout(a),
                            compute_dtype=compute_dtype,  # type: ignore[arg-type]  # StepConfig checks it
-                           pack_rows=config.train.pack_rows, pack_length=pack_length(config))
+                           pack_rows=config.train.pack_rows, pack_length=pack_length(config),
+                           router_aux_coef=config.model.moe.router_aux_coef,
+                           router_z_coef=config.model.moe.router_z_coef)
     except FieldError as error:
         key = _LIBRARY_KEYS.get((error.owner, error.field))
         if key is None:  # a field the run config does not set: a bug here, not a bad config

@@ -19,7 +19,7 @@ from omegaconf.errors import (
 )
 
 from drgrpo_jax.config.rules import validate
-from drgrpo_jax.config.schema import Config, LoraConfig
+from drgrpo_jax.config.schema import Config, LoraConfig, MoeConfig
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import TOKENIZER_FILES, hub_id, local_model
 from drgrpo_jax.models.hf_io import SafetensorsIndex
@@ -55,7 +55,8 @@ def _key_name(field: str) -> str:
 
 # Section name -> dataclass (annotations are strings under `from __future__ import annotations`).
 _FIELD_TYPES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
-_FIELD_TYPES["model.lora"] = LoraConfig  # a section inside a section
+_FIELD_TYPES["model.lora"] = LoraConfig  # sections inside a section
+_FIELD_TYPES["model.moe"] = MoeConfig
 
 
 def _section_fields(path: str) -> list[str]:

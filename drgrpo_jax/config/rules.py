@@ -25,7 +25,7 @@ from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sharding import parse_service_mesh
 from drgrpo_jax.weight_folders import is_remote
 
-__all__ = ["check_lora_targets", "check_output_dir", "validate"]
+__all__ = ["check_model_options", "check_output_dir", "validate"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation: cross-field rules OmegaConf's typing cannot express
@@ -359,6 +359,10 @@ def _check_rollout_modes(config: Config) -> None:
     if r.engine == "vllm" and lora.rank and lora.push == "adapter":
         raise ConfigError("model.lora.push", "adapter: vLLM reloads whole models; set model.lora.push=merged with "
                                              "rollout.engine=vllm")
+    if config.model.moe.router_replay and config.environment.enabled:
+        raise ConfigError("model.moe.router_replay", "replays single-turn rollouts only; multi-turn episodes "
+                                                     "(environment.tools or factory) sample each turn in its own "
+                                                     "request, whose experts are not joined into the trajectory")
     if r.async_ and r.max_staleness < 1:
         raise ConfigError("rollout.max_staleness", "must be >= 1 with rollout.async=true (each rollout is sampled "
                                                    "by a policy K = max_staleness versions before the one it trains)")
@@ -415,9 +419,12 @@ def validate(config: Config) -> None:
     _check_rest(config)
 
 
-def check_lora_targets(config: Config, model: DecoderConfig) -> None:
-    """model.lora.targets against the architecture `model.path` holds (known once its config.json is read): a
-    mixture of experts' MLP is its experts, which take no adapter."""
+def check_model_options(config: Config, model: DecoderConfig) -> None:
+    """model.lora.targets and model.moe against the architecture `model.path` holds (known once its config.json is
+    read): a mixture of experts' MLP is its experts, which take no adapter; a dense model has no router to replay."""
+    if config.model.moe.router_replay and not model.moe:
+        raise ConfigError("model.moe.router_replay", f"needs a mixture-of-experts model; {model.family} is dense "
+                                                     "(no router to replay)")
     mlp = [t for t in config.model.lora.targets if t in ("gate_proj", "up_proj", "down_proj")]
     if config.model.lora.rank and model.moe and mlp:
         raise ConfigError("model.lora.targets", f"{model.family} routes every MLP through {model.num_experts} "

@@ -15,7 +15,7 @@ from drgrpo_jax.models.remat import REMAT_POLICIES
 
 __all__ = [
     "BUILTIN_REWARDS", "BUILTIN_TOOLS", "TRACKERS", "AlgorithmConfig", "Config", "DataConfig", "EnvironmentConfig",
-    "LoraConfig", "MeshConfig", "ModelConfig",
+    "LoraConfig", "MeshConfig", "ModelConfig", "MoeConfig",
     "OptimizerConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TrainConfig"
 ]
 
@@ -80,6 +80,20 @@ class LoraConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts policy (Qwen3-MoE, GPT-OSS): router replay and the router's own loss terms."""
+
+    router_replay: bool = _f(
+        False, "the policy forward uses the experts the generation service's router chose for each sampled token "
+               "(returned with the completion), weighted by the trained router, so trained and behaviour log-probs "
+               "come from the same experts; needs a mixture-of-experts model.path")
+    router_aux_coef: float = _f(0.0, "weight of Switch's load-balancing loss (1 when balanced) added to the loss; "
+                                     ">= 0, 0 = off")
+    router_z_coef: float = _f(0.0, "weight of ST-MoE's router z-loss (mean squared log-sum-exp of the router "
+                                   "logits) added to the loss; >= 0, 0 = off")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The policy checkpoint."""
 
@@ -105,6 +119,8 @@ class ModelConfig:
     )
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig, metadata={
         "help": "LoRA: train low-rank adapters on the frozen base (rank 0 = off)"})
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig, metadata={
+        "help": "a mixture of experts: router replay and the router's loss terms (all off by default)"})
 
 
 @dataclasses.dataclass(frozen=True)

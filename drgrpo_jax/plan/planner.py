@@ -18,7 +18,7 @@ from typing import Any
 import gguf
 
 from drgrpo_jax.config.load import resolve_model_path
-from drgrpo_jax.config.rules import check_lora_targets, validate
+from drgrpo_jax.config.rules import check_model_options, validate
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import CONFIG_FILES, hub_id, snapshot
@@ -214,7 +214,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
         raise ConfigError("--serve-mesh", str(error).removeprefix("--serve-mesh: ")) from None
     if (why := indivisible(model, mesh)) is not None:
         raise ConfigError("--serve-mesh", f"{serve_mesh}: {why}")
-    check_lora_targets(config, model)
+    check_model_options(config, model)
     sizes = mesh_sizes(config)
     backend = backend or device_backend(device)
     params, opt_state, frozen = abstract_state(config, model)

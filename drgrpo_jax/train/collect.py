@@ -15,7 +15,7 @@ import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import reward_weights
-from drgrpo_jax.config.schema import Config
+from drgrpo_jax.config.schema import Config, RolloutConfig
 from drgrpo_jax.data.examples import Example
 from drgrpo_jax.data.order import batch_at
 from drgrpo_jax.data.prompts import tokenize_prompt
@@ -23,7 +23,14 @@ from drgrpo_jax.environments.build import Episodes
 from drgrpo_jax.environments.trajectory import run_episodes, trajectory_arrays
 from drgrpo_jax.errors import ConfigError, RolloutError
 from drgrpo_jax.hosts import fail_together, gather_hosts
-from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, host_share, merge_host_rows
+from drgrpo_jax.rollout.record import (
+    EPISODE_COLUMNS,
+    HostCounters,
+    ScoredRollout,
+    host_share,
+    merge_host_rows,
+    routed_layout,
+)
 from drgrpo_jax.rollout.weight_push import publish_weights
 from drgrpo_jax.seeds import rollout_seed
 from drgrpo_jax.train.prefetch import (
@@ -123,7 +130,7 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
                                   stop_token_ids=[] if r.ignore_eos else stop_ids(run.tokenizer),
                                   ignore_eos=r.ignore_eos, seed=seed,
                                   expected_version=step, max_staleness=r.max_staleness, prompt_offset=offset,
-                                  first_url=jax.process_index())
+                                  first_url=jax.process_index(), return_routed_experts=run.router)
     rollout_seconds = time.perf_counter() - start
     texts = run.tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.response_ids, sampled.lengths)],
                                        skip_special_tokens=True)
@@ -135,8 +142,18 @@ def _sample_share(run: Run, step: int, examples: tuple[Example, ...], prompts: l
         examples, prompts, response_ids=sampled.response_ids, behaviour_logprobs=sampled.behaviour_logprobs,
         response_mask=sampled.response_mask, lengths=sampled.lengths, truncated=sampled.truncated,
         weight_versions=np.asarray([_version_number(v) for v in sampled.weight_versions], np.int64),
-        components=scored.components_NK)
+        token_versions=sampled.token_versions.astype(np.int64), components=scored.components_NK,
+        **_routed(sampled.routed_experts, prompts, r.group_size, r))
     return share, counters
+
+
+def _routed(experts: tuple[np.ndarray, ...] | None, prompts: list[list[int]], group_size: int,
+            r: RolloutConfig) -> dict[str, np.ndarray]:
+    """The share's `routed_experts` field laid out as the batch's tokens (router replay), or none."""
+    if experts is None:
+        return {}
+    lengths = [len(prompts[n // group_size]) for n in range(len(experts))]
+    return {"routed_experts": routed_layout(experts, lengths, r.max_prompt_tokens, r.max_new_tokens)}
 
 
 def sample(run: Run, step: int, examples: tuple[Example, ...], prompts: list[list[int]], seed: int,

@@ -22,7 +22,7 @@ from drgrpo_jax.config.derived import (
     step_configs,
 )
 from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
-from drgrpo_jax.config.rules import check_lora_targets
+from drgrpo_jax.config.rules import check_model_options
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.data.examples import PromptDataset
 from drgrpo_jax.data.order import PromptStream
@@ -88,6 +88,7 @@ class Run:
     pusher: SegmentPusher | None = None  # weight pushes to that child through shared memory (rollout.weight_sync)
     in_flight: InFlight | None = None  # rollout.async resumed: the queued rounds to re-draw (train/prefetch.py)
     episodes: Episodes | None = None  # environment.tools/factory: multi-turn episodes instead of one completion
+    router: RouterShape | None = None  # model.moe.router_replay: the mixture's shape each completion's experts have
 
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
@@ -178,7 +179,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     check_hub(c.run.push_to_hub)
     model_path = resolve_model_path(c.model.path)
     if c.model.lora.rank and os.path.isdir(model_path):  # the architecture's own rules, before the model loads
-        check_lora_targets(c, load_hf_config(model_path))
+        check_model_options(c, load_hf_config(model_path))
     stored_dtype = lora_base_dtype(c) if c.model.lora.rank else c.model.dtype  # bfloat16 base: bfloat16 GEMMs
     compute_dtype = resolve_compute_dtype(c.model.compute_dtype, stored_dtype, jax.devices()[0])
     train_config, logprob_config = step_configs(c, compute_dtype)
@@ -269,5 +270,12 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
               checkpointer=checkpointer, publisher=publisher, log=log,
               stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
               start_step=start_step, client=client, scorer=scorer, server=server, pusher=pusher,
-              in_flight=queued, episodes=episodes)
+              in_flight=queued, episodes=episodes, router=_router_shape(c, model_config))
     return run, state
+
+
+def _router_shape(config: Config, model: DecoderConfig) -> RouterShape | None:
+    """The routed experts a completion brings back under model.moe.router_replay (None: off)."""
+    if not config.model.moe.router_replay:
+        return None
+    return RouterShape(model.num_layers, model.experts_per_token, model.num_experts)
