@@ -33,7 +33,7 @@ from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
 from drgrpo_jax.rewards.scorer import RewardScorer
-from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.rollout.client import ENGINES, RolloutClient
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.rollout.weight_push import WeightPublisher
 from drgrpo_jax.seeds import init_key
@@ -170,7 +170,8 @@ def _tokenizer(args: argparse.Namespace, source: ModelSource, client: RolloutCli
     """The tokenizer of the model (or --tokenizer); for URLs, the service's own when it is a local folder."""
     if source.path is not None:
         return load_tokenizer(source.path, args.tokenizer)
-    path = args.tokenizer or client.model_info().get("tokenizer_path") or ""
+    asked = client.engine != "vllm"  # vLLM has no /get_model_info
+    path = args.tokenizer or (client.model_info().get("tokenizer_path") if asked else "") or ""
     if not (os.path.isdir(path) or path.endswith(".gguf") or hub_id(path) is not None):
         raise ConfigError("--tokenizer", "needed with service URLs: a local tokenizer folder, a Hub id "
                                          "org/name[@revision] or the model's .gguf")
@@ -180,6 +181,9 @@ def _tokenizer(args: argparse.Namespace, source: ModelSource, client: RolloutCli
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the evaluation the flags describe; returns results.json's content."""
     source = resolve_model(args.model, args.step)
+    if args.engine != "ours" and not source.urls:
+        raise ConfigError("--engine", f"{args.engine} is the API of service URLs; a local model is served by our own "
+                                      "service (ours)")
     config = source.run_config
     settings = _settings(args, config)
     suite = load_suite(args.suite, size=args.size, seed=args.seed, problem_field=args.problem_field,
@@ -200,7 +204,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 extra_args=["--max-batch-size", str(args.max_batch_size)]))
             urls = [str(server.url)]
         api_key = (os.environ.get(args.api_key_env, "").strip() or None) if args.api_key_env else None
-        client = stack.enter_context(RolloutClient(urls, timeout_s=args.timeout, api_key=api_key))
+        client = stack.enter_context(RolloutClient(urls, timeout_s=args.timeout, api_key=api_key,
+                                                   engine=args.engine))
         tokenizer = _tokenizer(args, dataclasses.replace(source, path=path), client)
         scorer = stack.enter_context(RewardScorer(rewards, budget=settings.max_new_tokens))
         prompts = [tokenize_prompt(example, data, tokenizer) for example in suite.examples]
@@ -282,6 +287,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for one request")
     p.add_argument("--api-key-env", dest="api_key_env", default="", metavar="NAME",
                    help="environment variable holding the services' API key")
+    p.add_argument("--engine", default="ours", choices=ENGINES,
+                   help="the API the service URLs speak (as rollout.engine; docs/engines.md)")
     p.add_argument("--output", "-o", help="report folder (default: evaluations/MODEL-SUITE)")
     return p.parse_args(argv)
 

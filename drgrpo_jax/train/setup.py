@@ -145,7 +145,18 @@ def connect_urls(config: Config) -> RolloutClient:
         if not ok:
             client.close()
             raise ConfigError("rollout.urls", f"{url} does not answer GET /health (is the generation service up?)")
+    try:
+        client.check_engine()  # now, before anything is built: vLLM's start flags, whether SGLang honours seeds
+    except BaseException:
+        client.close()
+        raise
     return client
+
+
+def run_metadata(client: RolloutClient | None) -> dict[str, Any]:
+    """What the trackers record beside the config: the services that ignore sampling seeds ({} when none does)."""
+    ignored = () if client is None else client.seeds_ignored_by
+    return {"rollout_seeds_honoured": False, "rollout_seeds_ignored_by": list(ignored)} if ignored else {}
 
 
 def weights_roots(config: Config) -> list[str]:
@@ -240,7 +251,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
             position = resumed_stream_position(queued, len(rounds_in_flight(start_step, k, c.train.steps)))
     if main_process:
         write_text(os.path.join(out, "config.yaml"), dump_config(c))
-    log = RunLog(out, start_step, main_process, open_trackers(c, out, start_step) if main_process else [])
+    trackers = open_trackers(c, out, start_step, run_metadata(client)) if main_process else []
+    log = RunLog(out, start_step, main_process, trackers)
     stack.callback(log.close)
     # With LoRA each version is a PEFT adapter folder naming the base; a service given one loads that base.
     publisher = WeightPublisher(os.path.join(local_out, "weights"), graphdef, mirror=weights_mirror(c),

@@ -186,14 +186,18 @@ def check_trackers(config: Config) -> None:
                                                      f"(or pip install {_PACKAGES[name]})")
 
 
-def open_trackers(config: Config, output_dir: str, start_step: int) -> list[Tracker]:
-    """The trackers run.report_to lists, each given the resolved config."""
+def open_trackers(config: Config, output_dir: str, start_step: int,
+                  metadata: dict[str, Any] | None = None) -> list[Tracker]:
+    """The trackers run.report_to lists, each given the resolved config and `metadata` (what the run found out
+    beside its config, e.g. `rollout_seeds_honoured: false`) as top-level keys after it."""
     check_trackers(config)
     run = config.run
     name = run.name or os.path.basename(os.path.normpath(output_dir))
-    config_yaml = dump_config(config)
+    metadata = metadata or {}
+    config_yaml = dump_config(config) + (OmegaConf.to_yaml(metadata) if metadata else "")
     as_dict: dict[str, Any] = OmegaConf.to_container(OmegaConf.structured(config))  # type: ignore[assignment]
     assert isinstance(as_dict, dict)
+    as_dict.update(metadata)
     opened: list[Tracker] = []
     for kind in run.report_to:
         if kind == "tensorboard":
