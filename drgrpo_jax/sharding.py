@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -127,6 +128,8 @@ class ShardingRules:
     mlp: MeshAxes = "tensor"
     # A mixture's experts (their weights' leading axis): each fsdp shard stores e / fsdp whole experts, where
     # dense weights split their model dim; no extra mesh axis, so every mesh shape and the service's mesh stand.
+    # Tokens are split over fsdp too, so a program traced on the mesh (`traced_on_mesh`) sends them to their
+    # experts' shards (models/moe.py's all-to-all) in place of gathering the experts.
     expert: MeshAxes = "fsdp"
     layers: MeshAxes = None  # the stacked-layer axis (scanned; never sharded)
 
@@ -137,6 +140,17 @@ class ShardingRules:
         if not hasattr(self, logical):
             raise ValueError(f"sharding rules: unknown logical axis {logical!r}")
         return getattr(self, logical)
+
+
+def traced_on_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` traced under `mesh` (jax's abstract-mesh context), so the code it runs can see the mesh: a mixture's
+    MLP runs expert-parallel there (models/moe.py). For the bodies of programs jitted onto `mesh`."""
+    @functools.wraps(fn)
+    def on_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return on_mesh
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
 from drgrpo_jax.models.moe import RouterStats, expert_load, load_balancing_loss, router_z_loss
-from drgrpo_jax.sharding import batch_sharding, batch_shards
+from drgrpo_jax.sharding import batch_sharding, batch_shards, traced_on_mesh
 from drgrpo_jax.step.batch import Batch, pack_demand, pack_spec, split_micro_batches
 from drgrpo_jax.step.config import StepConfig, importance_weights
 from drgrpo_jax.step.optimizer import AdamW
@@ -279,7 +279,8 @@ def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings:
                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """train_step jitted with explicit in/out shardings, donating the state (packing: refusing overflows first)."""
     replicated = NamedSharding(mesh, P())
-    step = functools.partial(train_step, graphdef, optimizer, schedule, config, shards=batch_shards(mesh))
+    step = traced_on_mesh(functools.partial(train_step, graphdef, optimizer, schedule, config,
+                                            shards=batch_shards(mesh)), mesh)  # a mixture: expert-parallel
     # One sharding for every field of the batch (a pytree prefix): batches with and without a loss mask both fit.
     rows = batch_sharding(mesh)
     jitted = jax.jit(step, in_shardings=(shardings, rows), out_shardings=(shardings, replicated), donate_argnums=0)
@@ -293,7 +294,7 @@ def jit_policy_logprobs(graphdef, config: StepConfig, params_shardings: nnx.Stat
     With `frozen_shardings` (LoRA) the function takes the frozen base as its third argument.
     """
     rows = batch_sharding(mesh)
-    logprobs = functools.partial(policy_logprobs, graphdef, config, shards=batch_shards(mesh))
+    logprobs = traced_on_mesh(functools.partial(policy_logprobs, graphdef, config, shards=batch_shards(mesh)), mesh)
     if frozen_shardings is None:
         jitted = jax.jit(logprobs, in_shardings=(params_shardings, rows), out_shardings=rows)
         return _refusing_overflow(lambda params, batch, frozen=None: jitted(params, batch), config, mesh, 1)

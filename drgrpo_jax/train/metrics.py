@@ -70,7 +70,7 @@ def staleness_metrics(version: int, rollout: ScoredRollout, max_staleness: int) 
     share of generated tokens sampled 0..max_staleness versions back."""
     groups = version - rollout.weight_versions.reshape(-1, rollout.group_size).min(axis=1)
     # Each token's own version: a response that crossed an in-flight weight update counts at both.
-    sampled = rollout.token_versions[rollout.response_mask]
+    sampled = np.asarray(rollout.token_versions)[rollout.response_mask]
     lags, tokens = version - sampled, np.ones(len(sampled))
     total = max(float(tokens.sum()), 1.0)
     return {"staleness_min": int(groups.min()), "staleness_mean": float(groups.mean()),
