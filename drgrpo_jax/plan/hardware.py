@@ -59,6 +59,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
         "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
         "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "GPT-OSS-20B": {  # 24 layers of 32 experts, 4 per token; sliding (128) and full attention alternate
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "max_position_embeddings": 131072, "rope_theta": 150000.0, "rms_norm_eps": 1e-5,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999, "hidden_act": "silu",
+        "attention_bias": True, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+        "swiglu_limit": 7.0, "layer_types": ["sliding_attention", "full_attention"] * 12},
 }
 
 

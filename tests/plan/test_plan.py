@@ -166,6 +166,7 @@ def test_advice_names_values_that_make_it_fit():
     ("qwen2.5_math_7b_dr_grpo_8xh100.yaml", "Qwen2.5-Math-7B", "h100", 32),
     ("qwen3_30b_a3b_dr_grpo_v5p64.yaml", "Qwen3-30B-A3B", "v5p", 32),
     ("qwen3_30b_a3b_dr_grpo_8xh100.yaml", "Qwen3-30B-A3B", "h100", 32),
+    ("gpt_oss_20b_dr_grpo_lora_1gpu.yaml", "GPT-OSS-20B", "h200", 4),
 ])
 def test_config_headers_state_the_planned_memory(name, model, device, rows):
     path = os.path.join(REPO, "configs", "recipes", name)
@@ -177,7 +178,7 @@ def test_config_headers_state_the_planned_memory(name, model, device, rows):
     assert _plan(path, model)["service"]["rows"] == rows  # rollout.service_batch_size says the same as the header
     assert float(stated.group(1)) == round(result["trainer"]["total"] / GIB, 2)
     assert float(stated.group(2)) == round(result["service"]["total"] / GIB, 2)
-    assert result["fits"] == {"trainer": True, "service": True}
+    assert set(result["fits"].values()) == {True}  # with a child service on the trainer's device, together too
     assert "NOT YET MEASURED" in header
 
 
