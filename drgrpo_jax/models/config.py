@@ -386,9 +386,10 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     layer_types: tuple[str, ...] = ()
     sliding_window = None
     if family == "gpt_oss":
-        if (hf.get("quantization_config") or {}).get("quant_method"):
-            raise ValueError(f"quantization_config: {hf['quantization_config']['quant_method']} experts are not "
-                             f"supported; use an unquantised (bfloat16) GPT-OSS checkpoint")
+        quantized = (hf.get("quantization_config") or {}).get("quant_method")
+        if quantized not in (None, "mxfp4"):  # MXFP4 experts are dequantized as they are read (models/mxfp4.py)
+            raise ValueError(f"quantization_config: {quantized} experts are not supported; use the published "
+                             "MXFP4 or an unquantised (bfloat16) GPT-OSS checkpoint")
         layer_types = tuple(hf.get("layer_types") or (
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)))
         sliding_window = int(hf["sliding_window"]) if hf.get("sliding_window") else None

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from drgrpo_jax.hosts import host_array
+from drgrpo_jax.models import mxfp4
 from drgrpo_jax.models.config import DecoderConfig, from_hf_config, to_hf_config
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import Transformer
@@ -207,14 +208,22 @@ _GPT_OSS_INTERLEAVED = {"expert_gate": ("gate_up_proj", 0), "expert_up": ("gate_
 
 def _read_gpt_oss_moe(index: TensorIndex, name: str, layer: int) -> np.ndarray:
     """GPT-OSS's `router` [D, e] or experts' weight of one layer: transformers keeps the experts as ours are
-    ([e, X, Y]), gate and up interleaved in `experts.gate_up_proj` [e, D, 2f] and its bias [e, 2f]."""
+    ([e, X, Y]), gate and up interleaved in `experts.gate_up_proj` [e, D, 2f] and its bias [e, 2f]; the published
+    checkpoints hold the two weights as MXFP4 blocks and scales (`models/mxfp4.py`)."""
     prefix = f"model.layers.{layer}.mlp."
     if name == "router":
         return index.get(prefix + "router.weight").T
     if name == "expert_down":
-        return index.get(prefix + "experts.down_proj")
+        return _gpt_oss_expert(index, prefix + "experts.down_proj")
     tensor, parity = _GPT_OSS_INTERLEAVED[name]
-    return index.get(f"{prefix}experts.{tensor}")[..., parity::2]
+    return _gpt_oss_expert(index, f"{prefix}experts.{tensor}")[..., parity::2]
+
+
+def _gpt_oss_expert(index: TensorIndex, name: str) -> np.ndarray:
+    """An expert tensor as stored, or dequantized from its MXFP4 `_blocks` and `_scales`."""
+    if name not in index and name + "_blocks" in index:
+        return mxfp4.dequantize(index.get(name + "_blocks"), index.get(name + "_scales"))
+    return index.get(name)
 
 
 def _gpt_oss_interleaved(arrays: dict[str, np.ndarray], config: DecoderConfig) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ grouped experts with biases and clamp against a dense per-expert reference."""
 
 import functools
 import json
+import os
 import re
 
 import jax
@@ -15,8 +16,9 @@ import transformers
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from drgrpo_jax.models import mxfp4
 from drgrpo_jax.models.config import RopeConfig, from_hf_config, to_hf_config
-from drgrpo_jax.models.hf_io import save_pretrained
+from drgrpo_jax.models.hf_io import read_safetensors, save_pretrained
 from drgrpo_jax.models.moe import clamped_swiglu, moe_mlp
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.pretrained import from_pretrained
@@ -108,11 +110,62 @@ def test_saved_folder_loads_in_transformers_with_the_same_logits(gpt_oss_pair, t
     np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(model, ids), atol=1e-6, rtol=0)
 
 
-def test_quantised_experts_are_refused_in_one_line(gpt_oss_pair):
+def test_experts_quantised_other_than_mxfp4_are_refused_in_one_line(gpt_oss_pair):
     model, _ = gpt_oss_pair
-    hf = {**model.config.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(ValueError, match=re.escape("quantization_config: mxfp4 experts are not supported")):
+    hf = {**model.config.to_dict(), "quantization_config": {"quant_method": "bitsandbytes"}}
+    with pytest.raises(ValueError, match=re.escape("quantization_config: bitsandbytes experts are not supported")):
         from_hf_config(hf)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(tmp_path_factory):
+    """(transformers' model with the experts an MXFP4 checkpoint holds, dequantized by transformers' own
+    converter, and that checkpoint: the published layout, `_blocks` and `_scales` beside unquantized biases)."""
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    dense = write_tiny_gpt_oss(str(tmp_path_factory.mktemp("dense")), intermediate_size=32)  # X % 32 == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(dense, attn_implementation="eager").eval()
+    rng, tensors = np.random.default_rng(0), {}
+    for name, w in read_safetensors(os.path.join(dense, "model.safetensors")).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = w
+            continue
+        experts, x, y = w.shape
+        blocks = rng.integers(0, 256, (experts, y, x // 32, 16), dtype=np.uint8)
+        scales = rng.integers(121, 125, (experts, y, x // 32), dtype=np.uint8)  # 2^-6..2^-3: weights below 0.75
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        with torch.no_grad():
+            model.get_parameter(name).copy_(convert_moe_packed_tensors(
+                torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32))
+    folder = tmp_path_factory.mktemp("mxfp4")
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {**json.load(open(os.path.join(dense, "config.json"))), "quantization_config": {"quant_method": "mxfp4"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return model, str(folder)
+
+
+def test_mxfp4_experts_dequantize_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (3, 8, 2, 16), dtype=np.uint8)  # every one of the 16 values, both nibbles
+    scales = rng.integers(100, 150, (3, 8, 2), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(mxfp4.dequantize(blocks, scales), want.numpy())
+    with pytest.raises(ValueError, match=r"mxfp4: blocks uint8\[3, 8, 2, 16\] and scales uint8\[3, 8\]"):
+        mxfp4.dequantize(blocks, scales[..., 0])
+
+
+def test_an_mxfp4_checkpoint_loads_with_transformers_logits_and_saves_unquantized(mxfp4_pair, tmp_path):
+    model, folder = mxfp4_pair
+    ids = _ids(5, (2, 19))
+    ours = from_pretrained(folder)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), hf_logits(model, ids), atol=TOL, rtol=0)
+    save_pretrained(ours, str(tmp_path))  # what the trainer pushes and publishes: plain float experts
+    assert "quantization_config" not in json.load(open(tmp_path / "config.json"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    np.testing.assert_allclose(hf_logits(reloaded, ids), hf_logits(model, ids), atol=1e-6, rtol=0)
 
 
 @pytest.mark.heavy

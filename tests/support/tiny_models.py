@@ -84,9 +84,9 @@ def write_tiny_qwen3_moe(path: str, seed: int = 0, *, norm_topk_prob: bool = Tru
 
 
 def write_tiny_gpt_oss(path: str, seed: int = 0, *, vocab_size: int = 96, num_experts: int = 4,
-                      sliding_window: int = 4) -> str:
+                      sliding_window: int = 4, intermediate_size: int = 16) -> str:
     """A random 3-layer GPT-OSS saved by transformers: sliding, full, sliding attention (window `sliding_window`),
-    sinks, q/k/v/o biases, `num_experts` experts of hidden 16 with biases, 2 per token, and YaRN scaling that
+    sinks, q/k/v/o biases, `num_experts` experts of hidden `intermediate_size` with biases, 2 per token, and YaRN scaling that
     starts within the tests' lengths (original context 16, factor 4). Every weight (norms, sinks, router and biases
     too) is perturbed so that each one shows in the logits, the experts enough that their projections pass the
     SwiGLU clamp (limit 7). No tokenizer: the tests feed ids."""
@@ -95,7 +95,8 @@ def write_tiny_gpt_oss(path: str, seed: int = 0, *, vocab_size: int = 96, num_ex
 
     torch.manual_seed(seed)
     config = transformers.GptOssConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=3,
+        num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=num_experts, num_experts_per_tok=2,
         sliding_window=sliding_window, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=False, rope_parameters={
