@@ -44,6 +44,7 @@ class Restored:
     step: int
     state: Any  # the train-state pytree, as the abstract state asked (dtypes, shardings)
     host: dict[str, Any]  # JSON host state saved beside it
+    rounds: Any = None  # the numpy tree saved as `rounds` (rollout.inflight_updates: the queued rounds), if asked
 
 
 def abstract_state_like(state: Any, shardings: Any = None) -> Any:
@@ -79,7 +80,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # remove what a crashed save left behind
             enable_async_checkpointing=async_save,
         )
-        handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "host": ocp.JsonCheckpointHandler()}
+        handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "host": ocp.JsonCheckpointHandler(),
+                    "rounds": ocp.PyTreeCheckpointHandler(use_compression=False)}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._preempted: dict[int, bool] = {}  # each step's answer: the sync point is asked once per step
         self._sigterm = threading.Event()
@@ -129,26 +131,32 @@ class Checkpointer:
         wanted = self.preempted(step) or force or step % self.save_every == 0  # asks the sync point every step
         return wanted and step not in self._manager.all_steps()
 
-    def save(self, step: int, state: Any, host: dict[str, Any], *, force: bool = False) -> bool:
-        """Saves when `step` is due (save_every, `force` for the last step, or preemption); True when it saved."""
+    def save(self, step: int, state: Any, host: dict[str, Any], *, force: bool = False, rounds: Any = None) -> bool:
+        """Saves when `step` is due (save_every, `force` for the last step, or preemption); True when it saved.
+        `rounds`: a tree of numpy arrays saved beside the state in the same atomic step folder (the queued rounds of
+        rollout.inflight_updates)."""
         if not self.due(step, force=force):
             return False  # off the cadence, or the end of a run that just saved this step
         # force: `due` made orbax's decision already (its preemption check included); its own interval would
         # also save the first step.
         return self._manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), host=ocp.args.JsonSave(dict(host))),
+            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), host=ocp.args.JsonSave(dict(host)),
+                                    **({} if rounds is None else {"rounds": ocp.args.PyTreeSave(rounds)})),
             force=True,
         )
 
-    def restore(self, step: int, abstract_state: Any, shardings: Any = None) -> Restored:
-        """Checkpoint `step` with the structure, dtypes and shardings of `abstract_state` (or `shardings`)."""
+    def restore(self, step: int, abstract_state: Any, shardings: Any = None, *, rounds: bool = False) -> Restored:
+        """Checkpoint `step` with the structure, dtypes and shardings of `abstract_state` (or `shardings`); `rounds`:
+        also its `rounds` tree, as saved (numpy arrays)."""
         target = abstract_state_like(abstract_state, shardings)
         state_args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args, host=ocp.args.JsonRestore()))
-        return Restored(step, restored["state"], dict(restored["host"]))
+        extra = {"rounds": ocp.args.PyTreeRestore()} if rounds else {}
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args, host=ocp.args.JsonRestore(),
+                                                                       **extra))
+        return Restored(step, restored["state"], dict(restored["host"]), restored["rounds"] if rounds else None)
 
-    def restore_latest(self, abstract_state: Any, shardings: Any = None) -> Restored | None:
+    def restore_latest(self, abstract_state: Any, shardings: Any = None, *, rounds: bool = False) -> Restored | None:
         """The newest checkpoint that reads back whole (see `restore`); None when there is none.
 
         A damaged one (a truncated file, a corrupt array: anything its restore raises) is named in one warning
@@ -159,7 +167,7 @@ class Checkpointer:
         first_error: Exception | None = None
         for step in reversed(steps):
             try:
-                return self.restore(step, abstract_state, shardings)
+                return self.restore(step, abstract_state, shardings, rounds=rounds)
             except Exception as error:  # noqa: BLE001 - whatever a damaged checkpoint raises, an older one may do
                 first_error = first_error or error
                 older = [s for s in steps if s < step]

@@ -369,6 +369,16 @@ def _check_rollout_modes(config: Config) -> None:
     if r.async_ and config.algorithm.tis_cap is None and config.algorithm.mis_high is None:
         raise ConfigError("algorithm.tis_cap", "must be set (e.g. 2.0), or algorithm.mis_high, with "
                                                "rollout.async=true: the importance weight corrects the lag")
+    if r.inflight_updates and not r.async_:
+        raise ConfigError("rollout.inflight_updates", "needs rollout.async=true (pushes reach the rounds sampled "
+                                                      "ahead of the update)")
+    if r.inflight_updates and r.engine != "ours":
+        raise ConfigError("rollout.inflight_updates", f"needs rollout.engine=ours: {r.engine} does not report each "
+                                                      "token's weight version")
+    if r.inflight_updates and config.mesh.num_processes > 1:
+        raise ConfigError("rollout.inflight_updates", "runs on one process only (mesh.num_processes = "
+                                                      f"{config.mesh.num_processes}): a checkpoint holds the "
+                                                      "queued rounds of this process")
 
 
 def _check_environment(config: Config) -> None:

@@ -206,6 +206,11 @@ class RolloutConfig:
         False, "(YAML/CLI key: rollout.async) K-step-off rollouts, K = max_staleness (>= 1): step s+K's first round "
                "is sampled while step s's update runs, by the policy K versions older than the one that trains on it "
                "(a queue of K rounds; needs algorithm.tis_cap or mis_high to correct the lag)")
+    inflight_updates: bool = _f(
+        False, "with rollout.async: each weight push reaches the rounds still sampling at their next decode phase "
+               "(the trainer's own service runs with --inflight-updates; services of rollout.urls must), so the "
+               "push never waits for them; a checkpoint holds the queued rounds' scored rows instead of re-drawing "
+               "them (one process)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Self, get_args
@@ -138,6 +139,7 @@ class RolloutClient:
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.local_server, self.max_restarts = local_server, max_restarts
         self.service_restarts = 0  # times local_server was found dead and restarted
+        self._restart_lock = threading.Lock()
         self._pushed: tuple[str, str] | None = None  # (path, version) of the last weights every service took
         self._pushed_segment: dict[str, Any] | None = None  # or the /update_weights_from_tensor body of the last push
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -189,11 +191,21 @@ class RolloutClient:
         server = self.local_server
         return server is not None and server.url == url and not server.running
 
-    def _restart_local_server(self) -> bool:
-        """Restarts the dead child service on the weights last pushed; False when there is none to restart."""
-        server = self.local_server
-        if server is None or server.running or self.service_restarts >= self.max_restarts:
-            return False
+    def _restart_local_server(self, restarts_seen: int) -> Literal["restarted", "by_another", ""]:
+        """Restarts the dead child service on the weights last pushed: "restarted"; "" when there is none to
+        restart. One thread at a time (a round samples while the update loop pushes): a caller whose request
+        failed before another thread restarted the child (`restarts_seen`: service_restarts before its request)
+        gets "by_another", and must redo its request (a push, too: the child started on the weights pushed before)."""
+        with self._restart_lock:
+            server = self.local_server
+            if server is not None and server.running:
+                return "by_another" if self.service_restarts != restarts_seen else ""
+            if server is None or self.service_restarts >= self.max_restarts:
+                return ""
+            self._restart(server)
+            return "restarted"
+
+    def _restart(self, server: LocalServer) -> None:
         self.service_restarts += 1
         old_url = server.url
         path, version = self._pushed or (server.model, server.weight_version)
@@ -211,7 +223,6 @@ class RolloutClient:
         elif server.weight_version != str(version):  # a bucket path: the child starts on local weights, then loads it
             self._request("POST", new_url, "/update_weights_from_disk",
                           {"model_path": path, "weight_version": str(version)})
-        return True
 
     def _with_failover(self, first: int, path: str, body: Any) -> Any:
         """Posts to urls[first]; while it fails `retryable`, to each other URL in turn."""
@@ -277,11 +288,12 @@ class RolloutClient:
         else:
             calls = [(k, "/generate", body(a, b), b - a) for k, (a, b) in enumerate(shares)]
         while True:
+            restarts = self.service_restarts
             try:
                 items = self._gather(calls, first_url, group_size)
                 break
             except RolloutError as error:  # the same prompts and seeds again: the redone request samples the same
-                if not (retryable(error.status) and self._restart_local_server()):
+                if not (retryable(error.status) and self._restart_local_server(restarts)):
                     raise
         completions = _to_completions(items, group_size, max_new_tokens)
         if return_routed_experts is not None:
@@ -386,12 +398,15 @@ class RolloutClient:
                 return str(error)
             return None if answer.get("success", False) else f"{url}/update_weights_from_disk: {answer.get('message')}"
 
+        restarts = self.service_restarts
         failures = [error for error in self._pool.map(push, self.urls) if error]
         if failures and self._local_server_died(self.urls[0]):
             # The restarted child starts on these very weights.
             self._pushed, self._pushed_segment = (model_path, str(weight_version)), None
-            if self._restart_local_server():
-                failures = []
+            restarted = self._restart_local_server(restarts)
+            if restarted:
+                failures = [error for error in self._pool.map(push, self.urls) if error] \
+                    if restarted == "by_another" else []
         if failures:
             raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "
                                "service(s): " + " | ".join(failures))
@@ -415,16 +430,18 @@ class RolloutClient:
             raise RolloutError("update_weights_from_segment: only the trainer's own child service maps its memory")
         body: dict[str, Any] = {"segment": segment, "tensors": tensors, "weight_version": str(weight_version),
                                 "allow_rollback": rollback}
-        url = self.urls[0]
+        url, restarts = self.urls[0], self.service_restarts
         try:
             answer = self._request("POST", url, "/update_weights_from_tensor", body)
         except RolloutError:
             if not self._local_server_died(url):
                 raise
             self._pushed_segment = body  # the restarted child reloads it
-            if not self._restart_local_server():
+            restarted = self._restart_local_server(restarts)
+            if not restarted:
                 raise
-            answer = {"success": True}
+            answer = {"success": True} if restarted == "restarted" else \
+                self._request("POST", self.urls[0], "/update_weights_from_tensor", body)
         if not answer.get("success", False):
             raise RolloutError(f"weight version {weight_version} not loaded by {url}: {answer.get('message')}")
         self._pushed_segment = body

@@ -80,7 +80,9 @@ def host_tensors(graphdef: nnx.GraphDef, params: nnx.State, frozen: nnx.State | 
 
 class SegmentPusher:
     """Pushes whole-model versions to the trainer's own child service through shared memory, each a new segment
-    in a private folder of this pusher's (`named_tensors.make_folder`), made at the first push."""
+    in a private folder of this pusher's (`named_tensors.make_folder`), made at the first push. A segment is removed
+    once the child has loaded the next: by then the child holds copies of its arrays (or maps its pages, which
+    outlive the removal), so a batch still sampling the older version (--inflight-updates) reads no removed file."""
     def __init__(self, graphdef: nnx.GraphDef, *, merged_lora: bool = False):
         self.graphdef, self.merged_lora = graphdef, merged_lora
         self._current: str | None = None  # the segment the child loaded last (kept for a restarted child)

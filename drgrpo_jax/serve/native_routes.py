@@ -55,8 +55,9 @@ async def health(request: Request) -> JSONResponse:
 async def model_info(request: Request) -> dict:
     """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue, the rows and batches
     cut short because their clients left, the sampler programs compiled and kept (one set per new batch shape) and
-    those dropped while idle (--max-kept-programs), and LoRA adapter (null, or the merged adapter's name,
-    rank, alpha and targets) of this service. The paths are names (`Service.shown`): no server path is shown."""
+    those dropped while idle (--max-kept-programs), whether pushes reach running batches (--inflight-updates), and
+    LoRA adapter (null, or the merged adapter's name, rank, alpha and targets) of this service. The paths are
+    names (`Service.shown`): no server path is shown."""
     service = service_of(request)
     engine, w = service.engine, service.engine.weights
     adapter = w.adapter and {**w.adapter, "path": service.shown(w.adapter["path"])}
@@ -69,7 +70,8 @@ async def model_info(request: Request) -> dict:
             "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
             "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
             "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),
-            "programs_dropped": engine.programs_dropped, "adapter": adapter}
+            "programs_dropped": engine.programs_dropped, "adapter": adapter,
+            "inflight_updates": engine.config.inflight_updates}
 
 
 async def weight_version(request: Request) -> dict:

@@ -5,6 +5,7 @@ drgrpo_jax.train.prefetch). Every random choice derives from (run.seed, step, pu
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import sys
 import time
@@ -34,6 +35,7 @@ from drgrpo_jax.rollout.record import (
 from drgrpo_jax.rollout.weight_push import publish_weights
 from drgrpo_jax.seeds import rollout_seed
 from drgrpo_jax.train.prefetch import (
+    HeldRound,
     PendingRound,
     Prefetcher,
     rounds_in_flight,
@@ -244,15 +246,31 @@ def prefetch(run: Run, prefetcher: Prefetcher, step: int, position: int | None =
                    sampler_version(step, run.config.rollout.max_staleness))
 
 
+def _held(run: Run, step: int, position: int, held: HeldRound) -> PendingRound:
+    """A round a checkpoint holds (rollout.inflight_updates), queued back as done: its prompts re-read from its data
+    position, its rows and counters as saved (one process: the share is the whole round)."""
+    examples = batch_at(run.dataset, position, run.config.rollout.prompts_per_step, run.config.run.seed)
+    prompts = prompt_ids(examples, run.config, run.tokenizer, run.episodes)
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result((ScoredRollout.from_prompts(examples, prompts, **held.rows), held.counters))
+    return PendingRound(step, examples, prompts, position, done, int(np.min(held.rows["weight_versions"])))
+
+
 def prime(run: Run, state: TrainState, prefetcher: Prefetcher) -> tuple[list[PendingRound], dict[int, Any]]:
     """The rounds queued before the first step (`rounds_in_flight`) and the params of the versions that sample them
     (version -> params, what the next checkpoints save). Fresh, version 0 samples them all; resumed, each is
     re-drawn from its saved data position by its saved version's params, pushed back for it (then the current
-    ones), so the queue equals the uninterrupted run's."""
+    ones), so the queue equals the uninterrupted run's; with rollout.inflight_updates the checkpoint holds the
+    rounds themselves, queued back as done (the rounds it had not launched are sampled by the current version)."""
     c = run.config
     steps = rounds_in_flight(run.start_step, c.rollout.max_staleness, c.train.steps)
     if run.in_flight is None:
         return [prefetch(run, prefetcher, step) for step in steps], {}
+    if c.rollout.inflight_updates:  # the rounds the checkpoint holds, then those its run had not launched
+        held = run.in_flight.held
+        queue = [_held(run, step, position, round_)
+                 for step, position, round_ in zip(steps, run.in_flight.positions, held)]
+        return queue + [prefetch(run, prefetcher, step) for step in steps[len(held):]], {}
     k = c.rollout.max_staleness
     params_of = {sampler_version(step, k): params
                  for step, params in zip(sampled_ahead(run.start_step, k), run.in_flight.params)}

@@ -40,6 +40,7 @@ from drgrpo_jax.train.prefetch import (
     PendingRound,
     Prefetcher,
     check_fresh,
+    held_contents,
     push_waits_for,
     queue_length,
     sampled_ahead,
@@ -107,6 +108,7 @@ class Ahead:
     queue: collections.deque[PendingRound]
     params_of: dict[int, Any]
     deferred: bool = False  # the pushes queue on the sampling thread (train/prefetch.py: K > 1, one host, no base)
+    inflight: bool = False  # rollout.inflight_updates: a push reaches the rounds sampling, so it waits for none
     pushes: list[concurrent.futures.Future] = dataclasses.field(default_factory=list)  # deferred, not yet checked
 
     def check_pushes(self, *, wait: bool = False) -> None:
@@ -122,16 +124,19 @@ class Ahead:
 def defers_push(config: Config, frozen: Any) -> bool:
     """Whether the pushes queue on the sampling thread: K > 1 (with K = 1 the next step needs the pushed version's
     round at once), one process (a push is a collective of every host, kept on the update loop) and no frozen
-    LoRA base (the update donates it, so a queued push could not read it)."""
-    return config.rollout.max_staleness > 1 and jax.process_count() == 1 and frozen is None
+    LoRA base (the update donates it, so a queued push could not read it); never with rollout.inflight_updates,
+    whose pushes wait for no round."""
+    return (config.rollout.max_staleness > 1 and jax.process_count() == 1 and frozen is None
+            and not config.rollout.inflight_updates)
 
 
 def _sample_ahead(run: Run, state: TrainState, step: int, ahead: Ahead) -> None:
     """Launches the round K steps ahead (the service holds version `step`) and keeps version `step`'s params while
     a checkpoint may need them: with K = 1 on checkpoint steps only, with K > 1 always (a preemption can save any
-    step), the last K versions."""
+    step), the last K versions; with rollout.inflight_updates none (a checkpoint holds the rounds themselves)."""
     c, k = run.config, run.config.rollout.max_staleness
-    if step not in ahead.params_of and (k > 1 or run.checkpointer.due(step + 1, force=step + 1 == c.train.steps)):
+    keeps = k > 1 or run.checkpointer.due(step + 1, force=step + 1 == c.train.steps)
+    if not ahead.inflight and step not in ahead.params_of and keeps:
         ahead.params_of[step] = snapshot(state.params)
     for version in [v for v in ahead.params_of if v < sampler_version(step + 1, k)]:
         del ahead.params_of[version]  # no checkpoint after this step holds a round it samples
@@ -140,19 +145,24 @@ def _sample_ahead(run: Run, state: TrainState, step: int, ahead: Ahead) -> None:
 
 
 def checkpoint_contents(run: Run, state: TrainState, steps_done: int,
-                        ahead: Ahead | None) -> tuple[Any, dict[str, Any]]:
-    """(the saved trees, the host JSON) after `steps_done` steps; with rollout.async also the queue: its rounds'
-    data positions and the params of the versions that sample them (`train.prefetch.InFlight`)."""
+                        ahead: Ahead | None) -> tuple[Any, dict[str, Any], Any]:
+    """(the saved trees, the host JSON, the held rounds or None) after `steps_done` steps; with rollout.async also
+    the queue: its rounds' data positions and the params of the versions that sample them (`train.prefetch.InFlight`),
+    or with rollout.inflight_updates the rounds themselves, once done (`held_contents`)."""
     host: dict[str, Any] = {"step": steps_done, "data_position": run.stream.state(), "weight_version": steps_done,
                             "rollout_queue": queue_length(ahead is not None, run.config.rollout.max_staleness)}
     if ahead is None:
-        return state.checkpointed(), host
+        return state.checkpointed(), host, None
+    if ahead.inflight:
+        rounds, held = held_contents(ahead.queue)
+        host.update(held, stream_position=run.stream.state())
+        return state.checkpointed(), host, rounds
     k, position = run.config.rollout.max_staleness, run.stream.state()
     positions = [p.data_position for p in ahead.queue]
     positions += range(position, position + k - len(positions))  # not launched (the run ends): the next prompts
     params = [ahead.params_of[sampler_version(t, k)] for t in sampled_ahead(steps_done, k)]
     host.update(data_position=positions[0], round_positions=positions, stream_position=position)
-    return (state.checkpointed(), saved_params(params, k)), host
+    return (state.checkpointed(), saved_params(params, k)), host, None
 
 
 def train_one_step(run: Run, state: TrainState, step: int,
@@ -186,7 +196,8 @@ def train_one_step(run: Run, state: TrainState, step: int,
     train_start = time.perf_counter()
     state, updates = update(run, state, step, batch, signal_N)
     wait_start = time.perf_counter()
-    if ahead is not None and not ahead.deferred:  # the service leaves this version once the rounds it samples are done
+    if ahead is not None and not (ahead.deferred or ahead.inflight):  # the service leaves this version once the
+        # rounds it samples are done (in flight: it takes the push between their decode phases)
         for i in push_waits_for([p.version for p in ahead.queue], step):
             Prefetcher.wait(ahead.queue[i])
     push_start = time.perf_counter()
@@ -273,7 +284,8 @@ def train(config: Config, command: str = "") -> str:
         if c.rollout.async_:
             prefetcher = stack.enter_context(Prefetcher())
             queue, params_of = prime(run, state, prefetcher) if run.start_step < c.train.steps else ([], {})
-            ahead = Ahead(prefetcher, collections.deque(queue), params_of, defers_push(c, state.frozen))
+            ahead = Ahead(prefetcher, collections.deque(queue), params_of, defers_push(c, state.frozen),
+                          inflight=c.rollout.inflight_updates)
         for step in range(run.start_step, c.train.steps):
             state, row = train_one_step(run, state, step, ahead)
             run.log.metrics(row)
@@ -292,8 +304,8 @@ def train(config: Config, command: str = "") -> str:
                     last_eval = eval_row
                     bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
             if run.checkpointer.due(step + 1, force=step + 1 == c.train.steps):
-                run.checkpointer.save(step + 1, *checkpoint_contents(run, state, step + 1, ahead),
-                                      force=step + 1 == c.train.steps)
+                trees, host, rounds = checkpoint_contents(run, state, step + 1, ahead)
+                run.checkpointer.save(step + 1, trees, host, force=step + 1 == c.train.steps, rounds=rounds)
             if step + 1 < c.train.steps and run.checkpointer.preempted(step + 1):  # saved above, on every process
                 bar.write(f"preempted: saved step {step + 1}; the same command resumes it")
                 raise Preempted(step + 1)  # leaving the stack flushes the run log and stops the services

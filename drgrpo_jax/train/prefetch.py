@@ -15,6 +15,12 @@ them and pushes; with K > 1 on one host it queues the push on the thread behind 
 and goes on to the next step, whose round is ready (a deferred push). A round is trained only while its staleness
 is at most K (`admits`, enforced by `check_fresh`), and whole: a group is never split across updates. The lag is
 corrected by the capped or masked importance weight (algorithm.tis_cap, mis_high).
+
+With rollout.inflight_updates the service takes each push at its next decode phase or pause, so the update loop
+pushes version s+1 right after the update, while the thread's round samples: a round's tokens then carry the
+versions that sampled them (its staleness is its oldest token's), which depends on timing. A resumed run can no
+longer re-draw such a round, so a checkpoint waits for the queued rounds and holds their scored rows
+(`held_contents`), and the resumed run queues them back as done rounds (`held_rounds`).
 """
 
 from __future__ import annotations
@@ -31,13 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from drgrpo_jax.errors import ConfigError, StaleWeightsError
+from drgrpo_jax.rollout.record import HostCounters
 
 if TYPE_CHECKING:
     from drgrpo_jax.data.examples import Example
 
-__all__ = ["InFlight", "PendingRound", "Prefetcher", "admits", "busy_seconds", "check_fresh", "check_queue",
-           "in_flight", "push_waits_for", "queue_length", "resumed_stream_position", "rounds_in_flight",
-           "sampled_ahead", "sampler_version", "saved_params", "snapshot"]
+__all__ = ["HeldRound", "InFlight", "PendingRound", "Prefetcher", "admits", "busy_seconds", "check_fresh",
+           "check_queue", "held_contents", "held_rounds", "in_flight", "push_waits_for", "queue_length",
+           "resumed_stream_position", "rounds_in_flight", "sampled_ahead", "sampler_version", "saved_params",
+           "snapshot"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,14 +103,25 @@ def check_fresh(versions: Sequence[int] | np.ndarray, step: int, max_staleness: 
 
 
 @dataclasses.dataclass(frozen=True)
+class HeldRound:
+    """A queued round as a checkpoint holds it (rollout.inflight_updates): this process's scored rows by name
+    (`ScoredRollout.row_arrays`) and its counters; its prompts are re-read from its data position."""
+
+    rows: dict[str, np.ndarray]
+    counters: HostCounters
+
+
+@dataclasses.dataclass(frozen=True)
 class InFlight:
     """A checkpoint's queue: the data positions of the K rounds after its step (those not launched because the run
     ended: the stream's next positions, so a longer run can continue it) and the params of the versions that sample
-    them; `collect.prime` re-draws them."""
+    them; `collect.prime` re-draws them. With rollout.inflight_updates, the positions of the rounds launched and
+    their scored rows (`held`) instead: `collect.prime` queues them back as they are."""
 
     positions: tuple[int, ...]
     params: tuple[Any, ...]
     stream_position: int  # the prompt stream's position at the save (after every launched round's prompts)
+    held: tuple[HeldRound, ...] = ()
 
 
 def saved_params(params: Sequence[Any], max_staleness: int) -> Any:
@@ -115,18 +134,51 @@ def queue_length(async_: bool, max_staleness: int) -> int:
     return max_staleness if async_ else 0
 
 
-def check_queue(host: dict[str, Any], async_: bool, max_staleness: int) -> None:
-    """ConfigError when the checkpoint to resume from holds another queue than this run's rollout.async and
-    max_staleness make (its saved params would not fit, and its rounds could not be re-drawn). Checkpoints from
-    before `rollout_queue` was saved are not checked."""
+def check_queue(host: dict[str, Any], async_: bool, max_staleness: int, inflight: bool = False) -> None:
+    """ConfigError when the checkpoint to resume from holds another queue than this run's rollout.async,
+    max_staleness and inflight_updates make (its saved params would not fit, its rounds could not be re-drawn, or
+    it holds rounds this run would re-draw). Checkpoints from before `rollout_queue` was saved are not checked."""
     saved = host.get("rollout_queue")
-    if saved is None or int(saved) == queue_length(async_, max_staleness):
+    if saved is None:
         return
-    was = f"rollout.async=true with max_staleness={saved}" if saved else "rollout.async=false"
-    now = f"rollout.async=true with max_staleness={max_staleness}" if async_ else "rollout.async=false"
-    raise ConfigError("rollout.max_staleness" if async_ and saved else "rollout.async",
-                      f"the checkpoint at step {host.get('step')} was saved with {was}, this run has {now}; resume "
-                      "with the saved settings (its queue of rounds in flight is part of the checkpoint)")
+    if int(saved) != queue_length(async_, max_staleness):
+        was = f"rollout.async=true with max_staleness={saved}" if saved else "rollout.async=false"
+        now = f"rollout.async=true with max_staleness={max_staleness}" if async_ else "rollout.async=false"
+        raise ConfigError("rollout.max_staleness" if async_ and saved else "rollout.async",
+                          f"the checkpoint at step {host.get('step')} was saved with {was}, this run has {now}; "
+                          "resume with the saved settings (its queue of rounds in flight is part of the checkpoint)")
+    held = bool(host.get("inflight_updates", False))
+    if async_ and held != inflight:
+        how = "holds its queued rounds' rows" if held else "re-draws its queued rounds from their seeds"
+        raise ConfigError("rollout.inflight_updates",
+                          f"the checkpoint at step {host.get('step')} was saved with rollout.inflight_updates="
+                          f"{str(held).lower()}, this run has {str(inflight).lower()}; resume with the saved setting "
+                          f"(the checkpoint {how})")
+
+
+def held_contents(queue: Sequence[PendingRound]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """rollout.inflight_updates: the queued rounds as a checkpoint holds them, once each is done (a round's error is
+    raised here): (the numpy tree saved as the checkpoint's `rounds`, the host JSON's part)."""
+    done = [pending.future.result() for pending in queue]
+    tree: dict[str, Any] = {"count": np.asarray(len(done), np.int64)}
+    for i, (share, counters) in enumerate(done):
+        tree[f"round{i}"] = {"rows": share.row_arrays(), "counters": counters.arrays()}
+    host = {"inflight_updates": True, "round_positions": [pending.data_position for pending in queue],
+            "round_functions": [list(counters.reward_functions) for _, counters in done],
+            "round_errors": [list(counters.error_messages) for _, counters in done]}
+    return tree, host
+
+
+def held_rounds(host: dict[str, Any], tree: dict[str, Any]) -> InFlight:
+    """The restored queue of a rollout.inflight_updates checkpoint: its rounds' positions and scored rows."""
+    held = []
+    for i in range(int(tree["count"])):
+        saved = tree[f"round{i}"]["counters"]
+        counters = HostCounters(tuple(host["round_functions"][i]), float(saved["seconds"][0]),
+                                float(saved["seconds"][1]), saved["timeouts_F"], saved["errors_F"],
+                                tuple(host["round_errors"][i]))
+        held.append(HeldRound(dict(tree[f"round{i}"]["rows"]), counters))
+    return InFlight(tuple(int(p) for p in host["round_positions"]), (), int(host["stream_position"]), tuple(held))
 
 
 def in_flight(host: dict[str, Any], saved: Any, max_staleness: int) -> InFlight:

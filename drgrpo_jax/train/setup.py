@@ -47,6 +47,7 @@ from drgrpo_jax.train.hub import check_hub
 from drgrpo_jax.train.prefetch import (
     InFlight,
     check_queue,
+    held_rounds,
     in_flight,
     resumed_stream_position,
     rounds_in_flight,
@@ -147,10 +148,29 @@ def connect_urls(config: Config) -> RolloutClient:
             raise ConfigError("rollout.urls", f"{url} does not answer GET /health (is the generation service up?)")
     try:
         client.check_engine()  # now, before anything is built: vLLM's start flags, whether SGLang honours seeds
+        if config.rollout.inflight_updates:
+            check_inflight(client)
     except BaseException:
         client.close()
         raise
     return client
+
+
+def check_inflight(client: RolloutClient) -> None:
+    """ConfigError naming rollout.inflight_updates for a service that does not say (/get_model_info) that it runs
+    with --inflight-updates: its batches would sample on one version while the pushes skip the wait for them."""
+    for i, url in enumerate(client.urls):
+        if client.model_info(i).get("inflight_updates") is not True:
+            raise ConfigError("rollout.inflight_updates", f"{url} does not run with --inflight-updates (start the "
+                                                          "service with it, or set rollout.inflight_updates=false)")
+
+
+def child_service_args(config: Config) -> list[str]:
+    """The trainer's own child service's flags beyond its model and port. Its deadline is the client's, so the
+    service never answers "abort" to a client still willing to wait."""
+    return ["--max-batch-size", str(child_service_batch_size(config)),
+            "--request-timeout-s", str(config.rollout.timeout_s),
+            *(["--inflight-updates"] if config.rollout.inflight_updates else [])]
 
 
 def run_metadata(client: RolloutClient | None) -> dict[str, Any]:
@@ -183,6 +203,9 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     c, main_process = config, jax.process_index() == 0
     if jax.process_count() > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services on {jax.process_count()} processes")
+    if jax.process_count() > 1 and c.rollout.inflight_updates:
+        raise ConfigError("rollout.inflight_updates", f"runs on one process only, this run has "
+                                                      f"{jax.process_count()} (mesh.coordinator_address=auto)")
     check_paths(c)
     check_trackers(c)
     check_service_mesh(c)
@@ -207,7 +230,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
                                                     keep=c.train.keep_checkpoints, catch_sigterm=True))
     resume = checkpointer.should_resume(c.train.resume)
     if resume:  # before anything is built: a queue the run cannot restore must not be mistaken for a damaged save
-        check_queue(checkpointer.latest_host_state() or {}, c.rollout.async_, c.rollout.max_staleness)
+        check_queue(checkpointer.latest_host_state() or {}, c.rollout.async_, c.rollout.max_staleness,
+                    c.rollout.inflight_updates)
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None
     if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error
@@ -237,16 +261,20 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
         # rollout.async also saves the params that sample the queued rounds (drgrpo_jax.train.prefetch).
-        k = c.rollout.max_staleness
-        target = (state.checkpointed(), saved_params([state.params] * k, k)) if c.rollout.async_ else \
+        # rollout.inflight_updates saves the queued rounds themselves instead (the checkpoint's `rounds`).
+        k, saves_params = c.rollout.max_staleness, c.rollout.async_ and not c.rollout.inflight_updates
+        target = (state.checkpointed(), saved_params([state.params] * k, k)) if saves_params else \
             state.checkpointed()
-        restored = checkpointer.restore_latest(target)
+        restored = checkpointer.restore_latest(target, rounds=c.rollout.inflight_updates)
         if restored is None:  # should_resume saw a checkpoint; none is left
             raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
-        restored_state = restored.state[0] if c.rollout.async_ else restored.state
+        restored_state = restored.state[0] if saves_params else restored.state
         state = dataclasses.replace(restored_state, frozen=state.frozen)
         start_step, position = int(restored.host["step"]), int(restored.host["data_position"])
-        if c.rollout.async_:
+        if c.rollout.inflight_updates:
+            queued = held_rounds(restored.host, restored.rounds)
+            position = queued.stream_position
+        elif c.rollout.async_:
             queued = in_flight(restored.host, restored.state[1], k)
             position = resumed_stream_position(queued, len(rounds_in_flight(start_step, k, c.train.steps)))
     if main_process:
@@ -261,12 +289,9 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     publish_weights(publisher, client, state.params, start_step, rollback=resume, frozen=state.frozen)
     server = None
     if client is None:  # one process (checked above): its own child service
-        # Its deadline is the client's, so the service never answers "abort" to a client still willing to wait.
-        service_args = ["--max-batch-size", str(child_service_batch_size(c)),
-                        "--request-timeout-s", str(c.rollout.timeout_s)]
         server = stack.enter_context(LocalServer(
             publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
-            log_path=os.path.join(local_out, "serve.log"), extra_args=service_args,
+            log_path=os.path.join(local_out, "serve.log"), extra_args=child_service_args(c),
             api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c), mesh=c.rollout.service_mesh))
         if server.url is None:  # entering the context waits until the service answers at its URL
             raise RuntimeError("the local generation service started without a URL")

@@ -1,5 +1,6 @@
 """The rollout client: retries, failover, version checks, assembly, and the local child-process mode."""
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -397,3 +398,28 @@ def test_a_killed_local_service_is_restarted_on_the_pushed_weights_and_the_rollo
         server._process.wait()
         client.update_weights(v1, 2)
         assert client.service_restarts == 2 and client.model_info()["weight_version"] == "2"
+
+
+def test_two_threads_finding_the_child_dead_restart_it_once_and_both_redo_their_requests():
+    """A round samples while the update loop pushes (rollout.inflight_updates): both may find the child dead."""
+
+    class DeadChild:  # what RolloutClient reads of a LocalServer
+        model, weight_version, returncode, url = "m", "0", -9, "http://127.0.0.1:1"
+        running, starts = False, 0
+
+        def stop(self) -> None:
+            pass
+
+        def start(self) -> str:
+            time.sleep(0.2)  # the other thread arrives meanwhile
+            self.starts += 1
+            self.running, self.url = True, "http://127.0.0.1:2"
+            return self.url
+
+    child = DeadChild()
+    with RolloutClient([child.url], local_server=child) as client:  # type: ignore[arg-type]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both requests failed before any restart
+            answers = sorted(pool.map(client._restart_local_server, [0, 0]))
+        assert answers == ["by_another", "restarted"] and child.starts == 1 and client.service_restarts == 1
+        assert client.urls == ("http://127.0.0.1:2",)
+        assert client._restart_local_server(1) == ""  # running, and nobody restarted it since that request
