@@ -1,5 +1,5 @@
-"""Decoder LMs (Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Gemma 3 text) in Flax NNX, with HF safetensors and GGUF
-weights in."""
+"""Decoder LMs (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS, Gemma 3 text) in Flax NNX, with HF safetensors
+and GGUF weights in."""
 
 from drgrpo_jax.models.config import DecoderConfig, RopeConfig, from_hf_config, to_hf_config
 from drgrpo_jax.models.hf_io import save_pretrained

@@ -13,16 +13,17 @@ from drgrpo_jax.errors import FieldError
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import normalise_remat
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "gemma3")
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3")
 # Families whose every MLP is a mixture of experts (models/moe.py).
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "gpt_oss")
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral", "gpt_oss")
 # HF model_type -> our family; gemma3 (multimodal wrapper) is read through its text_config.
 _MODEL_TYPES: dict[str, str] = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
@@ -32,6 +33,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
     "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
@@ -165,7 +167,7 @@ class LoraSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, GPT-OSS, Gemma 3 text)."""
+    """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS, Gemma 3 text)."""
 
     family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
     vocab_size: int = 32_000  # V
@@ -367,7 +369,7 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     num_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
     gemma = family == "gemma3"
-    default_theta = {"gemma3": 1_000_000.0, "gpt_oss": 150_000.0}.get(family, 10_000.0)
+    default_theta = {"gemma3": 1_000_000.0, "mixtral": 1_000_000.0, "gpt_oss": 150_000.0}.get(family, 10_000.0)
     rope_params = hf.get("rope_parameters")
     context = int(hf.get("max_position_embeddings", 2048))
     rope_from_hf = functools.partial(_rope_from_hf, context=context,
@@ -393,6 +395,9 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         layer_types = tuple(hf.get("layer_types") or (
             "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)))
         sliding_window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    if family == "mixtral" and hf.get("sliding_window"):  # Mistral's window: every layer or none
+        sliding_window = int(hf["sliding_window"])
+        layer_types = ("sliding_attention",) * num_layers
     if gemma:
         layer_types = tuple(hf.get("layer_types") or (
             "sliding_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) else "full_attention"
@@ -455,6 +460,8 @@ def _experts_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if hf["model_type"] == "gpt_oss":  # its intermediate_size is the experts'; a softmax over the top k sums to 1
         return dict(common, moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
                     swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    if hf["model_type"] == "mixtral":  # its intermediate_size is the experts'; the top k always renormalised
+        return dict(common, moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
     return dict(common, moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
@@ -468,6 +475,9 @@ def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[st
     """HF config.json contents that transformers reads back as the same architecture."""
     if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
         raise ValueError("qkv_bias/o_bias: Qwen2 always has q/k/v biases and no output bias")
+    if config.family == "mixtral" and (config.qkv_bias or not config.norm_topk_prob):
+        raise ValueError("qkv_bias/o_bias/norm_topk_prob: Mixtral has no attention biases and always renormalises "
+                         "its top-k routing weights")
     if config.family != "qwen2" and config.qkv_bias != config.o_bias:
         raise ValueError(f"qkv_bias/o_bias: {config.family} has one attention_bias flag; they must be equal")
     architecture, model_type = _ARCHITECTURES[config.family]
@@ -515,6 +525,15 @@ def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[st
                    swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit, rope_parameters=rope,
                    layer_types=list(config.layer_types or ("full_attention",) * config.num_layers),
                    sliding_window=config.sliding_window, intermediate_size=config.moe_intermediate_size)
+    elif config.family == "mixtral":
+        sliding = config.sliding_layers
+        if any(sliding) and not all(sliding):
+            raise ValueError("layer_types: Mixtral slides its window on every layer or none")
+        for key in ("attention_bias", "mlp_bias"):
+            del out[key]
+        out.update(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                   intermediate_size=config.moe_intermediate_size,
+                   sliding_window=config.sliding_window if all(sliding) else None)
     elif config.moe:
         out.update(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
                    moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,

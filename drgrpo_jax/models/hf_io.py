@@ -119,7 +119,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def _normalise(name: str) -> str:
-    """Strip multimodal wrapper prefixes so text-decoder tensors read as model.*."""
+    """Strip multimodal wrapper prefixes so text-decoder tensors read as model.*; Mixtral's sparse MLP
+    (`block_sparse_moe`, the Hub's name) reads as `mlp`, transformers' own name for it."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
     for prefix in _PREFIXES:
         if name.startswith(prefix):
             return "model." + name[len(prefix):]
@@ -181,8 +183,15 @@ _LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
 }
 
 
-# A sparse MLP's experts: ours [e, X, Y] stacks each expert's HF [Y, X] weight transposed.
+# A sparse MLP's experts: ours [e, X, Y] stacks each expert's HF [Y, X] weight transposed (Mixtral names them
+# w1, w3, w2 under `block_sparse_moe`).
 _EXPERT_PROJ = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
+_MIXTRAL_EXPERT_PROJ = {"expert_gate": "w1", "expert_up": "w3", "expert_down": "w2"}
+
+
+def _expert_proj(config: DecoderConfig) -> dict[str, str]:
+    """Our expert parameter -> its per-expert HF module name in this family."""
+    return _MIXTRAL_EXPERT_PROJ if config.family == "mixtral" else _EXPERT_PROJ
 
 
 def _read_moe(index: TensorIndex, name: str, layer: int, config: DecoderConfig) -> np.ndarray:
@@ -197,7 +206,7 @@ def _read_moe(index: TensorIndex, name: str, layer: int, config: DecoderConfig) 
         w, f = index.get(fused), config.moe_intermediate_size
         w = {"expert_gate": w[:, :f], "expert_up": w[:, f:]}.get(name, w)
         return w.transpose(0, 2, 1)
-    return np.stack([index.get(f"{prefix}experts.{j}.{_EXPERT_PROJ[name]}.weight").T
+    return np.stack([index.get(f"{prefix}experts.{j}.{_expert_proj(config)[name]}.weight").T
                      for j in range(config.num_experts)])
 
 
@@ -238,17 +247,18 @@ def _gpt_oss_interleaved(arrays: dict[str, np.ndarray], config: DecoderConfig) -
 
 
 def _hf_layer_tensors(name: str, w: np.ndarray, layer: int, config: DecoderConfig) -> dict[str, np.ndarray]:
-    """One layer of our parameter `name` under its HF name(s) and layout (Qwen3-MoE's experts one by one, as
-    transformers saves them; GPT-OSS's gate and up are `_gpt_oss_interleaved`'s)."""
+    """One layer of our parameter `name` under its HF name(s) and layout (Qwen3-MoE's and Mixtral's experts one by
+    one, as transformers saves them; GPT-OSS's gate and up are `_gpt_oss_interleaved`'s)."""
     prefix = f"model.layers.{layer}."
     if config.gpt_oss_experts and name == "router":
         return {prefix + "mlp.router.weight": np.ascontiguousarray(w.T)}
     if config.gpt_oss_experts and name == "expert_down":
         return {prefix + "mlp.experts.down_proj": np.ascontiguousarray(w)}
+    mlp = "block_sparse_moe" if config.family == "mixtral" else "mlp"
     if name == "router":
-        return {prefix + "mlp.gate.weight": np.ascontiguousarray(w.T)}
+        return {f"{prefix}{mlp}.gate.weight": np.ascontiguousarray(w.T)}
     if name in _EXPERT_PROJ:
-        return {f"{prefix}mlp.experts.{j}.{_EXPERT_PROJ[name]}.weight": np.ascontiguousarray(w[j].T)
+        return {f"{prefix}{mlp}.experts.{j}.{_expert_proj(config)[name]}.weight": np.ascontiguousarray(w[j].T)
                 for j in range(config.num_experts)}
     return {prefix + _layer_suffix(name, config): np.ascontiguousarray(_to_hf(name, w, config))}
 

@@ -86,10 +86,10 @@ def write_tiny_qwen3_moe(path: str, seed: int = 0, *, norm_topk_prob: bool = Tru
 def write_tiny_gpt_oss(path: str, seed: int = 0, *, vocab_size: int = 96, num_experts: int = 4,
                       sliding_window: int = 4, intermediate_size: int = 16) -> str:
     """A random 3-layer GPT-OSS saved by transformers: sliding, full, sliding attention (window `sliding_window`),
-    sinks, q/k/v/o biases, `num_experts` experts of hidden `intermediate_size` with biases, 2 per token, and YaRN scaling that
-    starts within the tests' lengths (original context 16, factor 4). Every weight (norms, sinks, router and biases
-    too) is perturbed so that each one shows in the logits, the experts enough that their projections pass the
-    SwiGLU clamp (limit 7). No tokenizer: the tests feed ids."""
+    sinks, q/k/v/o biases, `num_experts` experts of hidden `intermediate_size` with biases, 2 per token, and YaRN
+    scaling that starts within the tests' lengths (original context 16, factor 4). Every weight (norms, sinks, router
+    and biases too) is perturbed so that each one shows in the logits, the experts enough that their projections pass
+    the SwiGLU clamp (limit 7). No tokenizer: the tests feed ids."""
     import torch
     import transformers
 
