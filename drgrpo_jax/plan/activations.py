@@ -16,8 +16,8 @@ from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sampler.memory import moe_dispatch
 
-__all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "logprob_chunk_bytes",
-           "model_call", "rows_per_device", "stores_probabilities"]
+__all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "expert_ways",
+           "logprob_chunk_bytes", "model_call", "rows_per_device", "stores_probabilities"]
 
 
 def rows_per_device(config: Config) -> int:
@@ -25,6 +25,13 @@ def rows_per_device(config: Config) -> int:
     r, a, m = config.rollout, config.algorithm, config.mesh
     per_update = r.prompts_per_step * r.group_size // a.minibatches_per_rollout
     return max(per_update // config.train.micro_batches // (m.data * m.fsdp), 1)
+
+
+def expert_ways(config: Config, model: DecoderConfig) -> int:
+    """The shards a mixture's MLP runs expert-parallel over in the trainer (models/moe.py `expert_shards`: the
+    fsdp axis, ShardingRules.expert, where its ways divide the experts), else 1."""
+    fsdp = config.mesh.fsdp
+    return fsdp if model.moe and fsdp > 1 and model.num_experts % fsdp == 0 else 1
 
 
 def model_call(config: Config) -> tuple[int, int]:
@@ -65,7 +72,7 @@ def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool
     attention_state = 2 * heads * S * S * 4 if probabilities else heads * S * 4
     output = S * heads * H * a + (0 if probabilities else S * heads * H * a + heads * S * 4)
     if model.moe:
-        mlp_none, mlp_dots = _moe_per_token(model, t, a)
+        mlp_none, mlp_dots = _moe_per_token(model, t, a, expert_ways(config, model))
         kept_none, kept_dots = S * mlp_none, S * mlp_dots
     else:
         kept_none, kept_dots = 2 * S * (3 * I // t) * a, S * (2 * I // t) * a
@@ -74,12 +81,24 @@ def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool
             "dots_saveable": projections + output, "save_attention_out": S * D * a + output, "full": S * D * a}
 
 
-def _moe_per_token(model: DecoderConfig, t: int, a: int) -> tuple[int, int]:
+def _moe_per_token(model: DecoderConfig, t: int, a: int, shards: int) -> tuple[int, int]:
     """(none, dots_saveable) bytes a token keeps in one mixture-of-experts MLP: its dispatch buffers
-    (sampler/memory.py's `moe_dispatch`, grouped), and under dots_saveable the router's output e * a and the three
-    grouped matmuls' float32 outputs k * (2f/t + D) * 4."""
+    (sampler/memory.py's `moe_dispatch`, grouped, expert-parallel over `shards`), and under dots_saveable the
+    router's output e * a and the three grouped matmuls' float32 outputs k * (2f/t + D) * 4, over the shards x
+    copies rows of the all-to-all's fixed buffers when expert-parallel."""
     D, e, k, f = model.hidden_size, model.num_experts, model.experts_per_token, model.moe_intermediate_size // t
-    return moe_dispatch(model, 1, a, t, grouped=True), e * a + k * (2 * f * 4 + D * 4)
+    return moe_dispatch(model, 1, a, t, True, shards), e * a + shards * k * (2 * f * 4 + D * 4)
+
+
+def _fallback_backward(model: DecoderConfig, tokens: int, a: int, t: int) -> int:
+    """What one mixture layer's backward holds beside the rest where ragged_dot has no grouped kernel (CPU): per
+    token-expert assignment, JAX's fallback masks the three projections' operands once per expert and keeps each
+    expert's float32 product, e * ((2D + f/t) * a + (2f/t + D) * 4). Expert-parallel, a shard's e / E experts
+    see E times the copies: the same bytes."""
+    if not model.moe:
+        return 0
+    D, e, k, f = model.hidden_size, model.num_experts, model.experts_per_token, model.moe_intermediate_size // t
+    return tokens * e * k * ((2 * D + f) * a + (2 * f + D) * 4)
 
 
 def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend: str = "cpu") -> int:
@@ -100,9 +119,8 @@ def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend:
         W, V = block_widths(S)
         live = 3 * b * heads * W * V * 4
     recomputed = b * (layer["none"] - layer[policy])  # what one layer's backward rebuilds beside what it kept
-    # Without grouped matmuls (CPU) one layer's backward holds ragged_dot's fallback buffers beside the rest.
-    a, t = DTYPES[config.model.dtype].itemsize, config.mesh.tensor
-    live += moe_dispatch(model, b * S, a, t, backend != "cpu") - moe_dispatch(model, b * S, a, t, True)
+    if backend == "cpu":  # no grouped matmuls: one layer's backward holds ragged_dot's fallback buffers
+        live += _fallback_backward(model, b * S, DTYPES[config.model.dtype].itemsize, config.mesh.tensor)
     return model.num_layers * b * layer[policy] + recomputed + live
 
 

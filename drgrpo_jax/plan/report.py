@@ -44,7 +44,8 @@ def format_text(plan: dict[str, Any]) -> str:
         f"one of its {sv['devices']} devices (--mesh {sv['mesh']}: tensor={sv['tensor_ways']} splits heads, MLP "
         f"and vocabulary, data={sv['data_ways']} the rows)")
     lines += ["", f"generation service, {where} ({sv['rows']} rows at once):"]
-    for key in ("weights", "layer_split", "adapter_merge", "kv_cache", "prefill_attention", "decode_temporaries"):
+    for key in ("weights", "layer_split", "adapter_merge", "kv_cache", "recorded_experts", "prefill_attention",
+                "decode_temporaries"):
         lines.append(f"  {key:<19} {_gib(sv[key])}")
     lines.append(f"  {'total':<19} {_gib(sv['total'])}  (the larger of prefill and decode temporaries counted)")
     if plan["device"] is None:

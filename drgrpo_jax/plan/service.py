@@ -4,9 +4,10 @@ A service over a (data, tensor) mesh (`--mesh`, `rollout.service_mesh`) splits i
 trainer's logical-axis rules (heads, MLP and vocabulary on tensor) and its rows over data. One of its devices holds:
 its share of the weights; the stacked layers' weights once more, split per layer (the sampler's programs slice
 them before their loops); with LoRA adapters pushed, a base copy of the adapted projections to merge each adapter
-into; and what one sampler batch of its rows holds (`sampler/memory.py`: the KV cache, and the larger of the
-prefill's and the decode loop's temporaries). tests/plan/test_plan_service.py checks these against the compiled
-programs' own memory analysis.
+into; and what one sampler batch of its rows holds (`sampler/memory.py`: the KV cache, under router replay the
+experts it records, and the larger of the prefill's and the decode loop's temporaries).
+tests/plan/test_plan_service.py (and tests/sampler/test_moe_memory.py for a mixture) checks these against the
+compiled programs' own memory analysis.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def service_memory(config: Config, model: DecoderConfig, rows: int, *, tensor: i
     a, r = DTYPES[config.model.dtype].itemsize, config.rollout
     weights, layers = _weights(model, a, MeshShape(data=data, fsdp=1, tensor=tensor))
     batch = batch_memory(model, rows, bucket(r.max_prompt_tokens), bucket(r.max_new_tokens), a, tensor=tensor,
-                         data=data, backend=backend)
+                         data=data, backend=backend, record=config.model.moe.router_replay)
     return {"weights": weights, "layer_split": layers, "adapter_merge": merge_bytes // tensor, **batch}
 
 

@@ -276,22 +276,25 @@ class Engine:
             return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return available_bytes() // len(devices)
 
-    def batch_bytes(self, rows: int, longest_prompt: int, most_new_tokens: int) -> int:
+    def batch_bytes(self, rows: int, longest_prompt: int, most_new_tokens: int, record: bool = False) -> int:
         """A batch's sampler memory on one device beside the weights (sampler/memory.py), shapes bucketed as
-        `run_batch` buckets them; every row counted as its own prompt."""
+        `run_batch` buckets them; every row counted as its own prompt; `record`: some row returns its routed
+        experts (the batch records them all)."""
         tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
         return batch_peak(batch_memory(self.weights.config, rows, sampling.bucket(longest_prompt),
                                        sampling.bucket(most_new_tokens), DTYPES[self.config.dtype].itemsize,
-                                       tensor=tensor, data=self.data_ways))
+                                       tensor=tensor, data=self.data_ways, record=record))
 
     def _rows_that_fit(self, pending: deque) -> int:
         """How many of the first pending rows make one batch: up to max_batch_size, while the batch's memory
         stays within the budget (one row always: the request's check refused any that alone does not fit)."""
         longest = most_new = 0
+        record = False
         for count, (job, i) in enumerate(itertools.islice(pending, self.config.max_batch_size)):
             row = job.rows[i]
             longest, most_new = max(longest, len(row.prompt_ids)), max(most_new, row.params.max_new_tokens)
-            if count and self.batch_bytes(count + 1, longest, most_new) > self.batch_budget:
+            record = record or row.return_routed_experts
+            if count and self.batch_bytes(count + 1, longest, most_new, record) > self.batch_budget:
                 return count
         return min(len(pending), self.config.max_batch_size)
 

@@ -224,7 +224,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                                                 engine.max_context)
     params = body.sampling_params or SamplingParamsIn()
     per_prompt = _per_prompt(params, len(prompts))
-    check_request(engine, prompts, per_prompt, field, "sampling_params.")
+    check_request(engine, prompts, per_prompt, field, "sampling_params.", record=body.return_routed_experts)
     if service.tokenizer is None and any(p.stop for p in per_prompt):
         raise BadRequest("sampling_params.stop: this server has no tokenizer to match stop strings; use "
                          "stop_token_ids")

@@ -104,9 +104,10 @@ def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> 
 
 
 def check_request(engine: Engine, prompts: list[list[int]], params: list[SamplingParamsIn], field: str,
-                  params_field: str) -> None:
+                  params_field: str, record: bool = False) -> None:
     """Refuses empty prompts, ids outside the vocabulary, prompts + budgets beyond the context or the sampler's
-    memory budget, and requests over the row or token budget; all before anything is queued."""
+    memory budget (`record`: with the routed experts recorded), and requests over the row or token budget; all
+    before anything is queued."""
     if not prompts:
         raise BadRequest(f"{field}: no prompts")
     vocab, limits = engine.weights.config.vocab_size, engine.config
@@ -121,7 +122,7 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
         if p.stop_token_ids and max(p.stop_token_ids) >= vocab:
             raise BadRequest(f"{params_field}stop_token_ids: token id {max(p.stop_token_ids)} is outside the "
                              f"vocabulary of {vocab}")
-        need = engine.batch_bytes(1, len(prompt), p.max_new_tokens)
+        need = engine.batch_bytes(1, len(prompt), p.max_new_tokens, record)
         if need > engine.batch_budget:
             raise BadRequest(f"{field}[{i}]: a prompt of {len(prompt)} tokens with {p.max_new_tokens} new tokens needs "
                              f"{need / 2**20:,.0f} MiB of sampler memory, over the service's budget of "
