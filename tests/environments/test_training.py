@@ -67,6 +67,28 @@ def test_episodes_compose_with_async_rollouts_dynamic_sampling_and_lora(tmp_path
     assert rows[1]["staleness"] == 1  # step 2 was sampled during step 1's update
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow  # one episode run of 4 steps (~1-2 minutes on 2 busy cores)
+def test_episodes_run_two_versions_behind_with_k_2_staleness(tmp_path):
+    """rollout.max_staleness=2: each step's episodes are sampled ahead by the version two before it (pushes wait
+    behind the queued episodes, so an episode is sampled by one version)."""
+    model = write_chat_model(str(tmp_path / "model"))
+    prompts = write_prompts(str(tmp_path / "prompts.jsonl"), 16)
+    overrides = [o for o in _overrides(model, prompts, tmp_path / "run") if not o.startswith("train.")]
+    overrides += ["train.steps=4", "train.save_every=4", "train.eval_every=0", "rollout.async=true",
+                  "rollout.max_staleness=2", "algorithm.tis_cap=2.0"]
+    process = start_trainer(overrides)
+    _, err = process.communicate(timeout=900)
+    assert process.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["weight_version"] for row in rows] == [0, 0, 0, 1]
+    assert [row["staleness_max"] for row in rows] == [0, 1, 2, 2]
+    assert [row["queue_depth"] for row in rows] == [2, 2, 1, 0]
+    for row in rows:
+        assert row["episode/turns"] > 1 and row["episode/environment_tokens"] > 0 and row["loss"] == row["loss"]
+        assert row[f"groups_at_staleness/{row['staleness_max']}"] == 1.0  # a round is sampled by one version
+
+
 def test_environment_config_errors_name_the_key(tmp_path):
     base = ["model.path=x", "rollout.max_new_tokens=64", "environment.max_model_tokens=32"]
     for extra, key in ((["environment.tools=[calculator]", "environment.max_model_tokens=65"],

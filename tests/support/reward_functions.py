@@ -29,3 +29,8 @@ def recorded_letter_a(completion: str, example) -> float:
 def nan_on_flagged_host(completion: str, example) -> float:
     """A reward that stops the run (NaN) on the host whose environment sets FAIL_REWARD, and only there."""
     return float("nan") if os.environ.get("FAIL_REWARD") else 1.0
+
+
+def nan_once_flagged(completion: str, example) -> float:
+    """A reward that stops the run (NaN) once the file named by FAIL_REWARD_FILE exists (a test creates it mid-run)."""
+    return float("nan") if os.path.exists(os.environ.get("FAIL_REWARD_FILE", "")) else 1.0

@@ -47,6 +47,23 @@ def start_trainer(overrides: list[str], **env: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def services_of(pid: int) -> list[int]:
+    """The live generation-service processes trainer `pid` started (`python -m drgrpo_jax.serve ... --parent-pid
+    PID`), read from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if (b"drgrpo_jax.serve" in args and b"--parent-pid" in args
+                    and args[args.index(b"--parent-pid") + 1] == str(pid).encode()):
+                found.append(int(entry))
+    return found
+
+
 def kill_and_resume(overrides: list[str], output_dir, checkpoint: int, timeout: float) -> tuple[int, int]:
     """Runs the trainer, SIGKILLs it once checkpoint `checkpoint` exists in `output_dir`, then runs it again to the
     end (it resumes from that checkpoint); fails when the first run ends before the kill or the second fails.

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -36,7 +37,7 @@ from drgrpo_jax.train.prefetch import (
     saved_params,
 )
 
-from support.trainer_runs import kill_and_resume, start_trainer, trainer_overrides
+from support.trainer_runs import kill_and_resume, services_of, start_trainer, trainer_overrides
 
 BASE = ["model.path=m", "data.source=jsonl", "data.path=p.jsonl"]
 ASYNC = ["rollout.async=true", "rollout.max_staleness=1", "algorithm.tis_cap=2.0"]
@@ -420,6 +421,65 @@ def test_a_k_2_run_killed_twice_resumes_exactly(two_ahead_run):
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # one more trainer run, its service killed with rounds queued (~1-2 minutes)
+def test_a_k_2_run_whose_service_is_killed_with_rounds_queued_trains_on_the_same_groups(two_ahead_run):
+    """SIGKILL the trainer's child service once step 2 is logged (the rounds of steps 3 and 4 queued, one maybe
+    sampling): the client restarts it on the last pushed version and redoes the request with its seeds, so no
+    group is lost or changed."""
+    output_dir = two_ahead_run["root"] / "service_killed"
+    overrides = trainer_overrides(two_ahead_run["model"], two_ahead_run["prompts"], output_dir, steps=6) + TWO_AHEAD
+    process = start_trainer(overrides)
+    metrics = output_dir / "metrics.jsonl"
+    while process.poll() is None and not (metrics.exists() and metrics.read_text().count('"loss"') >= 2):
+        time.sleep(0.05)
+    services = services_of(process.pid)
+    assert len(services) == 1, "the run ended before its service could be killed"
+    os.kill(services[0], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=900)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "restarting it on weight version" in stderr
+    (rows, eval_rows), (want, want_eval) = _rows(output_dir), _rows(two_ahead_run["dir"])
+    assert [r["service_restarts"] for r in rows][:2] == [0, 0] and rows[-1]["service_restarts"] == 1
+
+    def trained(row: dict) -> dict:
+        return {k: v for k, v in _reproducible(row).items() if k != "service_restarts"}
+
+    assert [trained(r) for r in rows] == [trained(r) for r in want]
+    assert [trained(r) for r in eval_rows] == [trained(r) for r in want_eval]
+    got, final = _final_weights(output_dir / "final"), _final_weights(two_ahead_run["dir"] / "final")
+    for name in final:
+        np.testing.assert_array_equal(got[name], final[name], err_msg=name)
+    if os.path.isdir("/dev/shm"):  # the segment the restarted child reloaded was removed at the end too
+        assert _segments_of(process.pid) == []
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow  # a trainer run up to its fourth step (~1 minute)
+def test_a_queued_round_that_fails_stops_the_run_in_one_line(tmp_path, tiny_model, prompts_file):
+    """K = 2: a reward turns NaN once step 1 is logged, in a round the producer thread scores ahead of its step:
+    the step that takes it raises the RewardError (on every host: `collect.sample`'s fail_together), nothing
+    hangs, and the run's service is stopped."""
+    flag = tmp_path / "fail"
+    overrides = trainer_overrides(tiny_model, prompts_file, tmp_path / "run", steps=4) + [
+        "rollout.async=true", "rollout.max_staleness=2", "algorithm.tis_cap=2.0", "train.eval_every=0",
+        "reward.functions=[support.reward_functions:nan_once_flagged]"]
+    process = start_trainer(overrides, FAIL_REWARD_FILE=str(flag))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while process.poll() is None and not (metrics.exists() and metrics.read_text().count('"loss"') >= 1):
+        time.sleep(0.05)
+    flag.touch()
+    try:
+        _, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("the run hung after a queued round failed")
+    last = [line for line in stderr.splitlines() if line.strip()][-1]
+    assert process.returncode == 1 and last.startswith("python -m drgrpo_jax.train: RewardError: "), stderr[-3000:]
+    assert 1 <= metrics.read_text().count('"loss"') < 4
+    assert services_of(process.pid) == []
 
 
 @pytest.mark.subprocess

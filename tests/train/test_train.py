@@ -16,7 +16,7 @@ from drgrpo_jax.seeds import step_seed
 from support.gcs_emulator import bucket_objects, gcs_emulator
 from support.paths import REPO
 from support.tiny_models import write_tiny_qwen3_moe
-from support.trainer_runs import start_trainer, trainer_overrides
+from support.trainer_runs import services_of, start_trainer, trainer_overrides
 from support.wandb_offline import wandb_offline_run
 
 # ---------------------------------------------------------------------------------------------
@@ -156,25 +156,9 @@ def _overrides(inputs, output_dir, steps: int) -> list[str]:
     return trainer_overrides(inputs["model"], inputs["prompts"], output_dir, steps)
 
 
-def _services_of(pid: int) -> list[int]:
-    """Live generation-service processes started by trainer `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-            except OSError:
-                continue
-            if (b"drgrpo_jax.serve" in args and b"--parent-pid" in args
-                    and args[args.index(b"--parent-pid") + 1] == str(pid).encode()):
-                found.append(int(entry))
-    return found
-
-
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while (alive := _services_of(pid)) and time.monotonic() < deadline:
+    while (alive := services_of(pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return alive
 
@@ -410,7 +394,7 @@ def test_the_run_survives_its_keyed_service_being_killed_mid_rollout(inputs, uni
     metrics = output_dir / "metrics.jsonl"
     while process.poll() is None and not (metrics.exists() and metrics.read_text().count('"loss"') >= 1):
         time.sleep(0.05)
-    services = _services_of(process.pid)
+    services = services_of(process.pid)
     assert len(services) == 1, "the run ended before its service could be killed"
     with open(f"/proc/{services[0]}/cmdline", "rb") as f:
         argv = f.read().split(b"\0")
