@@ -147,10 +147,14 @@ class RolloutClient:
                                   headers=headers)
         workers = max(len(self.urls), _VLLM_IN_FLIGHT) if engine == "vllm" else len(self.urls)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
+        # Pushes have threads of their own: with in-flight updates one must reach a service while a round's
+        # requests hold every thread of the pool above.
+        self._push_pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="push")
 
     def close(self) -> None:
         """Releases connections and threads."""
         self._pool.shutdown(wait=True)
+        self._push_pool.shutdown(wait=True)
         self._http.close()
 
     def __enter__(self) -> Self:
@@ -399,13 +403,13 @@ class RolloutClient:
             return None if answer.get("success", False) else f"{url}/update_weights_from_disk: {answer.get('message')}"
 
         restarts = self.service_restarts
-        failures = [error for error in self._pool.map(push, self.urls) if error]
+        failures = [error for error in self._push_pool.map(push, self.urls) if error]
         if failures and self._local_server_died(self.urls[0]):
             # The restarted child starts on these very weights.
             self._pushed, self._pushed_segment = (model_path, str(weight_version)), None
             restarted = self._restart_local_server(restarts)
             if restarted:
-                failures = [error for error in self._pool.map(push, self.urls) if error] \
+                failures = [error for error in self._push_pool.map(push, self.urls) if error] \
                     if restarted == "by_another" else []
         if failures:
             raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "

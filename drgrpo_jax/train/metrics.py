@@ -66,17 +66,22 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
 
 def staleness_metrics(version: int, rollout: ScoredRollout, max_staleness: int) -> dict[str, float]:
     """How old the rollout is for the policy `version` trained on it: its groups' staleness (a group's oldest
-    completion) min, mean and max and its histogram (the share of groups 0..max_staleness versions back), and the
-    share of generated tokens sampled 0..max_staleness versions back."""
+    completion) min, mean and max and its histogram (the share of groups 0..max_staleness versions back), the share
+    of generated tokens sampled 0..max_staleness versions back, and the share of responses an in-flight weight
+    update reached while they decoded (their tokens carry more than one version)."""
     groups = version - rollout.weight_versions.reshape(-1, rollout.group_size).min(axis=1)
     # Each token's own version: a response that crossed an in-flight weight update counts at both.
-    sampled = np.asarray(rollout.token_versions)[rollout.response_mask]
+    versions, mask = np.asarray(rollout.token_versions), rollout.response_mask
+    sampled = versions[mask]
     lags, tokens = version - sampled, np.ones(len(sampled))
     total = max(float(tokens.sum()), 1.0)
+    newest = np.where(mask, versions, np.iinfo(versions.dtype).min).max(axis=1)
+    oldest = np.where(mask, versions, np.iinfo(versions.dtype).max).min(axis=1)
     return {"staleness_min": int(groups.min()), "staleness_mean": float(groups.mean()),
             "staleness_max": int(groups.max()),
             **{f"groups_at_staleness/{k}": float(np.mean(groups == k)) for k in range(max_staleness + 1)},
-            **{f"tokens_at_staleness/{k}": float(tokens[lags == k].sum() / total) for k in range(max_staleness + 1)}}
+            **{f"tokens_at_staleness/{k}": float(tokens[lags == k].sum() / total) for k in range(max_staleness + 1)},
+            "responses_crossing_update": float(np.mean(newest > oldest))}
 
 
 def sample_rows(config: Config, tokenizer: Any, step: int, rollout: ScoredRollout) -> list[dict[str, Any]]:

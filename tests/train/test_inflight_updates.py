@@ -1,13 +1,15 @@
 """rollout.inflight_updates (issue #56): the config key and its rules, the trainer's child service started with
 --inflight-updates, services of rollout.urls checked for it, the queued rounds held by a checkpoint (not re-drawn:
 which token got which version depends on timing), and end to end a K = 2 run killed after a checkpoint whose resumed
-steps train on exactly the rounds it saved."""
+steps train on exactly the rounds it saved, and a run whose pushes reach its rounds mid-decode."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -22,7 +24,8 @@ from drgrpo_jax.train.metrics import staleness_metrics
 from drgrpo_jax.train.prefetch import Prefetcher, check_queue, held_contents, held_rounds, queue_length
 from drgrpo_jax.train.setup import check_inflight, child_service_args
 
-from support.trainer_runs import start_trainer, trainer_overrides
+from support.paths import TESTS
+from support.trainer_runs import start_trainer, trainer_env, trainer_overrides
 
 BASE = ["model.path=m", "data.source=jsonl", "data.path=p.jsonl"]
 INFLIGHT = ["rollout.async=true", "rollout.max_staleness=2", "algorithm.tis_cap=2.0", "rollout.inflight_updates=true"]
@@ -171,3 +174,32 @@ def test_a_killed_inflight_run_resumes_on_exactly_the_rounds_its_checkpoint_hold
         for name, value in staleness_metrics(row["step"] - 1, round_, 2).items():
             assert row[name] == pytest.approx(value), name
         assert 0 <= row["staleness"] <= 2
+
+
+@pytest.mark.subprocess  # a generation service whose batches wait for the next push, and the trainer CLI against it
+@pytest.mark.slow  # about a minute on 2 cores
+def test_pushes_landing_mid_round_train_on_responses_of_two_versions(tmp_path, tiny_model, prompts_file):
+    port_file = tmp_path / "port"
+    service = subprocess.Popen(
+        [sys.executable, os.path.join(TESTS, "support", "paused_service.py"), "--model", tiny_model, "--port", "0",
+         "--port-file", str(port_file), "--inflight-updates", "--cancel-check-steps", "4"],
+        env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert service.poll() is None, service.communicate()[1][-3000:]
+            time.sleep(0.1)
+        output_dir = tmp_path / "run"
+        overrides = trainer_overrides(tiny_model, prompts_file, output_dir, steps=5) + INFLIGHT + [
+            "train.eval_every=0", f"rollout.urls=[http://127.0.0.1:{port_file.read_text().strip()}]"]
+        trainer = start_trainer(overrides)
+        _, stderr = trainer.communicate(timeout=900)
+        assert trainer.returncode == 0, stderr[-3000:]
+    finally:
+        service.terminate()
+        service.communicate(timeout=60)
+    rows = _step_rows(output_dir)
+    crossed = [row for row in rows if row["responses_crossing_update"] > 0]
+    assert crossed, [row["responses_crossing_update"] for row in rows]
+    for row in crossed:  # the round's tokens at two versions, both within the bound; the step trained on them
+        assert sum(row[f"tokens_at_staleness/{k}"] > 0 for k in range(3)) >= 2, row
+        assert 0 <= row["staleness"] <= 2 and np.isfinite(row["loss"])

@@ -271,7 +271,7 @@ def test_staleness_metrics_per_group_and_tokens_per_version():
     got = staleness_metrics(3, Rollout(), 2)  # type: ignore[arg-type]
     assert got == {"staleness_min": 0, "staleness_mean": 1.0, "staleness_max": 2, "groups_at_staleness/0": 0.5,
                    "groups_at_staleness/1": 0.0, "groups_at_staleness/2": 0.5, "tokens_at_staleness/0": 0.75,
-                   "tokens_at_staleness/1": 0.125, "tokens_at_staleness/2": 0.125}
+                   "tokens_at_staleness/1": 0.125, "tokens_at_staleness/2": 0.125, "responses_crossing_update": 0.25}
 
 
 def test_the_producers_idle_time_is_the_time_it_had_no_round():
