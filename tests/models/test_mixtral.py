@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 import transformers
 from flax import nnx
 
@@ -23,26 +22,10 @@ from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.models.upcycle import main as upcycle_main
 from drgrpo_jax.models.upcycle import upcycle
 
-from support.tiny_models import hf_logits, write_tiny_llama
+from support.tiny_models import hf_logits, write_tiny_llama, write_tiny_mixtral
 
 VOCAB = 96
 TOL = 1e-4
-
-
-def write_tiny_mixtral(path: str, seed: int = 0, sliding_window: int | None = None) -> str:
-    """A random 2-layer Mixtral saved by transformers (the Hub's `block_sparse_moe.experts.{j}.w1` layout): 4
-    experts of hidden 16, 2 per token; every weight (norms and router too) perturbed so each one shows."""
-    torch.manual_seed(seed)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=sliding_window,
-        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module", params=[None, 4], ids=["full", "sliding"])

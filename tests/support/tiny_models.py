@@ -75,12 +75,21 @@ def write_tiny_qwen3_moe(path: str, seed: int = 0, *, norm_topk_prob: bool = Tru
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=num_experts, num_experts_per_tok=2,
         norm_topk_prob=norm_topk_prob, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return path
+    return _save_perturbed(config, path, scale=lambda name: 0.1)
+
+
+def write_tiny_mixtral(path: str, seed: int = 0, sliding_window: int | None = None, *, vocab_size: int = 96) -> str:
+    """A random 2-layer Mixtral saved by transformers (the Hub's `block_sparse_moe.experts.{j}.w1` layout): 4
+    experts of hidden 16, 2 per token; every weight (norms and router too) perturbed so each one shows."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=sliding_window,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    return _save_perturbed(config, path, scale=lambda name: 0.1)
 
 
 def write_tiny_gpt_oss(path: str, seed: int = 0, *, vocab_size: int = 96, num_experts: int = 4,
@@ -102,10 +111,19 @@ def write_tiny_gpt_oss(path: str, seed: int = 0, *, vocab_size: int = 96, num_ex
         tie_word_embeddings=False, rope_parameters={
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False, "original_max_position_embeddings": 16})
+    return _save_perturbed(config, path, scale=lambda name: 2.0 if "experts" in name else 0.1)
+
+
+def _save_perturbed(config, path: str, scale) -> str:
+    """A transformers model of `config` (eager attention), each parameter plus scale(name) x N(0, 1) noise from
+    torch's current seed, saved to `path`."""
+    import torch
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_((2.0 if "experts" in name else 0.1) * torch.randn_like(p))
+            p.add_(scale(name) * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 
