@@ -156,15 +156,66 @@ def _attention(r: dict) -> tuple[str, str]:
     return what, "; ".join(parts) or "-"
 
 
-FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {"quickstart": _quickstart, "rl_step": _rl_step,
-                                                         "train_step": _train_step, "sampler": _sampler,
-                                                         "long_context": _long_context, "attention": _attention}
+def _rollout_engines(r: dict) -> tuple[str, str]:
+    what = (f"The quickstart's rollout and weight push over {r['steps']} steps: the trainer's own service vs vLLM's "
+            "CPU server (`rollout.engine=vllm`) on the same folder, one run after the other")
+    ours, vllm = r["ours"], r["vllm_cpu"]
+    return what, (f"vLLM's rollout seconds **{_vllm_over_ours(r):.2f}x** ours ({vllm['rollout_s']:.2f} vs "
+                  f"{ours['rollout_s']:.2f} s/step), its push **{vllm['push_s'] / ours['push_s']:.2f}x** "
+                  f"({vllm['push_s']:.2f} vs {ours['push_s']:.2f} s); vLLM starts in {r['vllm_start_s']:.0f} s")
 
 
-# The headline ratio of each script, (what it is, its key): the spread over reproductions is shown on it.
-RATIOS: dict[str, tuple[str, str, str]] = {"train_step": ("ratio", "jax_over_torch", "x"),
-                                           "sampler": ("float32 ratio", "ratio_float32", "x"),
-                                           "quickstart": ("step seconds", "step_s_median_after_first", " s")}
+def _vllm_over_ours(r: dict) -> float:
+    return r["vllm_cpu"]["rollout_s"] / r["ours"]["rollout_s"]
+
+
+def _staleness(r: dict) -> tuple[str, str]:
+    what = (f"The quickstart over {r['steps']} steps, synchronous vs `rollout.async` K steps off (`kK`) and with "
+            "`rollout.inflight_updates` (`kK_inflight`), one run after the other")
+    sync = r["sync"]
+    parts = [f"{mode}: **{r[f'speedup_{mode}']:.2f}x** synchronous ({r[mode]['step_seconds']:.1f} vs "
+             f"{sync['step_seconds']:.1f} s/step, mean reward {_mean(r[mode]['reward']):.3f} vs "
+             f"{_mean(sync['reward']):.3f})" for mode in r if mode.startswith("k")]
+    return what, "; ".join(parts) or "-"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _moe_upcycle(r: dict) -> tuple[str, str]:
+    what = (f"SmolLM2-135M upcycled into {r['experts']} experts (top {r['top_k']}, fresh router), trained on the "
+            f"quickstart's task for {r['steps']} steps")
+    shares = [_mean(list(r[f"expert_loads_{at}"]["expert_max_share"].values())) for at in ("first", "last")]
+    rewards = r["reward_mean_by_step"]
+    return what, (f"reward per step {' '.join(f'{v:.2f}' for v in rewards)}; the busiest expert's share of a "
+                  f"layer's tokens {shares[0]:.3f} -> {shares[1]:.3f} (mean over layers; {1 / r['experts']:.2f} "
+                  f"balanced); {r['step_s_median_after_first']:.0f} s/step")
+
+
+def _router_replay_mismatch(r: dict) -> tuple[str, str]:
+    what = (f"Behaviour vs trainer log-probs of {r['completions']} sampled completions: a {r['model']} "
+            f"({r['layers']} layers, {r['experts']} experts, top {r['experts_per_token']}), service in {r['dtype']}, "
+            "trainer in float32, with and without router replay")
+    replay, plain = r["replay"], r["no_replay"]
+    return what, (f"largest gap without replay **{plain['logprob_absdiff_max'] / replay['logprob_absdiff_max']:.1f}x**"
+                  f" with it ({plain['logprob_absdiff_max']:.4f} vs {replay['logprob_absdiff_max']:.4f}; mean "
+                  f"{plain['logprob_absdiff_mean']:.5f} vs {replay['logprob_absdiff_mean']:.5f}); without, "
+                  f"{100 * plain['routing_differs_token_share']:.2f}% of tokens routed differently")
+
+
+FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {
+    "quickstart": _quickstart, "rl_step": _rl_step, "train_step": _train_step, "sampler": _sampler,
+    "long_context": _long_context, "attention": _attention, "rollout_engines": _rollout_engines,
+    "staleness": _staleness, "moe_upcycle": _moe_upcycle, "router_replay_mismatch": _router_replay_mismatch}
+
+
+# The headline figure of each script, (what it is, how to read it, unit): the spread over reproductions is shown on it.
+RATIOS: dict[str, tuple[str, Callable[[dict], float | None], str]] = {
+    "train_step": ("ratio", lambda r: r.get("jax_over_torch"), "x"),
+    "sampler": ("float32 ratio", lambda r: r.get("ratio_float32"), "x"),
+    "quickstart": ("step seconds", lambda r: r.get("step_s_median_after_first"), " s"),
+    "rollout_engines": ("vLLM/ours rollout ratio", _vllm_over_ours, "x")}
 
 
 # What a figure depends on: commits that changed only other files (records, the README, this table) keep its code.
@@ -183,7 +234,8 @@ def _code_commit(commit: str) -> str:
 
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
 VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches"), "long_context": ("train_dtype",),
-                  "attention": ("dtype", "rows")}
+                  "attention": ("dtype", "rows"), "rollout_engines": ("steps",), "staleness": ("steps",),
+                  "moe_upcycle": ("experts", "top_k"), "router_replay_mismatch": ("dtype",)}
 
 
 def machine_kind(machine: dict) -> str:
@@ -240,8 +292,8 @@ def newest_records() -> dict[tuple[str, str], list[dict]]:
 def _spread(script: str, records: list[dict]) -> str:
     if script not in RATIOS:
         return ""
-    label, key, unit = RATIOS[script]
-    values = sorted(r["results"][-1][key] for r in records if key in r["results"][-1])
+    label, read, unit = RATIOS[script]
+    values = sorted(v for v in (read(r["results"][-1]) for r in records) if v is not None)
     if len(values) < 2:
         return ""
     return f"; {label} over {len(values)} runs of this code: {values[0]:.2f}{unit}-{values[-1]:.2f}{unit}"
@@ -262,7 +314,11 @@ TITLES = {"quickstart": "Whole training jobs (`benchmarks/quickstart.py`)",
           "train_step": "The train step against PyTorch (`benchmarks/train_step.py`)",
           "sampler": "The sampler against transformers `generate` (`benchmarks/sampler.py`)",
           "long_context": "Long context (`benchmarks/long_context.py`)",
-          "attention": "Attention alone (`benchmarks/attention.py`)"}
+          "attention": "Attention alone (`benchmarks/attention.py`)",
+          "rollout_engines": "Our generation service against vLLM (`benchmarks/rollout_engines.py`)",
+          "staleness": "Asynchronous training, K steps off (`benchmarks/staleness.py`)",
+          "moe_upcycle": "A mixture of experts learning on a CPU (`benchmarks/moe_upcycle.py`)",
+          "router_replay_mismatch": "Router replay (`benchmarks/router_replay_mismatch.py`)"}
 
 
 def table(records: dict[tuple[str, str], list[dict]], scripts: tuple[str, ...] = tuple(FORMATS),

@@ -166,6 +166,27 @@ def test_one_quickstart_row_per_config_and_the_rl_step_row(tmp_path, monkeypatch
     assert row.startswith("float32: **1.50x** TRL (20.0 vs 30.0 s/step; generate 2.00x, update 1.20x")
 
 
+def test_the_engine_staleness_and_mixture_rows_lead_with_their_ratios():
+    table = _load("scripts/benchmark_table.py")
+    _, row = table.FORMATS["rollout_engines"]({"steps": 6, "vllm_start_s": 75.1,
+                                               "ours": {"rollout_s": 2.0, "push_s": 0.8},
+                                               "vllm_cpu": {"rollout_s": 3.5, "push_s": 1.2}})
+    assert row == "vLLM's rollout seconds **1.75x** ours (3.50 vs 2.00 s/step), its push **1.50x** (1.20 vs 0.80 s); " \
+                  "vLLM starts in 75 s"
+    _, row = table.FORMATS["staleness"]({"steps": 6, "sync": {"step_seconds": 30.0, "reward": [0.1, 0.3]},
+                                         "k2": {"step_seconds": 20.0, "reward": [0.2, 0.2]}, "speedup_k2": 1.5})
+    assert row == "k2: **1.50x** synchronous (20.0 vs 30.0 s/step, mean reward 0.200 vs 0.200)"
+    loads = {"expert_max_share": {"0": 0.25, "1": 0.35}}
+    _, row = table.FORMATS["moe_upcycle"]({"experts": 4, "top_k": 2, "steps": 2, "reward_mean_by_step": [0.1, 0.4],
+                                           "expert_loads_first": loads, "step_s_median_after_first": 120.4,
+                                           "expert_loads_last": {"expert_max_share": {"0": 0.5, "1": 0.6}}})
+    assert row.startswith("reward per step 0.10 0.40; the busiest expert's share of a layer's tokens 0.300 -> 0.550")
+    _, row = table.FORMATS["router_replay_mismatch"]({
+        "completions": 32, "model": "random qwen3_moe", "layers": 4, "experts": 8, "experts_per_token": 2,
+        "dtype": "bfloat16", "replay": {"logprob_absdiff_max": 0.005, "logprob_absdiff_mean": 0.001},
+        "no_replay": {"logprob_absdiff_max": 0.04, "logprob_absdiff_mean": 0.002, "routing_differs_token_share": 0.02}})
+    assert row.startswith("largest gap without replay **8.0x** with it (0.0400 vs 0.0050")
+
 def test_the_readme_curve_is_the_newest_record_of_command_1(tmp_path, monkeypatch):
     """The README's expected curve: README command 1's newest record (not a newer record of another config), every
     step's reward and the greedy accuracy where it was evaluated, and the record it came from."""
@@ -200,7 +221,8 @@ def test_records_name_configs_where_they_are_now():
     assert table.current_config("configs/gone.yaml") == "configs/gone.yaml"
 
 
-RECORD_NAME = r"\b(?:quickstart|rl_step|train_step|sampler|long_context|attention)-\d{8}T\d{6}Z\b"
+RECORD_NAME = (r"\b(?:quickstart|rl_step|train_step|sampler|long_context|attention|rollout_engines|staleness"
+               r"|moe_upcycle|router_replay_mismatch)-\d{8}T\d{6}Z\b")
 
 
 def test_the_docs_state_what_the_committed_records_say():
