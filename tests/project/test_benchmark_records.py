@@ -187,6 +187,30 @@ def test_the_engine_staleness_and_mixture_rows_lead_with_their_ratios():
         "no_replay": {"logprob_absdiff_max": 0.04, "logprob_absdiff_mean": 0.002, "routing_differs_token_share": 0.02}})
     assert row.startswith("largest gap without replay **8.0x** with it (0.0400 vs 0.0050")
 
+def test_expert_divergence_is_zero_for_the_upcycled_copies_and_measures_each_expert(tmp_path):
+    """moe_upcycle's drift and spread against numpy on a tiny upcycled Mixtral whose expert 0 alone moves."""
+    from drgrpo_jax.models.hf_io import save_pretrained
+    from drgrpo_jax.models.pretrained import from_pretrained
+    from drgrpo_jax.models.upcycle import upcycle
+
+    from support.tiny_models import write_tiny_llama
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        divergence = _load("benchmarks/moe_upcycle.py").expert_divergence
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    mixture = upcycle(from_pretrained(write_tiny_llama(str(tmp_path / "dense"))), 4, 2, seed=0)
+    save_pretrained(mixture, str(tmp_path / "before"))
+    assert divergence(str(tmp_path / "before"), str(tmp_path / "before")) == {"drift": 0.0, "spread": 0.0}
+    for name in ("expert_gate", "expert_up", "expert_down"):  # [L, e, X, Y]: expert 0 of every layer, 10% more
+        param = getattr(mixture.blocks, name)
+        param[...] = param[...].at[:, 0].multiply(1.1)
+    save_pretrained(mixture, str(tmp_path / "after"))
+    # expert 0 moved by 0.1 of its norm, the others not: drift 0.1 / 4; pairs (0, j) apart by 0.1, the rest 0
+    assert divergence(str(tmp_path / "before"), str(tmp_path / "after")) == pytest.approx(
+        {"drift": 0.025, "spread": 0.05}, abs=1e-5)
+
 def test_the_readme_curve_is_the_newest_record_of_command_1(tmp_path, monkeypatch):
     """The README's expected curve: README command 1's newest record (not a newer record of another config), every
     step's reward and the greedy accuracy where it was evaluated, and the record it came from."""
