@@ -179,8 +179,11 @@ def test_the_engine_staleness_and_mixture_rows_lead_with_their_ratios():
     loads = {"expert_max_share": {"0": 0.25, "1": 0.35}}
     _, row = table.FORMATS["moe_upcycle"]({"experts": 4, "top_k": 2, "steps": 2, "reward_mean_by_step": [0.1, 0.4],
                                            "expert_loads_first": loads, "step_s_median_after_first": 120.4,
-                                           "expert_loads_last": {"expert_max_share": {"0": 0.5, "1": 0.6}}})
-    assert row.startswith("reward per step 0.10 0.40; the busiest expert's share of a layer's tokens 0.300 -> 0.550")
+                                           "expert_loads_last": {"expert_max_share": {"0": 0.5, "1": 0.6}},
+                                           "expert_divergence": {"drift": 0.0004, "spread": 0.0005}})
+    assert row.startswith("reward per step 0.10 0.40; the experts, copies at step 0, apart by 5.00e-04 of their "
+                          "norm (moved 4.00e-04 from the copy); the busiest expert's share of a layer's tokens "
+                          "0.300 -> 0.550")
     _, row = table.FORMATS["router_replay_mismatch"]({
         "completions": 32, "model": "random qwen3_moe", "layers": 4, "experts": 8, "experts_per_token": 2,
         "dtype": "bfloat16", "replay": {"logprob_absdiff_max": 0.005, "logprob_absdiff_mean": 0.001},
