@@ -217,7 +217,8 @@ RATIOS: dict[str, tuple[str, Callable[[dict], float | None], str]] = {
     "train_step": ("ratio", lambda r: r.get("jax_over_torch"), "x"),
     "sampler": ("float32 ratio", lambda r: r.get("ratio_float32"), "x"),
     "quickstart": ("step seconds", lambda r: r.get("step_s_median_after_first"), " s"),
-    "rollout_engines": ("vLLM/ours rollout ratio", _vllm_over_ours, "x")}
+    "rollout_engines": ("vLLM/ours rollout ratio", _vllm_over_ours, "x"),
+    "staleness": ("K = 2 speedup", lambda r: r.get("speedup_k2"), "x")}
 
 
 # What a figure depends on: commits that changed only other files (records, the README, this table) keep its code.
