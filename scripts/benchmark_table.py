@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -174,19 +175,15 @@ def _staleness(r: dict) -> tuple[str, str]:
             "`rollout.inflight_updates` (`kK_inflight`), one run after the other")
     sync = r["sync"]
     parts = [f"{mode}: **{r[f'speedup_{mode}']:.2f}x** synchronous ({r[mode]['step_seconds']:.1f} vs "
-             f"{sync['step_seconds']:.1f} s/step, mean reward {_mean(r[mode]['reward']):.3f} vs "
-             f"{_mean(sync['reward']):.3f})" for mode in r if mode.startswith("k")]
+             f"{sync['step_seconds']:.1f} s/step, mean reward {statistics.mean(r[mode]['reward']):.3f} vs "
+             f"{statistics.mean(sync['reward']):.3f})" for mode in r if mode.startswith("k")]
     return what, "; ".join(parts) or "-"
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def _moe_upcycle(r: dict) -> tuple[str, str]:
     what = (f"SmolLM2-135M upcycled into {r['experts']} experts (top {r['top_k']}, fresh router), trained on the "
             f"quickstart's task for {r['steps']} steps")
-    shares = [_mean(list(r[f"expert_loads_{at}"]["expert_max_share"].values())) for at in ("first", "last")]
+    shares = [statistics.mean(r[f"expert_loads_{at}"]["expert_max_share"].values()) for at in ("first", "last")]
     rewards, apart = r["reward_mean_by_step"], r.get("expert_divergence")
     moved = "" if apart is None else (f"; the experts, copies at step 0, apart by {apart['spread']:.2e} of their norm "
                                       f"(moved {apart['drift']:.2e} from the copy)")
