@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["available_bytes", "peak_rss_gb", "return_freed_memory", "returning_compile_memory"]
+__all__ = ["available_bytes", "mapped_fraction", "peak_rss_gb", "return_freed_memory", "returning_compile_memory"]
 
 
 def peak_rss_gb() -> float:
@@ -33,6 +33,20 @@ def available_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def mapped_fraction() -> float:
+    """The share of Linux's per-process limit on memory mappings (vm.max_map_count) this process holds; 0 elsewhere.
+
+    XLA's CPU backend maps each compiled kernel's code and data on its own (~1000 regions for the tiny model's
+    sampler programs), and jax keeps every program it compiled: a process compiling many distinct programs passes
+    the limit (65530 by default), and the compile whose mmap then fails dies with a segfault.
+    """
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit, open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps) / int(limit.read())
+    except (OSError, ValueError):
+        return 0.0
 
 
 def return_freed_memory() -> None:

@@ -35,6 +35,8 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
+from drgrpo_jax.host_memory import mapped_fraction  # noqa: E402
+
 from support.tiny_models import write_tiny_llama  # noqa: E402
 from support.trainer_runs import write_prompts  # noqa: E402
 
@@ -122,3 +124,14 @@ def pytest_runtest_setup(item):
 def pytest_runtest_call(item):
     with _no_processes_unless_marked(item):
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """An xdist worker runs hundreds of test files and jax keeps every program they compile, each holding memory
+    mappings (host_memory.mapped_fraction): without this a worker passes Linux's vm.max_map_count late in the suite
+    and the compile whose mmap fails segfaults. Past half the limit the worker drops every compiled program; the
+    tests after it compile again."""
+    yield
+    if mapped_fraction() > 0.5:
+        jax.clear_caches()

@@ -132,7 +132,8 @@ class ServeConfig:
                                      "are still there; the others stop there", group=LIMITS)
     max_kept_programs: int = _f(0, "when the service goes idle holding more compiled sampler programs than this "
                                    "(one set per new batch shape, each holding host memory), it drops every "
-                                   "compiled program and compiles again as shapes return; 0 = keep all",
+                                   "compiled program and compiles again as shapes return; 0 = keep all (all go anyway "
+                                   "past half the process's memory-mapping limit)",
                                 group=LIMITS)
     short_request_tokens: int = _f(64, "requests of one batch asking for at most this many new tokens have their "
                                        "own worker: they never wait behind a long batch (0 = off)", group=LIMITS)

@@ -20,7 +20,7 @@ import numpy as np
 
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.errors import InvalidWeights, QueueFull
-from drgrpo_jax.host_memory import available_bytes, return_freed_memory
+from drgrpo_jax.host_memory import available_bytes, mapped_fraction, return_freed_memory
 from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
@@ -360,16 +360,17 @@ class Engine:
 
     def _when_idle(self) -> None:
         """A lane ran out of work: when no lane has any, the service sheds what a burst left behind. Each new batch
-        shape compiles programs the service keeps, each holding host memory: beyond max_kept_programs sampler
-        programs, every compiled program is dropped. A batch's host buffers are freed into glibc's arenas, which
+        shape compiles programs the service keeps, each holding host memory and memory mappings: beyond
+        max_kept_programs sampler programs, or past half the process's mapping limit (where a compile would
+        segfault), every compiled program is dropped. A batch's host buffers are freed into glibc's arenas, which
         keep them: they go back to the OS."""
         if any(lane.busy for lane in self._lanes):
             return
-        cap = self.config.max_kept_programs
-        if cap and (dropped := sampling.compiled_programs()) > cap:
+        cap, kept = self.config.max_kept_programs, sampling.compiled_programs()
+        if (cap and kept > cap) or mapped_fraction() > 0.5:
             jax.clear_caches()  # every compiled program: the sampler's, the scorer's and the small ones beside them
             with self._budget_lock:
-                self.programs_dropped += dropped
+                self.programs_dropped += kept
         return_freed_memory()
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]

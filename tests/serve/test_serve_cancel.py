@@ -6,12 +6,15 @@ without changing its batch-mates' tokens. In process, a real Engine on a tiny mo
 import threading
 import time
 
+import jax
 import pytest
 from fastapi.testclient import TestClient
 
+from drgrpo_jax import host_memory
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.sampler import generate as sampling
 from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.serve import engine as engine_module
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.engine import Engine
 
@@ -166,10 +169,11 @@ def test_a_worker_whose_queued_rows_were_all_abandoned_goes_idle(model, monkeypa
         engine.close()
 
 
-def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_after(model):
+def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_after(model, monkeypatch):
     """--max-kept-programs: each new batch shape compiles programs the service keeps (the memory a burst of new
     shapes leaves behind); once idle with more than the cap, it drops them all, and a shape that returns compiles
     again and samples the same tokens. 0 (the default) keeps every one."""
+    monkeypatch.setattr(engine_module, "mapped_fraction", lambda: 0.0)  # far from the mapping limit
     row = [RowRequest((5, 9), SamplingParams(max_new_tokens=40, ignore_eos=True), seed=3)]
     keeps = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
     try:
@@ -189,3 +193,36 @@ def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_af
         engine.close()
     with pytest.raises(ValueError, match="max_kept_programs: must be >= 0"):
         ServeConfig(model=model, max_kept_programs=-1)
+
+
+def test_compiled_programs_hold_memory_mappings_that_dropping_them_gives_back(model):
+    """What the service's second reason to drop its programs rests on: XLA's CPU backend maps each compiled
+    kernel on its own, so compiling sampler programs raises the process's share of vm.max_map_count and
+    jax.clear_caches lowers it again."""
+    jax.clear_caches()
+    before = host_memory.mapped_fraction()
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    try:
+        engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=40, ignore_eos=True), seed=3)]).result(300)
+        compiled = host_memory.mapped_fraction()
+        assert compiled > before + 100 / 65530, (before, compiled)  # hundreds of regions: a set of programs' kernels
+    finally:
+        engine.close()
+    jax.clear_caches()
+    assert host_memory.mapped_fraction() < compiled - 100 / 65530
+
+
+def test_an_idle_service_near_the_mapping_limit_drops_its_programs_whatever_its_cap(model, monkeypatch):
+    """Past half of vm.max_map_count a compile is a few bursts from a segfault: an idle service drops every
+    compiled program even under the default --max-kept-programs 0, and answers the same after."""
+    monkeypatch.setattr(engine_module, "mapped_fraction", lambda: 0.6)
+    row = [RowRequest((5, 9), SamplingParams(max_new_tokens=40, ignore_eos=True), seed=3)]
+    engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
+    try:
+        (first,) = engine.submit(row).result(timeout=300)
+        _wait_for(lambda: engine.programs_dropped >= 2, "the idle service to drop its programs")
+        assert sampling.compiled_programs() == 0
+        (again,) = engine.submit(row).result(timeout=300)
+        assert first.output_ids == again.output_ids
+    finally:
+        engine.close()
