@@ -9,8 +9,8 @@ SmolLM2's MLP with a fresh router (the same function at step 0); `python -m drgr
 (model.path = that folder, evaluation off, one checkpoint at the end). Prints one JSON line: the upcycling's
 seconds, the job's wall time, the median seconds of a step after the first, the reward per step, the expert
 loads per layer (`expert_max_share/<layer>`: 1/e balanced, 1 collapsed; `expert_entropy/<layer>`: log e balanced)
-at the first and the last step, and how far the trained experts moved from the MLP they copied and from each other
-(`expert_divergence`).
+at the first and the last step and their means over layers at every step, and how far the trained experts moved
+from the MLP they copied and from each other (`expert_divergence`).
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def summarise(rows: list[dict]) -> dict:
     return {"steps": len(train), "step_s_first": round(train[0]["step_seconds"], 2),
             "step_s_median_after_first": round(statistics.median(later), 2) if later else None,
             "reward_mean_by_step": [round(row["reward_mean"], 3) for row in train],
-            "expert_loads_first": expert_loads(train[0]), "expert_loads_last": expert_loads(train[-1])}
+            "expert_loads_first": expert_loads(train[0]), "expert_loads_last": expert_loads(train[-1]),
+            **{f"{metric}_mean_by_step": [round(statistics.mean(expert_loads(row)[metric].values()), 4)
+                                          for row in train] for metric in ("expert_max_share", "expert_entropy")}}
 
 
 def main() -> None:

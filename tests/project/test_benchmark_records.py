@@ -214,6 +214,21 @@ def test_expert_divergence_is_zero_for_the_upcycled_copies_and_measures_each_exp
     assert divergence(str(tmp_path / "before"), str(tmp_path / "after")) == pytest.approx(
         {"drift": 0.025, "spread": 0.05}, abs=1e-5)
 
+def test_the_upcycle_summary_follows_the_loads_at_every_step():
+    """moe_upcycle's per-step means over layers, from metrics rows (eval rows, without `loss`, left out)."""
+    summarise = _load("benchmarks/moe_upcycle.py").summarise
+    rows = [{"loss": 0.1, "step_seconds": 9.0, "reward_mean": 0.2, "expert_max_share/0": 0.3, "expert_max_share/1": 0.5,
+             "expert_entropy/0": 1.2, "expert_entropy/1": 1.0},
+            {"eval_accuracy": 0.5},
+            {"loss": 0.1, "step_seconds": 2.0, "reward_mean": 0.4, "expert_max_share/0": 0.4, "expert_max_share/1": 0.6,
+             "expert_entropy/0": 1.1, "expert_entropy/1": 0.9}]
+    got = summarise(rows)
+    assert got["steps"] == 2 and got["step_s_median_after_first"] == 2.0
+    assert got["expert_max_share_mean_by_step"] == pytest.approx([0.4, 0.5])
+    assert got["expert_entropy_mean_by_step"] == pytest.approx([1.1, 1.0])
+    assert got["expert_loads_last"]["expert_max_share"] == {"0": 0.4, "1": 0.6}
+
+
 def test_the_readme_curve_is_the_newest_record_of_command_1(tmp_path, monkeypatch):
     """The README's expected curve: README command 1's newest record (not a newer record of another config), every
     step's reward and the greedy accuracy where it was evaluated, and the record it came from."""
