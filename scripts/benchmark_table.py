@@ -183,13 +183,16 @@ def _staleness(r: dict) -> tuple[str, str]:
 def _moe_upcycle(r: dict) -> tuple[str, str]:
     what = (f"SmolLM2-135M upcycled into {r['experts']} experts (top {r['top_k']}, fresh router), trained on the "
             f"quickstart's task for {r['steps']} steps")
-    shares = [statistics.mean(r[f"expert_loads_{at}"]["expert_max_share"].values()) for at in ("first", "last")]
+    first, last = (r[f"expert_loads_{at}"]["expert_max_share"] for at in ("first", "last"))
+    shares = [statistics.mean(first.values()), statistics.mean(last.values())]
+    shifted = statistics.mean(abs(last[layer] - first[layer]) for layer in first)
     rewards, apart = r["reward_mean_by_step"], r.get("expert_divergence")
     moved = "" if apart is None else (f"; the experts, copies at step 0, apart by {apart['spread']:.2e} of their norm "
                                       f"(moved {apart['drift']:.2e} from the copy)")
     return what, (f"reward per step {' '.join(f'{v:.2f}' for v in rewards)}{moved}; the busiest expert's share of "
                   f"a layer's tokens {shares[0]:.3f} -> {shares[1]:.3f} (mean over layers; {1 / r['experts']:.2f} "
-                  f"balanced); {r['step_s_median_after_first']:.0f} s/step")
+                  f"balanced), each layer's moved by {shifted:.3f} on average; "
+                  f"{r['step_s_median_after_first']:.0f} s/step")
 
 
 def _router_replay_mismatch(r: dict) -> tuple[str, str]:

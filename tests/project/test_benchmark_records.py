@@ -183,7 +183,7 @@ def test_the_engine_staleness_and_mixture_rows_lead_with_their_ratios():
                                            "expert_divergence": {"drift": 0.0004, "spread": 0.0005}})
     assert row.startswith("reward per step 0.10 0.40; the experts, copies at step 0, apart by 5.00e-04 of their "
                           "norm (moved 4.00e-04 from the copy); the busiest expert's share of a layer's tokens "
-                          "0.300 -> 0.550")
+                          "0.300 -> 0.550 (mean over layers; 0.25 balanced), each layer's moved by 0.250 on average")
     _, row = table.FORMATS["router_replay_mismatch"]({
         "completions": 32, "model": "random qwen3_moe", "layers": 4, "experts": 8, "experts_per_token": 2,
         "dtype": "bfloat16", "replay": {"logprob_absdiff_max": 0.005, "logprob_absdiff_mean": 0.001},
