@@ -214,6 +214,7 @@ def test_expert_divergence_is_zero_for_the_upcycled_copies_and_measures_each_exp
     assert divergence(str(tmp_path / "before"), str(tmp_path / "after")) == pytest.approx(
         {"drift": 0.025, "spread": 0.05}, abs=1e-5)
 
+
 def test_the_upcycle_summary_follows_the_loads_at_every_step():
     """moe_upcycle's per-step means over layers, from metrics rows (eval rows, without `loss`, left out)."""
     summarise = _load("benchmarks/moe_upcycle.py").summarise
