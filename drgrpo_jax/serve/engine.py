@@ -366,11 +366,12 @@ class Engine:
         keep them: they go back to the OS."""
         if any(lane.busy for lane in self._lanes):
             return
-        cap, kept = self.config.max_kept_programs, sampling.compiled_programs()
-        if (cap and kept > cap) or mapped_fraction() > 0.5:
+        cap = self.config.max_kept_programs
+        if (cap and sampling.compiled_programs() > cap) or mapped_fraction() > 0.5:
+            dropped = sampling.compiled_programs()
             jax.clear_caches()  # every compiled program: the sampler's, the scorer's and the small ones beside them
             with self._budget_lock:
-                self.programs_dropped += kept
+                self.programs_dropped += dropped
         return_freed_memory()
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
