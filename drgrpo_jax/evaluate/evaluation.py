@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.environments.trajectory import run_episodes
+from drgrpo_jax.actor.actor import Sampling
 from drgrpo_jax.evaluate.passk import sampled_report
 from drgrpo_jax.rollout.record import correct_mask, response_stats
 
 if TYPE_CHECKING:
+    from drgrpo_jax.actor.actor import Actor
     from drgrpo_jax.data.examples import Example
-    from drgrpo_jax.environments.build import Episodes
-    from drgrpo_jax.rewards.scorer import RewardScorer
-    from drgrpo_jax.rollout.client import RolloutClient
 
 __all__ = ["EvalSamples", "EvalSettings", "eval_metrics", "eval_summary", "evaluate_problems", "sample_and_score",
            "summarize"]
@@ -69,56 +67,25 @@ class EvalSamples:
                            self.truncated_PG[index])
 
 
-def _episodes_chunk(client: RolloutClient, tokenizer: Any, examples: Sequence[Example], episodes: Episodes, *,
-                    group: int, temperature: float, settings: EvalSettings, first_problem: int,
-                    expected_version: int | None) -> tuple[list[str], np.ndarray, np.ndarray, dict[str, list[float]]]:
-    """(last model turns, model tokens, cut by a limit, the episodes' own reward components) of `group` episodes
-    of each example."""
-    grouped = [e for e in examples for _ in range(group)]
-    trajectories = run_episodes(client, tokenizer, episodes.make_environment, [episodes.example(e) for e in grouped],
-                                limits=episodes.limits, seed=settings.seed, first_episode=first_problem * group,
-                                temperature=temperature, top_p=settings.top_p, renderer=episodes.renderer,
-                                expected_version=expected_version)
-    return ([t.final_answer for t in trajectories], np.asarray([t.model_tokens for t in trajectories]),
-            np.asarray([t.finish in ("max_model_tokens", "max_total_tokens") for t in trajectories]),
-            episodes.given_rewards(trajectories))
-
-
-def sample_and_score(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
-                     prompts: Sequence[Sequence[int]], *, group: int, temperature: float, settings: EvalSettings,
-                     stop_token_ids: Sequence[int] = (), expected_version: int | None = None,
-                     progress: Callable[[int], Any] | None = None, episodes: Episodes | None = None) -> EvalSamples:
+def sample_and_score(actor: Actor, examples: Sequence[Example], prompts: Sequence[Sequence[int]], *, group: int,
+                     temperature: float, settings: EvalSettings, expected_version: int | None = None,
+                     progress: Callable[[int], Any] | None = None) -> EvalSamples:
     """`group` completions of each prompt at `temperature` (0 = greedy), decoded and scored, chunk by chunk.
 
-    Seeds come from (settings.seed, problem index), so the samples do not depend on the chunk size.
-    `progress(problems_done)` is called after each chunk. `episodes` (tools): each completion is a multi-turn
-    episode (environments/trajectory.py) scored on its last model turn, its length the model's tokens; an
-    episode's seeds come from (settings.seed, its turn, its index), so they do not depend on the chunk size either.
+    Seeds come from (settings.seed, problem index), so the samples do not depend on the chunk size (an episode's
+    from (settings.seed, its turn, its index)). `progress(problems_done)` is called after each chunk.
     """
+    sampling = Sampling(group=group, max_new_tokens=settings.max_new_tokens, temperature=temperature,
+                        top_p=settings.top_p)
     texts: list[str] = []
     parts: list[tuple[np.ndarray, ...]] = []
     for start in range(0, len(prompts), settings.chunk_prompts):
         stop = min(start + settings.chunk_prompts, len(prompts))
-        if episodes is not None:
-            chunk_texts, lengths, truncated, given = _episodes_chunk(
-                client, tokenizer, examples[start:stop], episodes, group=group, temperature=temperature,
-                settings=settings, first_problem=start, expected_version=expected_version)
-            scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], lengths,
-                                  given=given)
-            texts += chunk_texts
-            parts.append((correct_mask(scored.names, scored.components_NK), scored.total_N(), lengths, truncated))
-            if progress is not None:
-                progress(stop - start)
-            continue
-        sampled = client.generate(prompts[start:stop], group, max_new_tokens=settings.max_new_tokens,
-                                  temperature=temperature, top_p=settings.top_p, stop_token_ids=stop_token_ids,
-                                  seed=settings.seed, expected_version=expected_version, prompt_offset=start)
-        chunk_texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(sampled.response_ids, sampled.lengths)],
-                                             skip_special_tokens=True)
-        scored = scorer.score(chunk_texts, [e for e in examples[start:stop] for _ in range(group)], sampled.lengths)
-        texts += chunk_texts
-        parts.append((correct_mask(scored.names, scored.components_NK), scored.total_N(), sampled.lengths,
-                      sampled.truncated))
+        scored = actor.sample_and_score(examples[start:stop], prompts[start:stop], sampling, seed=settings.seed,
+                                        expected_version=expected_version, prompt_offset=start)
+        texts += scored.texts
+        parts.append((correct_mask(scored.rewards.names, scored.rewards.components_NK), scored.rewards.total_N(),
+                      scored.model_tokens, scored.truncated))
         if progress is not None:
             progress(stop - start)
     correct, reward, lengths, truncated = (np.concatenate(column).reshape(len(prompts), group)
@@ -142,26 +109,21 @@ def summarize(greedy: EvalSamples | None, sampled: EvalSamples | None) -> dict[s
     return out
 
 
-def evaluate_problems(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
-                      prompts: Sequence[Sequence[int]], settings: EvalSettings, *, stop_token_ids: Sequence[int] = (),
-                      expected_version: int | None = None, progress: Callable[[int], Any] | None = None,
-                      episodes: Episodes | None = None) -> tuple[EvalSamples | None, EvalSamples | None]:
+def evaluate_problems(actor: Actor, examples: Sequence[Example], prompts: Sequence[Sequence[int]],
+                      settings: EvalSettings, *, expected_version: int | None = None,
+                      progress: Callable[[int], Any] | None = None) -> tuple[EvalSamples | None, EvalSamples | None]:
     """(greedy completions or None, sampled completions or None) of every problem, as `settings` asks."""
-    score = functools.partial(sample_and_score, client, tokenizer, scorer, examples, prompts, settings=settings,
-                              stop_token_ids=stop_token_ids, expected_version=expected_version, progress=progress,
-                              episodes=episodes)
+    score = functools.partial(sample_and_score, actor, examples, prompts, settings=settings,
+                              expected_version=expected_version, progress=progress)
     greedy = score(group=1, temperature=0.0) if settings.greedy else None
     sampled = score(group=settings.samples, temperature=settings.temperature) if settings.samples else None
     return greedy, sampled
 
 
-def eval_metrics(client: RolloutClient, tokenizer: Any, scorer: RewardScorer, examples: Sequence[Example],
-                 prompts: Sequence[Sequence[int]], settings: EvalSettings, *, stop_token_ids: Sequence[int] = (),
-                 expected_version: int | None = None, episodes: Episodes | None = None) -> dict[str, Any]:
-    """The trainer's eval row: `eval/`-prefixed `summarize` of the held-out problems (`episodes`: with tools)."""
-    greedy, sampled = evaluate_problems(client, tokenizer, scorer, examples, prompts, settings,
-                                        stop_token_ids=stop_token_ids, expected_version=expected_version,
-                                        episodes=episodes)
+def eval_metrics(actor: Actor, examples: Sequence[Example], prompts: Sequence[Sequence[int]],
+                 settings: EvalSettings, *, expected_version: int | None = None) -> dict[str, Any]:
+    """The trainer's eval row: `eval/`-prefixed `summarize` of the held-out problems."""
+    greedy, sampled = evaluate_problems(actor, examples, prompts, settings, expected_version=expected_version)
     return {"eval/num_prompts": len(examples), **{f"eval/{k}": v for k, v in summarize(greedy, sampled).items()}}
 
 

@@ -1,18 +1,19 @@
 """A training run's set-up: `setup(config)` checks paths and services, loads data, tokenizer and model,
-restores the last checkpoint and starts the generation service, and returns the `Run` the host loop
-reads with the train state it starts from.
+restores the last checkpoint and starts the generation service, and returns the run's roles (what samples and
+scores, what learns, the rollout queue, what records) with the train state it starts from.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
+from drgrpo_jax.actor.actor import Actor
 from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.config.derived import (
     child_service_batch_size,
@@ -24,10 +25,10 @@ from drgrpo_jax.config.derived import (
 from drgrpo_jax.config.load import check_paths, dump_config, resolve_model_path
 from drgrpo_jax.config.rules import check_model_options
 from drgrpo_jax.config.schema import Config
-from drgrpo_jax.data.examples import PromptDataset
+from drgrpo_jax.data.examples import Example
 from drgrpo_jax.data.order import PromptStream
 from drgrpo_jax.data.sources import load_dataset
-from drgrpo_jax.environments.build import Episodes, build_episodes
+from drgrpo_jax.environments.build import build_episodes
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hosts import fail_together, start_distributed
 from drgrpo_jax.models.config import DecoderConfig
@@ -43,9 +44,13 @@ from drgrpo_jax.rollout.weight_push import SegmentPusher, WeightPublisher, check
 from drgrpo_jax.seeds import init_key, lora_init_key
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, parse_service_mesh, place, service_mesh
 from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
+from drgrpo_jax.train.collect import RoundSource
 from drgrpo_jax.train.hub import check_hub
-from drgrpo_jax.train.prefetch import (
-    InFlight,
+from drgrpo_jax.train.learner import Learner
+from drgrpo_jax.train.recorder import Recorder
+from drgrpo_jax.train.rollout_queue import (
+    QueueRecord,
+    RolloutQueue,
     check_queue,
     held_rounds,
     in_flight,
@@ -60,36 +65,19 @@ from drgrpo_jax.weight_folders import absolute, is_remote, scratch_folder, write
 if TYPE_CHECKING:
     from flax import nnx
 
-    from drgrpo_jax.step.batch import Batch
     from drgrpo_jax.step.train_step import TrainState
 
-__all__ = ["Run", "setup"]
+__all__ = ["Roles", "setup"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """What the host loop reads: built once by `setup`; the train state travels beside it, step to step."""
+class Roles(NamedTuple):
+    """A run's parts, each given to the functions that use it."""
 
-    config: Config
-    compute_dtype: str  # model.compute_dtype made concrete for this device (the step's and the child service's)
-    dataset: PromptDataset
-    tokenizer: Any  # a Hugging Face tokenizer
-    mesh: jax.sharding.Mesh
-    graphdef: nnx.GraphDef
-    train_fn: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
-    logprob_fn: Callable[..., jax.Array]  # (params, batch, frozen) -> the policy's log-probs of a whole rollout
-    checkpointer: Checkpointer
-    publisher: WeightPublisher
-    log: RunLog
-    stream: PromptStream  # the data position: its state() is checkpointed
-    start_step: int
-    client: RolloutClient  # every process: its rollouts and (process 0) the weight pushes
-    scorer: RewardScorer  # every process scores its own share
-    server: LocalServer | None = None  # the local child service (one process, no rollout.urls)
-    pusher: SegmentPusher | None = None  # weight pushes to that child through shared memory (rollout.weight_sync)
-    in_flight: InFlight | None = None  # rollout.async resumed: the queued rounds to re-draw (train/prefetch.py)
-    episodes: Episodes | None = None  # environment.tools/factory: multi-turn episodes instead of one completion
-    router: RouterShape | None = None  # model.moe.router_replay: the mixture's shape each completion's experts have
+    actor: Actor  # samples and scores: training rounds and evaluation alike
+    learner: Learner  # the jitted update on the mesh
+    queue: RolloutQueue  # which rounds each step trains on, and the weight pushes between them
+    recorder: Recorder  # checkpoints, the run log, the final export
+    held_out: tuple[Example, ...]  # the evaluation split (train.eval_every)
 
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
@@ -196,8 +184,8 @@ def weights_mirror(config: Config) -> str | None:
     return config.run.weights_dir
 
 
-def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
-    """(the run, the train state to start from): fresh, or the last checkpoint's when resuming."""
+def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainState]:
+    """(the run's roles, the train state to start from): fresh, or the last checkpoint's when resuming."""
     m = config.mesh  # first, before any device is touched (importing a module touches none)
     start_distributed(m.coordinator_address, m.num_processes, m.process_id, m.coordinator_port)
     c, main_process = config, jax.process_index() == 0
@@ -230,8 +218,10 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
                                                     keep=c.train.keep_checkpoints, catch_sigterm=True))
     resume = checkpointer.should_resume(c.train.resume)
     if resume:  # before anything is built: a queue the run cannot restore must not be mistaken for a damaged save
-        check_queue(checkpointer.latest_host_state() or {}, c.rollout.async_, c.rollout.max_staleness,
-                    c.rollout.inflight_updates)
+        latest = checkpointer.latest_host_state()
+        if latest is not None:
+            check_queue(QueueRecord.from_host(latest), c.rollout.async_, c.rollout.max_staleness,
+                        c.rollout.inflight_updates)
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None
     if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error
@@ -260,7 +250,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     start_step, position, queued = 0, 0, None
     if resume:
         # Each leaf keeps the sharding place gave it; the frozen LoRA base is not in checkpoints (it is model.path).
-        # rollout.async also saves the params that sample the queued rounds (drgrpo_jax.train.prefetch).
+        # rollout.async also saves the params that sample the queued rounds (drgrpo_jax.train.rollout_queue).
         # rollout.inflight_updates saves the queued rounds themselves instead (the checkpoint's `rounds`).
         k, saves_params = c.rollout.max_staleness, c.rollout.async_ and not c.rollout.inflight_updates
         target = (state.checkpointed(), saved_params([state.params] * k, k)) if saves_params else \
@@ -270,12 +260,13 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
             raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
         restored_state = restored.state[0] if saves_params else restored.state
         state = dataclasses.replace(restored_state, frozen=state.frozen)
-        start_step, position = int(restored.host["step"]), int(restored.host["data_position"])
+        record = QueueRecord.from_host(restored.host)
+        start_step, position = record.step, record.data_position
         if c.rollout.inflight_updates:
-            queued = held_rounds(restored.host, restored.rounds)
+            queued = held_rounds(record, restored.rounds)
             position = queued.stream_position
         elif c.rollout.async_:
-            queued = in_flight(restored.host, restored.state[1], k)
+            queued = in_flight(record, restored.state[1], k)
             position = resumed_stream_position(queued, len(rounds_in_flight(start_step, k, c.train.steps)))
     if main_process:
         write_text(os.path.join(out, "config.yaml"), dump_config(c))
@@ -301,14 +292,28 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Run, TrainState]
     pusher = None
     if weight_sync == "shm":
         pusher = stack.enter_context(SegmentPusher(graphdef, merged_lora=spec is not None))
-    run = Run(config=c, compute_dtype=compute_dtype, dataset=dataset, tokenizer=tokenizer, mesh=mesh, graphdef=graphdef,
-              train_fn=jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
-              logprob_fn=jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh, frozen_shardings),
-              checkpointer=checkpointer, publisher=publisher, log=log,
-              stream=PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position),
-              start_step=start_step, client=client, scorer=scorer, server=server, pusher=pusher,
-              in_flight=queued, episodes=episodes, router=_router_shape(c, model_config))
-    return run, state
+    actor = Actor(client, scorer, tokenizer, episodes, _router_shape(c, model_config))
+    source = RoundSource(c, actor, PromptStream(dataset, c.rollout.prompts_per_step, c.run.seed, position), dataset)
+    push = functools.partial(_push, publisher, client, pusher)
+    queue = stack.enter_context(RolloutQueue(c, source, push, frozen_base=state.frozen is not None,
+                                             checkpoint_due=functools.partial(_due, checkpointer, c.train.steps),
+                                             resumed=queued))
+    learner = Learner(mesh, jit_train_step(graphdef, optimizer, schedule, train_config, shardings, mesh),
+                      jit_policy_logprobs(graphdef, logprob_config, params_shardings, mesh, frozen_shardings),
+                      c.algorithm, c.run.seed)
+    recorder = Recorder(c, checkpointer, log, publisher, tokenizer, start_step, compute_dtype)
+    return Roles(actor, learner, queue, recorder, dataset.eval), state
+
+
+def _push(publisher: WeightPublisher, client: RolloutClient, pusher: SegmentPusher | None, params: nnx.State,
+          version: int, frozen: nnx.State | None, *, rollback: bool = False) -> None:
+    """Version `version` to every service (`publish_weights`)."""
+    publish_weights(publisher, client, params, version, rollback=rollback, frozen=frozen, pusher=pusher)
+
+
+def _due(checkpointer: Checkpointer, steps: int, step: int) -> bool:
+    """Whether a checkpoint is saved after `step` steps (the last one always is)."""
+    return checkpointer.due(step, force=step == steps)
 
 
 def _router_shape(config: Config, model: DecoderConfig) -> RouterShape | None:

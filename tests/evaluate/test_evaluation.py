@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from drgrpo_jax.actor.actor import Actor
 from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.data.examples import Example
 from drgrpo_jax.data.sources import load_dataset
@@ -34,7 +35,7 @@ class StandInClient:
         self.calls = []
 
     def generate(self, prompts, group_size, *, max_new_tokens, temperature, top_p, stop_token_ids, seed,
-                 expected_version, prompt_offset):
+                 expected_version, prompt_offset, **engine_options):
         self.calls.append({"prompts": len(prompts), "group": group_size, "temperature": temperature,
                            "offset": prompt_offset, "expected_version": expected_version})
         seeds = prompt_seeds(seed, len(prompts), prompt_offset)
@@ -61,7 +62,7 @@ class StandInTokenizer:
 class StandInScorer:
     """Correct when the completion starts with x; a second component that is never the correctness one."""
 
-    def score(self, texts, examples, lengths):
+    def score(self, texts, examples, lengths, given=None):
         components = np.asarray([[float(t.startswith("x")), 0.5] for t in texts], np.float32)
         return RewardResult(components, ("math_verify", "format"), (1.0, 1.0), ("math_verify", "format"),
                             np.zeros(2, np.int64), np.zeros(2, np.int64))
@@ -76,7 +77,7 @@ def _run(chunk: int, samples: int = 4, greedy: bool = True):
                             greedy=greedy)
     done = []
     client = StandInClient()
-    out = evaluate_problems(client, StandInTokenizer(), StandInScorer(), EXAMPLES, PROMPTS, settings,
+    out = evaluate_problems(Actor(client, StandInScorer(), StandInTokenizer()), EXAMPLES, PROMPTS, settings,
                             expected_version=3, progress=done.append)
     return out, client.calls, done
 
@@ -110,7 +111,7 @@ def test_summary_keys_values_and_the_trainer_row():
     assert set(summarize(greedy, None)) == {"accuracy", "response_length_mean", "response_length_correct",
                                             "response_length_incorrect", "truncated_fraction", "reward_mean"}
     settings = EvalSettings(max_new_tokens=BUDGET, samples=4, temperature=0.7, seed=11, chunk_prompts=7)
-    row = eval_metrics(StandInClient(), StandInTokenizer(), StandInScorer(), EXAMPLES, PROMPTS, settings)
+    row = eval_metrics(Actor(StandInClient(), StandInScorer(), StandInTokenizer()), EXAMPLES, PROMPTS, settings)
     assert row["eval/num_prompts"] == 7 and row["eval/pass@4"] == report["pass@4"]
     assert eval_summary(row) == f"accuracy {report['accuracy']:.3f} avg@4 {report['avg@4']:.3f} " \
                                 f"pass@4 {report['pass@4']:.3f}"

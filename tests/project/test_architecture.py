@@ -72,7 +72,7 @@ LAYERS = (
     ("sampler",), ("step",),
     ("config",), ("serve",),
     ("data",), ("rewards",),
-    ("rollout",), ("environments",),
+    ("rollout",), ("environments",), ("actor",),
     ("plan",), ("evaluate",),
     ("train",),
     ("integrations",),  # adapters for other trainers: only the public math (test_integrations_use_only_the_math)

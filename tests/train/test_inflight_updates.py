@@ -20,8 +20,17 @@ from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.rollout.record import HostCounters, ScoredRollout
+from drgrpo_jax.train.collect import Round
 from drgrpo_jax.train.metrics import staleness_metrics
-from drgrpo_jax.train.prefetch import Prefetcher, check_queue, held_contents, held_rounds, queue_length
+from drgrpo_jax.train.rollout_queue import (
+    PendingRound,
+    Prefetcher,
+    QueueRecord,
+    check_queue,
+    held_contents,
+    held_rounds,
+    queue_length,
+)
 from drgrpo_jax.train.setup import check_inflight, child_service_args
 
 from support.paths import TESTS
@@ -75,7 +84,7 @@ def test_services_of_rollout_urls_must_report_inflight_updates():
 @pytest.mark.parametrize("saved, now, was", [(True, False, "true, this run has false"),
                                              (False, True, "false, this run has true")])
 def test_a_checkpoint_of_the_other_mode_is_refused_naming_the_key(saved, now, was):
-    host = {"step": 4, "rollout_queue": queue_length(True, 2), **({"inflight_updates": True} if saved else {})}
+    host = QueueRecord(4, 0, rollout_queue=queue_length(True, 2), inflight_updates=saved)
     with pytest.raises(ConfigError) as error:
         check_queue(host, True, 2, now)
     assert error.value.key == "rollout.inflight_updates" and was in error.value.reason
@@ -105,14 +114,15 @@ def _share(seed: int, versions: list[int]) -> tuple[ScoredRollout, HostCounters]
 def test_a_checkpoint_holds_the_queued_rounds_rows_and_restores_them(tmp_path):
     shares = [_share(0, [3, 4]), _share(1, [4, 5])]
     with Prefetcher() as prefetcher:
-        queue = [prefetcher.launch(5 + i, (), [], 10 + 4 * i, lambda s=s: s, version=3 + i) for i, s in
-                 enumerate(shares)]
-        tree, host = held_contents(queue)
+        queue = [PendingRound(Round(5 + i, 0, (), [], 10 + 4 * i), prefetcher.submit(lambda s=s: s), 3 + i)
+                 for i, s in enumerate(shares)]
+        tree, fields = held_contents(queue)
+    host = QueueRecord(5, 10, 2, stream_position=18, **fields).host()
     assert host["inflight_updates"] is True and host["round_positions"] == [10, 14]
     with Checkpointer(tmp_path / "ck", save_every=1, keep=2) as checkpointer:
-        checkpointer.save(5, {"w": np.ones(2)}, {"step": 5, "stream_position": 18, **host}, rounds=tree)
+        checkpointer.save(5, {"w": np.ones(2)}, host, rounds=tree)
         restored = checkpointer.restore_latest({"w": np.zeros(2)}, rounds=True)
-    queued = held_rounds(restored.host, restored.rounds)
+    queued = held_rounds(QueueRecord.from_host(restored.host), restored.rounds)
     assert queued.positions == (10, 14) and queued.stream_position == 18 and queued.params == ()
     for held, (share, counters) in zip(queued.held, shares, strict=True):
         assert held.rows.keys() == share.row_arrays().keys()
@@ -129,11 +139,11 @@ def test_a_checkpoint_holds_the_queued_rounds_rows_and_restores_them(tmp_path):
 
 
 def test_an_empty_queue_is_held_as_none(tmp_path):
-    tree, host = held_contents([])
+    tree, fields = held_contents([])
     with Checkpointer(tmp_path / "ck", save_every=1, keep=2) as checkpointer:
-        checkpointer.save(2, {"w": np.ones(2)}, {"step": 2, "stream_position": 8, **host}, rounds=tree)
+        checkpointer.save(2, {"w": np.ones(2)}, QueueRecord(2, 8, 2, stream_position=8, **fields).host(), rounds=tree)
         restored = checkpointer.restore_latest({"w": np.zeros(2)}, rounds=True)
-    assert held_rounds(restored.host, restored.rounds).held == ()
+    assert held_rounds(QueueRecord.from_host(restored.host), restored.rounds).held == ()
 
 
 # ---------------------------------------------------------------------------------------------

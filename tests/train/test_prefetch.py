@@ -19,10 +19,13 @@ from hypothesis import strategies as st
 
 from drgrpo_jax.config.load import dump_config, load_config
 from drgrpo_jax.errors import ConfigError, StaleWeightsError
+from drgrpo_jax.train.collect import Round
 from drgrpo_jax.train.metrics import staleness_metrics
-from drgrpo_jax.train.prefetch import (
+from drgrpo_jax.train.rollout_queue import (
     InFlight,
+    PendingRound,
     Prefetcher,
+    QueueRecord,
     admits,
     busy_seconds,
     check_fresh,
@@ -96,13 +99,14 @@ def test_a_pending_rounds_error_waits_for_its_step():
         raise RuntimeError("service gone")
 
     with Prefetcher() as prefetcher:
-        pending = prefetcher.launch(1, (), [], 0, fails)
-        prefetcher.wait(pending)  # returns: the error belongs to the step that takes the round
+        pending = PendingRound(Round(1, 0, (), [], 0), prefetcher.submit(fails))
+        pending.wait()  # returns: the error belongs to the step that takes the round
+        assert isinstance(pending.share(), RuntimeError)
         with pytest.raises(RuntimeError, match="service gone"):
             pending.future.result()
-        done = prefetcher.launch(2, (), [[1]], 5, lambda x: x + 1, 41)
-        prefetcher.wait(done)
-        assert done.future.result() == 42 and done.data_position == 5 and done.step == 2
+        done = PendingRound(Round(2, 0, (), [[1]], 5), prefetcher.submit(lambda x: x + 1, 41))
+        done.wait()
+        assert done.share() == 42 and done.data_position == 5 and done.round.step == 2
     assert isinstance(done.future, concurrent.futures.Future)
 
 
@@ -232,12 +236,14 @@ def test_a_resumed_schedule_trains_each_step_on_the_uninterrupted_runs_round(k, 
 
 
 def test_the_checkpointed_queue_restores_its_positions_and_params():
-    one = in_flight({"data_position": 7}, "params", 1)  # a one-step-off checkpoint from before the queue
+    # a one-step-off checkpoint from before the queue
+    one = in_flight(QueueRecord.from_host({"step": 3, "data_position": 7}), "params", 1)
     assert one == InFlight((7,), ("params",), 7) and resumed_stream_position(one, 1) == 8
     assert resumed_stream_position(one, 0) == 7  # the run had ended: nothing re-drawn
     assert saved_params(["a"], 1) == "a" and saved_params(["a", "b"], 2) == ("a", "b")
     # K = 2 with dynamic sampling: the queued rounds' prompts are not consecutive; one was not launched (the end).
-    two = in_flight({"data_position": 3, "round_positions": [3, 9], "stream_position": 9}, ("a", "b"), 2)
+    two = in_flight(QueueRecord.from_host({"step": 3, "data_position": 3, "round_positions": [3, 9],
+                                           "stream_position": 9}), ("a", "b"), 2)
     assert two.positions == (3, 9) and two.params == ("a", "b")
     assert resumed_stream_position(two, 1) == 9 and resumed_stream_position(two, 2) == 10
 
@@ -251,14 +257,14 @@ def test_the_checkpointed_queue_restores_its_positions_and_params():
 ])
 def test_a_checkpoint_holding_another_queue_is_refused_naming_the_key(saved, async_, k, key, message):
     with pytest.raises(ConfigError, match=key) as error:
-        check_queue({"step": 4, "rollout_queue": saved}, async_, k)
+        check_queue(QueueRecord(4, 0, rollout_queue=saved), async_, k)
     assert message in str(error.value) and "step 4" in str(error.value)
 
 
 def test_a_checkpoint_holding_this_runs_queue_or_from_before_the_key_resumes():
-    check_queue({"step": 4, "rollout_queue": queue_length(True, 2)}, True, 2)
-    check_queue({"step": 4, "rollout_queue": queue_length(False, 3)}, False, 3)  # synchronous: K does not matter
-    check_queue({"step": 4}, True, 2)  # saved before rollout_queue existed: not checked
+    check_queue(QueueRecord(4, 0, rollout_queue=queue_length(True, 2)), True, 2)
+    check_queue(QueueRecord(4, 0, rollout_queue=queue_length(False, 3)), False, 3)  # synchronous: K does not matter
+    check_queue(QueueRecord.from_host({"step": 4, "data_position": 0}), True, 2)  # saved before the key: not checked
 
 
 def test_staleness_metrics_per_group_and_tokens_per_version():
@@ -277,7 +283,7 @@ def test_staleness_metrics_per_group_and_tokens_per_version():
 def test_the_producers_idle_time_is_the_time_it_had_no_round():
     with Prefetcher() as prefetcher:
         start = time.perf_counter()
-        prefetcher.wait(prefetcher.launch(0, (), [], 0, time.sleep, 0.2))
+        concurrent.futures.wait([prefetcher.submit(time.sleep, 0.2)])
         time.sleep(0.2)
         stop = time.perf_counter()
         assert prefetcher.idle_seconds(start, stop) == pytest.approx(stop - start - 0.2, abs=0.05)

@@ -1,0 +1,1 @@
+"""The actor: what samples and scores (`actor.Actor`), for training and evaluation alike."""
