@@ -18,6 +18,7 @@ import numpy as np
 
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import component_names, lora_spec, pack_length, step_configs
+from drgrpo_jax.config.engines import ENGINE_TRAITS
 from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, Config, MeshConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import DecoderConfig
@@ -353,12 +354,13 @@ def _check_rollout_modes(config: Config) -> None:
         if reason:
             raise ConfigError("rollout.weight_sync", f"shm pushes whole models to the trainer's own child service; "
                                                      f"{reason}; use auto or disk")
-    if r.engine != "ours" and not r.urls:
+    engine = ENGINE_TRAITS[r.engine]
+    if not engine.starts_locally and not r.urls:
         raise ConfigError("rollout.engine", f"{r.engine} is the API of the services at rollout.urls, which is empty "
                                             "(the trainer's own child service speaks ours)")
-    if r.engine == "vllm" and lora.rank and lora.push == "adapter":
-        raise ConfigError("model.lora.push", "adapter: vLLM reloads whole models; set model.lora.push=merged with "
-                                             "rollout.engine=vllm")
+    if not engine.loads_lora_adapters and lora.rank and lora.push == "adapter":
+        raise ConfigError("model.lora.push", f"adapter: {engine.label} reloads whole models; set "
+                                             f"model.lora.push=merged with rollout.engine={r.engine}")
     if config.model.moe.router_replay and config.environment.enabled:
         raise ConfigError("model.moe.router_replay", "replays single-turn rollouts only; multi-turn episodes "
                                                      "(environment.tools or factory) sample each turn in its own "
@@ -372,9 +374,10 @@ def _check_rollout_modes(config: Config) -> None:
     if r.inflight_updates and not r.async_:
         raise ConfigError("rollout.inflight_updates", "needs rollout.async=true (pushes reach the rounds sampled "
                                                       "ahead of the update)")
-    if r.inflight_updates and r.engine != "ours":
-        raise ConfigError("rollout.inflight_updates", f"needs rollout.engine=ours: {r.engine} does not report each "
-                                                      "token's weight version")
+    if r.inflight_updates and not engine.inflight_updates:
+        able = " or ".join(name for name, traits in ENGINE_TRAITS.items() if traits.inflight_updates)
+        raise ConfigError("rollout.inflight_updates", f"needs rollout.engine={able}: {r.engine} does not report "
+                                                      "each token's weight version")
     if r.inflight_updates and config.mesh.num_processes > 1:
         raise ConfigError("rollout.inflight_updates", "runs on one process only (mesh.num_processes = "
                                                       f"{config.mesh.num_processes}): a checkpoint holds the "

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any, Literal
 
 from drgrpo_jax.algorithms import ALGORITHMS
+from drgrpo_jax.config.engines import EngineName
 from drgrpo_jax.models.config import LORA_TARGETS
 from drgrpo_jax.models.precision import DtypeName
 from drgrpo_jax.models.remat import REMAT_POLICIES
@@ -107,7 +108,7 @@ class ModelConfig:
                    "accumulation; params, optimizer state, log-probs and loss stay float32); auto = bfloat16 on "
                    "TPUs, Ampere+ GPUs and CPUs with AMX-BF16 or AVX512-BF16, float32 elsewhere")
     tokenizer_path: str | None = _f(None, "tokenizer folder or Hub id org/name[@revision] when it differs from "
-                                          "model.path (null = model.path)")
+                                          "the model's (null = the model's own)")
     remat: str = _f(
         "auto", f"what each decoder layer keeps for the backward pass: {', '.join(REMAT_POLICIES)} (most memory "
                 "and least recomputation first; models/remat.py); auto = the first that fits the device; on a CPU "
@@ -162,7 +163,7 @@ class RolloutConfig:
     """Sampling G completions per prompt from the generation service."""
 
     urls: tuple[str, ...] = _f((), "generation service URLs; empty = start a local child service")
-    engine: Literal["ours", "sglang", "vllm"] = _f(
+    engine: EngineName = _f(
         "ours", "the API the services at rollout.urls speak: ours (python -m drgrpo_jax.serve) and sglang, SGLang's "
                 "native /generate; vllm, vLLM's /inference/v1/generate and a weight reload through its dev routes "
                 "(start flags: docs/engines.md); the trainer's own child service is always ours")
@@ -290,8 +291,8 @@ class TrainConfig:
     pack_length: int = _f(0, "tokens per packed row (with train.pack_rows); 0 = rollout.max_prompt_tokens + "
                              "rollout.max_new_tokens - 1, the longest prompt and response, so any one always fits")
     eval_every: int = _f(0, "evaluate on the held-out prompts every N steps and at the end (0 = never)")
-    eval_samples: int = _f(4, "evaluation: k sampled completions per held-out prompt for avg@k and pass@k, besides "
-                              "the greedy one (0 = greedy only)")
+    eval_samples: int = _f(4, "evaluation: k sampled completions per problem (held-out prompt) for avg@k and pass@k, "
+                              "besides the greedy one (0 = greedy only)")
     eval_temperature: float = _f(0.6, "evaluation: temperature of the k sampled completions (> 0)")
     save_every: int = _f(50, "checkpoint every N steps (always at the end)")
     keep_checkpoints: int = _f(2, "keep the newest N checkpoints")

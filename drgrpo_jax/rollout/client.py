@@ -1,11 +1,10 @@
 """Trainer-side rollout client: prompts out, completions + behaviour log-probs + weight version back.
 
-Speaks SGLang's native HTTP API, so it drives `python -m drgrpo_jax.serve` and a real SGLang server (with
-`engine="sglang"`, one request row per completion, each with its own seed); with `engine="vllm"`, vLLM's own
-routes instead (rollout/vllm.py translates them).
+It drives the inference engine the services run (`rollout.engine`) through that engine's module under
+rollout/engines/ (our service, SGLang, vLLM: one interface, `engines.base.Engine`), and never branches on its name.
 Several URLs form a data-parallel fleet: each gets a contiguous share of the prompts (whole groups), and a URL
-that keeps failing hands its share to the others (`retryable`). Weight pushes go by folder (`update_weights`,
-SGLang's /update_weights_from_disk, or vLLM's reload) or, to the trainer's own child
+that keeps failing hands its share to the others (`retryable`). Weight pushes go by folder (`update_weights`, as
+the engine loads one) or, to the trainer's own child
 (rollout/local_service.py), by shared-memory segment (`update_weights_from_segment`).
 """
 
@@ -22,24 +21,28 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, Self, get_args
+from typing import Any, Literal, NamedTuple, Self
 
 import httpx
 import numpy as np
 
-from drgrpo_jax.errors import ConfigError, RolloutError, StaleWeightsError
-from drgrpo_jax.rollout import vllm
+from drgrpo_jax.config.engines import EngineName
+from drgrpo_jax.errors import RolloutError, StaleWeightsError
+from drgrpo_jax.rollout.engines.base import Call, Engine, Sampling
+from drgrpo_jax.rollout.engines.native import NativeEngine
+from drgrpo_jax.rollout.engines.sglang import SGLangEngine
+from drgrpo_jax.rollout.engines.vllm import VLLMEngine
 from drgrpo_jax.rollout.local_service import LocalServer
-from drgrpo_jax.seeds import completion_seeds, prompt_seeds
+from drgrpo_jax.seeds import prompt_seeds
 from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["ENGINES", "Completions", "Engine", "RolloutClient", "RouterShape", "check_versions",
-           "decode_routed_experts", "retryable"]
+__all__ = ["ENGINES", "Completions", "RolloutClient", "RouterShape", "check_versions", "decode_routed_experts",
+           "retryable"]
 
-Engine = Literal["ours", "sglang", "vllm"]  # the wire a service speaks (rollout.engine)
-ENGINES: tuple[str, ...] = get_args(Engine)
-_VLLM_IN_FLIGHT = 64  # concurrent vLLM requests (one per prompt) per client: vLLM batches what is in flight
+# The engines a client can drive, by rollout.engine name: a new engine is a module under rollout/engines/, its row
+# in config/engines.py and its entry here.
+ENGINES: dict[str, Engine] = {engine.name: engine for engine in (NativeEngine(), SGLangEngine(), VLLMEngine())}
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
 
@@ -115,14 +118,14 @@ class RolloutClient:
 
     `api_key`: every request carries `Authorization: Bearer <key>`. `local_server` (the trainer's own child,
     `LocalServer`): when it dies (killed, OOM) the client restarts it, loads the weights last pushed and redoes
-    the request (`service_restarts` counts it, up to `max_restarts`). `engine`: the services' wire, SGLang's
-    native API (`ours`, `sglang`) or vLLM's (`vllm`: each URL is checked for the settings it needs on first use).
+    the request (`service_restarts` counts it, up to `max_restarts`). `engine`: the inference engine the services
+    run, by its rollout.engine name (`ENGINES`); each URL's start-up settings are checked on first use.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None, api_key: str | None = None,
-                 local_server: LocalServer | None = None, max_restarts: int = 3, engine: Engine = "ours"):
+                 local_server: LocalServer | None = None, max_restarts: int = 3, engine: EngineName = "ours"):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -131,10 +134,10 @@ class RolloutClient:
             raise ValueError("max_retries, backoff_s: must be >= 0")
         if engine not in ENGINES:
             raise ValueError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
-        self.engine = engine
+        self._engine = ENGINES[engine]
         self._ready: set[str] = set()  # the URLs checked by check_engine
-        self._returns_experts: set[str] = set()  # the vLLM URLs found to return routed experts
-        self.seeds_ignored_by: tuple[str, ...] = ()  # the sglang URLs that sample without honouring sampling_seed
+        self._returns_experts: set[str] = set()  # the URLs checked to return routed experts
+        self.seeds_ignored_by: tuple[str, ...] = ()  # the URLs that sample without honouring the seeds sent
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.local_server, self.max_restarts = local_server, max_restarts
@@ -145,11 +148,16 @@ class RolloutClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s), transport=transport,
                                   headers=headers)
-        workers = max(len(self.urls), _VLLM_IN_FLIGHT) if engine == "vllm" else len(self.urls)
+        workers = max(len(self.urls), self._engine.in_flight)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rollout")
         # Pushes have threads of their own: with in-flight updates one must reach a service while a round's
         # requests hold every thread of the pool above.
         self._push_pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="push")
+
+    @property
+    def engine(self) -> str:
+        """The services' engine, by its rollout.engine name."""
+        return self._engine.name
 
     def close(self) -> None:
         """Releases connections and threads."""
@@ -270,27 +278,10 @@ class RolloutClient:
         self.check_engine()
         if return_routed_experts is not None:
             self._check_routed_experts()
-        # SGLang copies one row's sampling_seed into all n copies of it: each completion is its own row and seed.
-        one_row_each = self.engine == "sglang"
-
-        def body(start: int, stop: int) -> dict:
-            rows = [(i, s) for i in range(start, stop)
-                    for s in (completion_seeds(seeds[i], group_size) if one_row_each else [seeds[i]])]
-            params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                       "top_k": top_k if top_k > 0 else -1, "n": 1 if one_row_each else group_size,
-                       "sampling_seed": s, "stop_token_ids": list(stop_token_ids),
-                       **({"ignore_eos": True} if ignore_eos else {})}
-                      for _, s in rows]
-            return {"input_ids": [list(map(int, prompts[i])) for i, _ in rows], "sampling_params": params,
-                    "return_logprob": True, **({"return_routed_experts": True} if return_routed_experts else {})}
-
-        if self.engine == "vllm":  # one request per prompt, sent to its share's URL
-            calls = [(k, vllm.GENERATE_PATH, vllm.generate_body(
-                prompts[i], seeds[i], group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                top_k=top_k, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos), 1)
-                for k, (a, b) in enumerate(shares) for i in range(a, b)]
-        else:
-            calls = [(k, "/generate", body(a, b), b - a) for k, (a, b) in enumerate(shares)]
+        sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop_token_ids=tuple(map(int, stop_token_ids)), ignore_eos=ignore_eos,
+                            routed_experts=return_routed_experts is not None)
+        calls = self._engine.generate_calls(prompts, seeds, shares, group_size, sampling)
         while True:
             restarts = self.service_restarts
             try:
@@ -310,69 +301,37 @@ class RolloutClient:
                            max_staleness)
         return completions
 
-    def _gather(self, calls: list[tuple[int, str, dict, int]], first_url: int, group_size: int) -> list[dict]:
-        """Posts each (share, route, body, prompts) call to its share's URL (in parallel, with failover); the
-        completions in prompt order, as SGLang /generate items."""
-        futures = [self._pool.submit(self._with_failover, (first_url + k) % len(self.urls), path, body)
-                   for k, path, body, _ in calls]
+    def _gather(self, calls: list[Call], first_url: int, group_size: int) -> list[dict]:
+        """Posts each call to its share's URL (in parallel, with failover); the completions in prompt order, as
+        SGLang /generate items."""
+        futures = [self._pool.submit(self._with_failover, (first_url + call.share) % len(self.urls), call.path,
+                                     call.body) for call in calls]
         items: list[dict] = []
-        for (_, path, _, num_prompts), future in zip(calls, futures):
-            answer = future.result()
-            if self.engine == "vllm":
-                answer = vllm.sglang_items(answer, group_size)
-            answer = answer if isinstance(answer, list) else [answer]
-            if len(answer) != num_prompts * group_size:
-                raise RolloutError(f"{path}: {len(answer)} completions for {num_prompts} prompts x {group_size}")
+        for call, future in zip(calls, futures):
+            answer = self._engine.completion_items(future.result(), group_size)
+            if len(answer) != call.num_prompts * group_size:
+                raise RolloutError(f"{call.path}: {len(answer)} completions for {call.num_prompts} prompts x "
+                                   f"{group_size}")
             items += answer
         return items
 
     def check_engine(self) -> None:
-        """Reads once per URL what the server says of its start-up settings. With engine vllm, ConfigError naming
-        a setting it lacks (from its routes, and its config under dev mode); with engine sglang, a warning and
-        `seeds_ignored_by` for a server that does not say it runs with --enable-deterministic-inference (without
-        it SGLang ignores sampling seeds)."""
+        """Has the engine read once per URL what the server says of its start-up settings: ConfigError naming a
+        setting it lacks (vLLM's routes and log-prob mode); `seeds_ignored_by` gains a server that ignores sampling
+        seeds (SGLang without --enable-deterministic-inference), with a warning."""
         for url in self.urls:
-            if self.engine == "ours" or url in self._ready:
+            if url in self._ready:
                 continue
-            if self.engine == "sglang":
-                # ServerArgs' field; a server that does not report it is taken to ignore seeds
-                if self._sglang_server_info(url).get("enable_deterministic_inference") is not True:
-                    log.warning("rollout.engine=sglang: %s does not run with --enable-deterministic-inference, so it "
-                                "ignores sampling seeds and its rollouts cannot be reproduced (docs/engines.md)", url)
-                    self.seeds_ignored_by += (url,)
-                self._ready.add(url)
-                continue
-            openapi = self._request("GET", url, "/openapi.json") or {}
-            dev_mode = "/server_info" in openapi.get("paths", {})
-            info = self._request("GET", url, "/server_info?config_format=json") if dev_mode else {}
-            missing = vllm.missing_setting(openapi, info)
-            if missing is not None:
-                raise ConfigError("rollout.engine", f"vllm: {url} is not ready for training: {missing}")
+            if not self._engine.check_startup(url, self._request):
+                self.seeds_ignored_by += (url,)
             self._ready.add(url)
 
     def _check_routed_experts(self) -> None:
-        """With engine vllm, ConfigError for a URL whose server does not return routed experts (read once per URL
-        from its config; check_engine has found its /server_info)."""
+        """ConfigError (model.moe.router_replay) for a URL whose server does not return routed experts; once per URL."""
         for url in self.urls:
-            if self.engine != "vllm" or url in self._returns_experts:
-                continue
-            missing = vllm.missing_routed_experts(self._request("GET", url, "/server_info?config_format=json") or {})
-            if missing is not None:
-                raise ConfigError("model.moe.router_replay", f"vllm: {url} {missing}")
-            self._returns_experts.add(url)
-
-    def _sglang_server_info(self, url: str) -> dict:
-        """SGLang's ServerArgs as its server reports them (/server_info, or /get_server_info before SGLang renamed
-        it); {} when it has neither route."""
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                info = self._request("GET", url, path)
-            except RolloutError as error:
-                if error.status == 404:
-                    continue
-                raise
-            return info if isinstance(info, dict) else {}
-        return {}
+            if url not in self._returns_experts:
+                self._engine.check_routed_experts(url, self._request)
+                self._returns_experts.add(url)
 
     def update_weights(self, model_path: str, weight_version: str | int, *, rollback: bool = False) -> None:
         """Tells every service to load `model_path` as `weight_version`; raises naming every URL that refused.
@@ -385,22 +344,17 @@ class RolloutClient:
         model_path = os.fspath(model_path)
         if not is_remote(model_path):  # services refuse relative paths (they would resolve against their own cwd)
             model_path = os.path.abspath(model_path)
-        elif self.engine == "vllm":
-            raise RolloutError(f"{model_path}: vLLM reloads weights from a folder on its own disk, not a bucket")
+        elif not self._engine.traits.reads_buckets:
+            raise RolloutError(f"{model_path}: {self._engine.traits.label} reloads weights from a folder on its own "
+                               "disk, not a bucket")
         self.check_engine()
-        body: dict[str, Any] = {"model_path": model_path, "weight_version": str(weight_version)}
-        if rollback:  # only then: a stand-in SGLang server never sees this service's extension
-            body["allow_rollback"] = True
 
         def push(url: str) -> str | None:
             try:
-                if self.engine == "vllm":
-                    self._push_vllm(url, model_path, str(weight_version), rollback)
-                    return None
-                answer = self._request("POST", url, "/update_weights_from_disk", body)
+                self._engine.push_weights(url, model_path, str(weight_version), rollback, self._request)
             except RolloutError as error:
                 return str(error)
-            return None if answer.get("success", False) else f"{url}/update_weights_from_disk: {answer.get('message')}"
+            return None
 
         restarts = self.service_restarts
         failures = [error for error in self._push_pool.map(push, self.urls) if error]
@@ -415,14 +369,6 @@ class RolloutClient:
             raise RolloutError(f"weight version {weight_version} not loaded by {len(failures)} of {len(self.urls)} "
                                "service(s): " + " | ".join(failures))
         self._pushed, self._pushed_segment = (model_path, str(weight_version)), None
-
-    def _push_vllm(self, url: str, model_path: str, version: str, rollback: bool) -> None:
-        """Has the vLLM server at `url` reload `model_path` and label it `version`, unless that goes backwards."""
-        held = self._request("GET", url, "/weight_info")
-        vllm.check_forward(url, held.get("weight_version") if isinstance(held, dict) else None, version,
-                           rollback=rollback)
-        for path, body in vllm.weight_push_calls(model_path, version):
-            self._request("POST", url, path, body)
 
     def update_weights_from_segment(self, segment: str, tensors: list[dict[str, Any]], weight_version: str | int, *,
                                     rollback: bool = False) -> None:

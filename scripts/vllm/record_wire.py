@@ -15,7 +15,7 @@ import sys
 
 import httpx
 
-from drgrpo_jax.rollout import vllm
+from drgrpo_jax.rollout.engines import vllm
 
 
 def record(url: str, model: str) -> dict:

@@ -141,7 +141,7 @@ def test_the_push_reloads_the_folder_then_labels_it_and_never_goes_back():
 
 def test_the_engine_key_is_checked():
     assert load_config(None, ["model.path=m"]).rollout.engine == "ours"
-    assert get_args(get_type_hints(RolloutConfig)["engine"]) == ENGINES  # the config offers what the client speaks
+    assert get_args(get_type_hints(RolloutConfig)["engine"]) == tuple(ENGINES)  # the config offers what the client speaks
     with pytest.raises(ConfigError, match="rollout.engine: vllm is the API of the services at rollout.urls"):
         load_config(None, ["model.path=m", "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="model.lora.push: adapter: vLLM reloads whole models"):

@@ -1,4 +1,4 @@
-"""vLLM's HTTP API as the rollout client's wire (`rollout.engine=vllm`): requests out, SGLang-shaped items back.
+"""vLLM's HTTP API as an engine (`rollout.engine=vllm`, `VLLMEngine`): requests out, SGLang-shaped items back.
 
 Generation is vLLM's token-in/token-out route (`/inference/v1/generate`, served with `--enable-scale-out`): one
 request per prompt with `n` = G, its seed the prompt's (vLLM gives completion g of the group seed + g, so a group
@@ -18,14 +18,16 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from drgrpo_jax.errors import RolloutError
+from drgrpo_jax.config.engines import EngineName
+from drgrpo_jax.errors import ConfigError, RolloutError
+from drgrpo_jax.rollout.engines.base import Call, Engine, Request, Sampling
 
-__all__ = ["GENERATE_PATH", "check_forward", "generate_body", "missing_routed_experts", "missing_setting",
-           "sglang_items", "weight_push_calls"]
+__all__ = ["GENERATE_PATH", "VLLMEngine", "check_forward", "generate_body", "missing_routed_experts",
+           "missing_setting", "sglang_items", "weight_push_calls"]
 
 GENERATE_PATH = "/inference/v1/generate"
 _NEEDED_ROUTES = ((GENERATE_PATH, "start it with --enable-scale-out"),
@@ -122,3 +124,42 @@ def weight_push_calls(model_path: str, version: str) -> list[tuple[str, dict[str
     """The (route, body) calls that load the safetensors folder `model_path` and label it `version`, in order."""
     return [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}}),
             ("/update_weight_version", {"new_version": version})]
+
+
+class VLLMEngine(Engine):
+    """A vLLM server: one request per prompt, many in flight (vLLM batches what is in flight)."""
+
+    name: ClassVar[EngineName] = "vllm"
+    in_flight: ClassVar[int] = 64
+
+    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
+                       shares: Sequence[tuple[int, int]], group_size: int, sampling: Sampling) -> list[Call]:
+        """One /inference/v1/generate call per prompt, sent to its share's URL."""
+        return [Call(k, GENERATE_PATH, generate_body(
+            prompts[i], seeds[i], group_size, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=sampling.stop_token_ids,
+            ignore_eos=sampling.ignore_eos), 1) for k, (start, stop) in enumerate(shares) for i in range(start, stop)]
+
+    def completion_items(self, answer: Any, group_size: int) -> list[dict[str, Any]]:
+        return sglang_items(answer, group_size)
+
+    def check_startup(self, url: str, request: Request) -> bool:
+        """ConfigError naming the setting the server lacks, from its routes (and its config under dev mode)."""
+        openapi = request("GET", url, "/openapi.json") or {}
+        dev_mode = "/server_info" in openapi.get("paths", {})
+        missing = missing_setting(openapi, request("GET", url, "/server_info?config_format=json") if dev_mode else {})
+        if missing is not None:
+            raise ConfigError("rollout.engine", f"{self.name}: {url} is not ready for training: {missing}")
+        return True
+
+    def check_routed_experts(self, url: str, request: Request) -> None:
+        missing = missing_routed_experts(request("GET", url, "/server_info?config_format=json") or {})
+        if missing is not None:
+            raise ConfigError("model.moe.router_replay", f"{self.name}: {url} {missing}")
+
+    def push_weights(self, url: str, model_path: str, version: str, rollback: bool, request: Request) -> None:
+        """Reloads `model_path` and labels it `version`, unless that goes backwards."""
+        held = request("GET", url, "/weight_info")
+        check_forward(url, held.get("weight_version") if isinstance(held, dict) else None, version, rollback=rollback)
+        for path, body in weight_push_calls(model_path, version):
+            request("POST", url, path, body)
