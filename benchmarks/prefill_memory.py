@@ -26,7 +26,8 @@ from flax import nnx
 
 from drgrpo_jax.host_memory import return_freed_memory
 from drgrpo_jax.models.config import DecoderConfig
-from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler import generate as driver  # the module: its PREFILL_CHUNK is what generate reads
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, bucket, make_batch
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 
 from _common import SMOLLM2_135M, smollm2
@@ -40,18 +41,18 @@ def _status_mb(field: str) -> float:
 def measure(length: int, whole: bool) -> dict:
     """In this process: the peak RSS the prefill of one `length`-id prompt adds, and its wall time."""
     if whole:  # one program over the whole prompt: main before the prefill was cut into parts
-        sampling.PREFILL_CHUNK = 1 << 30
+        driver.PREFILL_CHUNK = 1 << 30
     graphdef, state = nnx.split(smollm2(random_weights=True))
     prompt = tuple(np.random.default_rng(0).integers(3, 49152, length).tolist())
-    row = sampling.RowRequest(prompt, sampling.SamplingParams(max_new_tokens=1), seed=1)
-    batch = sampling.make_batch([row], (2,), batch_size=1, prompt_len=sampling.bucket(length))
-    sampling.generate(graphdef, state, batch, max_new_tokens=1).tokens_BT.block_until_ready()  # compiles
+    row = RowRequest(prompt, SamplingParams(max_new_tokens=1), seed=1)
+    batch = make_batch([row], (2,), batch_size=1, prompt_len=bucket(length))
+    driver.generate(graphdef, state, batch, max_new_tokens=1).tokens_BT.block_until_ready()  # compiles
     return_freed_memory()
     idle = _status_mb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) starts again from here: compiling is not counted
         f.write("5")
     start = time.perf_counter()
-    sampling.generate(graphdef, state, batch, max_new_tokens=1).tokens_BT.block_until_ready()
+    driver.generate(graphdef, state, batch, max_new_tokens=1).tokens_BT.block_until_ready()
     return {"added_mb": _status_mb("VmHWM") - idle, "seconds": time.perf_counter() - start}
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         chunked, whole = child(length, "chunked"), child(length, "whole")
-        planned = batch_peak(batch_memory(config, 1, sampling.bucket(length), sampling.bucket(1), 4))
+        planned = batch_peak(batch_memory(config, 1, bucket(length), bucket(1), 4))
         rows.append({"prompt_ids": length, "chunked_mb": round(chunked["added_mb"]),
                      "whole_mb": round(whole["added_mb"]),
                      "whole_over_chunked": round(whole["added_mb"] / chunked["added_mb"], 2),

@@ -29,8 +29,8 @@ from flax import nnx
 
 from drgrpo_jax.models.hf_io import save_pretrained
 from drgrpo_jax.models.pretrained import from_pretrained
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, batch_bucket, bucket, make_batch
+from drgrpo_jax.sampler.generate import generate
 
 from _common import sampler_prompts, smollm2_gguf, time_transformers
 
@@ -59,11 +59,11 @@ def sampler_call(model, rows_prompts, new_tokens: int, dtype, temperature: float
                                                 ignore_eos=True), seed=i) for i, p in enumerate(rows_prompts)]
 
     def call(seed_offset: int):
-        batch = sampling.make_batch([RowRequest(r.prompt_ids, r.params, r.seed + seed_offset) for r in rows],
-                                    model.config.eos_token_ids, batch_size=sampling.batch_bucket(len(rows)),
-                                    prompt_len=sampling.bucket(max(len(p) for p in rows_prompts)))
-        out = sampling.generate(graphdef, state, batch, max_new_tokens=sampling.bucket(new_tokens),
-                                cache_dtype=dtype)
+        batch = make_batch([RowRequest(r.prompt_ids, r.params, r.seed + seed_offset) for r in rows],
+                           model.config.eos_token_ids, batch_size=batch_bucket(len(rows)),
+                           prompt_len=bucket(max(len(p) for p in rows_prompts)))
+        out = generate(graphdef, state, batch, max_new_tokens=bucket(new_tokens),
+                       cache_dtype=dtype)
         return jax.block_until_ready(out)
 
     return call

@@ -21,7 +21,7 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.plan.hardware import GIB
-from drgrpo_jax.sampler.generate import batch_bucket, bucket
+from drgrpo_jax.sampler.batch import batch_bucket, bucket
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.sharding import MeshShape, ShardingRules, logical_to_spec
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 
 from drgrpo_jax.models.config import DecoderConfig
-from drgrpo_jax.sampler.generate import PREFILL_CHUNK, mesh_rows
+from drgrpo_jax.sampler.batch import mesh_rows
+from drgrpo_jax.sampler.programs import PREFILL_CHUNK
 
 __all__ = ["SAMPLING_SHARD_COPIES", "SAMPLING_WHOLE_COPIES", "batch_memory", "batch_peak", "fallback_weights",
            "moe_dispatch"]

@@ -24,9 +24,10 @@ from drgrpo_jax.host_memory import available_bytes, mapped_fraction, return_free
 from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest
+from drgrpo_jax.sampler.batch import RowRequest, bucket, make_batch, mesh_rows
+from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
+from drgrpo_jax.sampler.programs import compiled_programs, drop_compiled_programs
 from drgrpo_jax.serve.weights import (
     Weights,
     check_compatible,
@@ -122,6 +123,9 @@ class Engine:
         self._lanes = (_Lane("sampler"),) + ((_Lane("sampler-short"),) if config.short_request_tokens else ())
         self._jobs: dict[concurrent.futures.Future, _Job] = {}  # requests not answered yet (see `abandon`)
         self._budget_lock = threading.Lock()
+        # Guards the compiled programs: a lane marks itself busy (about to sample) under it, and the idle drop of
+        # every program happens under it once no lane is busy, so no batch runs while its programs are dropped.
+        self._programs_lock = threading.Lock()
         self.queued_tokens = 0  # row_cost of every row submitted and not yet finished or dropped
         self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
         self.batches_run = 0
@@ -281,8 +285,8 @@ class Engine:
         `run_batch` buckets them; every row counted as its own prompt; `record`: some row returns its routed
         experts (the batch records them all)."""
         tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
-        return batch_peak(batch_memory(self.weights.config, rows, sampling.bucket(longest_prompt),
-                                       sampling.bucket(most_new_tokens), DTYPES[self.config.dtype].itemsize,
+        return batch_peak(batch_memory(self.weights.config, rows, bucket(longest_prompt),
+                                       bucket(most_new_tokens), DTYPES[self.config.dtype].itemsize,
                                        tensor=tensor, data=self.data_ways, record=record))
 
     def _rows_that_fit(self, pending: deque) -> int:
@@ -313,8 +317,7 @@ class Engine:
         while True:
             while not lane.pending:
                 if lane.busy and lane.queue.empty():  # about to wait for work, after some
-                    lane.busy = False
-                    self._when_idle()
+                    self._when_idle(lane)
                 job = lane.queue.get()
                 if job is None:
                     return None
@@ -332,7 +335,8 @@ class Engine:
             self._drop_cancelled(lane)  # the batch boundary: rows of clients gone are never sampled
             if lane.pending:
                 break
-        lane.busy = True
+        with self._programs_lock:  # waits out a drop another lane started
+            lane.busy = True
         return [lane.pending.popleft() for _ in range(self._rows_that_fit(lane.pending))]
 
     def _run(self, lane: _Lane) -> None:
@@ -358,20 +362,22 @@ class Engine:
                     self.tokens_per_second = rate if not self.tokens_per_second else (
                         0.8 * self.tokens_per_second + 0.2 * rate)
 
-    def _when_idle(self) -> None:
-        """A lane ran out of work: when no lane has any, the service sheds what a burst left behind. Each new batch
+    def _when_idle(self, lane: _Lane) -> None:
+        """`lane` ran out of work: when no lane has any, the service sheds what a burst left behind. Each new batch
         shape compiles programs the service keeps, each holding host memory and memory mappings: beyond
         max_kept_programs sampler programs, or past half the process's mapping limit (where a compile would
         segfault), every compiled program is dropped. A batch's host buffers are freed into glibc's arenas, which
         keep them: they go back to the OS."""
-        if any(lane.busy for lane in self._lanes):
-            return
-        cap = self.config.max_kept_programs
-        if (cap and sampling.compiled_programs() > cap) or mapped_fraction() > 0.5:
-            dropped = sampling.compiled_programs()
-            jax.clear_caches()  # every compiled program: the sampler's, the scorer's and the small ones beside them
-            with self._budget_lock:
-                self.programs_dropped += dropped
+        with self._programs_lock:  # held through the drop: no lane starts a batch until it is done
+            lane.busy = False
+            if any(other.busy for other in self._lanes):
+                return
+            cap = self.config.max_kept_programs
+            if (cap and compiled_programs() > cap) or mapped_fraction() > 0.5:
+                # every compiled program: the sampler's, the scorer's and the small ones beside them
+                dropped = drop_compiled_programs()
+                with self._budget_lock:
+                    self.programs_dropped += dropped
         return_freed_memory()
 
     def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
@@ -402,10 +408,10 @@ class Engine:
         finish there (`aborted`), and the batch ends there when none is left.
         """
         distinct = len({tuple(r.prompt_ids) for r in rows})
-        batch = sampling.make_batch(
-            rows, weights.config.eos_token_ids, batch_size=sampling.mesh_rows(len(rows), self.data_ways),
-            prompt_len=sampling.bucket(max(len(r.prompt_ids) for r in rows)),
-            num_prompts=sampling.mesh_rows(distinct, self.data_ways))
+        batch = make_batch(
+            rows, weights.config.eos_token_ids, batch_size=mesh_rows(len(rows), self.data_ways),
+            prompt_len=bucket(max(len(r.prompt_ids) for r in rows)),
+            num_prompts=mesh_rows(distinct, self.data_ways))
         gone = [False] * len(rows)  # the last answer the sampler acted on
 
         def ask() -> list[bool]:
@@ -424,11 +430,11 @@ class Engine:
             return seen[-1].state, len(seen) - 1
 
         record = any(r.return_routed_experts for r in rows)
-        out = sampling.generate(weights.graphdef, weights.state, batch,
-                                max_new_tokens=sampling.bucket(max(r.params.max_new_tokens for r in rows)),
-                                cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
-                                check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record,
-                                weights_now=weights_now if self.config.inflight_updates else None)
+        out = generate(weights.graphdef, weights.state, batch,
+                       max_new_tokens=bucket(max(r.params.max_new_tokens for r in rows)),
+                       cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
+                       check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record,
+                       weights_now=weights_now if self.config.inflight_updates else None)
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
         names = [w.version for w in seen]

@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 
 from drgrpo_jax.errors import BadRequest, InvalidWeights, PathNotAllowed
 from drgrpo_jax.named_tensors import NAME_FORM, SEGMENT_NAME
-from drgrpo_jax.sampler.generate import RowRequest, compiled_programs
+from drgrpo_jax.sampler.batch import RowRequest
+from drgrpo_jax.sampler.programs import compiled_programs
 from drgrpo_jax.serve.engine import RowResult
 from drgrpo_jax.serve.schemas import (
     GenerateRequest,

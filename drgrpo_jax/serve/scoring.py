@@ -21,7 +21,7 @@ from flax import nnx
 
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sampler.generate import batch_bucket, bucket
+from drgrpo_jax.sampler.batch import batch_bucket, bucket
 
 __all__ = ["ScoredSequence", "call_bytes", "rows_per_call", "score_sequences", "tile_sizes"]
 

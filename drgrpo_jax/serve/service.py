@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from drgrpo_jax.errors import BadRequest, ClientGone
 from drgrpo_jax.hub_ids import hub_id
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 

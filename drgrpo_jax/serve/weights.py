@@ -22,7 +22,7 @@ from drgrpo_jax.models.hf_io import build_model, load_hf_config
 from drgrpo_jax.models.lora import is_adapter_folder, load_adapter, merge_adapters, read_adapter_config
 from drgrpo_jax.models.precision import DTYPES  # ServeConfig.dtype -> parameter and KV-cache dtype
 from drgrpo_jax.models.pretrained import from_pretrained
-from drgrpo_jax.sampler.generate import check_mesh
+from drgrpo_jax.sampler.programs import check_mesh
 from drgrpo_jax.sharding import param_shardings
 
 

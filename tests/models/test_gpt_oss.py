@@ -22,8 +22,8 @@ from drgrpo_jax.models.hf_io import read_safetensors, save_pretrained
 from drgrpo_jax.models.moe import clamped_swiglu, moe_mlp
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.pretrained import from_pretrained
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
+from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh
 
 from support.tiny_models import hf_logits, write_tiny_gpt_oss
@@ -189,9 +189,9 @@ def test_greedy_generation_equals_transformers_greedy(gpt_oss_pair):
     ours = from_pretrained(folder)
     prompts = [(1, 7, 12, 30, 4), (1, 22), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
     params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
-    batch = sampling.make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
-                                batch_size=4, prompt_len=16)
-    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(ours), batch, max_new_tokens=14))
+    batch = make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
+                       batch_size=4, prompt_len=16)
+    out = jax.tree.map(np.asarray, generate(*nnx.split(ours), batch, max_new_tokens=14))
     for b, prompt in enumerate(prompts):
         with torch.inference_mode():
             full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=14, min_new_tokens=14,

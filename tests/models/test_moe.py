@@ -26,8 +26,8 @@ from drgrpo_jax.models.lora import adapter_arrays, add_adapters, merge_adapters
 from drgrpo_jax.models.moe import grouped_experts, moe_mlp
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
+from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.train_step import init_state, jit_train_step, state_shardings
@@ -265,9 +265,9 @@ def test_greedy_generation_equals_transformers_greedy(moe_pair):
     ours = from_pretrained(folder)
     prompts = [(1, 7, 12, 30, 4), (1, 22), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    batch = sampling.make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
-                                batch_size=4, prompt_len=16)
-    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(ours), batch, max_new_tokens=12))
+    batch = make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
+                       batch_size=4, prompt_len=16)
+    out = jax.tree.map(np.asarray, generate(*nnx.split(ours), batch, max_new_tokens=12))
     for b, prompt in enumerate(prompts):
         with torch.inference_mode():
             full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,

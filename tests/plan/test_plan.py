@@ -129,7 +129,7 @@ def test_service_rows_are_what_the_services_are_started_with():
     from drgrpo_jax.config.derived import child_service_batch_size
     from drgrpo_jax.config.serve import DEFAULT_MAX_BATCH_SIZE, ServeConfig
     from drgrpo_jax.plan.service import service_rows
-    from drgrpo_jax.sampler.generate import batch_bucket
+    from drgrpo_jax.sampler.batch import batch_bucket
 
     assert ServeConfig().max_batch_size == DEFAULT_MAX_BATCH_SIZE
     big = ["model.path=x", "rollout.prompts_per_step=16", "rollout.group_size=8", "data.eval_size=100"]

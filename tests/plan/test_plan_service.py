@@ -19,7 +19,9 @@ from drgrpo_jax.plan import cli
 from drgrpo_jax.plan import planner as plan
 from drgrpo_jax.plan.hardware import PRESETS, device_spec
 from drgrpo_jax.plan.service import service_memory, service_total
-from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler import programs
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch, mesh_rows
+from drgrpo_jax.sampler.generate import span_schedule
 from drgrpo_jax.sampler.memory import batch_memory
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh, shard_model
 
@@ -38,18 +40,17 @@ def _compiled(spec: str) -> dict[str, int]:
     graphdef, state = nnx.split(model if mesh is None else shard_model(model, mesh))
     data = 1 if mesh is None else mesh.shape["data"]
     # Every row its own prompt: the prefill's worst case, which the plan assumes.
-    rows = [sampling.RowRequest(tuple(range(3 + i, 3 + i + PROMPT - i)), sampling.SamplingParams(max_new_tokens=NEW),
-                                seed=1) for i in range(ROWS)]
-    batch = sampling.place_batch(sampling.make_batch(rows, (2,), batch_size=sampling.mesh_rows(ROWS, data),
-                                                     prompt_len=PROMPT, num_prompts=sampling.mesh_rows(ROWS, data)),
-                                 mesh)
-    slots = sampling.span_schedule(PROMPT, NEW)
+    rows = [RowRequest(tuple(range(3 + i, 3 + i + PROMPT - i)), SamplingParams(max_new_tokens=NEW), seed=1)
+            for i in range(ROWS)]
+    batch = programs.place_batch(make_batch(rows, (2,), batch_size=mesh_rows(ROWS, data), prompt_len=PROMPT,
+                                            num_prompts=mesh_rows(ROWS, data)), mesh)
+    slots = span_schedule(PROMPT, NEW)
     assert slots[-1] == PROMPT + NEW - 1  # the last decode phase: its cache is the plan's
     kwargs = dict(max_new_tokens=NEW, num_slots=slots[-1], cache_dtype=jnp.float32, mesh=mesh)
-    prefill = sampling._prefill.lower(graphdef, state, batch, **kwargs).compile().memory_analysis()
-    decoding = sampling._prefill(graphdef, state, batch, **kwargs)
+    prefill = programs.prefill.lower(graphdef, state, batch, **kwargs).compile().memory_analysis()
+    decoding = programs.prefill(graphdef, state, batch, **kwargs)
     until_step = jnp.int32(NEW)
-    decode = sampling._decode_phase.lower(graphdef, state, decoding, until_step, mesh=mesh).compile().memory_analysis()
+    decode = programs.decode_phase.lower(graphdef, state, decoding, until_step, mesh=mesh).compile().memory_analysis()
     return {"prefill_peak": prefill.argument_size_in_bytes + prefill.output_size_in_bytes
             + prefill.temp_size_in_bytes,
             "prefill_arguments": prefill.argument_size_in_bytes,
@@ -131,8 +132,8 @@ def test_a_long_prompts_prefill_grows_linearly_with_it_as_planned():
     graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     measured = {}
     for length in (2048, 4096):
-        ids = jnp.ones((1, sampling.PREFILL_CHUNK), jnp.int32)
-        analysis = sampling._prefill_part.lower(graphdef, state, ids, jnp.zeros_like(ids), None, prompt_len=length,
+        ids = jnp.ones((1, programs.PREFILL_CHUNK), jnp.int32)
+        analysis = programs.prefill_part.lower(graphdef, state, ids, jnp.zeros_like(ids), None, prompt_len=length,
                                                 cache_dtype=jnp.float32).compile().memory_analysis()
         measured[length] = analysis.output_size_in_bytes + analysis.temp_size_in_bytes
         planned = batch_memory(config, 1, length, 1, 4)["prefill_attention"]

@@ -17,7 +17,8 @@ from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.plan.service import service_memory, service_total
-from drgrpo_jax.sampler import generate as sampling
+from drgrpo_jax.sampler import programs
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.serve.engine import Engine
 
@@ -33,13 +34,13 @@ def _compiled(rows: int, prompt: int, new: int, record: bool = False) -> dict[st
     """Bytes of the sampler's prefill and decode loop (at its last span, the cache donated) on one device for
     `rows` rows, each its own prompt (the prefill's worst case, which the plan assumes)."""
     graphdef, state = nnx.split(Transformer(MOE, rngs=nnx.Rngs(0)))
-    requests = [sampling.RowRequest(tuple(range(3 + i, 3 + i + prompt - i % prompt)),
-                                    sampling.SamplingParams(max_new_tokens=new), seed=1) for i in range(rows)]
-    batch = sampling.make_batch(requests, (2,), batch_size=rows, prompt_len=prompt, num_prompts=rows)
+    requests = [RowRequest(tuple(range(3 + i, 3 + i + prompt - i % prompt)), SamplingParams(max_new_tokens=new),
+                           seed=1) for i in range(rows)]
+    batch = make_batch(requests, (2,), batch_size=rows, prompt_len=prompt, num_prompts=rows)
     kwargs = dict(max_new_tokens=new, num_slots=prompt + new - 1, cache_dtype=jnp.float32, record_experts=record)
-    prefill = sampling._prefill.lower(graphdef, state, batch, **kwargs).compile().memory_analysis()
-    decoding = sampling._prefill(graphdef, state, batch, **kwargs)
-    decode = sampling._decode_phase.lower(graphdef, state, decoding, jnp.int32(new)).compile().memory_analysis()
+    prefill = programs.prefill.lower(graphdef, state, batch, **kwargs).compile().memory_analysis()
+    decoding = programs.prefill(graphdef, state, batch, **kwargs)
+    decode = programs.decode_phase.lower(graphdef, state, decoding, jnp.int32(new)).compile().memory_analysis()
     return {"prefill_arguments": prefill.argument_size_in_bytes,
             "prefill_peak": prefill.argument_size_in_bytes + prefill.output_size_in_bytes
             + prefill.temp_size_in_bytes,
@@ -102,9 +103,9 @@ def test_the_engine_budgets_recorded_experts_for_a_batch_that_asks_for_them(tmp_
         assert recording - plain == figures["recorded_experts"] == 2 * 64 * config.num_layers * \
             config.experts_per_token * 4
         assert recording == batch_peak(figures)
-        params = sampling.SamplingParams(max_new_tokens=30)
-        row = sampling.RowRequest(tuple(range(1, 21)), params, seed=0)
-        wanting = sampling.RowRequest(tuple(range(1, 21)), params, seed=0, return_routed_experts=True)
+        params = SamplingParams(max_new_tokens=30)
+        row = RowRequest(tuple(range(1, 21)), params, seed=0)
+        wanting = RowRequest(tuple(range(1, 21)), params, seed=0, return_routed_experts=True)
         engine.batch_budget = plain
         for first, fits in ((row, 2), (wanting, 1)):
             job = types.SimpleNamespace(rows=[first, row])

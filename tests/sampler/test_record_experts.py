@@ -10,8 +10,9 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.kv_cache import init_cache
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler import generate as driver  # the module: its PREFILL_CHUNK is what generate reads
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
+from drgrpo_jax.sampler.generate import generate
 
 from support.tiny_models import write_tiny_qwen3_moe
 
@@ -21,8 +22,8 @@ PROMPTS = [(1, 7, 12, 30, 4), (1, 22), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
 def _generate(model, prompts, new, **kwargs):
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
     rows = [RowRequest(p, params, seed=5, sample=s) for p in prompts for s in range(2)]
-    batch = sampling.make_batch(rows, model.config.eos_token_ids, batch_size=8, prompt_len=16)
-    return batch, jax.tree.map(np.asarray, sampling.generate(*nnx.split(model), batch, max_new_tokens=new, **kwargs))
+    batch = make_batch(rows, model.config.eos_token_ids, batch_size=8, prompt_len=16)
+    return batch, jax.tree.map(np.asarray, generate(*nnx.split(model), batch, max_new_tokens=new, **kwargs))
 
 
 @pytest.mark.heavy
@@ -44,7 +45,7 @@ def test_recording_keeps_the_tokens_and_records_what_the_router_chose(tmp_path, 
         np.testing.assert_array_equal(np.sort(recorded, -1), np.sort(np.asarray(chosen)[0], -1))
         assert not out.experts_BTLk[b, n - 1:].any()  # the last token is never read, nor what lies past it
     # A prompt prefilled in chunks records the same experts.
-    monkeypatch.setattr(sampling, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(driver, "PREFILL_CHUNK", 4)
     _, chunked = _generate(model, PROMPTS, 20, record_experts=True)
     np.testing.assert_array_equal(chunked.prompt_experts_PULk, out.prompt_experts_PULk)
     np.testing.assert_array_equal(chunked.experts_BTLk, out.experts_BTLk)

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 
 from drgrpo_jax.models.logprobs import sequence_logprobs
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
+from drgrpo_jax.sampler.generate import generate, span_schedule
+from drgrpo_jax.sampler.programs import compiled_programs
 
 from support.full_cache_sampler import full_cache_sample
 from support.tiny_models import tiny_sampler_model
@@ -38,7 +39,7 @@ def mixed_rows() -> list[RowRequest]:
 @pytest.fixture(scope="module")
 def mixed(model):
     """The mixed rows' batch and what the full-cache sampler draws for them."""
-    batch = sampling.make_batch(mixed_rows(), model.config.eos_token_ids, batch_size=8, prompt_len=16)
+    batch = make_batch(mixed_rows(), model.config.eos_token_ids, batch_size=8, prompt_len=16)
     return batch, full_cache_sample(model, batch, 128)
 
 
@@ -47,7 +48,7 @@ def mixed(model):
 def test_tokens_equal_the_full_cache_sampler_across_phases(model, mixed, compact):
     batch, oracle = mixed
     assert batch.prompt_ids_PU.shape == (4, 16)  # 3 distinct prompts (a bucket of 4) for 7 rows
-    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(model), batch, max_new_tokens=128, compact=compact))
+    out = jax.tree.map(np.asarray, generate(*nnx.split(model), batch, max_new_tokens=128, compact=compact))
     np.testing.assert_array_equal(out.lengths_B, oracle["lengths"])
     np.testing.assert_array_equal(out.tokens_BT, oracle["tokens"])
     np.testing.assert_array_equal(out.stopped_B, oracle["stopped"])
@@ -75,9 +76,9 @@ def test_greedy_equals_transformers_greedy(tiny_model):
     prompts = [(1, 7, 12, 30, 4), (1, 22), (1, 7, 12, 30, 4), (1, 40, 41, 9, 9, 9, 3, 17, 25)]
     ours = from_pretrained(tiny_model)
     params = SamplingParams(max_new_tokens=48, temperature=0.0)
-    batch = sampling.make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
-                                batch_size=4, prompt_len=16)
-    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(ours), batch, max_new_tokens=64))
+    batch = make_batch([RowRequest(p, params, seed=0) for p in prompts], ours.config.eos_token_ids,
+                       batch_size=4, prompt_len=16)
+    out = jax.tree.map(np.asarray, generate(*nnx.split(ours), batch, max_new_tokens=64))
     reference = transformers.LlamaForCausalLM.from_pretrained(tiny_model).eval()
     for b, prompt in enumerate(prompts):
         with torch.inference_mode():
@@ -88,18 +89,18 @@ def test_greedy_equals_transformers_greedy(tiny_model):
 
 
 def test_span_schedule_and_shared_prompt_rows():
-    assert sampling.span_schedule(16, 16) == (31,)
-    assert sampling.span_schedule(16, 64) == (32, 79)  # 64 skipped: 79 slots are less than 1.5 x 64
-    assert sampling.span_schedule(16, 128) == (32, 64, 143)
-    assert sampling.span_schedule(64, 1024) == (128, 256, 512, 1087)
-    assert sampling.span_schedule(16, 1) == ()  # the prefill's token is the whole budget
+    assert span_schedule(16, 16) == (31,)
+    assert span_schedule(16, 64) == (32, 79)  # 64 skipped: 79 slots are less than 1.5 x 64
+    assert span_schedule(16, 128) == (32, 64, 143)
+    assert span_schedule(64, 1024) == (128, 256, 512, 1087)
+    assert span_schedule(16, 1) == ()  # the prefill's token is the whole budget
     rows = [RowRequest(p, SamplingParams(), seed=0, sample=s) for s, p in enumerate([SHORT, LONG, SHORT, (1,)])]
-    batch = sampling.make_batch(rows, (), batch_size=8, prompt_len=8)
+    batch = make_batch(rows, (), batch_size=8, prompt_len=8)
     assert batch.prompt_ids_PU.shape == (4, 8) and batch.rows.prompt_index_B[:4].tolist() == [0, 1, 0, 2]
     assert batch.prompt_ids_PU[1, -len(LONG):].tolist() == list(LONG)
     assert batch.rows.prompt_lengths_B[:4].tolist() == [3, 7, 3, 1] and batch.rows.live_B.sum() == 4
     with pytest.raises(ValueError, match="num_prompts"):
-        sampling.make_batch(rows, (), batch_size=8, prompt_len=8, num_prompts=2)
+        make_batch(rows, (), batch_size=8, prompt_len=8, num_prompts=2)
 
 
 def _after(calls: int, mask: list[bool]):
@@ -140,12 +141,12 @@ def test_unwanted_rows_end_at_a_phase_boundary_and_change_no_other_row(model, mi
     everyone = list(range(7))
 
     def run(unwanted=None, compact=True):
-        return jax.tree.map(np.asarray, sampling.generate(graphdef, state, batch, max_new_tokens=128,
-                                                          compact=compact, unwanted=unwanted))
+        return jax.tree.map(np.asarray, generate(graphdef, state, batch, max_new_tokens=128,
+                                                 compact=compact, unwanted=unwanted))
 
     full, full_uncompacted = run(), run(compact=False)
     assert len(full.phases) == 3
-    compiled = sampling.compiled_programs()
+    compiled = compiled_programs()
 
     wanted = run(unwanted=lambda: [False] * 7)
     _same_rows(wanted, full, everyone)
@@ -169,7 +170,7 @@ def test_unwanted_rows_end_at_a_phase_boundary_and_change_no_other_row(model, mi
     _is_prefix(kept_shapes, full_uncompacted, [5])
     assert kept_shapes.lengths_B[5] == 1 + first_steps < full.lengths_B[5] and not kept_shapes.stopped_B[5]
     assert len(kept_shapes.phases) == 2  # rows 0 and 6 end within the second phase: the third is skipped
-    assert sampling.compiled_programs() == compiled  # the hook is host-side: no program depends on it
+    assert compiled_programs() == compiled  # the hook is host-side: no program depends on it
 
     compacted = run(unwanted=_after(1, row_5_gone))  # compaction now keeps 2 rows, not 4: a smaller program
     _same_rows(compacted, full, [b for b in everyone if b != 5])
@@ -188,11 +189,11 @@ def test_check_every_pauses_a_phase_without_changing_a_token_or_compiling(model,
     everyone = list(range(7))
 
     def run(unwanted=None, check_every=None):
-        return jax.tree.map(np.asarray, sampling.generate(graphdef, state, batch, max_new_tokens=128,
-                                                          unwanted=unwanted, check_every=check_every))
+        return jax.tree.map(np.asarray, generate(graphdef, state, batch, max_new_tokens=128,
+                                                 unwanted=unwanted, check_every=check_every))
 
     full = run()
-    compiled = sampling.compiled_programs()
+    compiled = compiled_programs()
     assert full.phases[0][2] > 8  # the first phase outlives two pauses of 4 steps
 
     paused = run(unwanted=lambda: [False] * 7, check_every=4)
@@ -210,6 +211,6 @@ def test_check_every_pauses_a_phase_without_changing_a_token_or_compiling(model,
     _same_rows(one_gone, full, [b for b in everyone if b != 5])
     _is_prefix(one_gone, full, [5])
     assert one_gone.lengths_B[5] == 1 + 8 and not one_gone.stopped_B[5]
-    assert sampling.compiled_programs() == compiled  # the step to pause at is traced: no program depends on it
+    assert compiled_programs() == compiled  # the step to pause at is traced: no program depends on it
     with pytest.raises(ValueError, match="check_every"):
         run(check_every=0)

@@ -11,8 +11,9 @@ from flax import nnx
 from drgrpo_jax.models.kv_cache import init_cache
 from drgrpo_jax.models.logprobs import sequence_logprobs
 from drgrpo_jax.sampler import draws
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, batch_bucket, bucket, make_batch
+from drgrpo_jax.sampler.generate import generate
+from drgrpo_jax.sampler.programs import compiled_programs
 
 from support.tiny_models import tiny_sampler_model
 
@@ -28,9 +29,9 @@ def model():
 
 def run(model, rows, *, batch_size=4):
     """Samples `rows` in a [4, 16] batch with 16 new tokens (one shape, so the file compiles once)."""
-    batch = sampling.make_batch(rows, model.config.eos_token_ids, batch_size=batch_size, prompt_len=16)
+    batch = make_batch(rows, model.config.eos_token_ids, batch_size=batch_size, prompt_len=16)
     graphdef, state = nnx.split(model)
-    return jax.tree.map(np.asarray, sampling.generate(graphdef, state, batch, max_new_tokens=16))
+    return jax.tree.map(np.asarray, generate(graphdef, state, batch, max_new_tokens=16))
 
 
 @jax.jit
@@ -85,7 +86,7 @@ def test_greedy_equals_argmax_of_repeated_full_forwards(model):
 def test_prefill_then_decode_logits_equal_full_forward(model):
     """The sampler's cache use (left-padded prefill of U-1 columns, then one token at a time); one row per prompt."""
     rows = [RowRequest(p, SamplingParams(), seed=0) for p in PROMPTS]
-    batch = sampling.make_batch(rows, (), batch_size=4, prompt_len=8)
+    batch = make_batch(rows, (), batch_size=4, prompt_len=8)
     completion = np.asarray([[3, 14, 15], [92, 65, 35], [89, 79, 32], [0, 0, 0]], np.int32)
     decode = jax.jit(lambda m, ids, pos, cache: m.decode(ids, pos, cache))
     cache = init_cache(model.config, 4, 8 + 3)
@@ -157,8 +158,8 @@ def test_eos_from_config_stops_unless_ignored(model):
     first = int(greedy.tokens_BT[0, 0])
     config = model.config
     rows = [RowRequest(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0.0), seed=0)]
-    batch = sampling.make_batch(rows, (first,), batch_size=4, prompt_len=16)
-    out = sampling.generate(*nnx.split(model), batch, max_new_tokens=16)
+    batch = make_batch(rows, (first,), batch_size=4, prompt_len=16)
+    out = generate(*nnx.split(model), batch, max_new_tokens=16)
     assert int(out.lengths_B[0]) == 1 and bool(out.stopped_B[0]) and config.eos_token_ids != (first,)
 
 
@@ -221,16 +222,16 @@ def test_top_k_one_samples_the_argmax(model):
 def test_prompts_in_one_bucket_share_one_program(model):
     graphdef, state = nnx.split(model)
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
-    before = sampling.compiled_programs()
+    before = compiled_programs()
     for prompt in [(1, 2), (3, 4, 5, 6, 7), tuple(range(1, 17))]:
-        batch = sampling.make_batch([RowRequest(prompt, params, seed=0)], (), batch_size=4, prompt_len=16)
-        sampling.generate(graphdef, state, batch, max_new_tokens=16)
-    assert sampling.compiled_programs() - before <= 2  # one prefill and one decode phase (U + T - 1 = 31 slots)
+        batch = make_batch([RowRequest(prompt, params, seed=0)], (), batch_size=4, prompt_len=16)
+        generate(graphdef, state, batch, max_new_tokens=16)
+    assert compiled_programs() - before <= 2  # one prefill and one decode phase (U + T - 1 = 31 slots)
 
 
 def test_buckets_and_validation():
-    assert [sampling.bucket(n) for n in (0, 1, 16, 17, 100)] == [16, 16, 16, 32, 128]
-    assert [sampling.batch_bucket(n) for n in (1, 3, 32, 33)] == [1, 4, 32, 64]
+    assert [bucket(n) for n in (0, 1, 16, 17, 100)] == [16, 16, 16, 32, 128]
+    assert [batch_bucket(n) for n in (1, 3, 32, 33)] == [1, 4, 32, 64]
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
@@ -240,6 +241,6 @@ def test_buckets_and_validation():
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=(-3,))
     with pytest.raises(ValueError, match="prompt_ids"):
-        sampling.make_batch([RowRequest((), SamplingParams(), seed=0)], (), batch_size=1, prompt_len=16)
+        make_batch([RowRequest((), SamplingParams(), seed=0)], (), batch_size=1, prompt_len=16)
     with pytest.raises(ValueError, match="batch_size"):
-        sampling.make_batch([RowRequest((1,), SamplingParams(), seed=0)] * 3, (), batch_size=2, prompt_len=16)
+        make_batch([RowRequest((1,), SamplingParams(), seed=0)] * 3, (), batch_size=2, prompt_len=16)

@@ -306,7 +306,7 @@ def test_openapi_documents_400_not_422(server):
 def test_one_failing_request_does_not_fail_its_batch_mates(folders):
     """The engine, in process: a row that makes the sampler raise fails its own request; the other is answered."""
     from drgrpo_jax.config.serve import ServeConfig
-    from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+    from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
     from drgrpo_jax.serve.engine import Engine
 
     engine = Engine(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))

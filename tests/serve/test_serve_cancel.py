@@ -13,18 +13,19 @@ from fastapi.testclient import TestClient
 
 from drgrpo_jax import host_memory
 from drgrpo_jax.config.serve import ServeConfig
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, bucket
+from drgrpo_jax.sampler.generate import span_schedule
+from drgrpo_jax.sampler.programs import compiled_programs
 from drgrpo_jax.serve import engine as engine_module
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.engine import Engine, RowResult
 
 from support.tiny_models import write_tiny_llama
 
 pytestmark = pytest.mark.heavy  # each test compiles the sampler's programs for several phase shapes
 
 LONG = SamplingParams(max_new_tokens=8192, temperature=1.0, ignore_eos=True)
-LONG_PHASES = len(sampling.span_schedule(sampling.bucket(2), LONG.max_new_tokens))
+LONG_PHASES = len(span_schedule(bucket(2), LONG.max_new_tokens))
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,8 @@ def test_a_batch_whose_client_left_ends_at_the_next_check_and_the_worker_goes_on
         assert engine.batches_stopped == 1 and engine.rows_cut == 1 and engine.phase_checks == 20
         (cut,) = results[0]
         # Questions are at most 16 steps apart from step 1 on; the phase of slots 256-512 runs to step 497.
-        steps = sampling.span_schedule(sampling.bucket(2), LONG.max_new_tokens)
-        phase_ends = [1 + span - sampling.bucket(2) for span in steps]
+        steps = span_schedule(bucket(2), LONG.max_new_tokens)
+        phase_ends = [1 + span - bucket(2) for span in steps]
         assert 241 < len(cut.output_ids) <= 1 + every * 19 < phase_ends[4] == 497, len(cut.output_ids)
         assert engine.phases_run == 5  # main: all 9 phases, 8,192 tokens
         # The worker serves the next request, in full.
@@ -179,14 +180,14 @@ def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_af
     keeps = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0))
     try:
         (kept,) = keeps.submit(row).result(timeout=300)
-        assert sampling.compiled_programs() >= 2 and keeps.programs_dropped == 0  # a prefill and a decode phase
+        assert compiled_programs() >= 2 and keeps.programs_dropped == 0  # a prefill and a decode phase
     finally:
         keeps.close()
     engine = Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0, max_kept_programs=1))
     try:
         (first,) = engine.submit(row).result(timeout=300)
         _wait_for(lambda: engine.programs_dropped >= 2, "the idle service to drop its programs")
-        assert sampling.compiled_programs() == 0
+        assert compiled_programs() == 0
         (again,) = engine.submit(row).result(timeout=300)
         assert first.output_ids == again.output_ids == kept.output_ids
         assert again.logprobs == pytest.approx(first.logprobs, abs=1e-6)
@@ -194,6 +195,50 @@ def test_an_idle_service_over_its_program_cap_drops_them_and_answers_the_same_af
         engine.close()
     with pytest.raises(ValueError, match="max_kept_programs: must be >= 0"):
         ServeConfig(model=model, max_kept_programs=-1)
+
+
+def test_compiled_programs_are_never_dropped_while_a_batch_runs_or_starts(model, monkeypatch):
+    """The idle drop of every compiled program and the lanes' batches exclude each other: a lane going idle while
+    the other lane's batch runs drops nothing, and a batch that arrives during a drop waits for its end. Main
+    checked the other lane without a lock, so a short request's batch started in the middle of the drop."""
+    monkeypatch.setattr(engine_module, "mapped_fraction", lambda: 0.6)  # every idle moment is a drop
+    dropping, drop_may_end, long_may_end = threading.Event(), threading.Event(), threading.Event()
+    real_clear = jax.clear_caches
+
+    def held_clear() -> None:
+        dropping.set()
+        drop_may_end.wait(60)
+        real_clear()
+
+    monkeypatch.setattr(jax, "clear_caches", held_clear)
+    engine = Engine(ServeConfig(model=model, short_request_tokens=8, batch_wait_ms=1.0))
+    started: list[int] = []
+
+    def stand_in(weights, rows, unwanted=None):  # no program runs: the test is about when batches start
+        started.append(rows[0].params.max_new_tokens)
+        if rows[0].params.max_new_tokens > 8:
+            long_may_end.wait(60)
+        return [RowResult([], [], False, weights.version) for _ in rows]
+
+    engine.run_batch = stand_in  # type: ignore[method-assign]
+    try:
+        long = engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=64), seed=1)])
+        _wait_for(lambda: started == [64], "the long batch to start")
+        engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=2), seed=2)]).result(timeout=60)
+        assert not dropping.wait(0.5)  # the short lane went idle while the long batch ran: nothing dropped
+        long_may_end.set()
+        long.result(timeout=60)
+        assert dropping.wait(60)  # both lanes idle: the drop starts, and is held
+        short = engine.submit([RowRequest((7, 3), SamplingParams(max_new_tokens=2), seed=3)])
+        time.sleep(1.0)
+        assert started == [64, 2] and not short.done()  # the batch waits for the drop to end
+        drop_may_end.set()
+        short.result(timeout=60)
+        assert started == [64, 2, 2]
+    finally:
+        long_may_end.set()
+        drop_may_end.set()
+        engine.close()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/sys/vm/max_map_count"), reason="Linux's mapping limit only")
@@ -229,7 +274,7 @@ def test_an_idle_service_near_the_mapping_limit_drops_its_programs_whatever_its_
     try:
         (first,) = engine.submit(row).result(timeout=300)
         _wait_for(lambda: engine.programs_dropped >= 2, "the idle service to drop its programs")
-        assert sampling.compiled_programs() == 0
+        assert compiled_programs() == 0
         (again,) = engine.submit(row).result(timeout=300)
         assert first.output_ids == again.output_ids
     finally:

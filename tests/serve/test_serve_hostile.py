@@ -523,12 +523,12 @@ def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
     import threading
     import time
 
-    from drgrpo_jax.sampler import generate as sampling
+    from drgrpo_jax.sampler import generate as driver  # the module: the programs it calls are wrapped below
 
     engine = Engine(ServeConfig(model=long_model, request_timeout_s=2.0, short_request_tokens=0,
                                 batch_wait_ms=1.0))
     answered, parts, prefills = threading.Event(), [], []
-    real_part, real_prefill = getattr(sampling, "_prefill_part", None), sampling._prefill
+    real_part, real_prefill = driver.prefill_part, driver.prefill
 
     def held_part(*args, **kwargs):
         parts.append(1)
@@ -540,8 +540,8 @@ def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
         prefills.append(1)
         return real_prefill(*args, **kwargs)
 
-    monkeypatch.setattr(sampling, "_prefill_part", held_part, raising=False)
-    monkeypatch.setattr(sampling, "_prefill", counted_prefill)
+    monkeypatch.setattr(driver, "prefill_part", held_part)
+    monkeypatch.setattr(driver, "prefill", counted_prefill)
     prompt = np.random.default_rng(0).integers(3, 64, 2500).tolist()
     try:
         answer = _client(engine).post("/generate", json={"input_ids": prompt, "sampling_params": {
@@ -562,19 +562,19 @@ def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
 @pytest.mark.slow
 def test_a_long_prompt_prefilled_in_parts_samples_what_one_prefill_does(long_model, monkeypatch):
     """What the parts change is only the order of float sums: the tokens are those of the whole prefill."""
-    from drgrpo_jax.sampler import generate as sampling
-    from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+    from drgrpo_jax.sampler import generate as driver  # the module: its PREFILL_CHUNK is what generate reads
+    from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, bucket, make_batch
     from drgrpo_jax.serve.weights import load_weights
 
     weights = load_weights(long_model, "float32", "0")
     rng = np.random.default_rng(0)
     rows = [RowRequest(tuple(rng.integers(3, 64, 2500).tolist()), SamplingParams(max_new_tokens=8), seed=1),
             RowRequest(tuple(rng.integers(3, 64, 30).tolist()), SamplingParams(max_new_tokens=8, temperature=0), 2)]
-    batch = sampling.make_batch(rows, (2,), batch_size=2, prompt_len=sampling.bucket(2500), num_prompts=2)
-    parts = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16,
-                              unwanted=lambda: [False, False], check_every=4)
-    monkeypatch.setattr(sampling, "PREFILL_CHUNK", 1 << 30)  # one program over the whole prompt
-    whole = sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=16)
+    batch = make_batch(rows, (2,), batch_size=2, prompt_len=bucket(2500), num_prompts=2)
+    parts = driver.generate(weights.graphdef, weights.state, batch, max_new_tokens=16,
+                            unwanted=lambda: [False, False], check_every=4)
+    monkeypatch.setattr(driver, "PREFILL_CHUNK", 1 << 30)  # one program over the whole prompt
+    whole = driver.generate(weights.graphdef, weights.state, batch, max_new_tokens=16)
     np.testing.assert_array_equal(np.asarray(parts.tokens_BT), np.asarray(whole.tokens_BT))
     np.testing.assert_allclose(np.asarray(parts.logprobs_BT), np.asarray(whole.logprobs_BT), atol=1e-4)
 

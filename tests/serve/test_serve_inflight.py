@@ -14,8 +14,9 @@ from flax import nnx
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.models.logprobs import sequence_logprobs
 from drgrpo_jax.models.pretrained import from_pretrained
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
+from drgrpo_jax.sampler.generate import generate
+from drgrpo_jax.sampler.programs import compiled_programs
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.engine import Engine, RowResult
 
@@ -66,7 +67,7 @@ def _sample(engine: Engine) -> RowResult:
 def _oracle(folders, switch: bool) -> dict[str, np.ndarray]:
     """The full-cache sampler on the same row: version 0 throughout, or version 1 from SWITCH over v0's cache."""
     old, new = (from_pretrained(folder) for folder in folders)
-    batch = sampling.make_batch([ROW], old.config.eos_token_ids, batch_size=1, prompt_len=16, num_prompts=1)
+    batch = make_batch([ROW], old.config.eos_token_ids, batch_size=1, prompt_len=16, num_prompts=1)
     return full_cache_sample(old, batch, 32, switch=(SWITCH, new) if switch else None)
 
 
@@ -75,10 +76,10 @@ def test_a_push_reaches_the_running_batch_at_its_next_boundary(folders):
     try:
         plain = _sample(engine)  # compiles the batch's programs
         assert plain.token_versions == ["0"] * 24 and plain.weight_version == "0"
-        programs = sampling.compiled_programs()
+        programs = compiled_programs()
         _push_at_second_question(engine, folders[1])
         crossed = _sample(engine)
-        assert sampling.compiled_programs() == programs  # the new weights are arguments of the same programs
+        assert compiled_programs() == programs  # the new weights are arguments of the same programs
         assert crossed.token_versions == ["0"] * SWITCH + ["1"] * (24 - SWITCH)
         assert crossed.weight_version == "0"  # the oldest version of the row
         assert engine.weights.version == "1" and _sample(engine).token_versions == ["1"] * 24
@@ -135,8 +136,8 @@ def test_generate_answers_each_tokens_version_only_with_the_flag(folders):
 def test_the_sampler_refuses_weights_of_other_shapes_or_dtypes(folders):
     model = from_pretrained(folders[0])
     graphdef, state = nnx.split(model)
-    batch = sampling.make_batch([ROW], model.config.eos_token_ids, batch_size=1, prompt_len=16, num_prompts=1)
+    batch = make_batch([ROW], model.config.eos_token_ids, batch_size=1, prompt_len=16, num_prompts=1)
     other = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
     with pytest.raises(ValueError, match="^weights_now: a weight of shape/dtype .* bfloat16 replaces"):
-        sampling.generate(graphdef, state, batch, max_new_tokens=32, check_every=EVERY,
-                          weights_now=lambda: (other, 1))
+        generate(graphdef, state, batch, max_new_tokens=32, check_every=EVERY,
+                 weights_now=lambda: (other, 1))

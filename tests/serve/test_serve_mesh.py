@@ -20,7 +20,9 @@ from drgrpo_jax.models.config import LoraSpec
 from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.models.lora import adapter_specs, save_adapter
 from drgrpo_jax.rollout.weight_push import host_tensors
-from drgrpo_jax.sampler.generate import check_mesh, mesh_rows
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch, mesh_rows
+from drgrpo_jax.sampler.generate import generate
+from drgrpo_jax.sampler.programs import check_mesh
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.cli import parse_args
 from drgrpo_jax.serve.engine import Engine
@@ -307,28 +309,23 @@ def test_the_gpu_launcher_gives_each_service_its_mesh_of_gpus():
 
 def test_phases_compaction_and_cut_rows_on_the_mesh_keep_each_rows_tokens(folders):
     """8 rows over several phases on tensor=2,data=2; the hook cuts 6 of them at the first phase boundary, so
-    the 2 left are compacted to one row per data shard (`_regrow` on the mesh): they keep one device's tokens."""
-    from drgrpo_jax.sampler import generate as sampling
-
-    rows = [sampling.RowRequest((5 + i, 9, 13), sampling.SamplingParams(max_new_tokens=40, temperature=1.0,
-                                                                          ignore_eos=True), seed=3, sample=i)
-            for i in range(8)]
+    the 2 left are compacted to one row per data shard (`regrow` on the mesh): they keep one device's tokens."""
+    rows = [RowRequest((5 + i, 9, 13), SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True), seed=3,
+                       sample=i) for i in range(8)]
     kept = (2, 5)
 
     def run(mesh_spec: str, cut: bool):
         mesh = service_mesh(parse_service_mesh(mesh_spec))
         weights = load_weights(folders["v0"], "float32", "0", mesh)
         data = 1 if mesh is None else mesh.shape["data"]
-        batch = sampling.make_batch(rows, (2,), batch_size=sampling.mesh_rows(8, data), prompt_len=16,
-                                    num_prompts=sampling.mesh_rows(8, data))
+        batch = make_batch(rows, (2,), batch_size=mesh_rows(8, data), prompt_len=16, num_prompts=mesh_rows(8, data))
         calls = []
 
         def unwanted() -> list[bool]:
             calls.append(1)
             return [cut and len(calls) > 1 and i not in kept for i in range(8)]
 
-        return sampling.generate(weights.graphdef, weights.state, batch, max_new_tokens=64, unwanted=unwanted,
-                                 mesh=mesh)
+        return generate(weights.graphdef, weights.state, batch, max_new_tokens=64, unwanted=unwanted, mesh=mesh)
 
     full, cut = run("", cut=False), run("tensor=2,data=2", cut=True)
     assert len(cut.phases) >= 2 and cut.phases[-1][0] == 2  # the last phase ran the 2 kept rows only

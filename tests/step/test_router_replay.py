@@ -22,8 +22,8 @@ from drgrpo_jax.models.kv_cache import init_cache
 from drgrpo_jax.models.moe import load_balancing_loss, router_z_loss
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.models.transformer import Transformer
-from drgrpo_jax.sampler import generate as sampling
-from drgrpo_jax.sampler.generate import RowRequest, SamplingParams
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
+from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.step.batch import Batch
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.policy import policy_logprobs
@@ -114,9 +114,9 @@ def _sample(model):
     """(Batch of the sampled completions with the recorded experts, the behaviour log-probs [N, T])."""
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0, ignore_eos=True)
     rows = [RowRequest(p, params, seed=3, sample=s) for p in PROMPTS for s in range(2)]
-    batch = sampling.make_batch(rows, model.config.eos_token_ids, batch_size=8, prompt_len=PROMPT_LEN)
-    out = jax.tree.map(np.asarray, sampling.generate(*nnx.split(model), batch, max_new_tokens=NEW,
-                                                     record_experts=True))
+    batch = make_batch(rows, model.config.eos_token_ids, batch_size=8, prompt_len=PROMPT_LEN)
+    out = jax.tree.map(np.asarray, generate(*nnx.split(model), batch, max_new_tokens=NEW,
+                                            record_experts=True))
     n = len(rows)
     index = batch.rows.prompt_index_B[:n]
     response_mask = np.arange(NEW)[None] < out.lengths_B[:n, None]
