@@ -15,6 +15,7 @@ import jax
 
 from drgrpo_jax.actor.actor import Actor
 from drgrpo_jax.checkpoint import Checkpointer
+from drgrpo_jax.config.api_keys import api_key
 from drgrpo_jax.config.derived import (
     child_service_batch_size,
     lora_base_dtype,
@@ -116,20 +117,10 @@ def check_attention_backend(impl: str, backend: str) -> None:
         raise ConfigError("model.attention_impl", f"{impl} runs on {needed} devices only; this run's are {backend}")
 
 
-def api_key(config: Config) -> str | None:
-    """The services' API key from the variable rollout.api_key_env names (None: no key); ConfigError if unset."""
-    name = config.rollout.api_key_env
-    if not name:
-        return None
-    if not os.environ.get(name, "").strip():
-        raise ConfigError("rollout.api_key_env", f"environment variable {name} is not set or empty")
-    return os.environ[name].strip()
-
-
 def connect_urls(config: Config) -> RolloutClient:
     """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
-    client = RolloutClient(config.rollout.urls, timeout_s=config.rollout.timeout_s, api_key=api_key(config),
-                           engine=config.rollout.engine)
+    r = config.rollout
+    client = RolloutClient(r.urls, timeout_s=r.timeout_s, api_key=api_key(r.api_key_env), engine=r.engine)
     for url, ok in zip(client.urls, client.healthy()):
         if not ok:
             client.close()
@@ -288,7 +279,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
             raise RuntimeError("the local generation service started without a URL")
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s,
-                                                   api_key=api_key(c), local_server=server))
+                                                   api_key=api_key(c.rollout.api_key_env), local_server=server))
     pusher = None
     if weight_sync == "shm":
         pusher = stack.enter_context(SegmentPusher(graphdef, merged_lora=spec is not None))
