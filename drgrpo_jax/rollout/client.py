@@ -28,21 +28,14 @@ import numpy as np
 
 from drgrpo_jax.config.engines import EngineName
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
-from drgrpo_jax.rollout.engines.base import Call, Engine, Sampling
-from drgrpo_jax.rollout.engines.native import NativeEngine
-from drgrpo_jax.rollout.engines.sglang import SGLangEngine
-from drgrpo_jax.rollout.engines.vllm import VLLMEngine
+from drgrpo_jax.rollout.engines import ENGINES
+from drgrpo_jax.rollout.engines.base import Call, Sampling
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.seeds import prompt_seeds
 from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["ENGINES", "Completions", "RolloutClient", "RouterShape", "check_versions", "decode_routed_experts",
-           "retryable"]
-
-# The engines a client can drive, by rollout.engine name: a new engine is a module under rollout/engines/, its row
-# in config/engines.py and its entry here.
-ENGINES: dict[str, Engine] = {engine.name: engine for engine in (NativeEngine(), SGLangEngine(), VLLMEngine())}
+__all__ = ["Completions", "RolloutClient", "RouterShape", "check_versions", "decode_routed_experts", "retryable"]
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import get_args
+from typing import get_args, get_type_hints
 
 import httpx
 import numpy as np
@@ -13,15 +13,18 @@ import pytest
 
 from drgrpo_jax.config.engines import ENGINE_TRAITS, EngineName
 from drgrpo_jax.config.load import load_config
+from drgrpo_jax.config.schema import RolloutConfig
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.rollout.client import ENGINES, RolloutClient
+from drgrpo_jax.rollout.client import RolloutClient
+from drgrpo_jax.rollout.engines import ENGINES
 from drgrpo_jax.rollout.engines.base import Call, Engine
 
 INFLIGHT = ["rollout.async=true", "rollout.max_staleness=2", "algorithm.tis_cap=2.0", "rollout.inflight_updates=true"]
 
 
 def test_the_config_offers_exactly_the_engines_the_client_drives():
-    assert get_args(EngineName) == tuple(ENGINE_TRAITS) == tuple(ENGINES)
+    offered = get_args(get_type_hints(RolloutConfig)["engine"])
+    assert offered == get_args(EngineName) == tuple(ENGINE_TRAITS) == tuple(ENGINES)
     assert all(engine.name == name and engine.traits is ENGINE_TRAITS[name] for name, engine in ENGINES.items())
 
 
