@@ -4,7 +4,8 @@ OmegaConf structured configs do the typed merge (wrong types, unknown keys, Lite
 (`rules.py`) adds the cross-field rules so a bad config fails before anything compiles, and leaves the library's
 own rules to its configs: it builds them (`derived.step_configs`) and names the config key of any field they refuse
 (`_LIBRARY_KEYS`). Sections and their fields: `schema.py`; loading and the command line: `load.py`; the generation
-service's settings, its flags and its YAML, through the same fields and typed merge: `serve.py`.
+service's settings, its flags and its YAML, through the same fields and typed merge: `serve.py`; command-line flags
+made from fields (the service's, the evaluator's): `flags.py`; the services' API key rule: `api_keys.py`.
 """
 
 from drgrpo_jax.config.derived import (

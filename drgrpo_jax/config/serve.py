@@ -1,7 +1,7 @@
 """The generation service's settings (`python -m drgrpo_jax.serve`): one frozen typed dataclass whose fields carry
 their default and their one help text, as the run config's sections do (`schema._f`). The service's flags are
-made from the fields (`add_flags`) and its YAML is read through the run config's typed merge (`load_serve_config`),
-so a setting is declared once. Every limit: docs/serving-limits.md.
+made from the fields (`add_flags`, through `flags.add_field_flag`) and its YAML is read through the run config's
+typed merge (`load_serve_config`), so a setting is declared once. Every limit: docs/serving-limits.md.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from drgrpo_jax.config.flags import add_field_flag
 from drgrpo_jax.config.load import read_config_file, translate_error
 from drgrpo_jax.config.schema import _f
 from drgrpo_jax.errors import ConfigError
@@ -178,30 +179,17 @@ class ServeConfig:
         return is_loopback(self.host)
 
 
-def _shown_default(field: dataclasses.Field) -> str:
-    """` (default X)` after a flag's help, unless the help says it or there is nothing to show."""
-    if field.default in ("", ()) or field.default is False or "default" in field.metadata["help"]:
-        return ""
-    return f" (default {field.default:g})" if isinstance(field.default, float) else f" (default {field.default})"
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """ServeConfig's fields as flags: each defaults to None (not given: the YAML's value or the field's default),
-    `--weights-root` repeats into weights_roots, the `limits` group is its own section of --help."""
+    """ServeConfig's fields as flags (`flags.add_field_flag`): each defaults to None (not given: the YAML's value or
+    the field's default), `--weights-root` repeats into weights_roots, the `limits` group is its own section of
+    --help."""
     limits = parser.add_argument_group("limits (docs/serving-limits.md)")
     for field in dataclasses.fields(ServeConfig):
-        meta = field.metadata
-        flag = meta.get("flag", "--" + field.name.replace("_", "-"))
-        if flag is None:
-            continue
-        kind = type(field.default)
-        options: dict[str, Any] = {"action": "store_true", "default": None} if kind is bool else {
-            "action": "append" if kind is tuple else "store", "type": kind if kind in (int, float) else None,
-            "choices": meta.get("choices"), "metavar": meta.get("metavar")}
-        if meta.get("group") == LIMITS:
-            options["metavar"] = "SECONDS" if kind is float else "N"
-        shown = argparse.SUPPRESS if meta.get("hidden") else meta["help"] + _shown_default(field)
-        (limits if meta.get("group") == LIMITS else parser).add_argument(flag, dest=field.name, help=shown, **options)
+        if field.metadata.get("group") == LIMITS:
+            metavar = "SECONDS" if isinstance(field.default, float) else "N"
+            add_field_flag(limits, ServeConfig, field.name, given_only=True, metavar=metavar)
+        else:
+            add_field_flag(parser, ServeConfig, field.name, given_only=True)
 
 
 @dataclasses.dataclass(frozen=True)

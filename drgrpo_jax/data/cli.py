@@ -1,5 +1,8 @@
-"""`python -m drgrpo_jax.data prepare NAME OUT.jsonl [--source HUB_ID_OR_FILE] [--subset S] [--split S]`: a public
-math set written as the problem/answer JSONL the configs read (data.path, data.eval_path, evaluate --suite)."""
+"""`python -m drgrpo_jax.data prepare NAME OUT.jsonl [--source HUB_ID_OR_FILE] [--subset S] [--split S]`.
+
+`prepare` writes a public math set as the problem/answer JSONL the configs read (data.path, data.eval_path, evaluate
+--suite).
+"""
 
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def prepare(name: str, output: str, source: str | None, subset: str | None, spli
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[1])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     listing = "\n".join(f"  {name:8s} {r.hub_id} ({r.split}): {r.about}" for name, r in RECIPES.items())
     sub = commands.add_parser("prepare", help="write a public math set as problem/answer JSONL",

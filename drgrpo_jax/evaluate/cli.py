@@ -1,9 +1,11 @@
-"""`python -m drgrpo_jax.evaluate --model PATH_OR_URL --suite NAME [--k 8] [--temperature 0.6] [--max-new-tokens N]`.
+"""`python -m drgrpo_jax.evaluate --model PATH_OR_URL --suite NAME [--k K] [--temperature T] [--max-new-tokens N]`.
 
-Samples one greedy and k sampled completions per problem through the generation service (a local child
-service on the model, or the given URLs), scores them with the training reward functions, and prints and
-writes accuracy (greedy), avg@k, unbiased pass@k, response lengths of correct and incorrect answers and the
-truncation rate (results.json, results.md, completions.jsonl under --output). --model: see `resolve_model`.
+Samples one greedy and k sampled completions per problem through the generation service (a local child service on
+the model, or the given URLs), scores them with the training reward functions, and prints and writes accuracy
+(greedy), avg@k, unbiased pass@k, response lengths of correct and incorrect answers and the truncation rate
+(results.json, results.md, completions.jsonl under --output). A flag with a run-config counterpart takes its
+default and its help from that key (drgrpo_jax/config/schema.py); "the run's" is the config.yaml of a run --model
+names.
 """
 
 from __future__ import annotations
@@ -20,9 +22,20 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from drgrpo_jax.checkpoint import Checkpointer
+from drgrpo_jax.config.api_keys import api_key
 from drgrpo_jax.config.derived import optimizer_of
+from drgrpo_jax.config.flags import add_field_flag, add_flag
 from drgrpo_jax.config.load import load_config, resolve_model_path
-from drgrpo_jax.config.schema import Config, DataConfig, EnvironmentConfig, RewardConfig
+from drgrpo_jax.config.schema import (
+    Config,
+    DataConfig,
+    EnvironmentConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.data.prompts import tokenize_prompt
 from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
@@ -33,13 +46,13 @@ from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
 from drgrpo_jax.rewards.scorer import RewardScorer
-from drgrpo_jax.rollout.client import ENGINES, RolloutClient
+from drgrpo_jax.rollout.client import RolloutClient
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.rollout.weight_push import WeightPublisher
 from drgrpo_jax.seeds import init_key
 from drgrpo_jax.step.train_step import init_state
 
-__all__ = ["ModelSource", "main", "resolve_model"]
+__all__ = ["ModelSource", "build_parser", "main", "resolve_model"]
 
 PROG = "python -m drgrpo_jax.evaluate"
 # Problems per request, and the rows of the evaluator's own child service, so that one request's greedy
@@ -117,7 +130,7 @@ def export_checkpoint(run_dir: str, step: int, config: Config, output: str) -> s
 
 def _settings(args: argparse.Namespace, config: Config | None) -> EvalSettings:
     """EvalSettings from the flags (the run's budget when --max-new-tokens is not given)."""
-    budget = args.max_new_tokens or (config.rollout.max_new_tokens if config else 512)
+    budget = args.max_new_tokens or (config or Config()).rollout.max_new_tokens  # 0 as not given, as it always was
     try:
         return EvalSettings(max_new_tokens=budget, samples=args.k, temperature=args.temperature, top_p=args.top_p,
                             greedy=args.greedy, seed=args.seed, chunk_prompts=args.batch_prompts)
@@ -126,11 +139,10 @@ def _settings(args: argparse.Namespace, config: Config | None) -> EvalSettings:
 
 
 def _data_config(args: argparse.Namespace, config: Config | None) -> DataConfig:
-    """The prompt template: the run's, else the flags'."""
+    """The prompt template: the flags given, else the run's, else data's defaults."""
     base = config.data if config is not None else DataConfig()
-    changes = {k: v for k, v in [("template", args.template), ("system_prompt", args.system_prompt)] if v is not None}
-    if args.no_chat_template:
-        changes["use_chat_template"] = False
+    given = {name: getattr(args, name) for name in ("template", "system_prompt", "use_chat_template")}
+    changes = {name: value for name, value in given.items() if value is not None}
     if "{question}" not in changes.get("template", base.template):
         raise ConfigError("--template", "must contain the {question} placeholder")
     return dataclasses.replace(base, **changes)
@@ -141,7 +153,7 @@ def _reward_config(args: argparse.Namespace, config: Config | None) -> RewardCon
     if args.reward:
         return RewardConfig(functions=tuple(args.reward), num_workers=args.reward_workers)
     if config is None:
-        return RewardConfig(functions=("math_verify",), num_workers=args.reward_workers)
+        return RewardConfig(num_workers=args.reward_workers)
     reward = config.reward
     keep = [i for i, f in enumerate(reward.functions) if f != "overlong"]
     if len(keep) == len(reward.functions):
@@ -185,6 +197,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--engine", f"{args.engine} is the API of service URLs; a local model is served by our own "
                                       "service (ours)")
     config = source.run_config
+    key = api_key(args.api_key_env, "--api-key-env")  # before anything starts, as the trainer reads it
     settings = _settings(args, config)
     suite = load_suite(args.suite, size=args.size, seed=args.seed, problem_field=args.problem_field,
                        answer_field=args.answer_field)
@@ -203,8 +216,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 path, dtype=args.dtype, log_path=os.path.join(output, "serve.log"),
                 extra_args=["--max-batch-size", str(args.max_batch_size)]))
             urls = [str(server.url)]
-        api_key = (os.environ.get(args.api_key_env, "").strip() or None) if args.api_key_env else None
-        client = stack.enter_context(RolloutClient(urls, timeout_s=args.timeout, api_key=api_key,
+        client = stack.enter_context(RolloutClient(urls, timeout_s=args.timeout, api_key=key,
                                                    engine=args.engine))
         tokenizer = _tokenizer(args, dataclasses.replace(source, path=path), client)
         scorer = stack.enter_context(RewardScorer(rewards, budget=settings.max_new_tokens))
@@ -242,55 +254,56 @@ def _model_name(specs: list[str]) -> str:
     return os.path.splitext(name)[0]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+_RUNS = "the run's"  # a flag not given takes the value of the run --model names, else its field's default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags; those with a run-config counterpart are made from its field (one default, one help text)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", action="append", required=True,
-                   help="run dir, checkpoint, HF folder, .gguf, pkg:NAME, Hub id org/name[@revision] or service URL "
-                        "(repeat for several URLs)")
-    p.add_argument("--suite", required=True, help="a named mix (chain_sum_1digit, arithmetic), rg:TASK[,TASK...] or a "
-                                                  ".jsonl file with problem/answer")
-    p.add_argument("--k", type=int, default=8, help="sampled completions per problem (0 = greedy only)")
-    p.add_argument("--temperature", type=float, default=0.6, help="temperature of the k samples")
-    p.add_argument("--top-p", dest="top_p", type=float, default=1.0,
-                   help="nucleus sampling mass of the k samples, in (0, 1]; 1 = off")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=0,
-                   help="generation budget (default: the run's rollout.max_new_tokens, else 512)")
-    p.add_argument("--no-greedy", dest="greedy", action="store_false", help="skip the greedy completion")
-    p.add_argument("--size", type=int, default=50, help="problems per reasoning-gym task; rows of a file (0 = all)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of the generated problems and of the samples")
-    p.add_argument("--step", type=int, help="with a run directory: evaluate weights/vSTEP instead of final/")
-    p.add_argument("--reward", action="append", help="reward functions (default: the run's, else math_verify)")
-    p.add_argument("--reward-workers", dest="reward_workers", type=int, default=2,
-                   help="reward worker processes (each call is time-limited, as in training)")
-    p.add_argument("--tools", action="append", help="answer in multi-turn episodes with these tools (calculator, "
-                                                    "python or package.module:function; default: the run's)")
-    p.add_argument("--no-tools", dest="no_tools", action="store_true", help="plain completions even when the run "
-                                                                           "trained with tools")
-    p.add_argument("--template", help="prompt template with {question} (default: the run's, else the trainer's)")
-    p.add_argument("--system-prompt", dest="system_prompt",
-                   help="system message (chat template) or prefix line (default: the run's, else none)")
-    p.add_argument("--no-chat-template", dest="no_chat_template", action="store_true",
-                   help="send the template as plain text, not inside the tokenizer's chat template")
-    p.add_argument("--problem-field", dest="problem_field", help="JSONL field of the problem (default problem, "
-                                                                 "else question)")
-    p.add_argument("--answer-field", dest="answer_field", default="answer",
-                   help="JSONL field of the reference answer (text after a #### marker is kept)")
-    p.add_argument("--tokenizer", help="tokenizer folder or Hub id org/name[@revision] (needed with URLs unless the "
-                                       "service's is local)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the local service's dtype")
-    p.add_argument("--max-batch-size", dest="max_batch_size", type=int, default=BATCH_PROMPTS,
-                   help="the local service's rows")
-    p.add_argument("--batch-prompts", dest="batch_prompts", type=int, default=BATCH_PROMPTS,
-                   help="problems per request")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for one request")
-    p.add_argument("--api-key-env", dest="api_key_env", default="", metavar="NAME",
-                   help="environment variable holding the services' API key")
-    p.add_argument("--engine", default="ours", choices=ENGINES,
-                   help="the API the service URLs speak (as rollout.engine; docs/engines.md)")
-    p.add_argument("--output", "-o", help="report folder (default: evaluations/MODEL-SUITE)")
-    return p.parse_args(argv)
+    add_field_flag(p, ModelConfig, "path", "--model", dest="model", action="append", required=True, default=None,
+                   note="; or a training run folder (its final/, or weights/vSTEP with --step; its config.yaml gives "
+                        "the prompt template, rewards and budget), a run's orbax checkpoint RUN/checkpoints/N, or "
+                        "http(s)://HOST:PORT of a running generation service (repeat --model for several)")
+    add_flag(p, "--suite", required=True, help="a named mix (chain_sum_1digit, arithmetic), rg:TASK[,TASK...] or a "
+                                               ".jsonl file with problem/answer")
+    add_field_flag(p, TrainConfig, "eval_samples", "--k", dest="k")
+    add_field_flag(p, TrainConfig, "eval_temperature", "--temperature", dest="temperature")
+    add_field_flag(p, RolloutConfig, "top_p")
+    add_field_flag(p, RolloutConfig, "max_new_tokens", fallback=_RUNS)
+    add_flag(p, "--no-greedy", dest="greedy", action="store_false", help="skip the greedy completion")
+    add_flag(p, "--size", type=int, default=50, help="problems per reasoning-gym task; rows of a file (0 = all)")
+    add_flag(p, "--seed", type=int, default=1234, help="seed of the generated problems and of the samples (not the "
+                                                       "trainer's run.seed)")
+    add_flag(p, "--step", type=int, help="with a run directory: evaluate weights/vSTEP instead of final/")
+    add_field_flag(p, RewardConfig, "functions", "--reward", dest="reward", fallback=_RUNS + " without overlong")
+    add_field_flag(p, RewardConfig, "num_workers", "--reward-workers", dest="reward_workers")
+    add_field_flag(p, EnvironmentConfig, "tools", fallback=_RUNS,
+                   note="; with tools each problem is answered in a multi-turn episode")
+    add_flag(p, "--no-tools", dest="no_tools", action="store_true",
+             help="plain completions even when the run trained with tools")
+    add_field_flag(p, DataConfig, "template", fallback=_RUNS)
+    add_field_flag(p, DataConfig, "system_prompt", fallback=_RUNS)
+    add_field_flag(p, DataConfig, "use_chat_template", "--no-chat-template", fallback=_RUNS)
+    add_flag(p, "--problem-field", help="JSONL field of the problem (default problem, else question)")
+    add_field_flag(p, DataConfig, "answer_field", note="; text after a #### marker is kept")
+    add_field_flag(p, ModelConfig, "tokenizer_path", "--tokenizer", dest="tokenizer",
+                   note="; needed with service URLs unless the service reports a local one")
+    add_field_flag(p, ServeConfig, "dtype", note=" of the local service")
+    # Not serve's own default: this child serves the evaluation alone, a request of --batch-prompts problems at once.
+    add_field_flag(p, ServeConfig, "max_batch_size", default=BATCH_PROMPTS, note=" of the local service")
+    add_flag(p, "--batch-prompts", type=int, default=BATCH_PROMPTS, help="problems per request")
+    add_field_flag(p, RolloutConfig, "timeout_s", "--timeout", dest="timeout")
+    add_field_flag(p, RolloutConfig, "api_key_env", metavar="NAME")
+    add_field_flag(p, RolloutConfig, "engine",
+                   note="; here the API of the --model URLs (a local model is served by ours)")
+    add_flag(p, "--output", "-o", help="report folder (default: evaluations/MODEL-SUITE)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

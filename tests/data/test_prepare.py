@@ -164,6 +164,13 @@ def test_errors_are_one_line_with_exit_status_2(tmp_path, monkeypatch, capsys):
         main(["prepare", "math13k", str(tmp_path / "out.jsonl")])  # argparse names the choices
 
 
+def test_the_help_says_what_the_command_does(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+    assert "`prepare` writes a public math set as the problem/answer JSONL the configs read" in text
+
+
 def test_every_recipe_has_its_hub_id_and_split():
     assert set(RECIPES) == {"math12k", "math500", "gsm8k", "aime24"}
     with pytest.raises(ConfigError, match="has no 'problem' field"):
