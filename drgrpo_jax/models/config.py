@@ -5,38 +5,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from drgrpo_jax.errors import FieldError
+from drgrpo_jax.models.families import FAMILIES, Family, family_of_model_type
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import normalise_remat
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3"]
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "gemma3")
-# Families whose every MLP is a mixture of experts (models/moe.py).
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral", "gpt_oss")
-# HF model_type -> our family; gemma3 (multimodal wrapper) is read through its text_config.
-_MODEL_TYPES: dict[str, str] = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-    "gpt_oss": "gpt_oss",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-}
-_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "mixtral": ("MixtralForCausalLM", "mixtral"),
-    "gpt_oss": ("GptOssForCausalLM", "gpt_oss"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
 ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_pytorch_tanh", "gelu")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -169,7 +146,7 @@ class LoraSpec:
 class DecoderConfig:
     """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS, Gemma 3 text)."""
 
-    family: str = "llama"  # one of FAMILIES; decides norms, activation defaults and HF names
+    family: str = "llama"  # a name in models/families.py's FAMILIES; `traits` is its entry
     vocab_size: int = 32_000  # V
     hidden_size: int = 512  # D
     intermediate_size: int = 1_376  # I (a mixture of experts keeps it for HF's config only: every MLP is sparse)
@@ -205,7 +182,7 @@ class DecoderConfig:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(f"family: {self.family!r} is not supported (supported: {FAMILIES})")
+            raise ValueError(f"family: {self.family!r} is not supported (supported: {tuple(FAMILIES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -246,7 +223,7 @@ class DecoderConfig:
     def _check_experts(self) -> None:
         """A mixture of experts (Qwen3-MoE, GPT-OSS) names e >= 1 experts, 1 <= k <= e of them per token and
         their hidden size f >= 1; a dense family names none."""
-        if self.family not in MOE_FAMILIES:
+        if not self.traits.sparse:
             if self.num_experts:
                 raise ValueError(f"num_experts: {self.family} has a dense MLP, got {self.num_experts} experts")
             return
@@ -256,45 +233,18 @@ class DecoderConfig:
                 raise ValueError(f"{name}: must be a positive int for a mixture of experts, got {value!r}")
         if self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}")
-        if self.family == "gpt_oss" and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
+        if self.traits.gpt_oss_experts and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
             raise ValueError(f"swiglu_alpha/swiglu_limit: must be > 0, got {self.swiglu_alpha}, {self.swiglu_limit}")
 
-    # Family traits, derived so that no config can combine them inconsistently.
     @property
-    def qk_norm(self) -> bool:
-        """RMSNorm on each query/key head before RoPE (Qwen3, Qwen3-MoE, Gemma 3)."""
-        return self.family in ("qwen3", "qwen3_moe", "gemma3")
+    def traits(self) -> Family:
+        """The family's fixed traits (norms, attention, experts, HF names): models/families.py."""
+        return FAMILIES[self.family]
 
     @property
     def moe(self) -> bool:
         """Every layer's MLP is a mixture of experts (models/moe.py) instead of one dense MLP."""
         return self.num_experts > 0
-
-    @property
-    def attention_sinks(self) -> bool:
-        """A learned logit per query head joins each softmax's denominator and takes no value (GPT-OSS)."""
-        return self.family == "gpt_oss"
-
-    @property
-    def gpt_oss_experts(self) -> bool:
-        """GPT-OSS's mixture: a biased router whose top-k logits are softmaxed (not the top k of a softmax), and
-        experts with biases and a clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`) in place of `activation`."""
-        return self.family == "gpt_oss"
-
-    @property
-    def gemma_norms(self) -> bool:
-        """Gemma RMSNorm: weight stored as w, applied as (1 + w), product in float32."""
-        return self.family == "gemma3"
-
-    @property
-    def post_norms(self) -> bool:
-        """Extra RMSNorm after attention and after the MLP (Gemma 3 sandwich norms)."""
-        return self.family == "gemma3"
-
-    @property
-    def scale_embeddings(self) -> bool:
-        """Embeddings multiplied by sqrt(hidden_size) (Gemma)."""
-        return self.family == "gemma3"
 
     @property
     def attn_scale(self) -> float:
@@ -359,63 +309,23 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             hf.setdefault(key, top.get(key))
         hf.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", True))
-    if model_type not in _MODEL_TYPES:
-        raise ValueError(f"model_type: {model_type!r} is not supported (supported: {sorted(_MODEL_TYPES)})")
-    family = _MODEL_TYPES[model_type]
-    if hf.get("mlp_bias"):
-        raise ValueError("mlp_bias: True is not supported (no supported checkpoint uses MLP biases)")
-    if hf.get("use_sliding_window"):
-        raise ValueError("use_sliding_window: Qwen2-style sliding window attention is not supported")
+    traits = family_of_model_type(model_type)
+    _check_hf_support(hf, traits)
     num_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
-    gemma = family == "gemma3"
-    default_theta = {"gemma3": 1_000_000.0, "mixtral": 1_000_000.0, "gpt_oss": 150_000.0}.get(family, 10_000.0)
-    rope_params = hf.get("rope_parameters")
     context = int(hf.get("max_position_embeddings", 2048))
-    rope_from_hf = functools.partial(_rope_from_hf, context=context,
-                                     original_context=hf.get("original_max_position_embeddings"))
-    local_rope = None
-    if gemma:
-        if rope_params and "full_attention" in rope_params:
-            rope = rope_from_hf(rope_params["full_attention"], default_theta)
-            local_rope = rope_from_hf(rope_params.get("sliding_attention"), 10_000.0)
-        else:
-            rope = rope_from_hf(hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
-            local_rope = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
-    else:
-        rope = rope_from_hf(rope_params or hf.get("rope_scaling"), float(hf.get("rope_theta", default_theta)))
     num_layers = int(hf["num_hidden_layers"])
-    layer_types: tuple[str, ...] = ()
-    sliding_window = None
-    if family == "gpt_oss":
-        quantized = (hf.get("quantization_config") or {}).get("quant_method")
-        if quantized not in (None, "mxfp4"):  # MXFP4 experts are dequantized as they are read (models/mxfp4.py)
-            raise ValueError(f"quantization_config: {quantized} experts are not supported; use the published "
-                             "MXFP4 or an unquantised (bfloat16) GPT-OSS checkpoint")
-        layer_types = tuple(hf.get("layer_types") or (
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)))
-        sliding_window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
-    if family == "mixtral" and hf.get("sliding_window"):  # Mistral's window: every layer or none
-        sliding_window = int(hf["sliding_window"])
-        layer_types = ("sliding_attention",) * num_layers
-    if gemma:
-        layer_types = tuple(hf.get("layer_types") or (
-            "sliding_attention" if (i + 1) % int(hf.get("sliding_window_pattern", 6)) else "full_attention"
-            for i in range(num_layers)))
-        sliding_window = int(hf.get("sliding_window") or 4096)
-        # transformers' Gemma 3 never applies attn_logit_softcapping (the field is a Gemma 2 leftover), so
-        # neither do we: parity with the reference is the contract.
-        if hf.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention: only causal decoders are supported")
-    activation = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
-    experts = _experts_from_hf(hf, num_layers) if family in MOE_FAMILIES else {}
+    rope, local_rope = _ropes_from_hf(hf, traits, context)
+    layer_types, sliding_window = _sliding_from_hf(hf, traits, num_layers)
+    experts = _experts_from_hf(hf, traits, num_layers) if traits.sparse else {}
     attention_bias = bool(hf.get("attention_bias", False))
+    scalar = traits.query_pre_attn_scalar
     eos = list(_as_tuple(hf.get("eos_token_id")))
     for token in _as_tuple((generation or {}).get("eos_token_id")):
         if token not in eos:
             eos.append(token)
     return DecoderConfig(
-        family=family,
+        family=traits.name,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -429,12 +339,14 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         local_rope=local_rope,
         layer_types=layer_types,
         sliding_window=sliding_window,
-        activation=activation,
-        qkv_bias=attention_bias or family == "qwen2",
+        activation=hf.get("hidden_activation") or hf.get("hidden_act") or traits.activation,
+        qkv_bias=attention_bias or traits.attention_bias == "qkv",
         o_bias=attention_bias,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)) if gemma else None,
+        query_pre_attn_scalar=None if scalar is None else float(hf.get("query_pre_attn_scalar", scalar)),
+        # transformers' Gemma 3 never applies attn_logit_softcapping (the field is a Gemma 2 leftover), so neither
+        # do we: parity with the reference is the contract.
         final_logit_softcap=hf.get("final_logit_softcapping"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", traits.tie_word_embeddings)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         pad_token_id=hf.get("pad_token_id"),
@@ -442,9 +354,48 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     )
 
 
-def _experts_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """DecoderConfig's expert fields from a Qwen3-MoE or GPT-OSS config; ValueError when some layer keeps a dense
-    MLP.
+def _check_hf_support(hf: dict[str, Any], traits: Family) -> None:
+    """ValueError for what a config.json may ask that no family here computes."""
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias: True is not supported (no supported checkpoint uses MLP biases)")
+    if hf.get("use_sliding_window"):
+        raise ValueError("use_sliding_window: Qwen2-style sliding window attention is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: only causal decoders are supported")
+    quantized = (hf.get("quantization_config") or {}).get("quant_method")
+    if traits.gpt_oss_experts and quantized not in (None, "mxfp4"):  # MXFP4 is dequantized as read (mxfp4.py)
+        raise ValueError(f"quantization_config: {quantized} experts are not supported; use the published "
+                         "MXFP4 or an unquantised (bfloat16) GPT-OSS checkpoint")
+
+
+def _ropes_from_hf(hf: dict[str, Any], traits: Family, context: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """The full-attention layers' RoPE and, for a family whose sliding layers have their own, theirs (else None)."""
+    read = functools.partial(_rope_from_hf, context=context,
+                             original_context=hf.get("original_max_position_embeddings"))
+    params = hf.get("rope_parameters")
+    theta = float(hf.get("rope_theta", traits.rope_theta))
+    if not traits.local_rope:
+        return read(params or hf.get("rope_scaling"), theta), None
+    if params and "full_attention" in params:
+        return read(params["full_attention"], traits.rope_theta), read(params.get("sliding_attention"), 10_000.0)
+    return read(hf.get("rope_scaling"), theta), RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+
+
+def _sliding_from_hf(hf: dict[str, Any], traits: Family, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """Per layer attention types and the window, read as the family's `sliding` trait says."""
+    window = int(hf["sliding_window"]) if hf.get("sliding_window") else None
+    if traits.sliding == "none":  # Qwen's configs name a window they do not use (use_sliding_window: False)
+        return (), None
+    if traits.sliding == "every":  # Mistral's window: every layer or none
+        return ("sliding_attention",) * num_layers if window else (), window
+    every = 2 if traits.sliding == "alternate" else int(hf.get("sliding_window_pattern", 6))
+    layer_types = tuple(hf.get("layer_types") or (
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)))
+    return layer_types, window or (4096 if traits.sliding == "pattern" else None)
+
+
+def _experts_from_hf(hf: dict[str, Any], traits: Family, num_layers: int) -> dict[str, Any]:
+    """DecoderConfig's expert fields from a mixture's config; ValueError when some layer keeps a dense MLP.
 
     Layers are stacked and scanned as one block, so a model is all-dense or all-sparse: transformers makes layer i
     sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (Qwen3-30B-A3B and -235B-A22B
@@ -455,15 +406,16 @@ def _experts_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if dense:
         raise ValueError(f"mlp_only_layers/decoder_sparse_step: layers {dense} keep a dense MLP; only models whose "
                          f"every layer is a mixture of experts are supported")
-    common = dict(num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
-                  experts_per_token=int(hf.get("num_experts_per_tok") or 0))
-    if hf["model_type"] == "gpt_oss":  # its intermediate_size is the experts'; a softmax over the top k sums to 1
-        return dict(common, moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True,
-                    swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
-    if hf["model_type"] == "mixtral":  # its intermediate_size is the experts'; the top k always renormalised
-        return dict(common, moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
-    return dict(common, moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    # Qwen3-MoE names the experts' size moe_intermediate_size; Mixtral's and GPT-OSS's intermediate_size is theirs.
+    fields: dict[str, Any] = dict(
+        num_experts=int(hf.get("num_experts") or hf.get("num_local_experts") or 0),
+        experts_per_token=int(hf.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        norm_topk_prob=traits.renormalise_topk or bool(hf.get("norm_topk_prob", False)))
+    if traits.gpt_oss_experts:
+        fields.update(swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(hf.get("swiglu_limit", 7.0)))
+    return fields
 
 
 def _int_if_whole(value: float) -> int | float:
@@ -473,18 +425,11 @@ def _int_if_whole(value: float) -> int | float:
 
 def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[str, Any]:
     """HF config.json contents that transformers reads back as the same architecture."""
-    if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
-        raise ValueError("qkv_bias/o_bias: Qwen2 always has q/k/v biases and no output bias")
-    if config.family == "mixtral" and (config.qkv_bias or not config.norm_topk_prob):
-        raise ValueError("qkv_bias/o_bias/norm_topk_prob: Mixtral has no attention biases and always renormalises "
-                         "its top-k routing weights")
-    if config.family != "qwen2" and config.qkv_bias != config.o_bias:
-        raise ValueError(f"qkv_bias/o_bias: {config.family} has one attention_bias flag; they must be equal")
-    architecture, model_type = _ARCHITECTURES[config.family]
+    _check_hf_export(config)
     eos = list(config.eos_token_ids)
     out: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [config.traits.hf_architecture],
+        "model_type": config.traits.hf_model_types[0],
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -502,43 +447,83 @@ def to_hf_config(config: DecoderConfig, torch_dtype: str = "float32") -> dict[st
         "pad_token_id": config.pad_token_id,
         "attention_bias": config.o_bias,
         "mlp_bias": False,
+        "hidden_act": config.activation,
         "torch_dtype": torch_dtype,
         "use_cache": True,
     }
-    if config.family == "gemma3":
-        out.update(
-            hidden_activation=config.activation,
-            rope_local_base_freq=(config.local_rope or config.rope).theta,
-            layer_types=list(config.layer_types or ("full_attention",) * config.num_layers),
-            sliding_window=config.sliding_window,
-            query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar or config.head_dim),
-            attn_logit_softcapping=None,
-            final_logit_softcapping=config.final_logit_softcap,
-        )
-    else:
-        out["hidden_act"] = config.activation
-    if config.family == "gpt_oss":
-        rope = {"rope_theta": config.rope.theta, "rope_type": config.rope.rope_type, **(config.rope.to_hf() or {})}
-        for key in ("rope_theta", "rope_scaling", "mlp_bias"):
-            del out[key]
-        out.update(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
-                   swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit, rope_parameters=rope,
-                   layer_types=list(config.layer_types or ("full_attention",) * config.num_layers),
-                   sliding_window=config.sliding_window, intermediate_size=config.moe_intermediate_size)
-    elif config.family == "mixtral":
-        sliding = config.sliding_layers
-        if any(sliding) and not all(sliding):
-            raise ValueError("layer_types: Mixtral slides its window on every layer or none")
-        for key in ("attention_bias", "mlp_bias"):
-            del out[key]
-        out.update(num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
-                   intermediate_size=config.moe_intermediate_size,
-                   sliding_window=config.sliding_window if all(sliding) else None)
-    elif config.moe:
-        out.update(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
-                   moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
-    if config.family == "qwen2":
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
-        del out["attention_bias"]
-    return out
+    dialect = _HF_DIALECTS.get(config.family)
+    return dialect(config, out) if dialect else out
+
+
+def _check_hf_export(config: DecoderConfig) -> None:
+    """ValueError for a config whose family's HF config cannot say it (biases, renormalisation)."""
+    bias, family = config.traits.attention_bias, config.family
+    if bias == "qkv" and (not config.qkv_bias or config.o_bias):
+        raise ValueError(f"qkv_bias/o_bias: {family} always has q/k/v biases and no output bias")
+    if bias == "none" and (config.qkv_bias or config.o_bias):
+        raise ValueError(f"qkv_bias/o_bias: {family} has no attention biases")
+    if bias == "flag" and config.qkv_bias != config.o_bias:
+        raise ValueError(f"qkv_bias/o_bias: {family} has one attention_bias flag; they must be equal")
+    if config.traits.renormalise_topk and not config.norm_topk_prob:
+        raise ValueError(f"norm_topk_prob: {family} always renormalises its top-k routing weights")
+
+
+def _without(out: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """`out` less the keys a family's config.json does not have."""
+    return {key: value for key, value in out.items() if key not in keys}
+
+
+def _all_layer_types(config: DecoderConfig) -> list[str]:
+    """Every layer's attention type, as config.json's layer_types lists them."""
+    return list(config.layer_types or ("full_attention",) * config.num_layers)
+
+
+def _gemma3_hf(config: DecoderConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's keys: hidden_activation, its sliding layers' RoPE base, window and soft-caps."""
+    return _without(out, "hidden_act") | dict(
+        hidden_activation=config.activation,
+        rope_local_base_freq=(config.local_rope or config.rope).theta,
+        layer_types=_all_layer_types(config),
+        sliding_window=config.sliding_window,
+        query_pre_attn_scalar=_int_if_whole(config.query_pre_attn_scalar or config.head_dim),
+        attn_logit_softcapping=None,
+        final_logit_softcapping=config.final_logit_softcap,
+    )
+
+
+def _gpt_oss_hf(config: DecoderConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's keys: rope_parameters, the experts (intermediate_size is theirs), the clamped SwiGLU, windows."""
+    rope = {"rope_theta": config.rope.theta, "rope_type": config.rope.rope_type, **(config.rope.to_hf() or {})}
+    return _without(out, "rope_theta", "rope_scaling", "mlp_bias") | dict(
+        num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+        swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit, rope_parameters=rope,
+        layer_types=_all_layer_types(config), sliding_window=config.sliding_window,
+        intermediate_size=config.moe_intermediate_size)
+
+
+def _mixtral_hf(config: DecoderConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """Mixtral's keys: the experts (intermediate_size is theirs), and a window on every layer or none."""
+    sliding = config.sliding_layers
+    if any(sliding) and not all(sliding):
+        raise ValueError("layer_types: Mixtral slides its window on every layer or none")
+    return _without(out, "attention_bias", "mlp_bias") | dict(
+        num_local_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+        intermediate_size=config.moe_intermediate_size, sliding_window=config.sliding_window if all(sliding) else None)
+
+
+def _qwen3_moe_hf(config: DecoderConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's keys: the experts, every layer sparse, no window."""
+    return out | dict(num_experts=config.num_experts, num_experts_per_tok=config.experts_per_token,
+                      moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+
+
+def _qwen2_hf(config: DecoderConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2's keys: no attention_bias flag (q/k/v biases always) and no window."""
+    return _without(out, "attention_bias") | dict(use_sliding_window=False, sliding_window=None,
+                                                  max_window_layers=config.num_layers)
+
+
+# A family's config.json keys beyond the common ones (its HF names, as models/hf_io.py holds its tensors').
+_HF_DIALECTS = {"gemma3": _gemma3_hf, "gpt_oss": _gpt_oss_hf, "mixtral": _mixtral_hf, "qwen3_moe": _qwen3_moe_hf,
+                "qwen2": _qwen2_hf}

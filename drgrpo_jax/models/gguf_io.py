@@ -12,11 +12,15 @@ import numpy as np
 from jax.sharding import Mesh
 
 from drgrpo_jax.models.config import from_hf_config
+from drgrpo_jax.models.families import FAMILIES, Family
 from drgrpo_jax.models.hf_io import build_model, hf_param_reader
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules
 
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF general.architecture -> the family it names.
+_ARCHITECTURES = {family.gguf_architecture: family for family in FAMILIES.values() if family.gguf_architecture}
+# Architectures whose q/k rows llama.cpp's converter interleaves per head (its Llama layout, not Qwen's or Gemma's).
+_PERMUTED_QK = ("llama",)
 # GGUF per-block tensor name -> HF per-layer name; ffn_norm is the pre-MLP norm in every family.
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -45,7 +49,7 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _hf_name(gguf_name: str, arch: str) -> str | None:
+def _hf_name(gguf_name: str, family: Family) -> str | None:
     """HF tensor name of a GGUF tensor (None for tensors we do not use)."""
     top, _, kind = gguf_name.rpartition(".")
     if top in _TOP_NAMES:
@@ -55,9 +59,16 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
         return None
     layer, name, kind = match.groups()
     names = {**_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"}
-    if arch == "gemma3":
+    if family.sandwich_norms:
         names.update(_GEMMA_BLOCK_NAMES)
     return f"model.layers.{layer}.{names[name]}.{kind}" if name in names else None
+
+
+def _family(arch: str) -> Family:
+    """The family a GGUF general.architecture names; ValueError for one no family reads."""
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"general.architecture: {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+    return _ARCHITECTURES[arch]
 
 
 def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -69,8 +80,7 @@ def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     """An HF config.json dict describing the model in a GGUF file (as transformers derives it)."""
     arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"general.architecture: {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+    family = _family(arch)
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError("rope_freqs: GGUF files with per-frequency RoPE factors (Llama 3.1+) are not supported; "
@@ -81,7 +91,7 @@ def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     hf: dict[str, Any] = {
-        "model_type": _ARCHITECTURES[arch],
+        "model_type": family.hf_model_types[0],
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", int(embed.shape[-1]))),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
@@ -96,10 +106,11 @@ def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
+        "attention_bias": family.attention_bias == "flag" and "blk.0.attn_q.bias" in names,
     }
-    if arch == "gemma3":
-        hf["sliding_window"] = int(_field(reader, "gemma3.attention.sliding_window", 4096))
+    if _field(reader, f"{arch}.attention.sliding_window"):
+        hf["sliding_window"] = int(_field(reader, f"{arch}.attention.sliding_window"))
+    if family.query_pre_attn_scalar is not None:  # GGUF stores none: llama.cpp scales by head_dim**-0.5
         hf["query_pre_attn_scalar"] = hf["head_dim"]
     return hf
 
@@ -109,10 +120,11 @@ class GGUFIndex:
 
     def __init__(self, reader: gguf.GGUFReader, num_heads: int, num_kv_heads: int):
         self._arch = _field(reader, "general.architecture")
+        self._family = _family(self._arch)
         self._heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
         self._tensors = {}
         for tensor in reader.tensors:
-            name = _hf_name(tensor.name, self._arch)
+            name = _hf_name(tensor.name, self._family)
             if name is not None:
                 self._tensors[name] = tensor
 
@@ -127,9 +139,9 @@ class GGUFIndex:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
         module = name.rsplit(".", 1)[0].split(".", 3)[-1]
-        if self._arch == "llama" and module in self._heads:
+        if self._arch in _PERMUTED_QK and module in self._heads:
             w = _unpermute_rows(w, self._heads[module])
-        if self._arch == "gemma3" and "norm" in name.rsplit(".", 2)[-2]:
+        if self._family.norm_plus_one and "norm" in name.rsplit(".", 2)[-2]:
             w = w - 1.0
         return w
 

@@ -186,12 +186,13 @@ _LAYER_MAP: dict[str, tuple[str, _Transform, _Transform]] = {
 # A sparse MLP's experts: ours [e, X, Y] stacks each expert's HF [Y, X] weight transposed (Mixtral names them
 # w1, w3, w2 under `block_sparse_moe`).
 _EXPERT_PROJ = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
-_MIXTRAL_EXPERT_PROJ = {"expert_gate": "w1", "expert_up": "w3", "expert_down": "w2"}
+# A family whose mixture's HF names are its own: (the MLP's module, our expert parameter -> its per-expert module).
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", {"expert_gate": "w1", "expert_up": "w3", "expert_down": "w2"})}
 
 
-def _expert_proj(config: DecoderConfig) -> dict[str, str]:
-    """Our expert parameter -> its per-expert HF module name in this family."""
-    return _MIXTRAL_EXPERT_PROJ if config.family == "mixtral" else _EXPERT_PROJ
+def _moe_names(config: DecoderConfig) -> tuple[str, dict[str, str]]:
+    """This family's MLP module and per-expert module names as it saves them."""
+    return _MOE_NAMES.get(config.family, ("mlp", _EXPERT_PROJ))
 
 
 def _read_moe(index: TensorIndex, name: str, layer: int, config: DecoderConfig) -> np.ndarray:
@@ -206,7 +207,7 @@ def _read_moe(index: TensorIndex, name: str, layer: int, config: DecoderConfig) 
         w, f = index.get(fused), config.moe_intermediate_size
         w = {"expert_gate": w[:, :f], "expert_up": w[:, f:]}.get(name, w)
         return w.transpose(0, 2, 1)
-    return np.stack([index.get(f"{prefix}experts.{j}.{_expert_proj(config)[name]}.weight").T
+    return np.stack([index.get(f"{prefix}experts.{j}.{_moe_names(config)[1][name]}.weight").T
                      for j in range(config.num_experts)])
 
 
@@ -250,15 +251,15 @@ def _hf_layer_tensors(name: str, w: np.ndarray, layer: int, config: DecoderConfi
     """One layer of our parameter `name` under its HF name(s) and layout (Qwen3-MoE's and Mixtral's experts one by
     one, as transformers saves them; GPT-OSS's gate and up are `_gpt_oss_interleaved`'s)."""
     prefix = f"model.layers.{layer}."
-    if config.gpt_oss_experts and name == "router":
+    if config.traits.gpt_oss_experts and name == "router":
         return {prefix + "mlp.router.weight": np.ascontiguousarray(w.T)}
-    if config.gpt_oss_experts and name == "expert_down":
+    if config.traits.gpt_oss_experts and name == "expert_down":
         return {prefix + "mlp.experts.down_proj": np.ascontiguousarray(w)}
-    mlp = "block_sparse_moe" if config.family == "mixtral" else "mlp"
+    mlp, experts = _moe_names(config)
     if name == "router":
         return {f"{prefix}{mlp}.gate.weight": np.ascontiguousarray(w.T)}
     if name in _EXPERT_PROJ:
-        return {f"{prefix}{mlp}.experts.{j}.{_expert_proj(config)[name]}.weight": np.ascontiguousarray(w[j].T)
+        return {f"{prefix}{mlp}.experts.{j}.{experts[name]}.weight": np.ascontiguousarray(w[j].T)
                 for j in range(config.num_experts)}
     return {prefix + _layer_suffix(name, config): np.ascontiguousarray(_to_hf(name, w, config))}
 
@@ -266,7 +267,7 @@ def _hf_layer_tensors(name: str, w: np.ndarray, layer: int, config: DecoderConfi
 def _layer_suffix(name: str, config: DecoderConfig) -> str:
     """HF per-layer tensor suffix of our stacked parameter (norm names differ for Gemma)."""
     if name == "mlp_norm":
-        return "pre_feedforward_layernorm.weight" if config.post_norms else "post_attention_layernorm.weight"
+        return "pre_feedforward_layernorm.weight" if config.traits.sandwich_norms else "post_attention_layernorm.weight"
     if name == "post_attn_norm":
         return "post_attention_layernorm.weight"
     if name == "post_mlp_norm":
@@ -295,7 +296,7 @@ def hf_param_reader(index: TensorIndex, config: DecoderConfig) -> Callable[[str]
         if path == "lm_head":
             return index.get("lm_head.weight").T
         name = path.split("/", 1)[1]
-        if config.gpt_oss_experts and name in ("router", "expert_down", *_GPT_OSS_INTERLEAVED):
+        if config.traits.gpt_oss_experts and name in ("router", "expert_down", *_GPT_OSS_INTERLEAVED):
             return np.stack([_read_gpt_oss_moe(index, name, i) for i in range(config.num_layers)])
         if name == "router" or name in _EXPERT_PROJ:
             return np.stack([_read_moe(index, name, i, config) for i in range(config.num_layers)])
@@ -369,7 +370,7 @@ def hf_tensors(model: Transformer) -> dict[str, np.ndarray]:
     for path, variable in nnx.to_flat_state(state):
         name = "/".join(str(p) for p in path)
         value = host_array(variable[...])
-        if config.gpt_oss_experts and name.split("/")[-1] in _GPT_OSS_INTERLEAVED:
+        if config.traits.gpt_oss_experts and name.split("/")[-1] in _GPT_OSS_INTERLEAVED:
             interleaved[name.split("/")[-1]] = value
         elif name == "embed":
             out["model.embed_tokens.weight"] = value

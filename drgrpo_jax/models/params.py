@@ -19,7 +19,7 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
     """Per stacked layer parameter: (shape, logical axes, init kind)."""
     L, D, I = config.num_layers, config.hidden_size, config.intermediate_size
     Q, C, H = config.num_heads, config.num_kv_heads, config.head_dim
-    norm = "zeros" if config.gemma_norms else "ones"
+    norm = "zeros" if config.traits.norm_plus_one else "ones"
     specs: dict[str, tuple[tuple[int, ...], tuple[str | None, ...], str]] = {
         "attn_norm": ((L, D), ("layers", "embed"), norm),
         "q_proj": ((L, D, Q, H), ("layers", "embed", "q_heads", "head_dim"), "normal"),
@@ -39,12 +39,12 @@ def _param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tupl
         specs["v_bias"] = ((L, C, H), ("layers", "kv_heads", "head_dim"), "zeros")
     if config.o_bias:
         specs["o_bias"] = ((L, D), ("layers", "embed"), "zeros")
-    if config.attention_sinks:
+    if config.traits.attention_sinks:
         specs["sinks"] = ((L, Q), ("layers", "q_heads"), "normal")
-    if config.qk_norm:
+    if config.traits.qk_norm:
         specs["q_norm"] = ((L, H), ("layers", "head_dim"), norm)
         specs["k_norm"] = ((L, H), ("layers", "head_dim"), norm)
-    if config.post_norms:
+    if config.traits.sandwich_norms:
         specs["post_attn_norm"] = ((L, D), ("layers", "embed"), norm)
         specs["post_mlp_norm"] = ((L, D), ("layers", "embed"), norm)
     return specs
@@ -63,7 +63,7 @@ def _expert_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tup
         "expert_up": ((L, e, D, f), ("layers", "expert", None, "mlp"), "normal"),
         "expert_down": ((L, e, f, D), ("layers", "expert", "mlp", None), "normal"),
     }
-    if config.gpt_oss_experts:
+    if config.traits.gpt_oss_experts:
         specs.update({
             "router_bias": ((L, e), ("layers", None), "zeros"),
             "expert_gate_bias": ((L, e, f), ("layers", "expert", "mlp"), "zeros"),

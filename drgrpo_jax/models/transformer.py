@@ -135,14 +135,14 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
 
 def _expert_glu(config: DecoderConfig) -> Glu:
     """How an expert combines its gate and up projections: GPT-OSS's clamped SwiGLU, else activation(gate) * up."""
-    if config.gpt_oss_experts:
+    if config.traits.gpt_oss_experts:
         return clamped_swiglu(config.swiglu_alpha, config.swiglu_limit)
     return lambda gate, up: _activation(config.activation, gate) * up
 
 
 def _sinks(config: DecoderConfig, p: dict[str, jax.Array]) -> jax.Array | None:
     """A layer's attention sinks [Q] (GPT-OSS), or None."""
-    return p["sinks"] if config.attention_sinks else None
+    return p["sinks"] if config.traits.attention_sinks else None
 
 
 def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
@@ -157,7 +157,7 @@ def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
 def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array,
          key: jax.Array | None = None):
     """A layer's normed, roped queries [B, T, Q, H] and new keys/values [B, T, C, H] (`key`: adapter dropout)."""
-    eps, plus_one = config.rms_norm_eps, config.gemma_norms
+    eps, plus_one = config.rms_norm_eps, config.traits.norm_plus_one
     h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
     q_BTQH = _project(config, p, "q_proj", h_BTD, key=key)
     k_BTCH = _project(config, p, "k_proj", h_BTD, key=key)
@@ -165,7 +165,7 @@ def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_B
     if config.qkv_bias:
         q_BTQH, k_BTCH, v_BTCH = (
             q_BTQH + p["q_bias"][None, None], k_BTCH + p["k_bias"][None, None], v_BTCH + p["v_bias"][None, None])
-    if config.qk_norm:
+    if config.traits.qk_norm:
         q_BTQH = rms_norm(q_BTQH, p["q_norm"], eps, plus_one)
         k_BTCH = rms_norm(k_BTCH, p["k_norm"], eps, plus_one)
     return apply_rope(q_BTQH, cos_BTH, sin_BTH), apply_rope(k_BTCH, cos_BTH, sin_BTH), v_BTCH
@@ -184,11 +184,11 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
     `f32_gate` (inference) applies the gate nonlinearity to the GEMMs' float32 outputs and rounds once:
     in bf16, XLA on CPU emulates the activation op by op, rounding after each (much slower at decode).
     """
-    eps, plus_one = config.rms_norm_eps, config.gemma_norms
+    eps, plus_one = config.rms_norm_eps, config.traits.norm_plus_one
     a_BTD = _project(config, p, "o_proj", o_BTQH, in_dims=2, key=key)
     if config.o_bias:
         a_BTD = a_BTD + p["o_bias"][None, None]
-    if config.post_norms:
+    if config.traits.sandwich_norms:
         a_BTD = rms_norm(a_BTD, p["post_attn_norm"], eps, plus_one)
     x_BTD = x_BTD + a_BTD
     with jax.named_scope("mlp"):
@@ -198,8 +198,8 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
             k = config.experts_per_token
             forced_Mk = None if forced_BTk is None else forced_BTk.reshape(B * T, k)
             m_MD, logits_Me, experts_Mk = moe_mlp(h_BTD.reshape(B * T, D), p, k, config.norm_topk_prob,
-                                                  _expert_glu(config), config.compute_dtype, config.gpt_oss_experts,
-                                                  forced_Mk)
+                                                  _expert_glu(config), config.compute_dtype,
+                                                  config.traits.gpt_oss_experts, forced_Mk)
             return x_BTD + m_MD.reshape(B, T, D), (logits_Me, experts_Mk)
         if f32_gate:
             gate_BTI = _activation(config.activation, _project_f32_lora(config, p, "gate_proj", h_BTD))
@@ -208,7 +208,7 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
             gate_BTI = _activation(config.activation, _project(config, p, "gate_proj", h_BTD, key=key))
             hidden_BTI = gate_BTI * _project(config, p, "up_proj", h_BTD, key=key)
         m_BTD = _project(config, p, "down_proj", hidden_BTI, key=key)
-        if config.post_norms:
+        if config.traits.sandwich_norms:
             m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
         return x_BTD + m_BTD, None
 
@@ -246,7 +246,7 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
     compute = config.compute_dtype or x_BTD.dtype  # float32 activations under bf16 compute still get cuDNN
     impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim,
-                       sinks=config.attention_sinks)
+                       sinks=config.traits.attention_sinks)
     masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
     layer_L = jnp.arange(config.num_layers)
@@ -345,7 +345,7 @@ class Transformer(nnx.Module):
         D, V = config.hidden_size, config.vocab_size
         self.embed = nnx.Param(init_value("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))
         self.blocks = Blocks(config, rngs=rngs, dtype=dtype)
-        self.final_norm = nnx.Param(init_value("zeros" if config.gemma_norms else "ones", None, (D,), dtype),
+        self.final_norm = nnx.Param(init_value("zeros" if config.traits.norm_plus_one else "ones", None, (D,), dtype),
                                     logical_axes=("embed",))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(init_value("normal", rngs.params(), (D, V), dtype),
@@ -362,7 +362,7 @@ class Transformer(nnx.Module):
             x_BTD = unbits(jnp.take(bits(table_VD), input_ids_BT, axis=0), table_VD.dtype)
         else:
             x_BTD = jnp.take(table_VD, input_ids_BT, axis=0)
-        if self.config.scale_embeddings:
+        if self.config.traits.scale_embeddings:
             x_BTD = x_BTD * jnp.asarray(math.sqrt(self.config.hidden_size), table_VD.dtype)
         return x_BTD
 
@@ -401,7 +401,7 @@ class Transformer(nnx.Module):
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
         x_BTD, stats = _run_blocks(config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
                                    segment_ids_BT, lora_key, grad_sums, routed_experts_BTLk, with_stats, counted_BT)
-        return rms_norm(x_BTD, self.final_norm[...], config.rms_norm_eps, config.gemma_norms), stats
+        return rms_norm(x_BTD, self.final_norm[...], config.rms_norm_eps, config.traits.norm_plus_one), stats
 
     def unembed_DV(self) -> jax.Array:
         """Output projection [D, V] (the embedding transposed when tied)."""
@@ -451,6 +451,6 @@ class Transformer(nnx.Module):
         if stacked:
             restacked = stack_cache(dataclasses.replace(split, k=k, v=v))
             k, v = restacked.k, restacked.v
-        hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.gemma_norms)
+        hidden_BTD = rms_norm(x_BTD, self.final_norm[...], self.config.rms_norm_eps, self.config.traits.norm_plus_one)
         new_cache = KVCache(k=k, v=v, positions_BS=cache_positions_BS, length=cache.length + T)
         return self.logits_from_hidden(hidden_BTD), new_cache, experts_BTLk

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from drgrpo_jax.hosts import host_array
+from drgrpo_jax.models.families import FAMILIES, Family
 from drgrpo_jax.models.hf_io import build_model, save_pretrained
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
 from drgrpo_jax.models.transformer import Transformer
@@ -31,6 +32,13 @@ _EXPERT_OF = {"blocks/gate_proj": "blocks/expert_gate", "blocks/up_proj": "block
               "blocks/down_proj": "blocks/expert_down"}
 
 
+def _has_mixtral_layers(family: Family) -> bool:
+    """A dense family whose layers are Mixtral's but for the MLP (Llama's): its HF tensors name them alike."""
+    mixtral = FAMILIES["mixtral"]
+    return not family.sparse and all(getattr(family, trait) == getattr(mixtral, trait) for trait in (
+        "qk_norm", "attention_sinks", "norm_plus_one", "sandwich_norms", "scale_embeddings", "local_rope"))
+
+
 def upcycle(source: str | Transformer, num_experts: int, experts_per_token: int, seed: int = 0,
             router_std: float = 0.02) -> Transformer:
     """A Mixtral of `num_experts` copies of `source`'s MLP, `experts_per_token` per token, with a router drawn
@@ -38,7 +46,7 @@ def upcycle(source: str | Transformer, num_experts: int, experts_per_token: int,
     without attention biases (Mixtral has neither q/k norms nor biases)."""
     dense = from_pretrained(source) if isinstance(source, str) else source
     config = dense.config
-    if config.family != "llama" or config.qkv_bias or config.o_bias:
+    if not _has_mixtral_layers(config.traits) or config.qkv_bias or config.o_bias:
         raise ValueError(f"upcycle: the source must be a dense Llama without attention biases (Mixtral's attention), "
                          f"got {config.family}{' with attention biases' if config.qkv_bias or config.o_bias else ''}")
     if not 1 <= experts_per_token <= num_experts:
