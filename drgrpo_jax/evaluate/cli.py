@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from drgrpo_jax.actor.actor import Actor
 from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.config.api_keys import api_key
 from drgrpo_jax.config.derived import optimizer_of
@@ -36,7 +37,6 @@ from drgrpo_jax.config.schema import (
     TrainConfig,
 )
 from drgrpo_jax.config.serve import ServeConfig
-from drgrpo_jax.data.prompts import tokenize_prompt
 from drgrpo_jax.environments.build import Episodes, build_episodes
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.evaluate.evaluation import EvalSettings, evaluate_problems
@@ -220,15 +220,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                                    engine=args.engine))
         tokenizer = _tokenizer(args, dataclasses.replace(source, path=path), client)
         scorer = stack.enter_context(RewardScorer(rewards, budget=settings.max_new_tokens))
-        prompts = [tokenize_prompt(example, data, tokenizer) for example in suite.examples]
         episodes = _episodes(args, config, data, settings.max_new_tokens, tokenizer)
-        eos = getattr(tokenizer, "eos_token_id", None)
+        actor = Actor(client, scorer, tokenizer, episodes)
+        prompts = actor.prompt_ids(suite.examples, data)
         total = len(prompts) * (int(settings.greedy) + int(settings.samples > 0))
         with tqdm(total=total, desc=f"evaluate {suite.name}", unit="problem", file=sys.stderr,
                   dynamic_ncols=True) as bar:
-            greedy, sampled = evaluate_problems(client, tokenizer, scorer, suite.examples, prompts, settings,
-                                                stop_token_ids=[] if eos is None else [int(eos)], progress=bar.update,
-                                                episodes=episodes)
+            greedy, sampled = evaluate_problems(actor, suite.examples, prompts, settings, progress=bar.update)
     rows = report_rows(suite, greedy, sampled)
     header = {"model": " ".join(args.model), "suite": suite.name, "problems": len(suite.examples),
               "k": settings.samples,
