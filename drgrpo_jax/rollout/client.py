@@ -4,8 +4,8 @@ It drives the inference engine the services run (`rollout.engine`) through that 
 rollout/engines/ (our service, SGLang, vLLM: one interface, `engines.base.Engine`), and never branches on its name.
 Several URLs form a data-parallel fleet: each gets a contiguous share of the prompts (whole groups), and a URL
 that keeps failing hands its share to the others (`retryable`). Weight pushes go by folder (`update_weights`, as
-the engine loads one) or, to the trainer's own child
-(rollout/local_service.py), by shared-memory segment (`update_weights_from_segment`).
+the engine loads one) or, to the trainer's own child (rollout/local_service.py), by shared-memory segment
+(`update_weights_from_segment`).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class RolloutClient:
         self._push_pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="push")
 
     @property
-    def engine(self) -> str:
+    def engine(self) -> EngineName:
         """The services' engine, by its rollout.engine name."""
         return self._engine.name
 
@@ -390,8 +390,11 @@ class RolloutClient:
         self._pushed_segment = body
 
     def model_info(self, index: int = 0) -> dict:
-        """The service's /get_model_info."""
-        return self._request("GET", self.urls[index], "/get_model_info")
+        """The service's /get_model_info; RolloutError, asking nothing, when its engine has no such route."""
+        url = self.urls[index]
+        if not self._engine.traits.serves_model_info:
+            raise RolloutError(f"{url}: {self._engine.traits.label} has no /get_model_info", url=url)
+        return self._request("GET", url, "/get_model_info")
 
     def healthy(self) -> list[bool]:
         """One health probe per URL, without retries."""

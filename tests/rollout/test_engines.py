@@ -14,7 +14,7 @@ import pytest
 from drgrpo_jax.config.engines import ENGINE_TRAITS, EngineName
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.config.schema import RolloutConfig
-from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.errors import ConfigError, RolloutError
 from drgrpo_jax.rollout.client import RolloutClient
 from drgrpo_jax.rollout.engines import ENGINES
 from drgrpo_jax.rollout.engines.base import Call, Engine
@@ -86,3 +86,11 @@ def test_the_client_drives_a_new_engine_through_the_interface_alone(monkeypatch)
         ("http://a", 10), ("http://a", 20), ("http://b", 30), ("http://b", 40)]  # each URL its share
     assert sorted((url, body["version"]) for url, path, body in log if path == "/load") == [
         ("http://a", "4"), ("http://b", "4")]
+
+
+def test_model_info_is_refused_without_a_request_where_the_engine_has_no_route():
+    log: list = []
+    with RolloutClient(["http://a"], transport=httpx.MockTransport(toy_server(log)), engine="vllm") as client:
+        with pytest.raises(RolloutError, match="http://a: vLLM has no /get_model_info"):
+            client.model_info()
+    assert log == []
