@@ -8,6 +8,7 @@ The sampler turns each request's seed into per-token keys itself (sampler/draws.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import jax
@@ -23,6 +24,11 @@ _MINIBATCH_ORDER = 1  # + epoch: the order the optimizer windows take the rollou
 _EVAL = 999  # the evaluation's sampled completions
 _RESAMPLE = 1000  # + round: dynamic sampling's extra rounds
 _LORA_INIT = 0x10A  # fold_in(key(run.seed), this): the adapters' initial A
+
+
+def unseeded() -> int:
+    """A fresh 32-bit seed for a request that names none: its draws are not reproducible, as its caller asked."""
+    return secrets.randbits(32)
 
 
 def derive_seed(seed: int, *path: int) -> int:

@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     from drgrpo_jax.rewards.scorer import RewardScorer
     from drgrpo_jax.rollout.client import Completions, RolloutClient, RouterShape
 
-__all__ = ["Actor", "Sampling", "Scored"]
+__all__ = ["Actor", "GroupSampling", "Scored"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
+class GroupSampling:
     """How each prompt is answered: `group` completions at these settings."""
 
     group: int
@@ -97,8 +97,9 @@ class Actor:
         environment = self.episodes.make_environment()
         return self.episodes.renderer(environment).opening_ids(environment.reset(self.episodes.example(example)))
 
-    def sample_and_score(self, examples: Sequence[Example], prompts: Sequence[Sequence[int]], sampling: Sampling, *,
-                         seed: int, expected_version: int | None = None, prompt_offset: int = 0, first_url: int = 0,
+    def sample_and_score(self, examples: Sequence[Example], prompts: Sequence[Sequence[int]],
+                         sampling: GroupSampling, *, seed: int, expected_version: int | None = None,
+                         prompt_offset: int = 0, first_url: int = 0,
                          record_prompt_tokens: int | None = None) -> Scored:
         """`sampling.group` completions of each prompt, decoded and scored; with `record_prompt_tokens` (the
         record's prompt columns, rollout.max_prompt_tokens) also the rollout record's rows.
@@ -137,7 +138,7 @@ class Actor:
             rows["components"] = rewards.components_NK
         return Scored(tuple(texts), rewards, counters, np.asarray(model_tokens), np.asarray(truncated, bool), rows)
 
-    def _episodes(self, grouped: list[Example], prompts: Sequence[Sequence[int]], sampling: Sampling, seed: int,
+    def _episodes(self, grouped: list[Example], prompts: Sequence[Sequence[int]], sampling: GroupSampling, seed: int,
                   expected_version: int | None, prompt_offset: int) -> list[Trajectory]:
         """One multi-turn episode per grouped example (environments/trajectory.py); each opens with its prompt."""
         episodes = self.episodes

@@ -25,6 +25,7 @@ from drgrpo_jax.actor.actor import Actor
 from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.config.api_keys import api_key
 from drgrpo_jax.config.derived import optimizer_of
+from drgrpo_jax.config.engines import ENGINE_TRAITS
 from drgrpo_jax.config.flags import add_field_flag, add_flag
 from drgrpo_jax.config.load import load_config, resolve_model_path
 from drgrpo_jax.config.schema import (
@@ -182,7 +183,7 @@ def _tokenizer(args: argparse.Namespace, source: ModelSource, client: RolloutCli
     """The tokenizer of the model (or --tokenizer); for URLs, the service's own when it is a local folder."""
     if source.path is not None:
         return load_tokenizer(source.path, args.tokenizer)
-    asked = client.engine != "vllm"  # vLLM has no /get_model_info
+    asked = ENGINE_TRAITS[args.engine].serves_model_info  # else the service cannot say its tokenizer
     path = args.tokenizer or (client.model_info().get("tokenizer_path") if asked else "") or ""
     if not (os.path.isdir(path) or path.endswith(".gguf") or hub_id(path) is not None):
         raise ConfigError("--tokenizer", "needed with service URLs: a local tokenizer folder, a Hub id "
@@ -193,7 +194,7 @@ def _tokenizer(args: argparse.Namespace, source: ModelSource, client: RolloutCli
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the evaluation the flags describe; returns results.json's content."""
     source = resolve_model(args.model, args.step)
-    if args.engine != "ours" and not source.urls:
+    if not ENGINE_TRAITS[args.engine].starts_locally and not source.urls:
         raise ConfigError("--engine", f"{args.engine} is the API of service URLs; a local model is served by our own "
                                       "service (ours)")
     config = source.run_config

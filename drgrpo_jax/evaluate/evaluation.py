@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from drgrpo_jax.actor.actor import Sampling
+from drgrpo_jax.actor.actor import GroupSampling
 from drgrpo_jax.evaluate.passk import sampled_report
 from drgrpo_jax.rollout.record import correct_mask, response_stats
 
@@ -75,7 +75,7 @@ def sample_and_score(actor: Actor, examples: Sequence[Example], prompts: Sequenc
     Seeds come from (settings.seed, problem index), so the samples do not depend on the chunk size (an episode's
     from (settings.seed, its turn, its index)). `progress(problems_done)` is called after each chunk.
     """
-    sampling = Sampling(group=group, max_new_tokens=settings.max_new_tokens, temperature=temperature,
+    sampling = GroupSampling(group=group, max_new_tokens=settings.max_new_tokens, temperature=temperature,
                         top_p=settings.top_p)
     texts: list[str] = []
     parts: list[tuple[np.ndarray, ...]] = []

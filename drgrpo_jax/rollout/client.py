@@ -31,7 +31,7 @@ from drgrpo_jax.errors import RolloutError, StaleWeightsError
 from drgrpo_jax.rollout.engines import ENGINES
 from drgrpo_jax.rollout.engines.base import Call, Sampling
 from drgrpo_jax.rollout.local_service import LocalServer
-from drgrpo_jax.seeds import prompt_seeds
+from drgrpo_jax.seeds import prompt_seeds, unseeded
 from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
@@ -264,7 +264,7 @@ class RolloutClient:
         if not prompts:
             raise ValueError("prompts: need at least one prompt")
         if seeds is None:
-            seeds = prompt_seeds(random.getrandbits(32) if seed is None else seed, len(prompts), prompt_offset)
+            seeds = prompt_seeds(unseeded() if seed is None else seed, len(prompts), prompt_offset)
         elif len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
         shares = _split(len(prompts), len(self.urls))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +16,7 @@ from fastapi.responses import JSONResponse
 from drgrpo_jax.errors import BadRequest, ClientGone
 from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
+from drgrpo_jax.seeds import unseeded
 from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
@@ -139,7 +139,7 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
 def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed: bool, vocab: int
                  ) -> list[RowRequest]:
     """Rows prompt-major (prompt 0's n samples first); each row gets its own random stream."""
-    request_seed = secrets.randbits(32)
+    request_seed = unseeded()
     rows = []
     for index, (prompt, p) in enumerate(zip(prompts, params)):
         settings = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=greedy_below(p.temperature),
@@ -147,7 +147,7 @@ def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], share
                                   top_k=min(p.top_k, vocab), stop_token_ids=tuple(p.stop_token_ids or ()),
                                   ignore_eos=p.ignore_eos)
         # One shared seed: prompts are told apart by `stream`; per-prompt seeds are used as given.
-        seed = p.row_seed if p.row_seed is not None else (request_seed if shared_seed else secrets.randbits(32))
+        seed = p.row_seed if p.row_seed is not None else (request_seed if shared_seed else unseeded())
         rows += [RowRequest(tuple(prompt), settings, seed, index if shared_seed else 0, j) for j in range(p.n)]
     return rows
 

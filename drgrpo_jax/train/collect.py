@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from drgrpo_jax.actor.actor import Sampling
+from drgrpo_jax.actor.actor import GroupSampling
 from drgrpo_jax.data.order import batch_at
 from drgrpo_jax.hosts import fail_together, gather_hosts
 from drgrpo_jax.rollout.record import HostCounters, ScoredRollout, host_share, merge_host_rows
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 __all__ = ["Round", "RoundSource", "gather_round", "sample_share", "taken_together", "training_sampling"]
 
 
-def training_sampling(config: Config) -> Sampling:
+def training_sampling(config: Config) -> GroupSampling:
     """How a training round samples: rollout.group_size completions at the rollout's settings."""
     r = config.rollout
-    return Sampling(group=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+    return GroupSampling(group=r.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                     top_k=r.top_k, ignore_eos=r.ignore_eos, max_staleness=r.max_staleness)
 
 

@@ -462,12 +462,12 @@ class RolloutQueue:
     def _launch(self, round_: Round, version: int | None = None) -> PendingRound:
         """The round's share sampled and scored: on the thread (K >= 1) or now (its error kept for the step)."""
         version = sampler_version(round_.step, self.k) if version is None else version
-        work = sample_share
+        actor = self._source.actor
         if self._thread is not None:
-            return PendingRound(round_, self._thread.submit(work, self._source.actor, self._config, round_), version)
+            return PendingRound(round_, self._thread.submit(sample_share, actor, self._config, round_), version)
         done: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            done.set_result(work(self._source.actor, self._config, round_))
+            done.set_result(sample_share(actor, self._config, round_))
         except Exception as error:  # noqa: BLE001 - raised on every host together when the round is taken
             done.set_exception(error)
         return PendingRound(round_, done, version)

@@ -4,7 +4,7 @@ the service gave, and a prompt over the budget is an error naming the key and th
 import numpy as np
 import pytest
 
-from drgrpo_jax.actor.actor import Actor, Sampling
+from drgrpo_jax.actor.actor import Actor, GroupSampling
 from drgrpo_jax.config.schema import DataConfig
 from drgrpo_jax.data.examples import Example
 from drgrpo_jax.errors import ConfigError
@@ -51,14 +51,15 @@ def test_one_call_scores_and_records_what_the_service_sampled():
     client = Client()
     actor = Actor(client, Scorer(), Tokenizer())
     prompts = [[1, 2], [3]]
-    scored = actor.sample_and_score(EXAMPLES, prompts, Sampling(group=2, max_new_tokens=4, temperature=0.5), seed=9,
-                                    expected_version=3, prompt_offset=6, record_prompt_tokens=8)
+    sampling = GroupSampling(group=2, max_new_tokens=4, temperature=0.5)
+    scored = actor.sample_and_score(EXAMPLES, prompts, sampling, seed=9, expected_version=3, prompt_offset=6,
+                                    record_prompt_tokens=8)
     assert client.asked["stop_token_ids"] == [2] and client.asked["prompt_offset"] == 6
     assert [len(t) for t in scored.texts] == scored.model_tokens.tolist()
     np.testing.assert_array_equal(scored.rows["components"], scored.rewards.components_NK)
     np.testing.assert_array_equal(scored.rows["weight_versions"], [3] * 4)
     assert scored.rows["response_ids"].shape == (4, 4)
-    unrecorded = actor.sample_and_score(EXAMPLES, prompts, Sampling(group=2, max_new_tokens=4, ignore_eos=True),
+    unrecorded = actor.sample_and_score(EXAMPLES, prompts, GroupSampling(group=2, max_new_tokens=4, ignore_eos=True),
                                         seed=9)
     assert unrecorded.rows is None and client.asked["stop_token_ids"] == [] and client.asked["ignore_eos"]
 

@@ -209,7 +209,7 @@ def test_every_error_type_is_in_errors():
 
 # What starts a random stream: only seeds.py derives seeds from run.seed, and the sampler turns a request's seed
 # into per-token keys (sampler/draws.py).
-SEED_SOURCES = {"SeedSequence", "default_rng", "PRNGKey", "key", "Random"}
+SEED_SOURCES = {"SeedSequence", "default_rng", "PRNGKey", "key", "Random", "getrandbits", "randbits", "seed"}
 SEED_MODULES = {"drgrpo_jax.seeds", "drgrpo_jax.sampler.draws"}
 
 
@@ -222,7 +222,7 @@ def test_seeds_are_derived_in_one_module():
         for node in ast.walk(ast.parse(path.read_text())):
             func = node.func if isinstance(node, ast.Call) else None
             if isinstance(func, ast.Attribute) and func.attr in SEED_SOURCES and (
-                    ast.unparse(func.value).endswith("random")):  # np.random.X, jax.random.X, random.X
+                    ast.unparse(func.value).endswith(("random", "secrets"))):  # np.random.X, jax.random.X, secrets.X
                 found.append(f"{module}:{node.lineno} {ast.unparse(func)}")
     assert not found, "random streams started outside drgrpo_jax/seeds.py: " + "; ".join(sorted(found))
 
