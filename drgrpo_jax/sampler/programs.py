@@ -283,7 +283,8 @@ def _count_trace(program: str) -> None:
 
 
 def compiled_programs() -> int:
-    """How many sampler programs are compiled and kept (prefill, decode phases, regrows): one set per batch shape."""
+    """How many sampler programs are compiled and kept (prefill, decode phases, regrows): one set per batch shape.
+    Only `drop_compiled_programs` resets it: a `jax.clear_caches` called elsewhere leaves it as it was."""
     return len(_traced)
 
 
