@@ -25,15 +25,16 @@ from jax.sharding import PartitionSpec as P
 
 from drgrpo_jax.errors import PackingError
 from drgrpo_jax.losses import WindowStats, kl_divergence, loss_fn, window_stats
-from drgrpo_jax.models.moe import RouterStats, expert_load, load_balancing_loss, router_z_loss
+from drgrpo_jax.models.moe import RouterStats, load_balancing_loss, router_z_loss
 from drgrpo_jax.sharding import batch_sharding, batch_shards, traced_on_mesh
 from drgrpo_jax.step.batch import Batch, pack_demand, pack_spec, split_micro_batches
 from drgrpo_jax.step.config import StepConfig, importance_weights
+from drgrpo_jax.step.metrics import StepMetrics, TokenMeans, router_metrics
 from drgrpo_jax.step.optimizer import AdamW
 from drgrpo_jax.step.packing import PackSpec
 from drgrpo_jax.step.policy import merge_model, policy_forward, policy_logprobs, response_logprobs
 
-__all__ = ["TrainState", "init_state", "jit_policy_logprobs", "jit_train_step", "router_metrics", "train_step"]
+__all__ = ["TrainState", "init_state", "jit_policy_logprobs", "jit_train_step", "train_step"]
 
 
 @struct.dataclass
@@ -90,7 +91,7 @@ def _reference(params, ref_params, frozen, config: StepConfig):
 def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_params, frozen,
                 micro: Batch[jax.Array], lora_key: jax.Array, packing: PackSpec | None = None, grad_sums=None,
                 moe: bool = False):
-    """This micro-batch's share of the window's loss, and (its metric shares, a mixture's `RouterStats` or None)
+    """This micro-batch's share of the window's loss, and (its `TokenMeans` shares, a mixture's `RouterStats` or None)
     (`grad_sums`: see response_logprobs; `moe`: the policy is a mixture of experts)."""
     logprobs, entropy, stats = policy_forward(
         graphdef, params, micro.prompt_ids, micro.prompt_mask, micro.response_ids, micro.response_mask,
@@ -113,21 +114,21 @@ def _micro_loss(params, graphdef, config: StepConfig, window: WindowStats, ref_p
     if config.tis_cap is not None or config.mis_high is not None:
         # A non-negative per-token weight on the advantage scales exactly the policy-gradient term.
         advantages = advantages * tis_weight
-    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, loss_mask, config=config.loss,
-                            ref_logprobs=ref_logprobs, entropy=entropy, window=window, row_valid=micro.row_valid)
+    loss, loss_metrics = loss_fn(logprobs, old_logprobs, advantages, loss_mask, config=config.loss,
+                                 ref_logprobs=ref_logprobs, entropy=entropy, window=window, row_valid=micro.row_valid)
 
     def token_share(x):
         return jnp.where(window.num_tokens > 0, jnp.where(token, x, 0.0).sum() / jnp.maximum(window.num_tokens, 1), 0.0)
 
-    metrics["behaviour_kl"] = token_share(kl_divergence(micro.behaviour_logprobs, old_logprobs, "k3"))
-    metrics["tis_weight"] = token_share(tis_weight)
-    metrics["is_truncated"] = token_share(truncated.astype(jnp.float32))
-    metrics["is_dropped"] = token_share(dropped.astype(jnp.float32))
+    behaviour_kl = kl_divergence(micro.behaviour_logprobs, old_logprobs, "k3")
+    means = TokenMeans.of_loss(loss_metrics, behaviour_kl=token_share(behaviour_kl), tis_weight=token_share(tis_weight),
+                               is_truncated=token_share(truncated.astype(jnp.float32)),
+                               is_dropped=token_share(dropped.astype(jnp.float32)))
     if stats is not None and (config.router_aux_coef or config.router_z_coef):
         # Each micro-batch's own terms, averaged over the window's micro-batches.
         router_loss = config.router_aux_coef * load_balancing_loss(stats) + config.router_z_coef * router_z_loss(stats)
         loss = loss + router_loss / config.micro_batches
-    return loss, (metrics, stats)
+    return loss, (means, stats)
 
 
 def _false_after(tree) -> jax.Array:
@@ -141,7 +142,7 @@ def _false_after(tree) -> jax.Array:
 
 def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                config: StepConfig, state: TrainState, batch: Batch[jax.Array], *, shards: int = 1
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               ) -> tuple[TrainState, StepMetrics]:
     """One optimizer window: accumulate micro-batch gradients, then one update (pure).
 
     The micro-batch shares sum to the window's loss, so the update depends neither on the number of micro-batches
@@ -167,33 +168,29 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     grad_fn = jax.value_and_grad(share_of_loss, argnums=1 if in_place else 0, has_aux=True)
 
     def accumulate(carry, micro_and_index):
-        grads, loss, metrics, stats = carry
-        (micro_loss, (micro_metrics, micro_stats)), micro_grads = grad_fn(state.params, grads if in_place else None,
-                                                                          *micro_and_index)
+        grads, loss, means, stats = carry
+        (micro_loss, (micro_means, micro_stats)), micro_grads = grad_fn(state.params, grads if in_place else None,
+                                                                        *micro_and_index)
         grads = micro_grads if in_place else jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
-        metrics = jax.tree.map(jnp.add, metrics, micro_metrics)
+        means = jax.tree.map(jnp.add, means, micro_means)
         stats = jax.tree.map(jnp.add, stats, jax.lax.stop_gradient(micro_stats))
-        return (grads, loss + micro_loss, metrics, stats), None
+        return (grads, loss + micro_loss, means, stats), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    metric_names = ("pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "behaviour_kl", "tis_weight",
-                    "is_truncated", "is_dropped")
     stats = None
     if model_config.moe:
         L, e = model_config.num_layers, model_config.num_experts
         stats = RouterStats(counts_Le=jnp.zeros((L, e), jnp.float32), probs_e=jnp.zeros(e, jnp.float32),
                             z=jnp.zeros((), jnp.float32), rows=jnp.zeros((), jnp.float32))
-    carry = (zeros, jnp.zeros((), jnp.float32), {k: jnp.zeros((), jnp.float32) for k in metric_names}, stats)
+    carry = (zeros, jnp.zeros((), jnp.float32), TokenMeans.zeros(), stats)
     micro_batches = (split_micro_batches(batch, config.micro_batches), jnp.arange(config.micro_batches))
-    (grads, loss, metrics, stats), _ = jax.lax.scan(accumulate, carry, micro_batches)
-    if stats is not None:
-        metrics.update(router_metrics(stats))
+    (grads, loss, means, stats), _ = jax.lax.scan(accumulate, carry, micro_batches)
 
-    skipped = window.num_tokens == 0
+    skipped, pack_overflow = window.num_tokens == 0, None
     if packing is not None:
         rows, longest = pack_demand(config, batch, shards)
-        metrics["pack_overflow"] = ((rows > packing.rows) | (longest > packing.length)).astype(jnp.float32)
-        skipped = skipped | (metrics["pack_overflow"] > 0)
+        pack_overflow = ((rows > packing.rows) | (longest > packing.length)).astype(jnp.float32)
+        skipped = skipped | (pack_overflow > 0)
 
     # float32 gradients go in: make_optimizer's moments are float32 and its updates come back in the param dtype.
     if isinstance(optimizer, AdamW):  # in place: no moment held twice (optimizer.py)
@@ -205,7 +202,10 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         # the new params orders the moments' overwrite after that read, else XLA first copies every moment.
         opt_state = optax.tree.where(skipped | _false_after(params), state.opt_state, opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
-    metrics.update(
+    metrics = StepMetrics(
+        tokens=means,
+        router=None if stats is None else router_metrics(stats),
+        pack_overflow=pack_overflow,
         loss=loss,
         grad_norm=optax.tree.norm(grads).astype(jnp.float32),
         learning_rate=jnp.asarray(schedule(state.step), jnp.float32),
@@ -214,17 +214,6 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
         skipped=skipped.astype(jnp.float32),
     )
     return new_state, metrics
-
-
-def router_metrics(stats: RouterStats) -> dict[str, jax.Array]:
-    """A mixture's router over the window: its two loss terms (whatever their coefficients) and each layer's expert
-    load, `expert_max_share/<layer>` (1/e balanced, 1 collapsed) and `expert_entropy/<layer>` (nats, log e balanced)."""
-    max_share_L, entropy_L = expert_load(stats)
-    metrics = {"router_aux_loss": load_balancing_loss(stats), "router_z_loss": router_z_loss(stats)}
-    for layer in range(max_share_L.shape[0]):
-        metrics[f"expert_max_share/{layer}"] = max_share_L[layer]
-        metrics[f"expert_entropy/{layer}"] = entropy_L[layer]
-    return metrics
 
 
 # ------------------------------------------------------------------ jit with explicit shardings
@@ -276,7 +265,7 @@ def _refusing_overflow(fn: Callable, config: StepConfig, mesh: Mesh, batch_index
 
 
 def jit_train_step(graphdef, optimizer, schedule, config: StepConfig, shardings: TrainState, mesh: Mesh
-                   ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+                   ) -> Callable[[TrainState, Batch], tuple[TrainState, StepMetrics]]:
     """train_step jitted with explicit in/out shardings, donating the state (packing: refusing overflows first)."""
     replicated = NamedSharding(mesh, P())
     step = traced_on_mesh(functools.partial(train_step, graphdef, optimizer, schedule, config,

@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from drgrpo_jax.config.derived import component_names, reward_weights
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.rollout.record import EPISODE_COLUMNS, HostCounters, ScoredRollout, correct_mask, response_stats
+from drgrpo_jax.step.metrics import StepMetrics
 
 if TYPE_CHECKING:
     from drgrpo_jax.step.batch import Batch
 
-__all__ = ["UpdateResult", "sample_rows", "staleness_metrics", "step_metrics"]
+__all__ = ["UpdateResult", "sample_rows", "staleness_metrics", "step_metrics", "windows_mean"]
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateResult:
     """What the step's optimizer updates report."""
 
-    metrics: list[dict[str, float]]  # one row per update (optimizer window)
+    history: list[StepMetrics]  # one per update (optimizer window), host values (after jax.device_get)
     window_reports: list[dict[str, float]]  # one per window: what its algorithm's window step reports
     old_logprob_seconds: float = 0.0  # the old-logprob forward over the rollout (0: skipped, on-policy)
 
@@ -38,10 +41,9 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
     total = components @ np.asarray(reward_weights(config), np.float32)
     generated, oldest = int(rollout.lengths.sum()), rollout.weight_versions.min()
     trained = int(batch.prompt_mask[valid].sum() + batch.response_mask[valid].sum()) * config.algorithm.ppo_epochs
-    history = updates.metrics
     row: dict[str, Any] = {
-        "step": step, **{key: float(np.mean([h[key] for h in history])) for key in history[0]},
-        "grad_norm_max": max(h["grad_norm"] for h in history),
+        "step": step, **windows_mean(updates.history).row(),
+        "grad_norm_max": max(float(metrics.grad_norm) for metrics in updates.history),
         "reward_mean": float(total.mean()), "reward_std": float(total.std()),
         **response_stats(rollout.lengths[valid], rollout.truncated[valid], correct_mask(names, components)),
         "advantage_abs_mean": float(np.abs(batch.advantages[valid]).mean()),
@@ -62,6 +64,11 @@ def step_metrics(config: Config, step: int, rollout: ScoredRollout, batch: Batch
         row.update({f"episode/{column}": float(episodes[:, k].mean()) if len(episodes) else None
                     for k, column in enumerate(EPISODE_COLUMNS)})
     return row | counters.metrics()
+
+
+def windows_mean(history: Sequence[StepMetrics]) -> StepMetrics:
+    """The windows' metrics averaged field by field in float64 (a mixture's per-layer loads layer by layer)."""
+    return jax.tree.map(lambda *values: np.mean(np.asarray(values, np.float64), axis=0), *history)
 
 
 def staleness_metrics(version: int, rollout: ScoredRollout, max_staleness: int) -> dict[str, float]:

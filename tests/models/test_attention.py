@@ -384,9 +384,9 @@ def test_train_step_blockwise_equals_reference(monkeypatch):
         state, metrics = step(state, place(batch, batch_sharding(mesh)))
         results.append((jax.device_get(state.params), jax.device_get(metrics)))
     (ref_params, ref_metrics), (got_params, got_metrics) = results
-    assert ref_metrics["grad_norm"] > 0
-    np.testing.assert_allclose(got_metrics["loss"], ref_metrics["loss"], rtol=1e-5)
-    np.testing.assert_allclose(got_metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-4)
+    assert ref_metrics.grad_norm > 0
+    np.testing.assert_allclose(got_metrics.loss, ref_metrics.loss, rtol=1e-5)
+    np.testing.assert_allclose(got_metrics.grad_norm, ref_metrics.grad_norm, rtol=1e-4)
     for r, g in zip(jax.tree.leaves(ref_params), jax.tree.leaves(got_params)):
         np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5)
 

@@ -144,11 +144,11 @@ def test_training_step_loss_and_gradients_equal_on_1_2_4_8_expert_shards(gpt_oss
         new_state, metrics = step(state, batch)
         results[fsdp] = jax.device_get((new_state.opt_state, metrics))
     grads, metrics = results[1]
-    assert float(metrics["expert_max_share/0"]) > 0.3  # uneven loads (1/8 balanced)
+    assert float(metrics.router.expert_max_share_L[0]) > 0.3  # uneven loads (1/8 balanced)
     assert np.abs(np.asarray(grads["blocks"]["expert_gate"])).max() > 0
     for fsdp in (2, 4, 8):
         got_grads, got_metrics = results[fsdp]
-        np.testing.assert_allclose(got_metrics["loss"], metrics["loss"], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got_metrics.loss, metrics.loss, rtol=1e-6, atol=1e-7)
         for (path, g), d in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(grads)):
             np.testing.assert_allclose(g, d, rtol=1e-5, atol=1e-5 * max(np.abs(d).max(), 1e-6),
                                        err_msg=f"{jax.tree_util.keystr(path)} on fsdp={fsdp}")

@@ -129,13 +129,13 @@ def test_step_trains_only_the_adapters_against_the_base_the_same_on_every_mesh_a
     assert moments == {leaf.shape for leaf in jax.tree.leaves(state.params)}
     for got, want in zip(jax.tree.leaves(states[-1].frozen), jax.tree.leaves(initial.frozen)):
         np.testing.assert_array_equal(got, want)  # the base never moves
-    assert history[0]["grad_norm"] > 0 and float(np.abs(state.params["blocks"]["q_proj_lora_b"][...]).max()) > 0
+    assert history[0].grad_norm > 0 and float(np.abs(state.params["blocks"]["q_proj_lora_b"][...]).max()) > 0
     # The KL reference is the base with the adapters off (no copy of the weights): 0 while B = 0, then it grows.
-    assert state.ref_params is None and history[0]["kl"] < 1e-9 < history[1]["kl"]
+    assert state.ref_params is None and history[0].tokens.kl < 1e-9 < history[1].tokens.kl
     _, sharded, sharded_history = run_lora_step((2, 2, 2), 2)
     for got, want in zip(jax.tree.leaves(sharded[0].params), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(sharded_history[0]["loss"], history[0]["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sharded_history[0].loss, history[0].loss, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------

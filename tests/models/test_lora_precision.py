@@ -121,7 +121,7 @@ def _lora_sgd_step(compute_dtype: str, base_dtype: str | None = None):
     new_state, metrics = step(state, batch)
     grads = jax.tree.map(lambda before, after: np.asarray(before, np.float64) - np.asarray(after, np.float64),
                          state.params, new_state.params)
-    return float(metrics["loss"]), grads, new_state, hlo
+    return float(metrics.loss), grads, new_state, hlo
 
 
 def _dots(hlo: str) -> list[tuple[str, str, str]]:
@@ -232,7 +232,7 @@ def test_stored_base_step_trains_only_adapters_shards_and_resumes_exactly(base_d
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)  # the stored base never moves, int8 and scales included
     # The KL reference is the same stored base with the adapters off: 0 while B = 0, then it grows.
-    assert history[0]["kl"] < 1e-9 < history[1]["kl"] and history[0]["grad_norm"] > 0
+    assert history[0].tokens.kl < 1e-9 < history[1].tokens.kl and history[0].grad_norm > 0
     # Resume: the base stored again is the same bits; adapters, Adam and the step come from the checkpoint.
     for got, want in zip(jax.tree.leaves(jax.device_get(rebuilt)), jax.tree.leaves(initial.frozen)):
         np.testing.assert_array_equal(got, want)
@@ -244,12 +244,12 @@ def test_stored_base_step_trains_only_adapters_shards_and_resumes_exactly(base_d
         got, want = jax.tree.leaves(getattr(resumed, part)), jax.tree.leaves(getattr(states[1], part))
         for got_leaf, want_leaf in zip(got, want, strict=True):
             np.testing.assert_array_equal(got_leaf, want_leaf)
-    assert jax.device_get(metrics) == history[1]
+    assert jax.device_get(metrics).row() == history[1].row()
     # Sharded: the scales shard like their weights' output axes; the update agrees with one device's.
     _, sharded, sharded_history, _, _ = _stored_base_steps(base_dtype, (2, 2, 2), steps=1)
     for got_leaf, want_leaf in zip(jax.tree.leaves(sharded[0].params), jax.tree.leaves(states[0].params)):
         np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=mesh_atol)
-    np.testing.assert_allclose(sharded_history[0]["loss"], history[0]["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sharded_history[0].loss, history[0].loss, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------

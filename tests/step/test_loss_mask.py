@@ -73,17 +73,17 @@ def single():
 def test_multi_turn_update_is_invariant_to_mesh_and_micro_batches(single, mesh_shape, micro_batches):
     params, metrics = run(mesh_shape, micro_batches, _with_old(multi_turn_batch()))
     assert_same(params, single[0], f"params on {mesh_shape} x {micro_batches}")
-    np.testing.assert_allclose(metrics["loss"], single[1]["loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics.loss, single[1].loss, rtol=1e-5, atol=1e-7)
 
 
 def test_the_loss_and_token_count_match_the_float64_oracle(single):
     batch = _with_old(multi_turn_batch())
     mask = batch.loss_mask & batch.row_valid[:, None]
-    assert single[1]["num_tokens"] == mask.sum() < (batch.response_mask & batch.row_valid[:, None]).sum()
+    assert single[1].num_tokens == mask.sum() < (batch.response_mask & batch.row_valid[:, None]).sum()
     # The policy before the update is the one old_logprobs were shifted from: its log-probs are _old_logprobs().
     per_token = token_losses(_old_logprobs(), batch.old_logprobs, batch.advantages, mask, 0.2, 0.2)
     expected = aggregate(per_token, mask, "fixed_budget", budget=STEP_RESPONSE, row_valid=batch.row_valid)
-    np.testing.assert_allclose(single[1]["loss"], expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(single[1].loss, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_environment_tokens_change_nothing_through_the_loss(single):
@@ -94,7 +94,7 @@ def test_environment_tokens_change_nothing_through_the_loss(single):
                                    behaviour_logprobs=np.where(environment, 1e9, batch.behaviour_logprobs))
     params, metrics = run((2, 1, 1), 2, poisoned)
     assert_same(params, single[0], "poisoned environment tokens")
-    assert np.isfinite(metrics["loss"]) and metrics["behaviour_kl"] == pytest.approx(single[1]["behaviour_kl"])
+    assert np.isfinite(metrics.loss) and metrics.tokens.behaviour_kl == pytest.approx(single[1].tokens.behaviour_kl)
 
 
 def test_a_full_loss_mask_is_the_same_as_none():

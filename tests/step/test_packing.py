@@ -139,7 +139,7 @@ def test_a_window_that_does_not_fit_is_refused_naming_the_field():
     batch = dataclasses.replace(make_step_batch(), old_logprobs=old, behaviour_logprobs=old)
     step = jax.jit(functools.partial(train_step, graphdef, optax.sgd(0.5), optax.constant_schedule(0.5), config))
     new_state, metrics = step(state, batch)
-    assert metrics["pack_overflow"] == 1 and metrics["skipped"] == 1
+    assert metrics.pack_overflow == 1 and metrics.skipped == 1
     assert_same(new_state.params, state.params, "an overflowing window changes nothing")
 
 

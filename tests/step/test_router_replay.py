@@ -192,10 +192,10 @@ def test_the_aux_loss_trains_the_router_and_the_step_reports_expert_loads(qwen3_
         moved[coef] = float(np.abs(routers[coef, remat] - np.asarray(state.params["blocks"]["router"][...])).max())
         L, e = qwen3_moe.config.num_layers, qwen3_moe.config.num_experts
         for layer in range(L):
-            assert 1 / e <= float(metrics[f"expert_max_share/{layer}"]) <= 1
-            assert 0 <= float(metrics[f"expert_entropy/{layer}"]) <= np.log(e) + 1e-6
-        assert float(metrics["router_aux_loss"]) >= 1.0 - 1e-6  # 1 is perfect balance
-        assert float(metrics["router_z_loss"]) > 0
+            assert 1 / e <= float(metrics.router.expert_max_share_L[layer]) <= 1
+            assert 0 <= float(metrics.router.expert_entropy_L[layer]) <= np.log(e) + 1e-6
+        assert float(metrics.router.aux_loss) >= 1.0 - 1e-6  # 1 is perfect balance
+        assert float(metrics.router.z_loss) > 0
     assert moved[0.0] == 0.0
     assert moved[0.1] > 0.0
     np.testing.assert_allclose(routers[0.1, "full"], routers[0.1, "none"], rtol=1e-5, atol=1e-7)

@@ -208,7 +208,7 @@ def _mixed_precision_step(compute_dtype: str):
     new_state, metrics = step(state, batch)
     grads = jax.tree.map(lambda before, after: np.asarray(before, np.float64) - np.asarray(after, np.float64),
                          state.params, new_state.params)
-    return np.asarray(logprobs), float(metrics["loss"]), grads, new_state.params, hlo
+    return np.asarray(logprobs), float(metrics.loss), grads, new_state.params, hlo
 
 
 def test_bfloat16_compute_matches_float32_within_bfloat16_precision():

@@ -10,6 +10,7 @@ tests start (their PYTHONPATH), so this package is imported as `support`:
   and its prompt file.
 - reward_functions: the rewards trainer children import by path (`support.reward_functions:has_letter_a`).
 - tiny_step: the sharded training step on the tiny model (its window, shared jitted steps, LoRA steps).
+- step_metrics: host `StepMetrics` with distinct values in every field.
 - compiled: the dot types of a compiled XLA program.
 - gdpo_batches: GDPO's multi-component reward batches.
 - oracles: float64 numpy oracles of the advantages and losses; full_cache_sampler: the sampler's oracle.

@@ -60,7 +60,7 @@ def main(process_id: int, port: int, out: str, dcn_data: int = 1) -> None:
     params = multihost_utils.process_allgather(state.params, tiled=True)
     if process_id == 0:
         leaves = {f"param_{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params))}
-        np.savez(out, **leaves, **{f"metric_{k}": np.asarray(v) for k, v in jax.device_get(metrics).items()})
+        np.savez(out, **leaves, **{f"metric_{k}": np.asarray(v) for k, v in jax.device_get(metrics).row().items()})
     jax.distributed.shutdown()
 
 

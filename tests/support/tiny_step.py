@@ -141,7 +141,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
         batch = dataclasses.replace(batch, old_logprobs=jnp.full_like(old, jnp.nan) if on_policy else old,
                                     behaviour_logprobs=old + behaviour_shift)  # on-policy: old_logprobs unused
         state, metrics = step(state, batch)
-        history.append(dict(jax.device_get(metrics), compiles_so_far=len(COMPILES)))
+        history.append(dict(jax.device_get(metrics).row(), compiles_so_far=len(COMPILES)))  # metrics.jsonl keys
     return jax.device_get(state), history, step
 
 
