@@ -8,6 +8,7 @@ its dialect in models/config.py's `_HF_DIALECTS`.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Literal
 
 # The MLP: "dense" one MLP per layer; "glu" a mixture whose router takes the top k of a softmax and whose experts
@@ -57,7 +58,8 @@ class Family:
         return self.experts == "gpt_oss"
 
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (
+# Read-only, as algorithms.py's ALGORITHMS: a family is added here, never registered from elsewhere.
+FAMILIES: types.MappingProxyType[str, Family] = types.MappingProxyType({family.name: family for family in (
     Family("llama", "LlamaForCausalLM", ("llama",), gguf_architecture="llama"),
     Family("qwen2", "Qwen2ForCausalLM", ("qwen2",), gguf_architecture="qwen2", attention_bias="qkv"),
     Family("qwen3", "Qwen3ForCausalLM", ("qwen3",), gguf_architecture="qwen3", qk_norm=True),
@@ -71,7 +73,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (
            norm_plus_one=True, sandwich_norms=True, scale_embeddings=True, sliding="pattern", local_rope=True,
            rope_theta=1_000_000.0, activation="gelu_pytorch_tanh", tie_word_embeddings=True,
            query_pre_attn_scalar=256.0),
-)}
+)})
 
 
 def family_of_model_type(model_type: str | None) -> Family:

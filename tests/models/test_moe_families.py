@@ -175,7 +175,7 @@ def test_greedy_generation_equals_transformers_greedy(mixture):
                        batch_size=4, prompt_len=16)
     out = jax.tree.map(np.asarray, generate(*nnx.split(ours), batch, max_new_tokens=14))
     for b, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=14, min_new_tokens=14,
+        with torch.inference_mode():  # no EOS: a token like any other, as ignore_eos makes it for ours
+            full = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=14, eos_token_id=None,
                                   pad_token_id=0)
         assert out.tokens_BT[b, :out.lengths_B[b]].tolist() == full[0, len(prompt):].tolist()
