@@ -450,7 +450,7 @@ _GCS_URI = re.compile(r"gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](/[^\x00-\x1f]*)?"
 
 def check_output_dir(run: RunConfig) -> None:
     """ConfigError naming run.output_dir when the run could not create or write it (a file, /proc, a read-only
-    disk). The one rule that reads the disk, so only the commands that write a run ask it (train, config), not
+    disk). It tries the disk, so only the commands that write a run ask it (train, config), not
     those that read one back (evaluate --model RUN_DIR): a folder is made and removed in its nearest existing
     ancestor. A bucket (gs://BUCKET/PATH) is checked for its form and for gcsfs, not reached."""
     if is_remote(run.output_dir):
