@@ -110,9 +110,15 @@ def _merge(base: DictConfig, update: DictConfig, where: str) -> DictConfig:
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     """Dotted `key=value` overrides as a DictConfig (values parsed as YAML, like the file)."""
     for override in overrides:
-        key, equals, _ = override.partition("=")
+        key, equals, value = override.partition("=")
         if not equals or not key.strip():
             raise ConfigError(override, "an override must look like section.key=value")
+        try:
+            yaml.safe_load(value)
+        except yaml.YAMLError as error:  # the value is read as YAML, as in the file
+            problem = getattr(error, "problem", None) or type(error).__name__
+            raise ConfigError(key.strip(), f"{value!r} is not a YAML value ({problem}); quote it as a string: "
+                                           f"{key.strip()}='\"{value}\"'") from None
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as error:

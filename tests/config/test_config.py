@@ -116,6 +116,9 @@ def test_every_field_has_a_description():
         (["data.source=csv"], "data.source", "expected one of"),
         (["optimizer.decay=step"], "optimizer.decay", "expected one of"),
         (["train.steps"], "train.steps", "section.key=value"),
+        (["model.path=..."], "model.path", "is not a YAML value"),  # the docs' own placeholder
+        (["data.template=[a"], "data.template", "quote it as a string: data.template='\"[a\"'"),
+        (["model.path=a: b: c"], "model.path", "mapping values are not allowed here"),
     ],
 )
 def test_typed_merge_errors(overrides, key, fragment):
