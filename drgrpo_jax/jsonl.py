@@ -3,6 +3,7 @@ metrics.jsonl (train/run_log.py); written whole, atomically, for `python -m drgr
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import os
@@ -31,10 +32,13 @@ def _row(path: str, number: int, line: bytes) -> dict[str, Any]:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The object on each non-blank line of `path`; ValueError (one line, naming the file and line) for a line that
-    is not UTF-8, not JSON, nested past the stack or not an object."""
+    """The object on each non-blank line of `path` (a UTF-8 byte order mark before the first is skipped, as editors
+    on Windows write one); ValueError (one line, naming the file and line) for a line that is not UTF-8, not JSON,
+    nested past the stack or not an object."""
     with open(path, "rb") as file:
         for number, line in enumerate(file, start=1):
+            if number == 1:
+                line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
                 yield _row(os.fspath(path), number, line)
 

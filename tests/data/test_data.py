@@ -75,6 +75,14 @@ def test_jsonl_fields_answer_marker_and_held_out_split(tmp_path):
     assert len(capped.train) == 4
 
 
+def test_a_jsonl_file_with_a_byte_order_mark_loads_as_without(tmp_path):
+    plain = _write_jsonl(tmp_path / "gsm.jsonl", ROWS)
+    marked = tmp_path / "marked" / "gsm.jsonl"
+    marked.parent.mkdir()
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert load_dataset(_file_config(marked), seed=0) == load_dataset(_file_config(plain), seed=0)
+
+
 def test_separate_eval_file(tmp_path):
     _write_jsonl(tmp_path / "train.jsonl", ROWS)
     _write_jsonl(tmp_path / "test.jsonl", ROWS[:3])

@@ -17,6 +17,18 @@ def test_objects_a_line_blank_lines_skipped_and_bad_lines_named(tmp_path):
             list(read_jsonl(path))
 
 
+def test_a_byte_order_mark_before_the_first_line_is_skipped(tmp_path):
+    """Issue #64: a file saved with a BOM (Windows editors, Excel) was refused with 'Unexpected UTF-8 BOM'."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\n{"b": "\xc3\xa9"}\n')
+    assert list(read_jsonl(path)) == [{"a": 1}, {"b": "é"}]
+    path.write_bytes(b'\xef\xbb\xbf\n{"a": 1}\n')  # a mark on a line of its own: a blank line
+    assert list(read_jsonl(path)) == [{"a": 1}]
+    path.write_bytes(b'{"a": 1}\n\xef\xbb\xbf{"b": 2}\n')  # a mark inside the file is not a file's mark
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        list(read_jsonl(path))
+
+
 @pytest.mark.parametrize("line, words", [
     (b"5", "line 2 is not a JSON object (got int)"),
     (b'"text"', "line 2 is not a JSON object (got str)"),
