@@ -9,9 +9,11 @@
 - seccomp (installed by bwrap before the interpreter starts): no new processes (threads only), no socket, no
   signal, ptrace, pidfd or prlimit aimed at another process, no io_uring, mount, namespace, keyring, BPF or module
   calls; the runner adds a second filter refusing execve before it reads the code;
-- rlimits on address space, CPU seconds, file size (its output too) and open files, set by the runner before it
-  reads the code; at `timeout_s` the worker's process group is killed, and with bwrap (the pid namespace's first
-  process) goes every process inside it.
+- rlimits on address space, CPU seconds, file size and open files, set by the runner before it reads the code; at
+  `timeout_s` the worker's process group is killed, and with bwrap (the pid namespace's first process) goes every
+  process inside it;
+- its stdout and stderr are a pipe that the caller reads up to `max_output_bytes` and then closes: the output never
+  touches the host's disk (a file there could be grown past RLIMIT_FSIZE by `fallocate`).
 Where bwrap, user namespaces or libseccomp are missing, the jail refuses to start (`PythonSandboxUnavailable`).
 
 `containment="weak"` is what runs without them, by name only: the rlimits, the process group kill, the `nobody`
@@ -30,6 +32,7 @@ import dataclasses
 import errno
 import functools
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -64,6 +67,7 @@ REFUSED_SYSCALLS = (
     "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key", "init_module", "finit_module",
     "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "syslog",
     "quotactl", "name_to_handle_at", "open_by_handle_at",  # the kernel's own state
+    "fallocate",  # blocks reserved past RLIMIT_FSIZE, which the kernel checks only when a file's size changes
 )
 # What the jail sees of the host, read-only: the system's programs and libraries (paths that are symlinks, as on
 # merged-/usr systems, become the same symlinks); the interpreter's own prefix is added where it lies elsewhere.
@@ -240,7 +244,7 @@ class SandboxResult:
     returncode: int | None  # None: killed at the time limit
     seconds: float
     namespaced: bool  # whether it ran in its own network namespace (always, in the jail)
-    output_cut: bool  # it wrote more than max_output_bytes (Python ignores SIGXFSZ: the write fails with EFBIG)
+    output_cut: bool  # it wrote more than max_output_bytes (the pipe is then closed: its next write fails, EPIPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +278,7 @@ class PythonSandbox:
 
     def _limits(self) -> tuple[tuple[str, int], ...]:
         return (("RLIMIT_AS", self.memory_mb * 2**20), ("RLIMIT_CPU", int(self.timeout_s) + 1),
-                ("RLIMIT_FSIZE", self.max_output_bytes + 1),  # one byte over the output limit raises SIGXFSZ
+                ("RLIMIT_FSIZE", self.max_output_bytes + 1),  # each file it writes (the weak mode's are on disk)
                 ("RLIMIT_NOFILE", self.max_open_files), ("RLIMIT_CORE", 0))
 
     def run(self, code: str) -> SandboxResult:
@@ -330,19 +334,20 @@ class PythonSandbox:
     def _execute(self, command: list[str], env: dict[str, str], cwd: str | None, pass_fds: tuple[int, ...], *,
                  namespaced: bool, preexec_fn=None) -> SandboxResult:
         start = time.monotonic()
-        with tempfile.TemporaryFile() as output:
-            # its own process group (and session): the timeout kills the group
-            process = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
-                                       env=env, close_fds=True, pass_fds=pass_fds, start_new_session=True,
-                                       preexec_fn=preexec_fn)
-            try:
-                returncode: int | None = process.wait(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(process)
-                returncode = None
-            seconds = time.monotonic() - start
-            output.seek(0)
-            raw = output.read(self.max_output_bytes + 1)
+        deadline = start + self.timeout_s
+        read_fd, write_fd = os.pipe()
+        try:
+            try:  # its own process group (and session): the timeout kills the group
+                process = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=write_fd,
+                                           stderr=write_fd, env=env, close_fds=True, pass_fds=pass_fds,
+                                           start_new_session=True, preexec_fn=preexec_fn)
+            finally:
+                os.close(write_fd)
+            raw = _read_output(process, read_fd, self.max_output_bytes + 1, deadline)
+        finally:
+            os.close(read_fd)  # past the limit, the worker's next write fails (EPIPE) and it ends
+        returncode = _wait(process, deadline)
+        seconds = time.monotonic() - start
         text = raw[:self.max_output_bytes].decode("utf-8", errors="replace")
         return SandboxResult(text, returncode, seconds, namespaced, len(raw) > self.max_output_bytes)
 
@@ -385,6 +390,33 @@ def _killing_signal(returncode: int | None, *, jailed: bool) -> signal.Signals |
     number = -returncode if returncode is not None and returncode < 0 else \
         returncode - 128 if jailed and returncode is not None and returncode > 128 else None
     return signal.Signals(number) if number in signal.valid_signals() else None
+
+
+def _read_output(process: subprocess.Popen, read_fd: int, limit: int, deadline: float) -> bytes:
+    """What the worker writes to its pipe, at most `limit` bytes: until the pipe closes, the deadline, or the worker
+    has exited while something it left behind (the weak mode's children) holds the pipe open."""
+    output = bytearray()
+    poller = select.poll()
+    poller.register(read_fd, select.POLLIN)
+    while len(output) < limit and (remaining := deadline - time.monotonic()) > 0:
+        if not poller.poll(min(remaining, 0.1) * 1000):
+            if process.poll() is not None:
+                break
+            continue
+        chunk = os.read(read_fd, limit - len(output))
+        if not chunk:
+            break
+        output += chunk
+    return bytes(output)
+
+
+def _wait(process: subprocess.Popen, deadline: float) -> int | None:
+    """The worker's exit status; None when it was still running at the deadline (its process group is killed)."""
+    try:
+        return process.wait(timeout=max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        return None
 
 
 def _kill_group(process: subprocess.Popen) -> None:

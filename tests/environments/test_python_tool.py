@@ -119,6 +119,21 @@ def test_time_and_output_limits(sandbox):
         sandbox.call("print('x' * 100000)")
 
 
+def test_the_output_is_a_pipe_not_a_file_on_the_hosts_disk(sandbox):
+    assert sandbox.call("import os, stat\nprint([stat.S_ISFIFO(os.fstat(fd).st_mode) for fd in (1, 2)])") == \
+        "[True, True]\n"
+
+
+def test_fallocate_cannot_reserve_disk_past_the_output_limit():
+    """Issue #64: ext4 checks RLIMIT_FSIZE only when a file's size changes, so fallocate with FALLOC_FL_KEEP_SIZE
+    reserved 1 GiB of the host's disk through the worker's stdout (then a file)."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.fallocate.argtypes = [ctypes.c_int] * 2 + [ctypes.c_long] * 2\n"
+            "for fd in (1, os.open('f', os.O_CREAT | os.O_WRONLY)):\n"
+            "    print(libc.fallocate(fd, 1, 0, 2**30), os.strerror(ctypes.get_errno()))")
+    assert make_sandbox().call(code) == "-1 Operation not permitted\n" * 2
+
+
 def test_the_jails_folder_is_bounded():
     code = "for i in range(1000):\n    with open(f'f{i}', 'w') as f:\n        f.write('x' * 4000)"
     with pytest.raises(PythonToolError, match="No space left on device"):
