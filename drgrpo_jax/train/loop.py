@@ -10,13 +10,11 @@ with the train state, so a resumed run reproduces an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from drgrpo_jax.algorithms import ALGORITHMS
 from drgrpo_jax.config.derived import reward_weights
@@ -27,6 +25,7 @@ from drgrpo_jax.host_memory import peak_rss_gb, return_freed_memory, returning_c
 from drgrpo_jax.hosts import fail_together
 from drgrpo_jax.seeds import eval_seed
 from drgrpo_jax.train.metrics import step_metrics
+from drgrpo_jax.train.progress import StepBar, closing_summary, eval_line, say
 from drgrpo_jax.train.rollout_queue import check_fresh
 from drgrpo_jax.train.setup import setup
 
@@ -37,6 +36,7 @@ if TYPE_CHECKING:
     from drgrpo_jax.train.learner import Learner
     from drgrpo_jax.train.recorder import Recorder
     from drgrpo_jax.train.rollout_queue import RolloutQueue
+    from drgrpo_jax.train.run_log import RunLog
 
 __all__ = ["train", "train_one_step"]
 
@@ -95,12 +95,6 @@ def periodic_eval(config: Config, actor: Actor, held_out: tuple[Example, ...], s
 # ---------------------------------------------------------------------------------------------
 
 
-def _progress(steps: int, start_step: int) -> Any:
-    """A tqdm bar on process 0 (a no-op object elsewhere)."""
-    return tqdm(total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                disable=jax.process_index() != 0, file=sys.stderr)
-
-
 def train(config: Config, command: str = "") -> str:
     """Runs (or resumes) the configured training; returns the run directory. `command`: the command line that
     started it, for the model card of run.push_to_hub.
@@ -109,44 +103,56 @@ def train(config: Config, command: str = "") -> str:
     `loss`), samples.jsonl, tensorboard/, checkpoints/, weights/, serve.log and final/ (an HF folder of the last
     policy; with LoRA a PEFT adapter folder).
     """
+    started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         stack.enter_context(returning_compile_memory())
         (actor, learner, queue, recorder, held_out), state = setup(config, stack)
         c, log, steps = config, recorder.log, config.train.steps
-        bar = stack.enter_context(_progress(steps, recorder.start_step))
-        if log.enabled:  # process 0; beside the progress bar on stderr
-            print(f"model.compute_dtype: {recorder.compute_dtype} (GEMMs of the train step and the local service)",
-                  file=sys.stderr, flush=True)
+        say(f"model.compute_dtype: {recorder.compute_dtype} (GEMMs of the train step and the local service)")
         last_eval = None  # the model card's evaluation table
         if c.train.eval_every and recorder.start_step == 0:
-            if (row := periodic_eval(c, actor, held_out, 0)) is not None:
-                log.metrics(row)
-                last_eval = row
+            last_eval = _evaluate(c, actor, held_out, 0, log, legend=True)
         return_freed_memory()  # what loading and dequantising the weights freed
         if recorder.start_step < steps:
             queue.prime(state, recorder.start_step)
+            say(f"step {recorder.start_step + 1} compiles the training step, so it takes longer than the rest")
+        bar = stack.enter_context(StepBar(steps, recorder.start_step))
         for step in range(recorder.start_step, steps):
             state, row = train_one_step(c, queue, learner, recorder, state, step)
             log.metrics(row)
-            bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
-                            tok_s=f"{row['tokens_per_second']:.0f}", refresh=False)
+            bar.step_done(row)
             if (step + 1) % c.run.log_every == 0:
-                bar.write(f"step {step + 1}/{steps} reward {row['reward_mean']:.3f} "
-                          f"accuracy {row['accuracy']:.3f} loss {row['loss']:.4g} kl {row['kl']:.3g} "
-                          f"length {row['response_length_mean']:.1f} {row['tokens_per_second']:.0f} tok/s")
+                say(f"step {step + 1}/{steps} reward {row['reward_mean']:.3f} accuracy {row['accuracy']:.3f} "
+                    f"loss {row['loss']:.4g} kl {row['kl']:.3g} length {row['response_length_mean']:.1f} "
+                    f"{row['tokens_per_second']:.0f} tok/s")
             if c.train.eval_every and ((step + 1) % c.train.eval_every == 0 or step + 1 == steps):
                 queue.drain()  # evaluation samples alone, from the version just pushed
-                if (eval_row := periodic_eval(c, actor, held_out, step + 1)) is not None:
-                    log.metrics(eval_row)
-                    last_eval = eval_row
-                    bar.write(f"step {step + 1} eval " + eval_summary(eval_row))
+                last_eval = _evaluate(c, actor, held_out, step + 1, log, legend=last_eval is None) or last_eval
             recorder.save(state, step + 1, queue)
             if step + 1 < steps and recorder.checkpointer.preempted(step + 1):  # saved above, on every process
-                bar.write(f"preempted: saved step {step + 1}; the same command resumes it")
+                say(f"preempted: saved step {step + 1}; the same command resumes it")
                 raise Preempted(step + 1)  # leaving the stack flushes the run log and stops the services
             return_freed_memory()
         queue.drain()  # the last deferred push is done (or its error raised) before the run ends
+        bar.close()
         for line in recorder.export(state, last_eval, command):
-            bar.write(line)
+            say(line)
+        recorder.checkpointer.wait()
+        summary = closing_summary(c.run.output_dir, steps, time.perf_counter() - started,
+                                  recorder.checkpointer.all_steps(), tensorboard="tensorboard" in c.run.report_to,
+                                  last_eval=eval_summary(last_eval) if last_eval else None)
+        for line in summary:
+            say(line)
     return c.run.output_dir
+
+
+def _evaluate(config: Config, actor: Actor, held_out: tuple[Example, ...], step: int, log: RunLog, *,
+              legend: bool) -> dict[str, Any] | None:
+    """The periodic evaluation, logged and told (process 0: its row; elsewhere None)."""
+    if held_out:
+        say(f"evaluating after step {step} on {len(held_out)} held-out problems ...")
+    row = periodic_eval(config, actor, held_out, step)
+    if row is not None:
+        log.metrics(row)
+        say(eval_line(row, eval_summary(row), legend=legend))
+    return row

@@ -52,7 +52,7 @@ class Recorder:
 
     def export(self, state: TrainState, last_eval: dict[str, Any] | None, command: str) -> list[str]:
         """final/ (an HF folder; with LoRA the PEFT adapter, and merged/ with model.lora.export_merged), pushed to
-        the Hub with its model card under run.push_to_hub: the lines to print."""
+        the Hub with its model card under run.push_to_hub (the line to print, or none)."""
         c, lines = self.config, []
         final = os.path.join(c.run.output_dir, "final")
         local_final = os.path.join(scratch_folder(c.run.output_dir), "final")  # final itself unless on a bucket
@@ -67,4 +67,4 @@ class Recorder:
         if local_final != final and jax.process_index() == 0:  # process 0 exported it (with the card)
             remove_folder(final)  # what an earlier export left there
             copy_folder(local_final, final)
-        return lines + [f"done: {c.train.steps} steps; policy exported to {final}"]
+        return lines

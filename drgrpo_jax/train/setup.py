@@ -48,6 +48,7 @@ from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_trai
 from drgrpo_jax.train.collect import RoundSource
 from drgrpo_jax.train.hub import check_hub
 from drgrpo_jax.train.learner import Learner
+from drgrpo_jax.train.progress import phase, say
 from drgrpo_jax.train.recorder import Recorder
 from drgrpo_jax.train.rollout_queue import (
     QueueRecord,
@@ -196,7 +197,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
     stored_dtype = lora_base_dtype(c) if c.model.lora.rank else c.model.dtype  # bfloat16 base: bfloat16 GEMMs
     compute_dtype = resolve_compute_dtype(c.model.compute_dtype, stored_dtype, jax.devices()[0])
     train_config, logprob_config = step_configs(c, compute_dtype)
-    dataset = load_dataset(c.data, c.run.seed)
+    with phase(f"loading the data ({c.data.source})"):
+        dataset = load_dataset(c.data, c.run.seed)
     client = None
     if c.rollout.urls:  # every host checks that it reaches every service; all fail together if one does not
         with fail_together("reaching rollout.urls"):
@@ -222,8 +224,9 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
     dtype = DTYPES[c.model.dtype]
     check_attention_backend(c.model.attention_impl, jax.default_backend())
     fixed_remat = "none" if c.model.remat == "auto" else c.model.remat
-    model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
-                            attention_impl=c.model.attention_impl)
+    with phase(f"loading the model {c.model.path}"):
+        model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
+                                attention_impl=c.model.attention_impl)
     if c.model.remat == "auto":  # the plan's pick for this device's memory (python -m drgrpo_jax.plan shows it)
         model.config = dataclasses.replace(model.config, remat=auto_remat(c, model.config, jax.devices()[0]))
     if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
@@ -253,6 +256,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
         state = dataclasses.replace(restored_state, frozen=state.frozen)
         record = QueueRecord.from_host(restored.host)
         start_step, position = record.step, record.data_position
+        say(f"resuming from the checkpoint of step {start_step} in {checkpointer.directory}")
         if c.rollout.inflight_updates:
             queued = held_rounds(record, restored.rounds)
             position = queued.stream_position
@@ -271,10 +275,11 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
     publish_weights(publisher, client, state.params, start_step, rollback=resume, frozen=state.frozen)
     server = None
     if client is None:  # one process (checked above): its own child service
-        server = stack.enter_context(LocalServer(
-            publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
-            log_path=os.path.join(local_out, "serve.log"), extra_args=child_service_args(c),
-            api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c), mesh=c.rollout.service_mesh))
+        with phase(f"starting the generation service (its log: {os.path.join(local_out, 'serve.log')})"):
+            server = stack.enter_context(LocalServer(
+                publisher.local_path(start_step), dtype=compute_dtype, weight_version=start_step,
+                log_path=os.path.join(local_out, "serve.log"), extra_args=child_service_args(c),
+                api_key_env=c.rollout.api_key_env, weights_roots=weights_roots(c), mesh=c.rollout.service_mesh))
         if server.url is None:  # entering the context waits until the service answers at its URL
             raise RuntimeError("the local generation service started without a URL")
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 
@@ -246,6 +247,17 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted, monkeypa
 
     # model.compute_dtype=auto, resolved on this machine; the line is the trainer's own report of it.
     assert f"model.compute_dtype: {resolve_compute_dtype('auto', 'float32', jax.devices()[0])}" in stderr
+    # The run talks: each start-up phase with its time, the evaluations with what their figures mean, an ETA from
+    # steady-state steps, and a closing summary that names every output with its size.
+    for phase in ("loading the data", "loading the model", "starting the generation service"):
+        assert re.search(rf"\[drgrpo\] {phase}[^\n]*: \d+\.\d s", stderr), phase
+    assert "evaluation after step 0 on" in stderr and "pass@k: share of problems" in stderr
+    assert "evaluation after step 4 on" in stderr and "step 1 compiles the training step" in stderr
+    assert re.search(r"eta \d+(\.\d)? (s|min)", stderr)
+    summary = stderr[stderr.index("[drgrpo] done: 4 steps"):]
+    for output in ("metrics.jsonl", "tensorboard --logdir", "plot_run.py", "final model:", "checkpoints:"):
+        assert output in summary, output
+    assert re.search(r"checkpoints: \S+ \(\d+\.\d+ (MB|GB)\) \(steps 2, 4;", summary), summary
 
 
 @pytest.mark.subprocess
