@@ -6,6 +6,14 @@ Arrays are stored uncompressed: orbax's zstd held a compressed copy of the whole
 write, which set the trainer's peak memory, and float weights barely compress. Checkpoints written compressed by
 earlier versions restore as before.
 
+Each array's checksum is saved with it (the `checksums` JSON item of the same atomic step folder) and checked after
+a restore, before training resumes: a mismatch is a damaged checkpoint, as a truncated file is (`restore_latest`
+falls back to the previous one). A `state` array's checksum is computed where the array lives, by the devices that
+hold it: a sum of per-element hashes, reduced across shards, so it is the same for any sharding and on every
+process of a multi-host run, with no gather to one host; process 0 writes the JSON. The `rounds` tree (numpy, on the
+host) is hashed with BLAKE2b. The checksums find corruption (a flipped block, a wrong file), not an attacker who can
+also rewrite the JSON. Checkpoints written before checksums existed restore unchecked, which is said once.
+
 The folder may be a bucket (`gs://bucket/run/checkpoints`): orbax writes it through tensorstore and etils.epath
 (`pip install -e '.[gcs]'`), and a save there is made atomic by a commit marker instead of a rename.
 
@@ -18,6 +26,7 @@ with RESTART_EXIT_CODE, which the launchers treat as "restart".
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import signal
@@ -25,16 +34,25 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.weight_folders import absolute, as_epath
 
-__all__ = ["RESTART_EXIT_CODE", "Checkpointer", "Restored", "abstract_state_like"]
+__all__ = ["RESTART_EXIT_CODE", "Checkpointer", "CorruptCheckpoint", "Restored", "abstract_state_like",
+           "device_checksums", "host_checksums"]
 
 log = logging.getLogger(__name__)
 
 RESTART_EXIT_CODE = 42  # a preempted run saved and stopped: relaunch it (xpk and the JobSets restart on 42)
+CHECKSUMS = "checksums"  # the JSON item beside `state` and `host`: {item: {array name: "dtype checksum"}}
+LANE_SEEDS = (0x243F6A88, 0x85A308D3)  # two independent 32-bit sums make a 64-bit checksum
+
+
+class CorruptCheckpoint(ValueError):
+    """An array read back differs from the checksum saved with it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +82,81 @@ def abstract_state_like(state: Any, shardings: Any = None) -> Any:
     )
 
 
+def _mix(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser: each input bit flips about half of the output's."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _words(array: jax.Array) -> jax.Array:
+    """The array's bits as uint32 words (a 64-bit item: two words on a new last axis)."""
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        array = jax.random.key_data(array)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}.get(array.dtype.itemsize)
+    if array.dtype == jnp.bool_ or unsigned is None:  # bool, and sub-byte integers: their values are their bits
+        return array.astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(array, unsigned).astype(jnp.uint32)
+
+
+def _row_major_index(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's row-major position (mod 2**32), built an axis at a time: a sharded array is never reshaped."""
+    index, stride = jnp.zeros(shape, jnp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        index += jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return index
+
+
+def _checksum(array: jax.Array) -> jax.Array:
+    """uint32[2]: per lane, the wrapping sum of a hash of each word with its position (any order of shards sums to
+    the same value); one changed word changes it but with probability 2**-64."""
+    words = _words(array)
+    index = _row_major_index(words.shape)
+    return jnp.stack([jnp.sum(_mix(words ^ _mix(index ^ jnp.uint32(seed))), dtype=jnp.uint32)
+                      for seed in LANE_SEEDS])
+
+
+_checksums = jax.jit(lambda arrays: [_checksum(array) for array in arrays])
+
+
+def _array_name(path: tuple[Any, ...]) -> str:
+    """'params/embed_VD': the same whether orbax reads a container back as a list or a tuple, a dict or a dataclass."""
+    return "/".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in path)
+
+
+def device_checksums(tree: Any) -> dict[str, str]:
+    """Each array's "dtype checksum" by name, computed by the devices that hold it (one program per set of
+    devices): the same for any sharding, and on every process, as the reduction leaves the sum on all."""
+    named = [(_array_name(path), jnp.asarray(leaf)) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    by_devices: dict[frozenset, list[int]] = {}
+    for i, (_, array) in enumerate(named):
+        by_devices.setdefault(frozenset(array.sharding.device_set), []).append(i)
+    sums: dict[int, np.ndarray] = {}
+    for indices in by_devices.values():
+        sums.update(zip(indices, jax.device_get(_checksums([named[i][1] for i in indices])), strict=True))
+    return {name: f"{array.dtype} {int(sums[i][0]):08x}{int(sums[i][1]):08x}" for i, (name, array) in enumerate(named)}
+
+
+def host_checksums(tree: Any) -> dict[str, str]:
+    """Each numpy array's "dtype checksum" by name: BLAKE2b of its bytes (the `rounds` tree, kept on the host)."""
+    return {_array_name(path): f"{np.asarray(leaf).dtype} "
+                               f"{hashlib.blake2b(np.ascontiguousarray(leaf).tobytes(), digest_size=8).hexdigest()}"
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+CHECKSUM_OF = {"state": device_checksums, "rounds": host_checksums}  # each saved tree's checksum
+
+
+def verify(item: str, tree: Any, saved: dict[str, str]) -> None:
+    """CorruptCheckpoint naming the first array of `tree` whose checksum differs from `saved`'s (an array read back
+    as another dtype than it was saved in is not compared)."""
+    for name, value in CHECKSUM_OF[item](tree).items():
+        expected = saved.get(name)
+        if expected is not None and expected.split()[0] == value.split()[0] and expected != value:
+            raise CorruptCheckpoint(f"{item} array {name} differs from the checksum saved with it")
+
+
 class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the newest `keep`, restores exactly."""
 
@@ -81,9 +174,11 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
         )
         handlers = {"state": ocp.PyTreeCheckpointHandler(use_compression=False), "host": ocp.JsonCheckpointHandler(),
-                    "rounds": ocp.PyTreeCheckpointHandler(use_compression=False)}
+                    "rounds": ocp.PyTreeCheckpointHandler(use_compression=False),
+                    CHECKSUMS: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._preempted: dict[int, bool] = {}  # each step's answer: the sync point is asked once per step
+        self._said_unchecked = False  # a checkpoint without checksums is named once
         self._sigterm = threading.Event()
         self._handling_sigterm = catch_sigterm and not jax.distributed.is_initialized()  # else XLA's notifier has it
         if self._handling_sigterm:
@@ -139,22 +234,39 @@ class Checkpointer:
             return False  # off the cadence, or the end of a run that just saved this step
         # force: `due` made orbax's decision already (its preemption check included); its own interval would
         # also save the first step.
+        trees = {"state": state, **({} if rounds is None else {"rounds": rounds})}
+        checksums = {item: CHECKSUM_OF[item](tree) for item, tree in trees.items()}
         return self._manager.save(
             step,
-            args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), host=ocp.args.JsonSave(dict(host)),
-                                    **({} if rounds is None else {"rounds": ocp.args.PyTreeSave(rounds)})),
+            args=ocp.args.Composite(host=ocp.args.JsonSave(dict(host)), **{CHECKSUMS: ocp.args.JsonSave(checksums)},
+                                    **{item: ocp.args.PyTreeSave(tree) for item, tree in trees.items()}),
             force=True,
         )
 
     def restore(self, step: int, abstract_state: Any, shardings: Any = None, *, rounds: bool = False) -> Restored:
         """Checkpoint `step` with the structure, dtypes and shardings of `abstract_state` (or `shardings`); `rounds`:
-        also its `rounds` tree, as saved (numpy arrays)."""
+        also its `rounds` tree, as saved (numpy arrays). CorruptCheckpoint when an array differs from its checksum."""
         target = abstract_state_like(abstract_state, shardings)
         state_args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
         extra = {"rounds": ocp.args.PyTreeRestore()} if rounds else {}
+        checked = self._has_checksums(step)
+        if checked:
+            extra[CHECKSUMS] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args, host=ocp.args.JsonRestore(),
                                                                        **extra))
+        for item in (("state", "rounds") if rounds else ("state",)) if checked else ():
+            verify(item, restored[item], restored[CHECKSUMS].get(item, {}))
         return Restored(step, restored["state"], dict(restored["host"]), restored["rounds"] if rounds else None)
+
+    def _has_checksums(self, step: int) -> bool:
+        """Whether checkpoint `step` holds its arrays' checksums (written before they existed: said once)."""
+        if (as_epath(self.directory) / str(step) / CHECKSUMS).exists():
+            return True
+        if not self._said_unchecked:
+            log.warning("checkpoint step %d in %s has no checksums (written before drgrpo_jax saved them): its "
+                        "arrays are restored unchecked", step, self.directory)
+            self._said_unchecked = True
+        return False
 
     def restore_latest(self, abstract_state: Any, shardings: Any = None, *, rounds: bool = False) -> Restored | None:
         """The newest checkpoint that reads back whole (see `restore`); None when there is none.

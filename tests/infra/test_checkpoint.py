@@ -2,6 +2,7 @@
 preemption (SIGTERM in one process, orbax's sync point across two)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,18 +17,18 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.checkpoint import RESTART_EXIT_CODE, Checkpointer
+from drgrpo_jax.checkpoint import RESTART_EXIT_CODE, Checkpointer, device_checksums, host_checksums
 from drgrpo_jax.errors import ConfigError
 
 from support.gcs_emulator import BUCKET, gcs_emulator
 from support.two_processes import start_two_processes
 
 
-def _train_state(seed: int):
+def _train_state(seed: int, vocab: int = 16):
     """A small train state shaped like the trainer's: params, Adam state, step, typed PRNG key."""
     key = jax.random.key(seed)
     params = {
-        "embed_VD": jax.random.normal(key, (16, 8), jnp.float32),
+        "embed_VD": jax.random.normal(key, (vocab, 8), jnp.float32),
         "norm_D": jnp.linspace(0.5, 1.5, 8).astype(jnp.bfloat16),
     }
     optimizer = optax.adamw(1e-3)
@@ -85,8 +86,23 @@ def test_cadence_force_and_retention(tmp_path):
         assert checkpointer.latest_host_state() == {"data_position": 7}  # without a tree to restore into
 
 
+def _largest_array_file(step_folder) -> str:
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(step_folder / "state") for name in names]
+    return max((path for path in files if f"{os.sep}d{os.sep}" in path), key=os.path.getsize)
+
+
 def _damage(step_folder, how: str) -> None:
-    """Truncates the host JSON ("json": what issue #44 met) or the array data files ("arrays") of a saved step."""
+    """Truncates the host JSON ("json": what issue #44 met) or the array data files ("arrays") of a saved step, or
+    flips 4 KB in the middle of its largest array file ("flip": what issue #64 met)."""
+    if how == "flip":
+        path = _largest_array_file(step_folder)
+        middle = os.path.getsize(path) // 2
+        with open(path, "r+b") as f:
+            f.seek(middle)
+            block = f.read(4096)
+            f.seek(middle)
+            f.write(bytes(byte ^ 0xFF for byte in block))
+        return
     for folder, _, files in os.walk(step_folder):
         for name in files:
             path = os.path.join(folder, name)
@@ -96,22 +112,59 @@ def _damage(step_folder, how: str) -> None:
                     f.truncate(os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize("how", ["json", "arrays"])
+@pytest.mark.parametrize("how", ["json", "arrays", "flip"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_with_one_line(tmp_path, how, caplog):
-    states = {step: _train_state(step) for step in (1, 2, 3)}
+    states = {step: _train_state(step, vocab=8192) for step in (1, 2, 3)}  # embed_VD: 256 KB, most of the file
     with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer:
         for step, state in states.items():
             checkpointer.save(step, state, {"data_position": step})
     _damage(tmp_path / "3", how)
     with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer, caplog.at_level("WARNING", "drgrpo_jax"):
         restored = checkpointer.restore_latest(jax.eval_shape(lambda: states[3]))
-        assert restored.step == 2 and restored.host == {"data_position": 2}  # main: JSONDecodeError / orbax error
+        # main: JSONDecodeError / orbax error; flipped, step 3 restored and trained on (#64)
+        assert restored.step == 2 and restored.host == {"data_position": 2}
         _assert_same(restored.state, states[2])
         assert checkpointer.all_steps() == [1, 2] and (tmp_path / "3.damaged").is_dir()
         assert checkpointer.save(3, states[3], {"data_position": 3})  # the run saves step 3 again
     lines = [r.getMessage() for r in caplog.records if r.name == "drgrpo_jax.checkpoint"]
     assert len(lines) == 1 and "step 3" in lines[0] and "damaged" in lines[0] and "from step 2" in lines[0], lines
     assert "\n" not in lines[0]
+    if how == "flip":
+        assert re.search(r"CorruptCheckpoint: state array \S+ differs from the checksum saved with it", lines[0])
+
+
+def test_checksums_are_the_same_for_any_sharding_and_see_one_changed_element():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    key = jax.random.key(0)
+    tree = {"f32": jax.random.normal(key, (8, 12)), "bf16": jnp.arange(16, dtype=jnp.bfloat16).reshape(4, 4),
+            "flags": jnp.array([True, False, True]), "count": jnp.int32(7), "rng": jax.random.fold_in(key, 1)}
+    checksums = device_checksums(tree)
+    assert set(checksums) == set(tree) and checksums["bf16"].startswith("bfloat16 ")
+    for spec in (P("fsdp", None), P(None, "fsdp"), P("data", "fsdp")):
+        placed = dict(tree, f32=jax.device_put(tree["f32"], NamedSharding(mesh, spec)))
+        assert device_checksums(placed) == checksums
+    for name, changed in [("f32", tree["f32"].at[5, 7].add(1e-6)), ("bf16", tree["bf16"].T),
+                          ("flags", ~tree["flags"]), ("count", jnp.int32(8)), ("rng", jax.random.fold_in(key, 2))]:
+        assert device_checksums(dict(tree, **{name: changed}))[name] != checksums[name], name
+    rounds = {"count": np.asarray(2, np.int64), "tokens": np.arange(6, dtype=np.int64).reshape(2, 3)}
+    assert host_checksums(rounds) != host_checksums(dict(rounds, tokens=rounds["tokens"] + (1 << 40)))
+
+
+def test_a_flipped_array_of_the_saved_rounds_falls_back_too(tmp_path, caplog):
+    rounds = {"count": np.asarray(1, np.int64), "round0": {"rows": {"tokens": np.arange(64 * 1024, dtype=np.int32)}}}
+    with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer:
+        for step in (1, 2):
+            checkpointer.save(step, {"w": jnp.ones(4)}, {"data_position": step}, rounds=rounds)
+    path = max((os.path.join(folder, name) for folder, _, names in os.walk(tmp_path / "2" / "rounds")
+                for name in names if f"{os.sep}d{os.sep}" in os.path.join(folder, name)), key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x01\x02\x03\x04")
+    with Checkpointer(tmp_path, save_every=1, keep=5) as checkpointer, caplog.at_level("WARNING", "drgrpo_jax"):
+        restored = checkpointer.restore_latest({"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, rounds=True)
+    assert restored.step == 1
+    np.testing.assert_array_equal(restored.rounds["round0"]["rows"]["tokens"], rounds["round0"]["rows"]["tokens"])
+    assert "rounds array round0/rows/tokens differs" in caplog.text
 
 
 @pytest.fixture
@@ -205,8 +258,9 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path):
     assert not any("tmp" in name for name in os.listdir(directory))
 
 
-def test_a_compressed_checkpoint_of_an_earlier_version_restores(tmp_path):
-    """Earlier versions saved the state with orbax's StandardSave (zstd); this one writes it uncompressed."""
+def test_a_compressed_checkpoint_of_an_earlier_version_restores(tmp_path, caplog):
+    """Earlier versions saved the state with orbax's StandardSave (zstd) and no checksums; this one writes it
+    uncompressed, with them."""
     import orbax.checkpoint as ocp
 
     state = {"w": jnp.arange(12.0).reshape(3, 4), "moments": {"mu": jnp.ones(5, jnp.bfloat16)}, "step": jnp.int32(7)}
@@ -217,8 +271,13 @@ def test_a_compressed_checkpoint_of_an_earlier_version_restores(tmp_path):
     earlier.close()
 
     checkpointer = Checkpointer(tmp_path, save_every=1, keep=2)
-    restored = checkpointer.restore_latest(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    with caplog.at_level("WARNING", "drgrpo_jax"):
+        restored = checkpointer.restore_latest(abstract)
+        checkpointer.restore(3, abstract)
     assert restored is not None and restored.step == 3 and restored.host == {"step": 3}
+    unchecked = [r.getMessage() for r in caplog.records if "no checksums" in r.getMessage()]
+    assert len(unchecked) == 1 and "step 3" in unchecked[0] and "unchecked" in unchecked[0], caplog.text
     for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
