@@ -120,6 +120,14 @@ class ServeConfig:
                                group=LIMITS)
     request_timeout_s: float = _f(600.0, "a request is answered by then: what was sampled, the rest with finish "
                                          "reason abort", group=LIMITS)
+    admission_share: float = _f(0.5, "a request whose rows x new tokens would take longer than this share of "
+                                     "--request-timeout-s at the service's decoding speed is refused (400, naming "
+                                     "both), so one request cannot hold the workers and the queue for its whole "
+                                     "deadline; 0 = off", group=LIMITS, metavar="SHARE")
+    admission_tokens_per_second: float = _f(0.0, "the decoding speed (new tokens a second, one row) that "
+                                                 "--admission-share assumes; 0 = the fastest batch served so far "
+                                                 "that compiled nothing (nothing is refused before one)",
+                                            group=LIMITS, metavar="N")
     max_scoring_bytes: int = _f(256 * 2**20, "log-prob scoring's float32 temporaries per tile of positions x "
                                              "vocabulary", group=LIMITS)
     header_timeout_s: float = _f(10.0, "a connection must send its request's headers within this (408 after)",
@@ -159,6 +167,8 @@ class ServeConfig:
         for name in ("short_request_tokens", "max_kept_programs", "max_batch_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.admission_share < math.inf or not 0 <= self.admission_tokens_per_second < math.inf:
+            raise ValueError("admission_share, admission_tokens_per_second: must be finite and >= 0")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit="
                              f"{self.max_tokens_limit}")
@@ -186,7 +196,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits (docs/serving-limits.md)")
     for field in dataclasses.fields(ServeConfig):
         if field.metadata.get("group") == LIMITS:
-            metavar = "SECONDS" if isinstance(field.default, float) else "N"
+            metavar = field.metadata.get("metavar") or ("SECONDS" if isinstance(field.default, float) else "N")
             add_field_flag(limits, ServeConfig, field.name, given_only=True, metavar=metavar)
         else:
             add_field_flag(parser, ServeConfig, field.name, given_only=True)

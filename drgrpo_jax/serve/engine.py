@@ -4,6 +4,7 @@ that batches requests into the sampler. What a generation of weights is and how 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -12,7 +13,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -126,6 +127,9 @@ class Engine:
         # Guards the compiled programs: a lane marks itself busy (about to sample) under it, and the idle drop of
         # every program happens under it once no lane is busy, so no batch runs while its programs are dropped.
         self._programs_lock = threading.Lock()
+        self._outside_users = 0  # callers outside the lanes running compiled programs now (`programs_in_use`)
+        # A row's decoding speed: new tokens a second of the fastest batch that compiled nothing (0: none yet).
+        self.fastest_row_rate = 0.0
         self.queued_tokens = 0  # row_cost of every row submitted and not yet finished or dropped
         self.tokens_per_second = 0.0  # a running estimate of row_cost served per second (for Retry-After)
         self.batches_run = 0
@@ -151,6 +155,16 @@ class Engine:
                 r.params.max_new_tokens <= short for r in rows):
             return self._lanes[1]
         return self._lanes[0]
+
+    def row_rate(self) -> float:
+        """New tokens a second one row decodes at: --admission-tokens-per-second, else the fastest seen (0: unknown)."""
+        return self.config.admission_tokens_per_second or self.fastest_row_rate
+
+    def seconds_for(self, rows: int, new_tokens: int) -> float | None:
+        """About how long `rows` rows of up to `new_tokens` new tokens take to sample on an idle service, as batches
+        of --max-batch-size one after another; None while the decoding speed is unknown."""
+        rate = self.row_rate()
+        return math.ceil(rows / self.config.max_batch_size) * new_tokens / rate if rate else None
 
     def submit(self, rows: Sequence[RowRequest]) -> concurrent.futures.Future:
         """Queues rows; the future resolves to their RowResults in order. QueueFull when the queue is full.
@@ -343,8 +357,11 @@ class Engine:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
         while (taken := self._take_rows(lane)) is not None:
             weights = self.weights  # one read: the version the batch starts on (its only one: see run_batch)
-            start = time.perf_counter()
-            for part, outcome in self._sample(weights, taken):
+            start, programs = time.perf_counter(), compiled_programs()
+            sampled = self._sample(weights, taken)
+            if compiled_programs() == programs:  # a batch that compiled says nothing about decoding speed
+                self._note_row_rate(sampled, time.perf_counter() - start)
+            for part, outcome in sampled:
                 for (job, i), result in zip(part, outcome if isinstance(outcome, list) else [None] * len(part)):
                     if isinstance(outcome, Exception):
                         _resolve(job.future, error=outcome)
@@ -362,15 +379,40 @@ class Engine:
                     self.tokens_per_second = rate if not self.tokens_per_second else (
                         0.8 * self.tokens_per_second + 0.2 * rate)
 
-    def _when_idle(self, lane: _Lane) -> None:
-        """`lane` ran out of work: when no lane has any, the service sheds what a burst left behind. Each new batch
-        shape compiles programs the service keeps, each holding host memory and memory mappings: beyond
-        max_kept_programs sampler programs, or past half the process's mapping limit (where a compile would
-        segfault), every compiled program is dropped. A batch's host buffers are freed into glibc's arenas, which
-        keep them: they go back to the OS."""
+    def _note_row_rate(self, sampled: list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]],
+                       seconds: float) -> None:
+        """Keeps the fastest decoding speed seen: the longest row's tokens over the batch's time (its prefill
+        included), so the admission check (`seconds_for`) refuses only what could not be done even at that speed."""
+        longest = max((len(r.output_ids) for _, outcome in sampled if isinstance(outcome, list) for r in outcome),
+                      default=0)
+        if longest:
+            with self._budget_lock:
+                self.fastest_row_rate = max(self.fastest_row_rate, longest / max(seconds, 1e-6))
+
+    @contextlib.contextmanager
+    def programs_in_use(self) -> Iterator[None]:
+        """Marks a caller outside the lanes (log-prob scoring) busy while it runs compiled programs, as a lane
+        marks itself before a batch: the idle drop of every program waits for it, and runs after it when the
+        lanes are idle."""
+        with self._programs_lock:  # waits out a drop a lane started
+            self._outside_users += 1
+        try:
+            yield
+        finally:
+            with self._programs_lock:
+                self._outside_users -= 1
+            self._when_idle(None)
+
+    def _when_idle(self, lane: _Lane | None) -> None:
+        """`lane` (None: a caller of `programs_in_use`) ran out of work: when no lane has any, the service sheds
+        what a burst left behind. Each new batch shape compiles programs the service keeps, each holding host memory
+        and memory mappings: beyond max_kept_programs sampler programs, or past half the process's mapping limit
+        (where a compile would segfault), every compiled program is dropped. A batch's host buffers are freed into
+        glibc's arenas, which keep them: they go back to the OS."""
         with self._programs_lock:  # held through the drop: no lane starts a batch until it is done
-            lane.busy = False
-            if any(other.busy for other in self._lanes):
+            if lane is not None:
+                lane.busy = False
+            if self._outside_users or any(other.busy for other in self._lanes):
                 return
             cap = self.config.max_kept_programs
             if (cap and compiled_programs() > cap) or mapped_fraction() > 0.5:

@@ -26,6 +26,7 @@ from drgrpo_jax.serve.schemas import (
 )
 from drgrpo_jax.serve.security import confine_weight_path, open_weight_folder
 from drgrpo_jax.serve.service import (
+    abort_message,
     check_request,
     deadline_of,
     decode,
@@ -166,11 +167,11 @@ def _per_prompt(params: SamplingParamsIn | list[SamplingParamsIn], num_prompts: 
     return per_prompt
 
 
-def _finish_reason(result: RowResult, choice: Choice) -> dict:
+def _finish_reason(result: RowResult, choice: Choice, aborted: str) -> dict:
     """SGLang's finish_reason: the stop string or token that ended the completion, the length it ran to, or
-    abort (the request's deadline passed first)."""
+    abort with `aborted` (the request's deadline passed first)."""
     if choice.finish_reason == "abort":
-        return {"type": "abort", "message": "the request's deadline (--request-timeout-s) passed"}
+        return {"type": "abort", "message": aborted}
     if choice.matched is not None:
         return {"type": "stop", "matched": choice.matched}
     if result.stopped:
@@ -179,7 +180,7 @@ def _finish_reason(result: RowResult, choice: Choice) -> dict:
 
 
 def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, latency: float,
-               return_logprob: bool) -> dict:
+               return_logprob: bool, aborted: str) -> dict:
     """One completion in SGLang's /generate shape (its tokens through the one that completed a stop string).
 
     `routed_experts` (asked for): SGLang's base64 of the int32 (little-endian) experts [prompt + completion - 1,
@@ -189,7 +190,7 @@ def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, lat
     """
     ids = choice.token_ids
     meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(ids),
-            "finish_reason": _finish_reason(result, choice), "weight_version": result.weight_version,
+            "finish_reason": _finish_reason(result, choice, aborted), "weight_version": result.weight_version,
             "e2e_latency": latency}
     if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, ids)]
@@ -241,7 +242,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     prompt_of_row = [i for i, p in enumerate(per_prompt) for _ in range(p.n)]
     choices = await asyncio.to_thread(lambda: [_choice(result, service.tokenizer, per_prompt[i])
                                                for result, i in zip(results, prompt_of_row)])
-    out = [_generated(result, choice, row, rids[i], latency, body.return_logprob)
+    out = [_generated(result, choice, row, rids[i], latency, body.return_logprob,
+                      abort_message(engine, bool(result.output_ids)))
            for row, result, choice, i in zip(rows, results, choices, prompt_of_row)]
     return out if is_batch or len(out) > 1 else out[0]
 

@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import secrets
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 from fastapi import HTTPException, Request
+from fastapi.responses import StreamingResponse
 
 from drgrpo_jax.errors import BadRequest
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.sampler.batch import RowRequest
+from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
 from drgrpo_jax.serve.scoring import ScoredSequence, call_bytes, rows_per_call, score_sequences
 from drgrpo_jax.serve.service import (
     Service,
+    abort_message,
     check_request,
     deadline_of,
     decode,
@@ -44,30 +49,109 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
 
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
                  choices: list[Choice], request: Request, deadline: float
-                 ) -> tuple[list[ScoredSequence] | None, list[Choice]]:
-    """(log-probs of each sequence under the weights that sampled it, the choices); 503 when the weights were
-    swapped meanwhile. When scoring is not done by `deadline` the log-probs are None and every choice's finish
-    reason is abort: the request is answered by its deadline all the same, and the scoring stops there (within
-    one call of --max-batch-size rows), as it does when the client leaves.
+                 ) -> tuple[list[ScoredSequence] | None, list[Choice]] | None:
+    """(log-probs of each sequence under the weights that sampled it, the choices); None when the weights were
+    swapped since (the caller samples again). When scoring is not done by `deadline` the log-probs are None and
+    every choice's finish reason is abort: the request is answered by its deadline all the same, and the scoring
+    stops there (within one call of --max-batch-size rows), as it does when the client leaves.
 
     Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
     request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
-    exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree to ~1e-4.
+    exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree to ~1e-4. The scoring
+    marks itself busy with the engine (`programs_in_use`), so an idle drop of the compiled programs waits for it.
     """
-    weights, config = service.engine.weights, service.engine.config
+    engine = service.engine
+    weights, config = engine.weights, engine.config
     if any(c.weight_version != weights.version for c in choices):
-        raise HTTPException(503, "weights: a new version was loaded while this request ran; send it again")
+        return None
     stop = threading.Event()
     rows = rows_per_call(weights.config, max(map(len, sequences)), top, config.max_scoring_bytes,
-                         service.engine.batch_budget, config.max_batch_size)
-    scoring = asyncio.ensure_future(asyncio.to_thread(
-        score_sequences, weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
-        weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=rows, stopped=stop.is_set))
+                         engine.batch_budget, config.max_batch_size)
+
+    def score() -> list[ScoredSequence] | None:
+        with engine.programs_in_use():
+            return score_sequences(weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
+                                   weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=rows,
+                                   stopped=stop.is_set)
+
+    scoring = asyncio.ensure_future(asyncio.to_thread(score))
     scored = scoring.result() if await wait_while_wanted(scoring, request, deadline, stop.set) else None
     if scored is None:
         stop.set()
         return None, [dataclasses.replace(c, finish_reason="abort") for c in choices]
     return scored, choices
+
+
+def _apply_stops(results: list[RowResult], tokenizer: Any, stops: list[str]) -> list[Choice]:
+    return [apply_stop(r, tokenizer, stops) for r in results]
+
+
+async def _sample(service: Service, rows: list[RowRequest], stops: list[str], scoring: tuple[float, int] | None,
+                  request: Request, deadline: float
+                  ) -> tuple[list[Choice], list[list[int]], list[ScoredSequence] | None]:
+    """(the rows' choices after their stop strings, each row's prompt + completion, their log-probs when
+    `scoring` (temperature, top) asks for them). Log-probs come from the weights that sampled the tokens: when
+    the weights were swapped between sampling and scoring, the rows are sampled once more on the new ones, and a
+    second swap answers 503."""
+    engine, tokenizer = service.engine, service.tokenizer
+    for _ in range(2):
+        results = await run_rows(engine, rows, request, deadline)
+        choices = await asyncio.to_thread(_apply_stops, results, tokenizer, stops)
+        sequences = [list(row.prompt_ids) + choice.token_ids for row, choice in zip(rows, choices)]
+        if scoring is None:
+            return choices, sequences, None
+        scored = await _score(service, sequences, *scoring, choices, request, deadline)
+        if scored is not None:
+            return scored[1], sequences, scored[0]
+    raise HTTPException(503, "weights: a new version was loaded twice while this request ran; send it again")
+
+
+def _ending(engine: Engine, choice: Choice) -> dict:
+    """A choice's finish reason, the version that sampled it and, when it was cut short, why (`abort_reason`:
+    OpenAI's finish reasons carry no message, and an empty 200 must say why it is empty)."""
+    ending = {"finish_reason": choice.finish_reason, "weight_version": choice.weight_version}
+    if choice.finish_reason == "abort":
+        ending["abort_reason"] = abort_message(engine, bool(choice.token_ids))
+    return ending
+
+
+_LAST_CHUNK_FIELDS = ("finish_reason", "weight_version", "abort_reason")
+
+
+def _chunks(response: dict, kind: str, include_usage: bool) -> list[dict]:
+    """The response as OpenAI's stream chunks: per choice one with its content (chat: `delta`) and one with its
+    finish reason, then (`include_usage`) one with the usage and no choices."""
+    head = {"id": response["id"], "object": kind, "created": response["created"], "model": response["model"]}
+    empty: dict[str, Any] = {"delta": {}} if kind == "chat.completion.chunk" else {"text": ""}
+    chunks = []
+    for choice in response["choices"]:
+        content = {k: v for k, v in choice.items() if k not in _LAST_CHUNK_FIELDS}
+        if "message" in content:
+            content["delta"] = content.pop("message")
+        last = {"index": choice["index"], **empty, "logprobs": None,
+                **{k: choice[k] for k in _LAST_CHUNK_FIELDS if k in choice}}
+        chunks += [{**head, "choices": [{**content, "finish_reason": None}]}, {**head, "choices": [last]}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
+
+
+def _event_stream(chunks: list[dict]) -> StreamingResponse:
+    """Server-sent events as OpenAI's and vLLM's servers send them: `data: {chunk}` each, then `data: [DONE]`."""
+    async def events() -> AsyncIterator[str]:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _answer(response: dict, body: CompletionRequest | ChatCompletionRequest, kind: str) -> Any:
+    """The response as one JSON object, or (`stream`) as server-sent events."""
+    if not body.stream:
+        return response
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return _event_stream(_chunks(response, kind, include_usage))
 
 
 def _check_scoring(engine: Engine, prompts: list[list[int]], new_tokens: int, top: int, field: str) -> None:
@@ -153,7 +237,7 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def completions(body: CompletionRequest, request: Request) -> dict:
+async def completions(body: CompletionRequest, request: Request) -> Any:
     """POST /v1/completions: every prompt gets the same settings, and n completions each."""
     service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
@@ -168,14 +252,9 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
     if body.logprobs is not None:
         _check_scoring(engine, prompts, params.max_new_tokens, body.logprobs, "logprobs")
     rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
-    results = await run_rows(engine, rows, request, deadline)
-    choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
+    scoring = None if body.logprobs is None else (params.temperature, body.logprobs)
+    choices, sequences, scored = await _sample(service, rows, stops, scoring, request, deadline)
     prompt_of = [i for i in range(len(prompts)) for _ in range(body.n)]
-    sequences = [prompts[p] + c.token_ids for p, c in zip(prompt_of, choices)]
-    scored = None
-    if body.logprobs is not None:
-        scored, choices = await _score(service, sequences, params.temperature, body.logprobs, choices, request,
-                                        deadline)
     out = []
     for index, (p, choice) in enumerate(zip(prompt_of, choices)):
         prefix = _echo_prefix(body.prompt, p, prompts[p], tokenizer) if body.echo else ""
@@ -183,10 +262,10 @@ async def completions(body: CompletionRequest, request: Request) -> dict:
         logprobs = (None if scored is None or body.logprobs is None else
                     _legacy_logprobs(tokenizer, sequences[index], scored[index], first, body.logprobs))
         out.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason, "token_ids": choice.token_ids,
-                    "weight_version": choice.weight_version})
-    return {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-            "model": body.model or service.name, "choices": out, "usage": _usage(prompts, choices)}
+                    "token_ids": choice.token_ids, **_ending(engine, choice)})
+    response = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                "model": body.model or service.name, "choices": out, "usage": _usage(prompts, choices)}
+    return _answer(response, body, "text_completion")
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -239,7 +318,7 @@ def _chat_logprobs(tokenizer: Any, sequence: list[int], scored: ScoredSequence, 
     return {"content": content}
 
 
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """POST /v1/chat/completions: n assistant replies to one conversation."""
     service = service_of(request)
     engine, tokenizer = service.engine, service.tokenizer
@@ -262,20 +341,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> dic
     check_request(engine, [prompt], [params], "messages", "")
     if body.logprobs:
         _check_scoring(engine, [prompt], params.max_new_tokens, top, "logprobs")
-    results = await run_rows(engine, sampler_rows([prompt], [params], True, engine.weights.config.vocab_size),
-                             request, deadline)
-    choices = await asyncio.to_thread(lambda: [apply_stop(r, tokenizer, stops) for r in results])
-    sequences = [prompt + c.token_ids for c in choices]
-    scored = None
-    if body.logprobs:
-        scored, choices = await _score(service, sequences, params.temperature, top, choices, request, deadline)
+    rows = sampler_rows([prompt], [params], True, engine.weights.config.vocab_size)
+    scoring = (params.temperature, top) if body.logprobs else None
+    choices, sequences, scored = await _sample(service, rows, stops, scoring, request, deadline)
     out = [{"index": j, "message": {"role": "assistant", "content": choice.text},
             "logprobs": None if scored is None else _chat_logprobs(tokenizer, sequences[j], scored[j], len(prompt),
                                                                    top),
-            "finish_reason": choice.finish_reason, "token_ids": choice.token_ids,
-            "weight_version": choice.weight_version} for j, choice in enumerate(choices)]
-    return {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.model or service.name, "choices": out, "usage": _usage([prompt], choices)}
+            "token_ids": choice.token_ids, **_ending(engine, choice)} for j, choice in enumerate(choices)]
+    response = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.model or service.name, "choices": out, "usage": _usage([prompt], choices)}
+    return _answer(response, body, "chat.completion.chunk")
 
 
 ROUTES = (  # (method, path, handler), wired by serve/app.py

@@ -147,10 +147,19 @@ class UpdateWeightsFromTensorRequest(_Request):
     allow_rollback: StrictBool = False  # a trainer resuming from a checkpoint re-pushes an older version
 
 
+class StreamOptions(_Request):
+    """OpenAI's `stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+
+    include_usage: StrictBool = False
+
+
 class _OpenAIRequest(_Request):
-    """What both OpenAI routes take besides their own fields: OpenAI's `user` and penalties, vLLM's extensions."""
+    """What both OpenAI routes take besides their own fields: OpenAI's `user`, penalties and streaming, vLLM's
+    extensions."""
 
     user: Name | None = None
+    stream: StrictBool = False  # server-sent events (openai_routes._chunks)
+    stream_options: StreamOptions | None = None
     # OpenAI's penalties, which its clients send at 0: accepted at that neutral value, refused otherwise.
     presence_penalty: Annotated[float | None, _only(0.0)] = None
     frequency_penalty: Annotated[float | None, _only(0.0)] = None
@@ -171,7 +180,6 @@ class CompletionRequest(_OpenAIRequest):
     n: Count = 1
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     seed: Seed | None = None
-    stream: Literal[False] = False
     echo: StrictBool = False  # the prompt (and, with logprobs, its tokens' log-probs) before the completion
     stop: Stop | None = None  # strings that end a completion, matched on the decoded text, left out of it
 
@@ -204,5 +212,4 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     seed: Seed | None = None
-    stream: Literal[False] = False
     stop: Stop | None = None

@@ -20,7 +20,7 @@ from drgrpo_jax.seeds import unseeded
 from drgrpo_jax.serve.engine import Engine, RowResult
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
-__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "Service", "check_request",
+__all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "Service", "abort_message", "check_request", "check_share",
            "deadline_of", "decode", "error_response", "greedy_below", "prompt_ids", "run_rows", "sampler_rows",
            "service_of", "shown_name", "tokenize", "wait_while_wanted"]
 
@@ -134,6 +134,28 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
     if tokens > limits.max_request_tokens:
         raise BadRequest(f"n: prompts x n x (prompt + new tokens) = {tokens} tokens exceed "
                          f"max_request_tokens={limits.max_request_tokens}")
+    check_share(engine, rows, max(p.max_new_tokens for p in params), field)
+
+
+def check_share(engine: Engine, rows: int, new_tokens: int, field: str) -> None:
+    """Refuses a request that would hold the workers for more than --admission-share of its deadline at the
+    service's decoding speed: admitted, it would keep every later request waiting (or, with the queue full,
+    refused) until its deadline, and be answered empty."""
+    config = engine.config
+    allowed = config.admission_share * config.request_timeout_s
+    need = engine.seconds_for(rows, new_tokens) if config.admission_share else None
+    if need is not None and need > allowed:
+        raise BadRequest(f"{field}: {rows} completions of up to {new_tokens} new tokens would take about {need:,.0f} s "
+                         f"at this service's {engine.row_rate():,.0f} new tokens a second, over {allowed:g} s "
+                         f"(--admission-share {config.admission_share:g} of --request-timeout-s "
+                         f"{config.request_timeout_s:g}); ask for fewer tokens or completions")
+
+
+def abort_message(engine: Engine, sampled: bool) -> str:
+    """Why a completion ended with finish reason abort: its deadline passed (`sampled`: after some of it was
+    sampled, or while its log-probs were computed; else before any of it was sampled)."""
+    when = "before it finished" if sampled else "before this completion was sampled"
+    return f"the request's deadline (--request-timeout-s {engine.config.request_timeout_s:g}) passed {when}"
 
 
 def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed: bool, vocab: int

@@ -221,3 +221,39 @@ def test_lm_eval_local_completions_runs_against_the_service(server, model, tmp_p
     assert 0.0 <= report["results"]["tiny_sums"]["exact_match,none"] <= 1.0  # generated, cut at the stop string
     assert 0.0 <= report["results"]["tiny_choice"]["acc,none"] <= 1.0  # from the echoed prompt's log-probs
     assert report["n-samples"]["tiny_choice"]["effective"] == 4
+
+
+def _documented_example(name: str) -> str:
+    """The python block under the heading `## {name}` of docs/service.md."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "service.md")) as f:
+        page = f.read()
+    section = page.split(f"## {name}\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_documented_openai_client_example_runs_whole_and_streamed(server):
+    """docs/service.md's example as written (its address this server's): the whole reply and the streamed one are the
+    same greedy text."""
+    import contextlib
+    import io
+
+    code = _documented_example("The `openai` client").replace("http://127.0.0.1:30000", server.url)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "docs/service.md", "exec"), {})
+    whole, streamed = printed.getvalue().split("\n")[:2]
+    assert whole and whole == streamed, printed.getvalue()
+
+
+def test_completions_stream_through_the_openai_client(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0, n=2)
+    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(m.text for m in mine) == choice.text
+        assert mine[-1].finish_reason == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
