@@ -6,6 +6,7 @@ The rules of the library's own configs live in them alone: `validate` builds the
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import math
@@ -13,6 +14,7 @@ import os
 import re
 import tempfile
 import threading
+import urllib.parse
 
 import numpy as np
 
@@ -33,6 +35,9 @@ __all__ = ["check_model_options", "check_output_dir", "validate"]
 # ---------------------------------------------------------------------------------------------
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A service URL's characters: no whitespace, quote or shell metacharacter (the launchers pass URLs to shells)
+_URL_CHARS = re.compile(r"[A-Za-z0-9._~:/\[\]@%-]+")
 
 
 
@@ -420,9 +425,27 @@ def _check_environment(config: Config) -> None:
                                                     "every turn with the chat template: must be true")
 
 
+def _check_names_and_urls(config: Config) -> None:
+    """Every `*_env` key names an environment variable, every rollout.urls entry is an http(s) URL: both reach
+    the launchers' shell commands and the services' environment."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for field in dataclasses.fields(values):
+            name = getattr(values, field.name)
+            if field.name.endswith("_env") and name and not _ENV_NAME.fullmatch(name):
+                raise ConfigError(f"{section.name}.{field.name}", f"{name!r} is not an environment variable name "
+                                                                  "([A-Za-z_][A-Za-z0-9_]*)")
+    for i, url in enumerate(config.rollout.urls):
+        parts = urllib.parse.urlsplit(url) if _URL_CHARS.fullmatch(url) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"rollout.urls[{i}]", f"{url!r} is not an http(s) URL (scheme://host[:port][/path], "
+                                                    "no spaces, quotes or shell characters)")
+
+
 def validate(config: Config) -> None:
     """Raises ConfigError (one line, naming the key) for the first rule `config` breaks."""
     _check_ranges(config)
+    _check_names_and_urls(config)
     _check_environment(config)
     _check_rollout_modes(config)
     lora_spec(config)

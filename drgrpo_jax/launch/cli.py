@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from drgrpo_jax.config.load import load_config
@@ -30,8 +31,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPUs per trainer node (default: the mesh's devices per node; 0: CPU nodes)")
     s.add_argument("--partition", default="")
     s.add_argument("--time", default="", help="--time of the jobs, e.g. 24:00:00")
-    s.add_argument("--workdir", default=os.getcwd(), help="the jobs' working directory (default: here)")
-    s.add_argument("--python", default="python3", help="the interpreter on the nodes")
+    s.add_argument("--account", default="", help="--account of the jobs")
+    s.add_argument("--cpus-per-task", type=int, default=None,
+                   help="CPUs of each trainer task (default: reward.num_workers + 4)")
+    s.add_argument("--mem", default="0", help="--mem of each trainer node (default 0: all of its memory)")
+    s.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
+                   help="the trainer's nodes to itself (default: yes)")
+    s.add_argument("--workdir", default=os.getcwd(),
+                   help="the jobs' working directory, a checkout on every node (default: here); the scripts name "
+                        "the launch folder relative to it")
+    s.add_argument("--python", default="python3",
+                   help="the interpreter on the nodes, e.g. a virtual environment's bin/python (default python3)")
     s.add_argument("--port", type=int, default=30000, help="first service port on a node")
     g = engines.add_parser("gke", parents=[common], help="a JobSet, the services and the xpk command")
     g.add_argument("--tpu", required=True, help="the trainer's TPU slice type, e.g. v5p-64")
@@ -53,14 +63,17 @@ def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], s
     out = os.path.abspath(args.out)
     if args.engine == "slurm":
         batch = slurm.SlurmOptions(out, os.path.abspath(args.workdir), args.python, args.services,
-                                   args.tasks_per_node, args.gpus_per_node, args.partition, args.time, port=args.port)
-        return slurm.render(config, batch), f"bash {out}/submit.sh"
+                                   args.tasks_per_node, args.gpus_per_node, args.partition, args.time, port=args.port,
+                                   account=args.account, cpus_per_task=args.cpus_per_task, mem=args.mem,
+                                   exclusive=args.exclusive)
+        return slurm.render(config, batch), f"bash {shlex.quote(out + '/submit.sh')}"
     if args.engine == "gke":
         k8s = gke.GkeOptions(args.tpu, args.serve_tpu, args.services, args.image, args.name, args.max_restarts,
                              args.cluster)
-        return gke.render(config, k8s), f"kubectl apply -f {out}/  (or: bash {out}/xpk.sh)"
+        xpk = shlex.quote(f"{out}/xpk.sh")
+        return gke.render(config, k8s), f"kubectl apply -f {shlex.quote(out)}  (or: bash {xpk})"
     files = skypilot.render(config, skypilot.SkyOptions(args.tpu, args.gpus, args.max_restarts))
-    return files, f"sky jobs launch {out}/task.yaml"
+    return files, f"sky jobs launch {shlex.quote(out + '/task.yaml')}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ the resolved config the hosts read, and the trainer's and services' command line
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 from drgrpo_jax.config.load import dump_config
@@ -11,7 +12,7 @@ from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.sharding import parse_service_mesh
 
-RESTART_EXIT_CODE = 42  # a preempted trainer saved and asks to be started again (xpk's convention)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 CONFIG_NAME = "run.yaml"  # the resolved config beside the rendered files; every host and service reads it
 
 
@@ -97,16 +98,42 @@ def weights_root(config: Config) -> str:
     return config.run.weights_dir or f"{config.run.output_dir.rstrip('/')}/weights"
 
 
-def train_command(python: str, config_path: str, urls: str) -> str:
-    """The command every host runs unchanged (JAX finds its process id); `urls` is already a shell word."""
-    return (f"{python} -m drgrpo_jax.train --config {shlex.quote(config_path)} mesh.coordinator_address=auto "
-            f"rollout.urls={urls}")
+def check_text(flag: str, value: str) -> str:
+    """`value` on one line: a newline or control character would end a directive (#SBATCH) or a YAML scalar's
+    line, and no path or name of ours needs one."""
+    if _CONTROL.search(value):
+        raise ConfigError(flag, f"{value!r} has a newline or control character")
+    return value
 
 
-def serve_command(python: str, config: Config, config_path: str, port: str, key: bool) -> str:
-    """One generation service on all interfaces; with a key (rollout.api_key_env) or refusing to start open."""
-    auth = f"--api-key-env {config.rollout.api_key_env}" if key else "--allow-unauthenticated"
-    mesh = f" --mesh {config.rollout.service_mesh}" if config.rollout.service_mesh else ""
-    batch = f" --max-batch-size {config.rollout.service_batch_size}" if config.rollout.service_batch_size else ""
-    return (f"{python} -m drgrpo_jax.serve --config {shlex.quote(config_path)} --host 0.0.0.0 --port {port}"
-            f"{mesh}{batch} --weights-root {shlex.quote(weights_root(config))} {auth}")
+def check_pattern(flag: str, value: str, pattern: str, what: str) -> str:
+    """`value` whole matches `pattern` (what the engine allows for that field, said as `what`)."""
+    if not re.fullmatch(pattern, value):
+        raise ConfigError(flag, f"{value!r} is not {what}")
+    return value
+
+
+def assign(key: str, value: object) -> str:
+    """`key=value` as one shell word: the trainer's dotted override, whatever `value` holds."""
+    return shlex.quote(f"{key}={value}")
+
+
+def train_command(python: str, config_path: str, *words: str, detect: bool = True) -> str:
+    """The command every host runs unchanged (with `detect`, JAX finds the processes); `words` are already shell
+    words (quoted overrides, or a variable the shell expands at launch)."""
+    start = ["mesh.coordinator_address=auto"] if detect else []
+    return " ".join([shlex.quote(python), "-m", "drgrpo_jax.train", "--config", shlex.quote(config_path), *start,
+                     *words])
+
+
+def serve_command(python: str, config: Config, config_path: str, port: str, key_env: str) -> str:
+    """One generation service on all interfaces; with the key in `key_env` or, with none, refusing to start open.
+    `port` is a shell word (a number, or a variable set at launch)."""
+    words = [shlex.quote(python), "-m", "drgrpo_jax.serve", "--config", shlex.quote(config_path), "--host",
+             "0.0.0.0", "--port", port]
+    words += ["--mesh", shlex.quote(config.rollout.service_mesh)] if config.rollout.service_mesh else []
+    batch = config.rollout.service_batch_size
+    words += ["--max-batch-size", str(int(batch))] if batch else []
+    words += ["--weights-root", shlex.quote(weights_root(config))]
+    words += ["--api-key-env", shlex.quote(key_env)] if key_env else ["--allow-unauthenticated"]
+    return " ".join(words)

@@ -13,11 +13,13 @@ import shlex
 
 import yaml
 
+from drgrpo_jax.checkpoint import RESTART_EXIT_CODE
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.launch.cluster import (
     CONFIG_NAME,
-    RESTART_EXIT_CODE,
+    assign,
+    check_pattern,
     check_slice,
     resolved_config,
     serve_command,
@@ -27,7 +29,13 @@ from drgrpo_jax.launch.cluster import (
 )
 
 KEY_ENV = "DRGRPO_API_KEY"  # the Secret's key, the services' --api-key-env and the trainer's rollout.api_key_env
-PORT = 30000
+PORT = 30000  # every service's port
+COORDINATOR_PORT = 8482  # JAX's coordinator port on TPUs, which `mesh.coordinator_address=auto` uses
+# What each field may hold: --name prefixes the objects' DNS-1035 labels (and xpk's workload name, 40 at most)
+NAME = (r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", "a Kubernetes name (lowercase letters, digits and '-', a letter first, "
+                                           "40 at most)")
+IMAGE = (r"[A-Za-z0-9][A-Za-z0-9._/:@-]*", "a container image reference (registry/path:tag or @sha256:...)")
+CLUSTER = (r"[A-Za-z]([-A-Za-z0-9]{0,38}[A-Za-z0-9])?", "a GKE cluster name (letters, digits and '-', 40 at most)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,13 @@ class GkeOptions:
     name: str = "drgrpo"
     max_restarts: int = 10
     cluster: str = "CLUSTER"
+
+
+def _check(o: GkeOptions) -> None:
+    """The names the objects and the xpk command carry, as Kubernetes, registries and GKE allow them."""
+    for flag, value, (pattern, what) in [("--name", o.name, NAME), ("--image", o.image, IMAGE),
+                                         ("--cluster", o.cluster, CLUSTER)]:
+        check_pattern(flag, value, pattern, what)
 
 
 def _tpu_pod(o: GkeOptions, slice_name: str, flag: str, container: dict) -> dict:
@@ -60,16 +75,27 @@ def urls(o: GkeOptions) -> list[str]:
     return [f"http://{o.name}-gen-{i}.{o.name}-gen:{PORT}" for i in range(o.services)]
 
 
-def trainer_command(o: GkeOptions) -> str:
-    return f"{train_command('python3', f'/config/{CONFIG_NAME}', '[' + ','.join(urls(o)) + ']')} " \
-           f"rollout.api_key_env={KEY_ENV}"
+def trainer_command(config: Config, o: GkeOptions) -> str:
+    """The services' URLs: the StatefulSet's, or with none started the config's rollout.urls."""
+    services = urls(o) if o.services else config.rollout.urls
+    return train_command("python3", f"/config/{CONFIG_NAME}", assign("rollout.urls", f"[{','.join(services)}]"),
+                         assign("rollout.api_key_env", KEY_ENV))
+
+
+def _check_output_dir(config: Config) -> None:
+    """The trainer's pods and the services share no volume and a restarted pod starts empty: the run's folder
+    must outlive them (a bucket, or an absolute path you mount into the image)."""
+    output_dir = config.run.output_dir
+    if not (output_dir.startswith("gs://") or output_dir.startswith("/")):
+        raise ConfigError("run.output_dir", f"{output_dir!r} is relative: a pod's own disk, lost on a restart and "
+                                            "unseen by the services; give gs://BUCKET/PATH")
 
 
 def jobset(config: Config, o: GkeOptions) -> dict:
     chosen = tpu_slice(o.tpu, "--tpu")
     check_slice(config, chosen, "--tpu")
-    container = {"name": "trainer", "command": ["bash", "-c", trainer_command(o)],
-                 "env": _key_env(o), "ports": [{"containerPort": 8476}]}
+    container = {"name": "trainer", "command": ["bash", "-c", trainer_command(config, o)],
+                 "env": _key_env(o), "ports": [{"containerPort": COORDINATOR_PORT}]}
     pod = {**_tpu_pod(o, o.tpu, "--tpu", container), "restartPolicy": "Never", "hostNetwork": True,
            "dnsPolicy": "ClusterFirstWithHostNet"}
     job = {"parallelism": chosen.hosts, "completions": chosen.hosts, "backoffLimit": 0,
@@ -92,8 +118,7 @@ def services(config: Config, o: GkeOptions) -> list[dict]:
         raise ConfigError("--serve-tpu", f"{chosen.name} has {chosen.chips} chips on {chosen.hosts} hosts; a service "
                                          f"takes one host of rollout.service_mesh's {service_devices(config)} devices")
     labels = {"app": f"{o.name}-gen"}
-    serve = serve_command("python3", config, f"/config/{CONFIG_NAME}", str(PORT), True).replace(
-        f"--api-key-env {config.rollout.api_key_env}", f"--api-key-env {KEY_ENV}")
+    serve = serve_command("python3", config, f"/config/{CONFIG_NAME}", str(PORT), KEY_ENV)
     container = {"name": "serve", "command": ["bash", "-c", serve], "env": _key_env(o),
                  "ports": [{"containerPort": PORT}],
                  "readinessProbe": {"httpGet": {"path": "/health", "port": PORT}, "periodSeconds": 10}}
@@ -118,10 +143,10 @@ def xpk_command(config: Config, o: GkeOptions) -> str:
     """xpk's JobSet for the trainer (it restarts on exit code 42 up to --max-restarts). Its pods mount no ConfigMap,
     so the command carries the resolved config; the key comes from --env-file (a file holding DRGRPO_API_KEY=...)."""
     unpack = f"echo {base64.b64encode(resolved_config(config).encode()).decode()} | base64 -d > /config/{CONFIG_NAME}"
-    return " ".join(["xpk", "workload", "create", f"--cluster={o.cluster}", f"--workload={o.name}",
-                     f"--tpu-type={o.tpu}", "--num-slices=1", f"--docker-image={o.image}",
-                     f"--max-restarts={o.max_restarts}", "--env-file=drgrpo_api_key.env", "--command",
-                     shlex.quote(f"mkdir -p /config && {unpack} && {trainer_command(o)}")])
+    return shlex.join(["xpk", "workload", "create", f"--cluster={o.cluster}", f"--workload={o.name}",
+                       f"--tpu-type={o.tpu}", "--num-slices=1", f"--docker-image={o.image}",
+                       f"--max-restarts={o.max_restarts}", "--env-file=drgrpo_api_key.env", "--command",
+                       f"mkdir -p /config && {unpack} && {trainer_command(config, o)}"])
 
 
 def _yaml(objects: list[dict]) -> str:
@@ -129,9 +154,12 @@ def _yaml(objects: list[dict]) -> str:
 
 
 def render(config: Config, o: GkeOptions) -> dict[str, str]:
+    _check(o)
+    _check_output_dir(config)
     trainer = _yaml([jobset(config, o)])  # the trainer's slice first: its refusal names the run's mesh
-    return {"config.yaml": _yaml(config_objects(config, o)), "services.yaml": _yaml(services(config, o)),
-            "jobset.yaml": trainer,
+    files = {"config.yaml": _yaml(config_objects(config, o))}
+    files |= {"services.yaml": _yaml(services(config, o))} if o.services else {}  # none: rollout.urls's own
+    return {**files, "jobset.yaml": trainer,
             "xpk.sh": "#!/bin/bash\n# The trainer through xpk instead of jobset.yaml (apply services.yaml first: "
                       "the trainer reads their URLs).\n"
                       f"{xpk_command(config, o)}\n"}

@@ -6,12 +6,13 @@ The generation services are the config's rollout.urls (a SkyServe service or hos
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import yaml
 
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.launch.cluster import CONFIG_NAME, check_slice, run_shape, tpu_slice, train_command
+from drgrpo_jax.launch.cluster import CONFIG_NAME, assign, check_slice, run_shape, tpu_slice, train_command
 
 COORDINATOR_PORT = 8476
 
@@ -25,7 +26,7 @@ class SkyOptions:
 
 def _gpus(spec: str) -> int:
     name, _, count = spec.partition(":")
-    if not name or not count.isdigit() or int(count) < 1:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not re.fullmatch(r"[0-9]+", count) or int(count) < 1:
         raise ConfigError("--gpus", f"must be NAME:COUNT (e.g. H100:8), got {spec!r}")
     return int(count)
 
@@ -35,14 +36,13 @@ def task(config: Config, o: SkyOptions) -> dict:
         raise ConfigError("--tpu", "give one of --tpu (a TPU pod) or --gpus (a GPU cluster)")
     if run_shape(config).processes > 1 and not config.rollout.urls:
         raise ConfigError("rollout.urls", "must list the generation services for a multi-host task")
-    urls = "[" + ",".join(config.rollout.urls) + "]"
-    key = f" rollout.api_key_env={config.rollout.api_key_env}" if config.rollout.api_key_env else ""
-    command = train_command("python3", CONFIG_NAME, urls) + key
+    words = [assign("rollout.urls", f"[{','.join(config.rollout.urls)}]")]
+    words += [assign("rollout.api_key_env", config.rollout.api_key_env)] if config.rollout.api_key_env else []
     resources: dict = {"use_spot": True, "job_recovery": {"max_restarts_on_errors": o.max_restarts}}
     if o.tpu:
         check_slice(config, tpu_slice(o.tpu, "--tpu"), "--tpu")
         resources |= {"accelerators": f"tpu-{o.tpu}", "accelerator_args": {"runtime_version": "tpu-ubuntu2204-base"}}
-        nodes, extra, run = 1, "'.[train,tpu]'", command  # a pod is one SkyPilot node; run goes to every host
+        nodes, extra = 1, "'.[train,tpu]'"  # a pod is one SkyPilot node; run goes to every host
     else:
         shape = run_shape(config)
         if _gpus(o.gpus) != shape.devices_per_process:
@@ -50,9 +50,10 @@ def task(config: Config, o: SkyOptions) -> dict:
                                         f"on each of mesh.num_processes = {shape.processes} processes")
         resources["accelerators"] = o.gpus
         nodes, extra = shape.processes, "'.[train,cuda]'"
-        coordinator = f"$(echo \"$SKYPILOT_NODE_IPS\" | head -n1):{COORDINATOR_PORT}"  # JAX has no SkyPilot detection
-        run = command.replace("mesh.coordinator_address=auto", f"mesh.coordinator_address={coordinator} "
-                              "mesh.num_processes=$SKYPILOT_NUM_NODES mesh.process_id=$SKYPILOT_NODE_RANK")
+        # JAX has no SkyPilot detection: the node variables, expanded by the node's shell, say who is who
+        words += [f'mesh.coordinator_address="$(echo "$SKYPILOT_NODE_IPS" | head -n1):{COORDINATOR_PORT}"',
+                  'mesh.num_processes="$SKYPILOT_NUM_NODES"', 'mesh.process_id="$SKYPILOT_NODE_RANK"']
+    run = train_command("python3", CONFIG_NAME, *words, detect=bool(o.tpu))
     return {"name": "drgrpo-train", "resources": resources, "num_nodes": nodes, "workdir": ".",
             "file_mounts": {f"~/sky_workdir/{CONFIG_NAME}": CONFIG_NAME},
             "setup": f"pip install -e {extra}", "run": run}

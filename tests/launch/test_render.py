@@ -19,6 +19,7 @@ from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.launch import gke, skypilot, slurm
 from drgrpo_jax.launch.cli import main
+from drgrpo_jax.launch.cluster import resolved_config
 
 from support.paths import REPO
 
@@ -82,11 +83,18 @@ def test_slurm_golden():
                                                     partition="h100", time="24:00:00"))
     for name, text in files.items():
         _check_golden(f"slurm/{name}", text)
-    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=8\n" in files["train.sbatch"]
-    assert "#SBATCH --ntasks=4\n#SBATCH --gpus-per-task=1\n" in files["serve.sbatch"]
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=20\n#SBATCH --gpus-per-node=8\n" \
+           "#SBATCH --mem=0\n#SBATCH --exclusive\n" in files["train.sbatch"]  # 16 reward workers + 4
+    assert "#SBATCH --ntasks=4\n#SBATCH --cpus-per-task=4\n#SBATCH --gpus-per-task=1\n" in files["serve.sbatch"]
 
 
-def test_gke_golden_and_valid_kubernetes_objects():
+RUN_YAML = "# the resolved config\n"  # the goldens' stand-in: they follow the launcher, not every config field
+
+
+def test_gke_golden_and_valid_kubernetes_objects(monkeypatch):
+    (configmap, _) = yaml.safe_load_all(gke.render(_gke_config(), GKE)["config.yaml"])
+    assert configmap["data"]["run.yaml"] == resolved_config(_gke_config())
+    monkeypatch.setattr(gke, "resolved_config", lambda config: RUN_YAML)
     files = gke.render(_gke_config(), GKE)
     for name, text in files.items():
         _check_golden(f"gke/{name}", text)
@@ -104,8 +112,8 @@ def test_gke_golden_and_valid_kubernetes_objects():
                                    "cloud.google.com/gke-tpu-topology": "2x4x4"}
     assert replicated["template"]["spec"]["parallelism"] == 8 and pod["containers"][0]["resources"]["limits"] == {
         "google.com/tpu": "4"}
-    assert "mesh.coordinator_address=auto rollout.urls=[http://drgrpo-gen-0.drgrpo-gen:30000," \
-           "http://drgrpo-gen-1.drgrpo-gen:30000] rollout.api_key_env=DRGRPO_API_KEY" in pod["containers"][0][
+    assert "mesh.coordinator_address=auto 'rollout.urls=[http://drgrpo-gen-0.drgrpo-gen:30000," \
+           "http://drgrpo-gen-1.drgrpo-gen:30000]' rollout.api_key_env=DRGRPO_API_KEY" in pod["containers"][0][
                "command"][-1]
 
 

@@ -11,6 +11,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -80,7 +81,8 @@ def _submit(folder, inputs, processes: int) -> str:
     render = subprocess.run(
         [sys.executable, "-m", "drgrpo_jax.launch", "slurm", "--config", str(inputs / "base.yaml"), "--out",
          str(folder / "launch"), "--services", "1", "--tasks-per-node", str(processes), "--gpus-per-node", "0",
-         "--python", sys.executable, "--workdir", REPO, "--port", str(31000 + processes), *overrides],
+         "--python", sys.executable, "--workdir", REPO, "--port", str(31000 + processes),
+         "--cpus-per-task", "1", "--no-exclusive", *overrides],  # the one node's 8 CPUs hold both jobs
         capture_output=True, text=True, cwd=REPO, env=_job_env(1), timeout=120)
     assert render.returncode == 0, render.stderr
     submit = subprocess.run(["bash", str(folder / "launch" / "submit.sh")], capture_output=True, text=True,
@@ -165,14 +167,15 @@ def test_a_task_that_exits_42_late_still_requeues(cluster, inputs, tmp_path):
     python.write_text(STRAGGLER)
     python.chmod(0o755)
     (tmp_path / "health").write_text("ok")  # a stand-in service: GET /health answers 200
-    service = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    service = http.server.ThreadingHTTPServer(  # on the node's name: the launcher refuses loopback URLs
+        ("", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
     threading.Thread(target=service.serve_forever, daemon=True).start()
     overrides = trainer_overrides(str(inputs / "model"), str(inputs / "prompts.jsonl"), tmp_path / "run", STEPS)
     config = load_config(str(inputs / "base.yaml"), [  # the coordinator: a stand-in, as the launch CLI passes
         *overrides, "mesh.num_processes=2", "mesh.coordinator_address=detected-at-launch:8476",
-        f"rollout.urls=[http://127.0.0.1:{service.server_port}]"])
-    options = slurm.SlurmOptions(str(tmp_path / "launch"), REPO, python=str(python), tasks_per_node=2, gpus_per_node=0)
+        f"rollout.urls=[http://{socket.gethostname()}:{service.server_port}]"])
+    options = slurm.SlurmOptions(str(tmp_path / "launch"), REPO, python=str(python), tasks_per_node=2, gpus_per_node=0,
+                                 cpus_per_task=1, exclusive=False)
     (tmp_path / "launch").mkdir()
     for name, text in slurm.render(config, options).items():
         (tmp_path / "launch" / name).write_text(text)
