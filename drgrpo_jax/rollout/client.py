@@ -14,8 +14,8 @@ import base64
 import concurrent.futures
 import dataclasses
 import itertools
+import json
 import logging
-import math
 import os
 import random
 import threading
@@ -28,15 +28,30 @@ import numpy as np
 
 from drgrpo_jax.config.engines import EngineName
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
+from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.rollout.engines import ENGINES
-from drgrpo_jax.rollout.engines.base import Call, Sampling
+from drgrpo_jax.rollout.engines.base import Call, Completion, Sampling, described, json_object
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.seeds import prompt_seeds, unseeded
 from drgrpo_jax.weight_folders import is_remote
 
 log = logging.getLogger("drgrpo_jax.rollout")
-__all__ = ["Completions", "RolloutClient", "RouterShape", "check_versions", "decode_routed_experts", "retryable"]
+__all__ = ["Completions", "RolloutClient", "RouterShape", "check_versions", "decode_routed_experts",
+           "model_vocab_size", "retryable"]
 _BUSY_4XX = frozenset({408, 429})  # client-error codes that mean "not now", not "bad request"
+# An answer's size cap: a generate call's is its rows x budget x this (vLLM's per-token entry is ~170 bytes with its
+# one top log-prob, SGLang's ~40; the rest is room for fields the client does not read), never below the floor,
+# which is every other answer's cap (start-up settings, weight pushes).
+ANSWER_BYTES_PER_TOKEN = 1024
+MIN_ANSWER_CAP = 32 << 20
+
+
+class _Answer(NamedTuple):
+    """One HTTP answer, read whole."""
+
+    status: int
+    headers: httpx.Headers
+    content: bytes
 
 
 def retryable(status: int | None) -> bool:
@@ -84,14 +99,6 @@ def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a]
 
 
-def _finish_is_length(finish: Any) -> bool:
-    """SGLang reports {'type': 'stop'|'length'|'abort', ...}; OpenAI-style servers a plain string."""
-    kind = finish.get("type") if isinstance(finish, dict) else finish
-    if kind not in ("stop", "length"):
-        raise RolloutError(f"finish_reason: {finish!r} (the request was aborted or the server is not SGLang-like)")
-    return kind == "length"
-
-
 def check_versions(versions: Sequence[str | None], expected: str | int, max_staleness: int = 0) -> None:
     """Raises StaleWeightsError unless every version is within max_staleness of the expected one."""
     expected_text = str(expected)
@@ -113,12 +120,16 @@ class RolloutClient:
     `LocalServer`): when it dies (killed, OOM) the client restarts it, loads the weights last pushed and redoes
     the request (`service_restarts` counts it, up to `max_restarts`). `engine`: the inference engine the services
     run, by its rollout.engine name (`ENGINES`); each URL's start-up settings are checked on first use.
+    `vocab_size`: the trained model's vocabulary, which every answered token id must be in; None: each URL's own
+    report, read once (our service's /get_model_info), else only int32 ids are checked. `timeout_s` bounds each
+    request whole (sending, waiting and reading), not each read.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None, api_key: str | None = None,
-                 local_server: LocalServer | None = None, max_restarts: int = 3, engine: EngineName = "ours"):
+                 local_server: LocalServer | None = None, max_restarts: int = 3, engine: EngineName = "ours",
+                 vocab_size: int | None = None):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -127,7 +138,12 @@ class RolloutClient:
             raise ValueError("max_retries, backoff_s: must be >= 0")
         if engine not in ENGINES:
             raise ValueError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
         self._engine = ENGINES[engine]
+        self.vocab_size = vocab_size
+        self._vocab_sizes: dict[str, int | None] = {}  # each URL's own report, when vocab_size is not given
+        self.timeout_s = timeout_s
         self._ready: set[str] = set()  # the URLs checked by check_engine
         self._returns_experts: set[str] = set()  # the URLs checked to return routed experts
         self.seeds_ignored_by: tuple[str, ...] = ()  # the URLs that sample without honouring the seeds sent
@@ -164,8 +180,9 @@ class RolloutClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, method: str, url: str, path: str, body: Any = None) -> Any:
-        """One call with retries while `retryable`; raises RolloutError with the last HTTP status (None = no answer)."""
+    def _request(self, method: str, url: str, path: str, body: Any = None, max_bytes: int = MIN_ANSWER_CAP) -> Any:
+        """One call with retries while `retryable`; its answer's JSON (None when empty); raises RolloutError with
+        the last HTTP status (None = no answer), or at once for an answer that is not JSON."""
         error: Exception | None = None
         status: int | None = None
         retry_after = 0.0  # what the service asked for (429/503 Retry-After), capped at max_backoff_s
@@ -175,21 +192,59 @@ class RolloutClient:
                 delay *= 0.5 + random.random() / 2  # jitter: a fleet of clients does not retry in step
                 time.sleep(max(delay, min(retry_after, self.max_backoff_s)))
             try:
-                response = self._http.request(method, url + path, json=body)
+                answer = self._exchange(method, url + path, body, max_bytes)
             except httpx.TransportError as e:  # connect/read/write errors and timeouts
                 error, status, retry_after = e, None, 0.0
                 if self._local_server_died(url):
                     break  # no retry can reach a dead child; generate/update_weights restart it
                 continue
-            if response.status_code < 400:
-                return response.json() if response.content else None  # vLLM's /collective_rpc may answer empty
-            status = response.status_code
-            retry_after = _retry_after(response)
-            error = RolloutError(f"{url}{path}: HTTP {status}: {_error_message(response)}", status=status, url=url)
+            if answer.status < 400:
+                return _json(answer, f"{url}{path}", url)  # vLLM's /collective_rpc may answer empty
+            status = answer.status
+            retry_after = _retry_after(answer.headers)
+            error = RolloutError(f"{url}{path}: HTTP {status}: {_error_message(answer.content)}", status=status,
+                                 url=url)
             if not retryable(status):
                 raise error
         raise RolloutError(f"{url}{path}: failed after {self.max_retries + 1} attempts: {error}",
                            status=status, url=url) from error
+
+    def _exchange(self, method: str, url: str, body: Any, max_bytes: int) -> _Answer:
+        """One HTTP exchange, answered whole within timeout_s: httpx's timeouts bound each read, so a server
+        trickling a byte a second would hold a read loop forever. The exchange runs on a thread of its own and
+        is given up at the deadline; that thread stops at its next byte (`_read`) or read timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        outcome: list[_Answer | BaseException] = []
+        done = threading.Event()
+
+        def exchange() -> None:
+            try:
+                outcome.append(self._read(method, url, body, max_bytes, deadline))
+            except BaseException as error:  # handed to the caller below
+                outcome.append(error)
+            finally:
+                done.set()
+
+        threading.Thread(target=exchange, name="rollout-request", daemon=True).start()
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            raise httpx.ReadTimeout(f"no whole answer within timeout_s={self.timeout_s:g} s")
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _read(self, method: str, url: str, body: Any, max_bytes: int, deadline: float) -> _Answer:
+        """The answer to one request, read until `deadline` and up to `max_bytes`."""
+        with self._http.stream(method, url, json=body) as response:
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise RolloutError(f"{url}: the answer runs past {max_bytes} bytes, more than the request could "
+                                       "need", status=response.status_code)
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"no whole answer within timeout_s={self.timeout_s:g} s")
+                chunks.append(chunk)
+            return _Answer(response.status_code, response.headers, b"".join(chunks))
 
     def _local_server_died(self, url: str) -> bool:
         """Whether `url` is this client's own child service and that process has exited."""
@@ -229,13 +284,14 @@ class RolloutClient:
             self._request("POST", new_url, "/update_weights_from_disk",
                           {"model_path": path, "weight_version": str(version)})
 
-    def _with_failover(self, first: int, path: str, body: Any) -> Any:
-        """Posts to urls[first]; while it fails `retryable`, to each other URL in turn."""
+    def _with_failover(self, first: int, path: str, body: Any, max_bytes: int) -> tuple[str, Any]:
+        """Posts to urls[first]; while it fails `retryable`, to each other URL in turn; (the URL that answered, its
+        answer)."""
         errors: list[RolloutError] = []
         for k in range(len(self.urls)):
             url = self.urls[(first + k) % len(self.urls)]
             try:
-                return self._request("POST", url, path, body)
+                return url, self._request("POST", url, path, body, max_bytes)
             except RolloutError as error:
                 if not retryable(error.status):  # the request itself is bad: every server would refuse it
                     raise
@@ -275,48 +331,63 @@ class RolloutClient:
                             stop_token_ids=tuple(map(int, stop_token_ids)), ignore_eos=ignore_eos,
                             routed_experts=return_routed_experts is not None)
         calls = self._engine.generate_calls(prompts, seeds, shares, group_size, sampling)
+        tokens_per_row = max_new_tokens * ANSWER_BYTES_PER_TOKEN
+        if return_routed_experts is not None:  # base64 of int32 ids for every token read (8 bytes: room for JSON)
+            tokens_per_row += (max(map(len, prompts)) + max_new_tokens) * 8 * \
+                return_routed_experts.layers * return_routed_experts.experts_per_token
         while True:
             restarts = self.service_restarts
             try:
-                items = self._gather(calls, first_url, group_size)
+                rows = self._gather(calls, first_url, group_size, tokens_per_row)
                 break
             except RolloutError as error:  # the same prompts and seeds again: the redone request samples the same
                 if not (retryable(error.status) and self._restart_local_server(restarts)):
                     raise
-        completions = _to_completions(items, group_size, max_new_tokens)
+        completions = _to_completions(rows, group_size, max_new_tokens)
         if return_routed_experts is not None:
             completions = dataclasses.replace(completions, routed_experts=tuple(
-                decode_routed_experts(item, r, len(prompts[r // group_size]), int(completions.lengths[r]),
-                                      return_routed_experts) for r, item in enumerate(items)))
-        if expected_version is not None:  # every token's version (a non-integer one is its row's: _token_versions)
+                _named(source, decode_routed_experts, row.routed_experts, r, len(prompts[r // group_size]),
+                       len(row.ids), return_routed_experts) for r, (source, row) in enumerate(rows)))
+        if expected_version is not None:  # every token's version (a non-integer one is its row's)
             token_versions = np.unique(completions.token_versions[completions.token_versions >= 0])
             check_versions([*completions.weight_versions, *map(str, token_versions)], expected_version,
                            max_staleness)
         return completions
 
-    def _gather(self, calls: list[Call], first_url: int, group_size: int) -> list[dict]:
-        """Posts each call to its share's URL (in parallel, with failover); the completions in prompt order, as
-        SGLang /generate items."""
+    def _gather(self, calls: list[Call], first_url: int, group_size: int,
+                bytes_per_row: int) -> list[tuple[str, Completion]]:
+        """Posts each call to its share's URL (in parallel, with failover); the completions in prompt order, each
+        checked (`Engine.read_completions`) and with the `url + path` that answered it."""
         futures = [self._pool.submit(self._with_failover, (first_url + call.share) % len(self.urls), call.path,
-                                     call.body) for call in calls]
-        items: list[dict] = []
+                                     call.body, max(MIN_ANSWER_CAP, call.num_prompts * group_size * bytes_per_row))
+                   for call in calls]
+        rows: list[tuple[str, Completion]] = []
         for call, future in zip(calls, futures):
-            answer = self._engine.completion_items(future.result(), group_size)
-            if len(answer) != call.num_prompts * group_size:
-                raise RolloutError(f"{call.path}: {len(answer)} completions for {call.num_prompts} prompts x "
-                                   f"{group_size}")
-            items += answer
-        return items
+            url, answer = future.result()
+            source = f"{url}{call.path}"
+            read = _named(source, self._engine.read_completions, answer, group_size, self._vocab_of(url))
+            if len(read) != call.num_prompts * group_size:
+                raise RolloutError(f"{source}: {len(read)} completions for {call.num_prompts} prompts x "
+                                   f"{group_size}", url=url)
+            rows += [(source, row) for row in read]
+        return rows
+
+    def _vocab_of(self, url: str) -> int | None:
+        """The vocabulary the ids answered by `url` must be in: the trained model's, else the server's own report."""
+        return self.vocab_size if self.vocab_size is not None else self._vocab_sizes.get(url)
 
     def check_engine(self) -> None:
         """Has the engine read once per URL what the server says of its start-up settings: ConfigError naming a
         setting it lacks (vLLM's routes and log-prob mode); `seeds_ignored_by` gains a server that ignores sampling
-        seeds (SGLang without --enable-deterministic-inference), with a warning."""
+        seeds (SGLang without --enable-deterministic-inference), with a warning; and, without `vocab_size`, the
+        vocabulary it reports."""
         for url in self.urls:
             if url in self._ready:
                 continue
             if not self._engine.check_startup(url, self._request):
                 self.seeds_ignored_by += (url,)
+            if self.vocab_size is None:
+                self._vocab_sizes[url] = self._engine.vocab_size(url, self._request)
             self._ready.add(url)
 
     def _check_routed_experts(self) -> None:
@@ -385,8 +456,9 @@ class RolloutClient:
                 raise
             answer = {"success": True} if restarted == "restarted" else \
                 self._request("POST", self.urls[0], "/update_weights_from_tensor", body)
-        if not answer.get("success", False):
-            raise RolloutError(f"weight version {weight_version} not loaded by {url}: {answer.get('message')}")
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            message = answer.get("message") if isinstance(answer, dict) else "the answer is not an object"
+            raise RolloutError(f"weight version {weight_version} not loaded by {url}: {described(message)}")
         self._pushed_segment = body
 
     def model_info(self, index: int = 0) -> dict:
@@ -394,7 +466,7 @@ class RolloutClient:
         url = self.urls[index]
         if not self._engine.traits.serves_model_info:
             raise RolloutError(f"{url}: {self._engine.traits.label} has no /get_model_info", url=url)
-        return self._request("GET", url, "/get_model_info")
+        return json_object(self._request("GET", url, "/get_model_info"), f"{url}/get_model_info: the answer")
 
     def healthy(self) -> list[bool]:
         """One health probe per URL, without retries."""
@@ -407,64 +479,61 @@ class RolloutClient:
         return out
 
 
-def _retry_after(response: httpx.Response) -> float:
+def _retry_after(headers: httpx.Headers) -> float:
     """Seconds from a Retry-After header (0 when absent or an HTTP date)."""
     try:
-        return max(0.0, float(response.headers.get("retry-after", 0)))
+        return max(0.0, float(headers.get("retry-after", 0)))
     except ValueError:
         return 0.0
 
 
-def _error_message(response: httpx.Response) -> str:
-    """The error text of an OpenAI-, SGLang- or FastAPI-style error body."""
+def _error_message(content: bytes) -> str:
+    """The error text of an OpenAI-, SGLang- or FastAPI-style error body, on one line."""
     try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict):
-            return str(error.get("message"))
-        return str(body.get("message") or body.get("detail") or error or body)
-    return str(body)
+        body = json.loads(content)
+        if isinstance(body, dict):
+            error = body.get("error")
+            body = error.get("message") if isinstance(error, dict) else \
+                body.get("message") or body.get("detail") or error or body
+        text = str(body)
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to show
+        text = content[:500].decode("utf-8", "replace")
+    return " ".join(text[:500].split())
 
 
-def _finite_logprobs(row: int, pairs: list) -> list[float]:
-    """The log-probs of one completion's (log-prob, token, text) triples; RolloutError naming the first that is
-    missing or not a finite number <= 0 (a service that overflowed must not be trained on)."""
-    values = []
-    for position, pair in enumerate(pairs):
-        value = pair[0]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value > 1e-3:
-            raise RolloutError(f"completion {row}: output_token_logprobs[{position}] is {value!r}, not a finite "
-                               "log-probability; the service's answer cannot be trained on")
-        values.append(float(value))
-    return values
+def _json(answer: _Answer, source: str, url: str) -> Any:
+    """An answer's JSON (None when empty); RolloutError naming `source` for one that is not JSON, nests deeper than
+    Python's reader goes (about 1,000 levels), or holds a number it cannot read."""
+    if not answer.content:
+        return None
+    try:
+        return json.loads(answer.content)
+    except RecursionError:
+        reason = "JSON nested deeper than the client reads"
+    except (ValueError, UnicodeDecodeError):  # JSONDecodeError, integers past Python's digit limit, bad UTF-8
+        kind = answer.headers.get("content-type", "no content type").split(";")[0]
+        reason = f"not JSON ({kind}, {len(answer.content)} bytes)"
+    raise RolloutError(f"{source}: the answer is {reason}", status=answer.status, url=url)
 
 
-def _token_versions(row: int, meta: dict, num_tokens: int, row_version: str | None) -> list[int]:
-    """Each token's version as an int (-1: not an integer): `output_token_weight_versions` where the service reports
-    it, else the row's version on every token; RolloutError when the list does not match the tokens, or names a
-    version that is neither an integer nor the row's (which `check_versions` checks)."""
-    reported = meta.get("output_token_weight_versions")
-    if reported is None:
-        return [int(row_version) if row_version is not None and row_version.isdigit() else -1] * num_tokens
-    if not isinstance(reported, list) or len(reported) != num_tokens:
-        raise RolloutError(f"completion {row}: output_token_weight_versions is not a list of one version per output "
-                           f"token ({num_tokens})")
-    out = []
-    for position, version in enumerate(map(str, reported)):
-        if not version.isdigit() and version != row_version:
-            raise RolloutError(f"completion {row}: output_token_weight_versions[{position}] is {version!r}, neither "
-                               f"an integer version nor the completion's weight_version {row_version!r}")
-        out.append(int(version) if version.isdigit() else -1)
-    return out
+def _named(source: str, read: Any, *args: Any) -> Any:
+    """`read(*args)`, a RolloutError from it prefixed with the `url + path` whose answer it read."""
+    try:
+        return read(*args)
+    except RolloutError as error:
+        raise RolloutError(f"{source}: {error}", status=error.status, url=error.url) from None
 
 
-def decode_routed_experts(item: dict, row: int, prompt_length: int, length: int, shape: RouterShape) -> np.ndarray:
-    """int32 [prompt_length + length - 1, L, k] from an item's `meta_info.routed_experts` (SGLang's base64 of
+def model_vocab_size(model_path: str) -> int | None:
+    """The vocabulary of the model folder at `model_path` (its config.json): what the trainer's ids must be in;
+    None for a GGUF file, whose vocabulary the trainer reads as it loads it."""
+    return load_hf_config(model_path).vocab_size if os.path.isdir(model_path) else None
+
+
+def decode_routed_experts(encoded: str | None, row: int, prompt_length: int, length: int,
+                          shape: RouterShape) -> np.ndarray:
+    """int32 [prompt_length + length - 1, L, k] from a completion's `meta_info.routed_experts` (SGLang's base64 of
     little-endian int32); RolloutError naming the completion when it is missing, of another shape or out of range."""
-    encoded = item["meta_info"].get("routed_experts")
     if not isinstance(encoded, str):
         raise RolloutError(f"completion {row}: no meta_info.routed_experts (the service did not return the routed "
                            "experts: a dense model, or a server that does not support them)")
@@ -484,31 +553,22 @@ def decode_routed_experts(item: dict, row: int, prompt_length: int, length: int,
     return flat.astype(np.int32).reshape(tokens, shape.layers, shape.experts_per_token)
 
 
-def _to_completions(items: list[dict], group_size: int, budget: int) -> Completions:
-    """Pads SGLang /generate items (`output_ids`, `meta_info`) into Completions; checks ids and log-probs line up."""
-    rows = len(items)
-    response_ids = np.zeros((rows, budget), np.int32)
-    behaviour_logprobs = np.zeros((rows, budget), np.float32)
-    lengths = np.zeros(rows, np.int32)
-    truncated = np.zeros(rows, bool)
-    versions = []
-    token_versions = np.full((rows, budget), -1, np.int32)
-    for r, item in enumerate(items):
-        ids = item["output_ids"]
-        meta = item["meta_info"]
-        pairs = meta.get("output_token_logprobs")
-        if pairs is None or len(pairs) != len(ids) or any(int(p[1]) != t for p, t in zip(pairs, ids)):
-            raise RolloutError(f"completion {r}: output_token_logprobs missing or not aligned with output_ids")
-        if len(ids) > budget:
-            raise RolloutError(f"completion {r}: {len(ids)} tokens exceed max_new_tokens={budget}")
-        response_ids[r, :len(ids)] = ids
-        behaviour_logprobs[r, :len(ids)] = _finite_logprobs(r, pairs)
-        lengths[r] = len(ids)
-        truncated[r] = _finish_is_length(meta.get("finish_reason"))
-        version = meta.get("weight_version")
-        versions.append(None if version is None else str(version))
-        token_versions[r, :len(ids)] = _token_versions(r, meta, len(ids), versions[-1])
-    response_mask = np.arange(budget)[None, :] < lengths[:, None]
-    return Completions(response_ids=response_ids, behaviour_logprobs=behaviour_logprobs, response_mask=response_mask,
-                       lengths=lengths, truncated=truncated, weight_versions=tuple(versions),
-                       token_versions=token_versions, group_size=group_size)
+def _to_completions(sourced: list[tuple[str, Completion]], group_size: int, budget: int) -> Completions:
+    """Pads checked completions (each with the `url + path` that answered it) into Completions; RolloutError for
+    one longer than the budget."""
+    rows = [row for _, row in sourced]
+    response_ids = np.zeros((len(rows), budget), np.int32)
+    behaviour_logprobs = np.zeros((len(rows), budget), np.float32)
+    token_versions = np.full((len(rows), budget), -1, np.int32)
+    for r, (source, row) in enumerate(sourced):
+        if len(row.ids) > budget:
+            raise RolloutError(f"{source}: completion {r}: {len(row.ids)} tokens exceed max_new_tokens={budget}")
+        response_ids[r, :len(row.ids)] = row.ids
+        behaviour_logprobs[r, :len(row.ids)] = row.logprobs
+        token_versions[r, :len(row.ids)] = row.token_versions
+    lengths = np.array([len(row.ids) for row in rows], np.int32)
+    return Completions(response_ids=response_ids, behaviour_logprobs=behaviour_logprobs,
+                       response_mask=np.arange(budget)[None, :] < lengths[:, None], lengths=lengths,
+                       truncated=np.array([row.truncated for row in rows], bool),
+                       weight_versions=tuple(row.weight_version for row in rows), token_versions=token_versions,
+                       group_size=group_size)

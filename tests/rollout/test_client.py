@@ -34,7 +34,9 @@ def fake_generate(request: httpx.Request, version: str = "3") -> httpx.Response:
 
 
 def client_with(handler, urls=("http://a",), **kwargs) -> RolloutClient:
-    return RolloutClient(list(urls), transport=httpx.MockTransport(handler), backoff_s=0.0, **kwargs)
+    """A client of fake services that answer /generate alone: the vocabulary is given, as the trainer gives it."""
+    return RolloutClient(list(urls), transport=httpx.MockTransport(handler), backoff_s=0.0,
+                         **{"vocab_size": 1000, **kwargs})
 
 
 PROMPTS = [[10, 1], [20, 2, 2], [30], [40, 4]]
@@ -204,7 +206,7 @@ def test_the_api_key_goes_in_the_authorization_header():
         seen.append(request.headers.get("authorization"))
         return fake_generate(request)
 
-    with RolloutClient(["http://a"], transport=httpx.MockTransport(handler), api_key="k3y") as client:
+    with RolloutClient(["http://a"], transport=httpx.MockTransport(handler), api_key="k3y", vocab_size=1000) as client:
         client.generate(PROMPTS[:1], 1, max_new_tokens=2, seed=0)
     assert seen == ["Bearer k3y"]
 
@@ -277,7 +279,8 @@ def test_missing_or_non_finite_logprobs_are_refused(bad):
         answer[1]["meta_info"]["output_token_logprobs"][1][0] = bad
         return httpx.Response(200, content=json.dumps(answer).encode())  # NaN and Infinity as Python writes them
 
-    with client_with(handler) as client, pytest.raises(RolloutError, match=r"completion 1: output_token_logprobs\[1\]"):
+    with client_with(handler) as client, \
+            pytest.raises(RolloutError, match=r"^http://a/generate: \[1\]\.meta_info\.output_token_logprobs\[1\]: "):
         client.generate(PROMPTS, 2, max_new_tokens=5, seed=0)
 
 

@@ -17,7 +17,7 @@ from drgrpo_jax.config.schema import RolloutConfig
 from drgrpo_jax.errors import ConfigError, RolloutError
 from drgrpo_jax.rollout.client import RolloutClient
 from drgrpo_jax.rollout.engines import ENGINES
-from drgrpo_jax.rollout.engines.base import Call, Engine
+from drgrpo_jax.rollout.engines.base import Call, Engine, read_sglang_items
 
 INFLIGHT = ["rollout.async=true", "rollout.max_staleness=2", "algorithm.tis_cap=2.0", "rollout.inflight_updates=true"]
 
@@ -51,10 +51,10 @@ class ToyEngine(Engine):
         return [Call(k, "/sample", {"prompt": list(prompts[i]), "seed": int(seeds[i]), "n": group_size}, 1)
                 for k, (start, stop) in enumerate(shares) for i in range(start, stop)]
 
-    def completion_items(self, answer, group_size):
-        return [{"output_ids": ids, "meta_info": {"output_token_logprobs": [[-0.5, t, None] for t in ids],
-                                                  "finish_reason": "stop", "weight_version": "3"}}
-                for ids in answer["rows"]]
+    def read_completions(self, answer, group_size, vocab_size):
+        return read_sglang_items([{"output_ids": ids, "meta_info": {
+            "output_token_logprobs": [[-0.5, t, None] for t in ids], "finish_reason": "stop", "weight_version": "3"}}
+            for ids in answer["rows"]], vocab_size)
 
     def push_weights(self, url, model_path, version, rollback, request):
         request("POST", url, "/load", {"path": model_path, "version": version})

@@ -51,7 +51,7 @@ def _client(answers: list[dict], log: list | None = None) -> RolloutClient:
         if log is not None:
             log.append(json.loads(request.content))
         return httpx.Response(200, json=answers)
-    return RolloutClient(["http://a"], transport=httpx.MockTransport(handler), backoff_s=0.0)
+    return RolloutClient(["http://a"], transport=httpx.MockTransport(handler), backoff_s=0.0, vocab_size=100)
 
 
 def test_the_routed_experts_are_asked_for_and_decoded_per_completion():
@@ -80,7 +80,8 @@ def test_a_wrong_routed_experts_answer_names_the_completion(experts, fragment):
     answers = [_answer(3, [5, 6]), _answer(3, [5, 6, 7], experts)]
     with _client(answers) as client, pytest.raises(RolloutError) as info:
         client.generate([[1, 2, 3]], 2, max_new_tokens=4, return_routed_experts=SHAPE)
-    assert str(info.value).startswith("completion 1: ") and fragment in str(info.value), str(info.value)
+    assert str(info.value).startswith("http://a/generate: completion 1: ") and fragment in str(info.value), \
+        str(info.value)
 
 
 def _npy(array) -> str:

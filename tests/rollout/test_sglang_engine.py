@@ -53,6 +53,7 @@ def test_each_completion_is_its_own_row_with_its_own_seed_reassembled_prompt_maj
     bodies: list = []
     with sglang_client(fake_sglang(DETERMINISTIC, bodies), urls) as client:
         sampled = client.generate(PROMPTS, 4, max_new_tokens=3, seed=5)
+    bodies.sort(key=lambda body: PROMPTS.index(body["input_ids"][0]))  # the URLs' requests arrive in any order
     params = [p for body in bodies for p in body["sampling_params"]]
     rows = [row for body in bodies for row in body["input_ids"]]
     expected = [s for p in prompt_seeds(5, len(PROMPTS)) for s in completion_seeds(p, 4)]

@@ -37,9 +37,9 @@ def test_each_tokens_version_is_read_and_padding_is_minus_one():
 def test_a_version_that_is_not_an_integer_is_the_rows_own():
     sampled = _generate(_answer([([7, 8], "base", None), ([7], "base", ["base"])]))
     np.testing.assert_array_equal(sampled.token_versions, -np.ones((2, 5)))
-    with pytest.raises(RolloutError, match=r"completion 1: output_token_weight_versions\[0\] is 'next'"):
+    with pytest.raises(RolloutError, match=r"\[1\]\.meta_info\.output_token_weight_versions\[0\]: 'next' is neither"):
         _generate(_answer([([7], "base", None), ([7], "base", ["next"])]))
-    with pytest.raises(RolloutError, match="completion 0: output_token_weight_versions is not a list of one"):
+    with pytest.raises(RolloutError, match=r"\[0\]\.meta_info\.output_token_weight_versions: not a list of one"):
         _generate(_answer([([7, 8], "3", ["3"]), ([7], "3", None)]))
 
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from drgrpo_jax.config.engines import EngineName
 from drgrpo_jax.errors import RolloutError
-from drgrpo_jax.rollout.engines.base import Call, Engine, Request, Sampling
+from drgrpo_jax.rollout.engines.base import Call, Engine, Request, Sampling, json_object
 from drgrpo_jax.seeds import completion_seeds
 
 log = logging.getLogger("drgrpo_jax.rollout")
@@ -59,8 +59,9 @@ class SGLangEngine(Engine):
         body: dict[str, Any] = {"model_path": model_path, "weight_version": version}
         if rollback:  # only then: a stand-in SGLang server never sees our service's extension
             body["allow_rollback"] = True
-        answer = request("POST", url, "/update_weights_from_disk", body)
-        if not answer.get("success", False):
+        answer = json_object(request("POST", url, "/update_weights_from_disk", body),
+                             f"{url}/update_weights_from_disk: the answer")
+        if answer.get("success") is not True:
             raise RolloutError(f"{url}/update_weights_from_disk: {answer.get('message')}", url=url)
 
 

@@ -3,8 +3,8 @@
 Generation is vLLM's token-in/token-out route (`/inference/v1/generate`, served with `--enable-scale-out`): one
 request per prompt with `n` = G, its seed the prompt's (vLLM gives completion g of the group seed + g, so a group
 never repeats one draw), and each sampled token's log-prob, which is the temperature-scaled policy's only when the
-server runs with `--logprobs-mode processed_logprobs`. The answers are translated into the items SGLang's
-`/generate` returns (`output_ids`, `meta_info`), so the client checks and pads every engine's completions alike.
+server runs with `--logprobs-mode processed_logprobs`. The answers are read through the checks every engine shares
+(`engines/base.py`), named in vLLM's own fields (`choices[1].token_ids[3]`).
 A weight push reloads the exported safetensors folder (`/collective_rpc` `reload_weights`) and then labels it
 (`/update_weight_version`); both routes exist only under `VLLM_SERVER_DEV_MODE=1`. vLLM takes any label, so a
 version that goes backwards is refused here (`check_forward`). `missing_setting` reads what a server exposes at
@@ -24,10 +24,24 @@ import numpy as np
 
 from drgrpo_jax.config.engines import EngineName
 from drgrpo_jax.errors import ConfigError, RolloutError
-from drgrpo_jax.rollout.engines.base import Call, Engine, Request, Sampling
+from drgrpo_jax.rollout.engines.base import (
+    Call,
+    Completion,
+    Engine,
+    Request,
+    Sampling,
+    checked_tokens,
+    described,
+    finish_is_length,
+    json_object,
+    one_per_index,
+    token_ids,
+    token_versions,
+    version_text,
+)
 
 __all__ = ["GENERATE_PATH", "VLLMEngine", "check_forward", "generate_body", "missing_routed_experts",
-           "missing_setting", "sglang_items", "weight_push_calls"]
+           "missing_setting", "read_choices", "weight_push_calls"]
 
 GENERATE_PATH = "/inference/v1/generate"
 _NEEDED_ROUTES = ((GENERATE_PATH, "start it with --enable-scale-out"),
@@ -60,17 +74,15 @@ def missing_routed_experts(server_info: dict[str, Any]) -> str | None:
     return None
 
 
-def _sglang_routed_experts(choice: dict[str, Any]) -> str:
+def _sglang_routed_experts(encoded: Any, field: str) -> str:
     """A choice's `routed_experts` (base64 of a .npy of uint8/uint16/int32) as SGLang's base64 of little-endian
-    int32; RolloutError naming the choice when it is no such array."""
+    int32; RolloutError naming the field when it is no such array."""
     try:
-        experts = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"], validate=True)), allow_pickle=False)
-    except (ValueError, OSError, TypeError):
-        raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')}: routed_experts is not a base64 .npy "
-                           "array") from None
+        experts = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (ValueError, OSError, TypeError, EOFError):
+        raise RolloutError(f"{field}: not a base64 .npy array") from None
     if experts.dtype.kind not in "iu":
-        raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')}: routed_experts are {experts.dtype}, not "
-                           "integer expert ids")
+        raise RolloutError(f"{field}: {experts.dtype}, not integer expert ids")
     return base64.b64encode(experts.astype("<i4").tobytes()).decode("ascii")
 
 
@@ -83,30 +95,39 @@ def generate_body(prompt: Sequence[int], seed: int, group_size: int, *, max_new_
         "ignore_eos": ignore_eos, "logprobs": 0, "detokenize": False}}
 
 
-def sglang_items(answer: Any, group_size: int) -> list[dict[str, Any]]:
-    """One /inference/v1/generate answer as the G items SGLang's /generate returns, in the group's order.
+def read_choices(answer: Any, group_size: int, vocab_size: int | None) -> list[Completion]:
+    """One /inference/v1/generate answer as its G checked completions, in the group's order (one choice per index).
 
     A completion's weight version is the first of its `weight_versions` spans: the oldest weights that sampled
     any of its tokens (a completion that crossed a push reports the version it started on, which the client's
     version check then refuses as it refuses any stale completion)."""
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not isinstance(choices, list) or len(choices) != group_size:
-        raise RolloutError(f"{GENERATE_PATH}: expected {group_size} choices, got "
-                           f"{len(choices) if isinstance(choices, list) else repr(answer)[:200]}")
-    items = []
-    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
-        content = (choice.get("logprobs") or {}).get("content")
-        ids = choice.get("token_ids")
-        if content is None or ids is None:
-            raise RolloutError(f"{GENERATE_PATH}: choice {choice.get('index')} has no token_ids or logprobs")
-        spans = choice.get("weight_versions") or []
-        meta = {"output_token_logprobs": [[entry.get("logprob"), entry.get("token_id"), None] for entry in content],
-                "finish_reason": choice.get("finish_reason"),
-                "weight_version": spans[0].get("version") if spans else None}
-        if choice.get("routed_experts") is not None:
-            meta["routed_experts"] = _sglang_routed_experts(choice)
-        items.append({"output_ids": ids, "meta_info": meta})
-    return items
+    choices = one_per_index(answer.get("choices") if isinstance(answer, dict) else answer, group_size, "choices")
+    return [_read_choice(choice, f"choices[{g}]", vocab_size) for g, choice in enumerate(choices)]
+
+
+def _read_choice(choice: dict[str, Any], where: str, vocab_size: int | None) -> Completion:
+    """One vLLM choice (`token_ids`, `logprobs.content`, `finish_reason`, `weight_versions`) as a completion."""
+    ids = token_ids(choice.get("token_ids"), f"{where}.token_ids", vocab_size)
+    logprobs = choice.get("logprobs")
+    field = f"{where}.logprobs.content"
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != len(ids):
+        raise RolloutError(f"{field}: {described(content)}, not one entry per token id ({len(ids)})")
+    entries = []
+    for position, entry in enumerate(content):
+        if not isinstance(entry, dict):
+            raise RolloutError(f"{field}[{position}]: {described(entry)}, not an object")
+        entries.append((f"{field}[{position}]", entry.get("logprob"), entry.get("token_id")))
+    spans = choice.get("weight_versions") or []
+    first = spans[0] if isinstance(spans, list) and spans else {}
+    if not isinstance(first, dict):
+        raise RolloutError(f"{where}.weight_versions[0]: {described(first)}, not an object")
+    version = version_text(first.get("version"), f"{where}.weight_versions[0].version")
+    return Completion(ids=ids, logprobs=checked_tokens(ids, entries, vocab_size),
+                      truncated=finish_is_length(choice.get("finish_reason"), f"{where}.finish_reason"),
+                      weight_version=version, token_versions=token_versions(None, "", len(ids), version),
+                      routed_experts=None if choice.get("routed_experts") is None else
+                      _sglang_routed_experts(choice["routed_experts"], f"{where}.routed_experts"))
 
 
 def check_forward(url: str, held: Any, version: str, *, rollback: bool) -> None:
@@ -140,20 +161,23 @@ class VLLMEngine(Engine):
             top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=sampling.stop_token_ids,
             ignore_eos=sampling.ignore_eos), 1) for k, (start, stop) in enumerate(shares) for i in range(start, stop)]
 
-    def completion_items(self, answer: Any, group_size: int) -> list[dict[str, Any]]:
-        return sglang_items(answer, group_size)
+    def read_completions(self, answer: Any, group_size: int, vocab_size: int | None) -> list[Completion]:
+        return read_choices(answer, group_size, vocab_size)
 
     def check_startup(self, url: str, request: Request) -> bool:
         """ConfigError naming the setting the server lacks, from its routes (and its config under dev mode)."""
-        openapi = request("GET", url, "/openapi.json") or {}
-        dev_mode = "/server_info" in openapi.get("paths", {})
-        missing = missing_setting(openapi, request("GET", url, "/server_info?config_format=json") if dev_mode else {})
+        openapi = json_object(request("GET", url, "/openapi.json"), f"{url}/openapi.json: the answer")
+        paths = json_object(openapi.get("paths", {}), f"{url}/openapi.json: paths")
+        info = json_object(request("GET", url, "/server_info?config_format=json"),
+                           f"{url}/server_info: the answer") if "/server_info" in paths else {}
+        missing = missing_setting(openapi, info)
         if missing is not None:
             raise ConfigError("rollout.engine", f"{self.name}: {url} is not ready for training: {missing}")
         return True
 
     def check_routed_experts(self, url: str, request: Request) -> None:
-        missing = missing_routed_experts(request("GET", url, "/server_info?config_format=json") or {})
+        missing = missing_routed_experts(json_object(request("GET", url, "/server_info?config_format=json"),
+                                                     f"{url}/server_info: the answer"))
         if missing is not None:
             raise ConfigError("model.moe.router_replay", f"{self.name}: {url} {missing}")
 
