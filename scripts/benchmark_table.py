@@ -373,7 +373,8 @@ def quickstart_curve(records: list[dict]) -> str:
     m = record["machine"]
     took = (f"The run took {r['wall_s'] / 60:.1f} min for {r['steps']} steps (a step after the first "
             f"{r['step_s_median_after_first']:.1f} s) with the trainer process at "
-            f"{r.get('trainer_peak_rss_gb', r['peak_rss_gb']):.1f} GB peak memory, on {m['nproc']} CPU cores with "
+            f"{r.get('trainer_peak_rss_gb', r['peak_rss_gb']):.1f} GB peak memory (its generation service and reward "
+            f"workers, processes of their own, not counted), on {m['nproc']} CPU cores with "
             f"{machine_kind(m)} in {r['compute_dtype']} ([the record]({record['file']})). One seed: read it as "
             "\"it learns\", not as exact figures.")
     return "\n".join(rows) + "\n\n" + took

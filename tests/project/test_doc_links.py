@@ -73,3 +73,9 @@ def test_the_reference_pages_algorithm_table_is_the_table_the_trainer_runs():
     page = (ROOT / "docs" / "reference.md").read_text()
     assert hook.MARKER in page
     assert hook.on_page_markdown(page).count("| `dr_grpo` | `dr_grpo` | `fixed_budget` |") == 1
+
+
+def test_the_home_page_table_lists_every_page_of_the_navigation():
+    navigation = set(re.findall(r":\s*([\w-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)) - {"index.md"}
+    listed = set(relative_links((ROOT / "docs" / "index.md").read_text()))
+    assert navigation - listed == set(), "pages of the navigation missing from docs/index.md's table"
