@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import gguf
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from drgrpo_jax.models.config import from_hf_config
+from drgrpo_jax.models.config import from_hf_config, hf_num_layers
 from drgrpo_jax.models.families import FAMILIES, Family
-from drgrpo_jax.models.hf_io import build_model, hf_param_reader
+from drgrpo_jax.models.hf_io import build_model, check_layer_count, check_weights, hf_param_reader
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules
 
@@ -41,12 +42,21 @@ _GEMMA_BLOCK_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_METADATA = "the GGUF metadata"  # where a GGUF model's config comes from, as its load errors name it
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     """One metadata value (str, number or list), or default when absent."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _required(reader: gguf.GGUFReader, key: str) -> Any:
+    """One metadata value the model cannot be built without; ValueError naming it when absent."""
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"{key}: missing from the GGUF file's metadata")
+    return value
 
 
 def _hf_name(gguf_name: str, family: Family) -> str | None:
@@ -87,18 +97,20 @@ def gguf_hf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
                          "load the Hugging Face folder instead")
     if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise ValueError(f"{arch}.rope.scaling.type: RoPE scaling in GGUF metadata is not supported")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
+    heads = int(_required(reader, f"{arch}.attention.head_count"))
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ValueError("weights: tensor 'token_embd.weight' is missing from the GGUF file")
     hf: dict[str, Any] = {
         "model_type": family.hf_model_types[0],
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", int(embed.shape[-1]))),
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // max(heads, 1))),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10_000.0)),
@@ -131,6 +143,13 @@ class GGUFIndex:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def names(self) -> Iterable[str]:
+        return self._tensors.keys()
+
+    def header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape in HF layout, "F32"): `get` dequantizes every GGML type the gguf package reads to float32."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape)), "F32"
+
     def get(self, name: str) -> np.ndarray:
         """Dequantised tensor; q/k rows un-permuted for Llama; Gemma's stored (1 + w) norms back to w."""
         if name not in self._tensors:
@@ -148,10 +167,14 @@ class GGUFIndex:
 
 def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
               remat: str = "none", attention_impl: str = "auto") -> Transformer:
-    """A Transformer from a GGUF file (any quantisation the gguf package can dequantise)."""
+    """A Transformer from a GGUF file (any quantisation the gguf package can dequantise); its metadata is checked
+    against its tensors' shapes (`hf_io.check_weights`) before any is dequantised."""
     reader = gguf.GGUFReader(path)
-    config = dataclasses.replace(from_hf_config(gguf_hf_config(reader)), remat=remat, attention_impl=attention_impl)
-    index = GGUFIndex(reader, config.num_heads, config.num_kv_heads)
+    hf = gguf_hf_config(reader)
+    index = GGUFIndex(reader, hf["num_attention_heads"], hf["num_key_value_heads"])
+    check_layer_count(index, hf_num_layers(hf), _METADATA)  # as load_hf: the block count against the blocks first
+    config = dataclasses.replace(from_hf_config(hf), remat=remat, attention_impl=attention_impl)
+    check_weights(index, config, _METADATA)
     return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
 
 

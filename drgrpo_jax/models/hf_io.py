@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import struct as pystruct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import jax
@@ -22,7 +23,7 @@ from jax.sharding import Mesh
 
 from drgrpo_jax.hosts import host_array
 from drgrpo_jax.models import mxfp4
-from drgrpo_jax.models.config import DecoderConfig, from_hf_config, to_hf_config
+from drgrpo_jax.models.config import DecoderConfig, from_hf_config, hf_num_layers, to_hf_config
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules, named_sharding
@@ -59,11 +60,16 @@ def _read_header(path: str) -> tuple[dict[str, Any], int]:
 
 
 class TensorIndex(Protocol):
-    """HF tensor name -> host array in HF layout (`SafetensorsIndex`, `gguf_io.GGUFIndex`)."""
+    """HF tensor name -> host array in HF layout (`SafetensorsIndex`, `gguf_io.GGUFIndex`); its names and each
+    one's shape and dtype (safetensors' name: "F32", "BF16", ...) from the headers, before anything is read."""
 
     def __contains__(self, name: str) -> bool: ...
 
     def get(self, name: str) -> np.ndarray: ...
+
+    def names(self) -> Iterable[str]: ...
+
+    def header(self, name: str) -> tuple[tuple[int, ...], str]: ...
 
 
 class SafetensorsIndex:
@@ -88,6 +94,14 @@ class SafetensorsIndex:
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+    def names(self) -> Iterable[str]:
+        return self._entries.keys()
+
+    def header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) as the file's header states them."""
+        _, entry, _ = self._entries[name]
+        return tuple(entry["shape"]), entry["dtype"]
 
     def get(self, name: str) -> np.ndarray:
         """The tensor, read-only and memory-mapped (no copy until used)."""
@@ -307,6 +321,103 @@ def hf_param_reader(index: TensorIndex, config: DecoderConfig) -> Callable[[str]
     return read
 
 
+# ---------------------------------------------------------------- the weights checked against the config
+
+# What the loaders read as weights: floats (cast to the model's dtype), and GPT-OSS's MXFP4 experts as uint8 blocks
+# and scales (models/mxfp4.py). An int8 or float8 tensor read as a float would load quantized codes as weights.
+_FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_MXFP4_PARTS = ("_blocks", "_scales")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT_NAME = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+_TOP_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+
+def _check_count(field: str, expected: int, found: set[int], what: str, source: str) -> None:
+    """ValueError unless `found` is exactly 0..expected-1 (without counting to `expected`: it may be huge)."""
+    if len(found) != expected or (found and max(found) != expected - 1):
+        held = f"{len(found)} {what}" + (f" (numbered {min(found)}-{max(found)})" if found else "")
+        raise ValueError(f"{field}: {source} says {expected}, the weights hold {held}")
+
+
+def check_layer_count(index: TensorIndex, num_layers: int, source: str = "config.json") -> None:
+    """ValueError naming num_hidden_layers unless the weights hold layers 0..num_layers-1 (names alone); `source`:
+    what the error says the count came from."""
+    found = {int(m.group(1)) for m in map(_LAYER_NAME.match, index.names()) if m}
+    _check_count("num_hidden_layers", num_layers, found, "layers", source)
+
+
+def _mxfp4_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The `_blocks` and `_scales` that hold an expert weight [e, X, Y] as MXFP4 (32 values per block of X)."""
+    e, x, y = shape
+    return {name + "_blocks": (e, y, x // 32, 16), name + "_scales": (e, y, x // 32)}
+
+
+def _gpt_oss_shapes(index: TensorIndex, name: str, shape: tuple[int, ...], prefix: str) -> dict[str, tuple[int, ...]]:
+    """GPT-OSS's HF tensors for our `router`/`expert_down`/gate-and-up parameter of one layer (`_read_gpt_oss_moe`)."""
+    mlp = prefix + "mlp."
+    if name == "router":
+        return {mlp + "router.weight": shape[::-1]}
+    if name == "expert_down":
+        tensor, stored = mlp + "experts.down_proj", shape
+    else:  # gate and up interleaved in one tensor
+        tensor, stored = f"{mlp}experts.{_GPT_OSS_INTERLEAVED[name][0]}", (*shape[:-1], 2 * shape[-1])
+    if tensor not in index and tensor + "_blocks" in index:
+        return _mxfp4_shapes(tensor, stored)
+    return {tensor: stored}
+
+
+def _layer_shapes(index: TensorIndex, name: str, shape: tuple[int, ...], layer: int,
+                  config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensors (name -> shape) `hf_param_reader` reads for one layer of our parameter `name` [*shape]."""
+    prefix = f"model.layers.{layer}."
+    if config.traits.gpt_oss_experts and name in ("router", "expert_down", *_GPT_OSS_INTERLEAVED):
+        return _gpt_oss_shapes(index, name, shape, prefix)
+    if name == "router":
+        return {prefix + "mlp.gate.weight": shape[::-1]}
+    if name in _EXPERT_PROJ:
+        fused = prefix + ("mlp.experts.down_proj" if name == "expert_down" else "mlp.experts.gate_up_proj")
+        if fused in index:  # [e, 2f, D] gate rows first, or [e, D, f]
+            e, x, y = shape
+            return {fused: (e, y, x) if name == "expert_down" else (e, 2 * y, x)}
+        per_expert = _moe_names(config)[1][name]
+        return {f"{prefix}mlp.experts.{j}.{per_expert}.weight": shape[:0:-1] for j in range(config.num_experts)}
+    # A zero-strided array of our shape: the layout's own transform gives the HF shape without allocating it.
+    ours = np.broadcast_to(np.zeros((), np.uint8), shape)
+    return {prefix + _layer_suffix(name, config): _to_hf(name, ours, config).shape}
+
+
+def _expected_tensors(index: TensorIndex, config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor the model's parameters are read from, with the shape `config` implies."""
+    out: dict[str, tuple[int, ...]] = {}
+    for path, (shape, _) in param_specs(config).items():
+        if path in _TOP_TENSORS:
+            out[_TOP_TENSORS[path]] = shape[::-1] if path == "lm_head" else shape
+            continue
+        for layer in range(config.num_layers):
+            out.update(_layer_shapes(index, path.split("/", 1)[1], shape[1:], layer, config))
+    return out
+
+
+def check_weights(index: TensorIndex, config: DecoderConfig, source: str = "config.json") -> None:
+    """ValueError in one line, before anything is read or allocated, when the weights are not what `config` (read
+    from `source`) describes: their layers and experts counted, then every tensor's presence, shape and dtype
+    (headers only)."""
+    check_layer_count(index, config.num_layers, source)
+    experts = {int(m.group(1)) for m in map(_EXPERT_NAME.match, index.names()) if m}
+    if config.moe and experts:  # one tensor per expert: counted before they are listed one by one
+        _check_count("num_experts/num_local_experts", config.num_experts, experts, "experts", source)
+    for name, shape in _expected_tensors(index, config).items():
+        if name not in index:
+            raise ValueError(f"weights: tensor {name!r} is missing from the checkpoint")
+        stored, dtype = index.header(name)
+        if stored != shape:
+            raise ValueError(f"weights: {name} has shape {list(stored)}, {source} implies {list(shape)}")
+        allowed = ("U8",) if name.endswith(_MXFP4_PARTS) else _FLOAT_DTYPES
+        if dtype not in allowed:
+            raise ValueError(f"weights: {name} is {dtype}, not one of {list(allowed)}: only float weights load (and "
+                             "GPT-OSS's MXFP4 experts); dequantize the checkpoint first")
+
+
 # ---------------------------------------------------------------- building a model from host arrays
 
 
@@ -336,8 +447,8 @@ def build_model(config: DecoderConfig, read: Callable[[str], np.ndarray], *, dty
     return nnx.merge(graphdef, state)
 
 
-def load_hf_config(folder: str) -> DecoderConfig:
-    """DecoderConfig from a folder's config.json (+ generation_config.json for extra stop tokens)."""
+def _read_config_files(folder: str) -> tuple[Any, Any]:
+    """A folder's parsed config.json and generation_config.json (None when absent)."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
     generation = None
@@ -345,17 +456,27 @@ def load_hf_config(folder: str) -> DecoderConfig:
     if os.path.exists(generation_path):
         with open(generation_path) as f:
             generation = json.load(f)
-    return from_hf_config(hf, generation)
+    return hf, generation
+
+
+def load_hf_config(folder: str) -> DecoderConfig:
+    """DecoderConfig from a folder's config.json (+ generation_config.json for extra stop tokens)."""
+    return from_hf_config(*_read_config_files(folder))
 
 
 def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
             rules: ShardingRules = ShardingRules(), remat: str = "none",
             attention_impl: str = "auto") -> Transformer:
-    """A Transformer from an HF folder (config.json + safetensors)."""
+    """A Transformer from an HF folder (config.json + safetensors); the config is checked against the weights'
+    headers (`check_weights`) before any weight is read."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"path: {folder!r} is neither a folder with config.json nor a .gguf file")
-    config = dataclasses.replace(load_hf_config(folder), remat=remat, attention_impl=attention_impl)
-    return build_model(config, hf_param_reader(SafetensorsIndex(folder), config), dtype=dtype, mesh=mesh, rules=rules)
+    hf, generation = _read_config_files(folder)
+    index = SafetensorsIndex(folder)
+    check_layer_count(index, hf_num_layers(hf))  # first: a config's per-layer lists are as long as it says
+    config = dataclasses.replace(from_hf_config(hf, generation), remat=remat, attention_impl=attention_impl)
+    check_weights(index, config)
+    return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
 
 
 # ---------------------------------------------------------------- export

@@ -105,6 +105,21 @@ def test_tiny_gguf_matches_hf(arch, tmp_path):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", 1_000_000_000, "num_hidden_layers: the GGUF metadata says 1000000000, the weights hold 2 "
+                                         "layers (numbered 0-1)"),
+    ("intermediate_size", 40, "weights: model.layers.0.mlp.gate_proj.weight has shape [48, 32], the GGUF metadata "
+                              "implies [40, 32]")])
+def test_a_gguf_whose_metadata_lies_fails_in_one_line_before_dequantizing(field, value, message, tmp_path):
+    model = _tiny("llama")
+    setattr(model.config, field, value)  # the metadata _write_gguf writes; the tensors stay the model's
+    path = str(tmp_path / "lying.gguf")
+    _write_gguf(model, path, "llama")
+    with pytest.raises(ValueError) as caught:
+        from_pretrained(path)
+    assert str(caught.value) == message
+
+
 # ---------------------------------------------------------------- real models from PyPI (slow)
 
 
