@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tasks-per-node", type=int, default=1, help="trainer processes per node (default 1)")
     s.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per trainer node (default: the mesh's devices per node; 0: CPU nodes)")
-    s.add_argument("--partition", default="")
+    s.add_argument("--partition", default="", help="--partition of the jobs (default: the cluster's)")
     s.add_argument("--time", default="", help="--time of the jobs, e.g. 24:00:00")
     s.add_argument("--account", default="", help="--account of the jobs")
     s.add_argument("--cpus-per-task", type=int, default=None,

@@ -24,6 +24,9 @@ COMMANDS = [
     ["drgrpo_jax.config"],
     ["drgrpo_jax.data"],
     ["drgrpo_jax.data", "prepare"],
+    ["drgrpo_jax.launch", "slurm"],
+    ["drgrpo_jax.launch", "gke"],
+    ["drgrpo_jax.launch", "skypilot"],
 ]
 _ITEM = re.compile(r"^  (\S.*?)(?:\s{2,}(\S.*))?$")  # an option or positional: its invocation, then its help
 
@@ -87,7 +90,8 @@ def test_serve_documents_every_flag_and_hides_its_internal_ones():
 def test_console_scripts_are_the_module_mains():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as file:
         scripts = tomllib.load(file)["project"]["scripts"]
-    assert set(scripts) == {"drgrpo-train", "drgrpo-serve", "drgrpo-evaluate", "drgrpo-plan", "drgrpo-data"}
+    assert set(scripts) == {"drgrpo-train", "drgrpo-serve", "drgrpo-evaluate", "drgrpo-plan", "drgrpo-data",
+                            "drgrpo-launch"}
     for name, target in scripts.items():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), name
