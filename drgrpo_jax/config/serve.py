@@ -120,10 +120,11 @@ class ServeConfig:
                                group=LIMITS)
     request_timeout_s: float = _f(600.0, "a request is answered by then: what was sampled, the rest with finish "
                                          "reason abort", group=LIMITS)
-    admission_share: float = _f(0.5, "a request whose rows x new tokens would take longer than this share of "
+    admission_share: float = _f(0.5, "a request whose new tokens would hold a batch longer than this share of "
                                      "--request-timeout-s at the service's decoding speed is refused (400, naming "
                                      "both), so one request cannot hold the workers and the queue for its whole "
-                                     "deadline; 0 = off", group=LIMITS, metavar="SHARE")
+                                     "deadline (requests of many batches take turns a batch at a time); 0 = off",
+                                group=LIMITS, metavar="SHARE")
     admission_tokens_per_second: float = _f(0.0, "the decoding speed (new tokens a second, one row) that "
                                                  "--admission-share assumes; 0 = the fastest batch served so far "
                                                  "that compiled nothing (nothing is refused before one)",

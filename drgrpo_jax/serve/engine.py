@@ -97,14 +97,16 @@ class _Job:
     future: concurrent.futures.Future
     results: list[RowResult | None]
     remaining: int
+    taken: int = 0  # rows taken into batches so far: the least served request goes first (`_take_rows`)
 
 
 class Engine:
     """Owns the weights, the request queue and the one worker thread that runs the sampler.
 
-    Requests from concurrent clients are cut into batches (rows = prompts x n); each batch runs on the weights
-    current when it starts, so a weight update swaps atomically between batches: batches in flight finish on
-    the old weights, and every completion reports the `weight_version` it was sampled with. With
+    Requests from concurrent clients are cut into batches (rows = prompts x n), each taking the rows of the
+    requests least served so far first, so a request of many batches takes turns with later ones. Each batch runs
+    on the weights current when it starts, so a weight update swaps atomically between batches: batches in flight
+    finish on the old weights, and every completion reports the `weight_version` it was sampled with. With
     --inflight-updates a batch in flight takes a newer version at its next decode phase or pause instead (the
     sampler's `weights_now`), and every completion reports the version of each of its tokens. Short requests
     (`short_request_tokens`) have their own worker, so a health probe's or a one-token request's wait does not
@@ -160,11 +162,12 @@ class Engine:
         """New tokens a second one row decodes at: --admission-tokens-per-second, else the fastest seen (0: unknown)."""
         return self.config.admission_tokens_per_second or self.fastest_row_rate
 
-    def seconds_for(self, rows: int, new_tokens: int) -> float | None:
-        """About how long `rows` rows of up to `new_tokens` new tokens take to sample on an idle service, as batches
-        of --max-batch-size one after another; None while the decoding speed is unknown."""
+    def batch_seconds(self, new_tokens: int) -> float | None:
+        """About how long a batch whose rows ask for up to `new_tokens` new tokens runs: what a request holds
+        the workers for at a time (its rows take turns with other requests' a batch at a time: `_take_rows`);
+        None while the decoding speed is unknown."""
         rate = self.row_rate()
-        return math.ceil(rows / self.config.max_batch_size) * new_tokens / rate if rate else None
+        return new_tokens / rate if rate else None
 
     def submit(self, rows: Sequence[RowRequest]) -> concurrent.futures.Future:
         """Queues rows; the future resolves to their RowResults in order. QueueFull when the queue is full.
@@ -346,12 +349,19 @@ class Engine:
                     lane.queue.put(None)  # finish this batch, then stop
                     break
                 lane.pending.extend((job, i) for i in range(len(job.rows)))
+            _gather_queued(lane)  # behind a request of many batches too: every request waiting takes its turn
             self._drop_cancelled(lane)  # the batch boundary: rows of clients gone are never sampled
             if lane.pending:
                 break
         with self._programs_lock:  # waits out a drop another lane started
             lane.busy = True
-        return [lane.pending.popleft() for _ in range(self._rows_that_fit(lane.pending))]
+        # The least served request first (stable: arrival order among equals), so a request of many batches takes
+        # turns with the ones that came after it instead of holding them for all its batches.
+        lane.pending = deque(sorted(lane.pending, key=lambda item: item[0].taken))
+        taken = [lane.pending.popleft() for _ in range(self._rows_that_fit(lane.pending))]
+        for job, _ in taken:
+            job.taken += 1
+        return taken
 
     def _run(self, lane: _Lane) -> None:
         """Worker loop: batch, sample, hand results back; a failing row fails only its own request."""
@@ -382,7 +392,7 @@ class Engine:
     def _note_row_rate(self, sampled: list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]],
                        seconds: float) -> None:
         """Keeps the fastest decoding speed seen: the longest row's tokens over the batch's time (its prefill
-        included), so the admission check (`seconds_for`) refuses only what could not be done even at that speed."""
+        included), so the admission check (`batch_seconds`) refuses only what could not be done even at that speed."""
         longest = max((len(r.output_ids) for _, outcome in sampled if isinstance(outcome, list) for r in outcome),
                       default=0)
         if longest:
@@ -502,6 +512,19 @@ class Engine:
                           weights.version, aborted=cut[b], routed_experts=routed[b],
                           token_versions=None if versions is None else versions[b])
                 for b in range(len(rows))]
+
+
+def _gather_queued(lane: _Lane) -> None:
+    """Moves the rows of every request already queued to the lane's pending rows, without waiting."""
+    while True:
+        try:
+            job = lane.queue.get_nowait()
+        except queue.Empty:
+            return
+        if job is None:
+            lane.queue.put(None)  # finish this batch, then stop
+            return
+        lane.pending.extend((job, i) for i in range(len(job.rows)))
 
 
 def _clients_gone(taken: list[tuple[_Job, int]]) -> Callable[[], list[bool]]:

@@ -134,21 +134,21 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
     if tokens > limits.max_request_tokens:
         raise BadRequest(f"n: prompts x n x (prompt + new tokens) = {tokens} tokens exceed "
                          f"max_request_tokens={limits.max_request_tokens}")
-    check_share(engine, rows, max(p.max_new_tokens for p in params), field)
+    check_share(engine, max(p.max_new_tokens for p in params), field)
 
 
-def check_share(engine: Engine, rows: int, new_tokens: int, field: str) -> None:
-    """Refuses a request that would hold the workers for more than --admission-share of its deadline at the
-    service's decoding speed: admitted, it would keep every later request waiting (or, with the queue full,
-    refused) until its deadline, and be answered empty."""
+def check_share(engine: Engine, new_tokens: int, field: str) -> None:
+    """Refuses a request whose batch would hold the workers for more than --admission-share of the deadline at
+    the service's decoding speed: admitted, it would keep every later request waiting (or, with the queue full,
+    refused) until the deadline, and be answered empty."""
     config = engine.config
     allowed = config.admission_share * config.request_timeout_s
-    need = engine.seconds_for(rows, new_tokens) if config.admission_share else None
+    need = engine.batch_seconds(new_tokens) if config.admission_share else None
     if need is not None and need > allowed:
-        raise BadRequest(f"{field}: {rows} completions of up to {new_tokens} new tokens would take about {need:,.0f} s "
-                         f"at this service's {engine.row_rate():,.0f} new tokens a second, over {allowed:g} s "
-                         f"(--admission-share {config.admission_share:g} of --request-timeout-s "
-                         f"{config.request_timeout_s:g}); ask for fewer tokens or completions")
+        raise BadRequest(f"{field}: up to {new_tokens} new tokens a completion would hold a batch for about "
+                         f"{need:,.0f} s at this service's {engine.row_rate():,.0f} new tokens a second, over "
+                         f"{allowed:g} s (--admission-share {config.admission_share:g} of --request-timeout-s "
+                         f"{config.request_timeout_s:g}); ask for fewer new tokens")
 
 
 def abort_message(engine: Engine, sampled: bool) -> str:

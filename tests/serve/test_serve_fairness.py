@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from drgrpo_jax.config.serve import ServeConfig
+from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.serve import openai_routes
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.engine import Engine
@@ -57,7 +58,8 @@ def test_an_oversize_request_is_refused_and_the_small_ones_are_answered(model):
         assert [s.status_code for s in small] == [200] * 3, [s.text for s in small]
         assert refused.status_code == 400, refused.text
         message = refused.json()["error"]["message"]
-        assert "8 completions of up to 2000 new tokens" in message and "--admission-share 0.5" in message, message
+        assert "up to 2000 new tokens a completion would hold a batch for about 20 s" in message, message
+        assert "--admission-share 0.5 of --request-timeout-s 4" in message, message
     finally:
         engine.close()
 
@@ -68,7 +70,7 @@ def test_the_measured_speed_refuses_what_cannot_be_done_in_its_share(model):
     engine = Engine(ServeConfig(model=model, request_timeout_s=1.0, short_request_tokens=0))
     client = _client(engine)
     try:
-        assert engine.seconds_for(1, 4000) is None
+        assert engine.batch_seconds(4000) is None
         for _ in range(3):  # the first compiles; the next ones are measured
             assert client.post("/v1/completions", json=SMALL).status_code == 200
         assert engine.fastest_row_rate > 0
@@ -76,6 +78,33 @@ def test_the_measured_speed_refuses_what_cannot_be_done_in_its_share(model):
         assert answer.status_code == 400 and "--request-timeout-s 1" in answer.text, answer.text
         assert client.post("/v1/completions", json=SMALL).status_code == 200
     finally:
+        engine.close()
+
+
+def test_a_request_of_many_batches_takes_turns_with_a_later_one(model):
+    """Rows of the least served request go first: a one-row request that arrives while the first of a six-row
+    request's three batches runs is sampled in the next batch. Main sampled it after all three."""
+    engine = Engine(ServeConfig(model=model, max_batch_size=2, short_request_tokens=0, batch_wait_ms=1.0))
+    arrived, real_run, batches = threading.Event(), engine.run_batch, []
+
+    def first_held(weights, rows, **kwargs):
+        batches.append([row.seed for row in rows])
+        if len(batches) == 1:
+            arrived.wait(60)
+        return real_run(weights, rows, **kwargs)
+
+    engine.run_batch = first_held
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
+    try:
+        many = engine.submit([RowRequest((5, 9), params, seed, 0, 0) for seed in range(6)])
+        _wait_for(lambda: batches, "the first batch")
+        one = engine.submit([RowRequest((7, 3), params, 100, 0, 0)])
+        arrived.set()
+        one.result(timeout=120)
+        assert not many.done() and 100 in batches[1], batches  # main: [[0, 1], [2, 3], [4, 5], [100]]
+        assert len(many.result(timeout=120)) == 6
+    finally:
+        arrived.set()
         engine.close()
 
 
