@@ -38,21 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from drgrpo_jax.errors import ConfigError
+from drgrpo_jax.errors import ConfigError, CorruptCheckpoint
 from drgrpo_jax.weight_folders import absolute, as_epath
 
-__all__ = ["RESTART_EXIT_CODE", "Checkpointer", "CorruptCheckpoint", "Restored", "abstract_state_like",
-           "device_checksums", "host_checksums"]
+__all__ = ["RESTART_EXIT_CODE", "Checkpointer", "Restored", "abstract_state_like", "device_checksums",
+           "host_checksums"]
 
 log = logging.getLogger(__name__)
 
 RESTART_EXIT_CODE = 42  # a preempted run saved and stopped: relaunch it (xpk and the JobSets restart on 42)
 CHECKSUMS = "checksums"  # the JSON item beside `state` and `host`: {item: {array name: "dtype checksum"}}
 LANE_SEEDS = (0x243F6A88, 0x85A308D3)  # two independent 32-bit sums make a 64-bit checksum
-
-
-class CorruptCheckpoint(ValueError):
-    """An array read back differs from the checksum saved with it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ __all__ = [
     "CalculatorError",
     "ClientGone",
     "ConfigError",
+    "CorruptCheckpoint",
     "FieldError",
     "FieldTypeError",
     "HostFailure",
@@ -108,6 +109,10 @@ class QueueFull(Exception):
 
     def __reduce__(self):
         return type(self), (self.retry_after_s,)
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint's array read back differs from the checksum saved with it."""
 
 
 class InvalidWeights(ValueError):
