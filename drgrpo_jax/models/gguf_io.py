@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -165,11 +166,20 @@ class GGUFIndex:
         return w
 
 
+def _open(path: str) -> gguf.GGUFReader:
+    """The file's reader; ValueError naming the file when it is not a GGUF file (the gguf package names none)."""
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, struct.error) as error:  # a bad magic, or a header cut short
+        why = " ".join(str(error).split()) or type(error).__name__
+        raise ValueError(f"{path} is not a GGUF file ({why})") from None
+
+
 def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
               remat: str = "none", attention_impl: str = "auto") -> Transformer:
     """A Transformer from a GGUF file (any quantisation the gguf package can dequantise); its metadata is checked
     against its tensors' shapes (`hf_io.check_weights`) before any is dequantised."""
-    reader = gguf.GGUFReader(path)
+    reader = _open(path)
     hf = gguf_hf_config(reader)
     index = GGUFIndex(reader, hf["num_attention_heads"], hf["num_key_value_heads"])
     check_layer_count(index, hf_num_layers(hf), _METADATA)  # as load_hf: the block count against the blocks first
@@ -189,7 +199,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
 
-    reader = gguf.GGUFReader(path)
+    reader = _open(path)
     metadata = {key: field.contents() for key, field in reader.fields.items()
                 if key.startswith("tokenizer.") or key == "general.architecture"}
     grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()

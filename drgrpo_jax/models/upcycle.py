@@ -5,14 +5,16 @@
 Mixtral is Llama's attention with a softmax top-k mixture whose k weights are renormalised to sum to 1, so with
 identical experts every routing gives the dense MLP's output: the upcycled model is the same function at step 0.
 The router is fresh (normal, `router_std`), so tokens reach different experts, whose gradients then differ and
-whose weights diverge as it trains. SRC: what `from_pretrained` reads (an HF folder, a .gguf file, a Hub id);
-OUT: an HF folder, tokenizer included, that the trainer and transformers load.
+whose weights diverge as it trains. SRC: what `from_pretrained` reads (an HF folder, a .gguf file, a Hub id,
+pkg:PACKAGE); OUT: an HF folder, tokenizer included, that the trainer and transformers load. A source that cannot
+be read or upcycled ends in one line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import jax
 import numpy as np
@@ -66,16 +68,21 @@ def upcycle(source: str | Transformer, num_experts: int, experts_per_token: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", metavar="SRC", help="a dense Llama: HF folder, .gguf file or Hub id")
+    parser = argparse.ArgumentParser(prog="python -m drgrpo_jax.models.upcycle", description=__doc__.splitlines()[0])
+    parser.add_argument("source", metavar="SRC", help="a dense Llama: HF folder, .gguf file, Hub id or pkg:PACKAGE")
     parser.add_argument("out", metavar="OUT", help="the HF folder to write the mixture to")
     parser.add_argument("--experts", type=int, default=4, help="experts per layer, each a copy of the dense MLP")
     parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fresh router")
     parser.add_argument("--router-std", type=float, default=0.02, help="standard deviation of the router's weights")
     args = parser.parse_args(argv)
-    model = upcycle(args.source, args.experts, args.top_k, args.seed, args.router_std)
-    save_pretrained(model, args.out, tokenizer=load_tokenizer(args.source, None))
+    try:  # the source resolves as every command's model does (hub_ids.local_model: a Hub id, pkg:PACKAGE)
+        model = upcycle(args.source, args.experts, args.top_k, args.seed, args.router_std)
+        tokenizer = load_tokenizer(args.source, None)
+    except (OSError, ValueError) as error:  # ConfigError and the loaders' one-line checks are ValueErrors
+        sys.stderr.write(f"{parser.prog}: error: SRC {args.source}: {' '.join(str(error).split())}\n")
+        sys.exit(2)
+    save_pretrained(model, args.out, tokenizer=tokenizer)
     print(f"upcycled {args.source} into {args.experts} experts, top-{args.top_k}: {args.out}")
 
 

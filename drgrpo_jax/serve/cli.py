@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeConfig:
         service_mesh(parse_service_mesh(config.mesh, "--mesh"), "--mesh")
     except ValueError as error:
         _fail(str(error))
-    try:  # a Hub id (org/name[@revision]) becomes its folder in the HF cache; offline and not cached: one line
+    try:  # a Hub id becomes its folder in the HF cache, pkg:NAME its .gguf (hub_ids.local_model); else one line
         model, tokenizer = local_model_and_tokenizer(config.model, config.tokenizer)
     except ConfigError as error:
         _fail(str(error))
