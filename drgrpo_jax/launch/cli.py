@@ -12,7 +12,7 @@ from drgrpo_jax.config.load import load_config
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.launch import gke, skypilot, slurm
-from drgrpo_jax.launch.cluster import CONFIG_NAME, resolved_config
+from drgrpo_jax.launch.cluster import CONFIG_NAME, KEY_FILE, launch_config, new_key_file
 
 PROG = "python -m drgrpo_jax.launch"
 
@@ -55,25 +55,39 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--tpu", default="", help="a TPU slice type, e.g. v5p-64 (or --gpus)")
     k.add_argument("--gpus", default="", help="GPUs per node, e.g. H100:8 (or --tpu)")
     k.add_argument("--max-restarts", type=int, default=10, help="managed-job restarts on failure (exit 42) at most")
+    k.add_argument("--workdir", default=os.getcwd(),
+                   help="the checkout SkyPilot copies to the nodes and installs there (default: here)")
     return parser
 
 
-def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], str]:
-    """The engine's files and the line that starts them."""
+def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], str, bool]:
+    """The engine's files, the line that starts them, and whether they read the launch folder's KEY_FILE."""
     out = os.path.abspath(args.out)
     if args.engine == "slurm":
         batch = slurm.SlurmOptions(out, os.path.abspath(args.workdir), args.python, args.services,
                                    args.tasks_per_node, args.gpus_per_node, args.partition, args.time, port=args.port,
                                    account=args.account, cpus_per_task=args.cpus_per_task, mem=args.mem,
                                    exclusive=args.exclusive)
-        return slurm.render(config, batch), f"bash {shlex.quote(out + '/submit.sh')}"
+        return slurm.render(config, batch), f"bash {shlex.quote(out + '/submit.sh')}", slurm.own_key(config, batch)
     if args.engine == "gke":
         k8s = gke.GkeOptions(args.tpu, args.serve_tpu, args.services, args.image, args.name, args.max_restarts,
                              args.cluster)
-        xpk = shlex.quote(f"{out}/xpk.sh")
-        return gke.render(config, k8s), f"kubectl apply -f {shlex.quote(out)}  (or: bash {xpk})"
-    files = skypilot.render(config, skypilot.SkyOptions(args.tpu, args.gpus, args.max_restarts))
-    return files, f"sky jobs launch {shlex.quote(out + '/task.yaml')}"
+        secret = shlex.join(["kubectl", "create", "secret", "generic", f"{args.name}-api-key",
+                             f"--from-env-file={out}/{KEY_FILE}"])
+        start = f"{secret} && kubectl apply -f {shlex.quote(out)}  (or: bash {shlex.quote(out + '/xpk.sh')})"
+        return gke.render(config, k8s), start, True
+    sky = skypilot.SkyOptions(out, os.path.abspath(args.workdir), args.tpu, args.gpus, args.max_restarts)
+    return skypilot.render(config, sky), f"sky jobs launch {shlex.quote(out + '/task.yaml')}", False
+
+
+def _write_key_file(folder: str) -> None:
+    """KEY_FILE, readable by its owner only; one already there is kept (running services hold that key)."""
+    try:
+        fd = os.open(os.path.join(folder, KEY_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(new_key_file())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,11 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         stand_in = ["mesh.coordinator_address=detected-at-launch:8476"]
         stand_in += ["rollout.urls=[http://started-services:30000]"] if getattr(args, "services", 0) else []
         config = load_config(args.config, [*stand_in, *args.overrides])
-        files, start = _render(args, config)
+        files, start, key = _render(args, config)
     except ConfigError as error:
         sys.exit(f"{PROG}: config error: {error}")
     os.makedirs(args.out, exist_ok=True)
-    for name, text in {CONFIG_NAME: resolved_config(config), **files}.items():
+    for name, text in {CONFIG_NAME: launch_config(config), **files}.items():
         with open(os.path.join(args.out, name), "w") as f:
             f.write(text)
-    print(f"wrote {', '.join([CONFIG_NAME, *files])} to {args.out}; start: {start}")
+    if key:
+        _write_key_file(args.out)
+    written = [CONFIG_NAME, *files, *([KEY_FILE] if key else [])]
+    print(f"wrote {', '.join(written)} to {args.out}; start: {start}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import secrets
 import shlex
 
 from drgrpo_jax.config.load import dump_config
@@ -14,6 +15,10 @@ from drgrpo_jax.sharding import parse_service_mesh
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 CONFIG_NAME = "run.yaml"  # the resolved config beside the rendered files; every host and service reads it
+# The services' API key, in the launch folder (mode 0600, written by the first render, kept by later ones) as
+# KEY_ENV=<key>: what `kubectl create secret --from-env-file` and `xpk --env-file` read, and the sbatch scripts too.
+KEY_FILE = "api_key.env"
+KEY_ENV = "DRGRPO_API_KEY"  # the variable the services and the trainer find the key in (rollout.api_key_env)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,20 @@ def resolved_config(config: Config) -> str:
     (`mesh.coordinator_address=auto` on the command line) and the services' URLs are the launch's."""
     mesh = dataclasses.replace(config.mesh, coordinator_address=None, num_processes=1, process_id=0)
     return dump_config(dataclasses.replace(config, mesh=mesh, rollout=dataclasses.replace(config.rollout, urls=())))
+
+
+def launch_config(config: Config) -> str:
+    """run.yaml: the resolved config, headed by the processes the launch starts (the file says one: each host
+    detects the count at launch, and `mesh.coordinator_address=auto` refuses any other)."""
+    shape = run_shape(config)
+    return (f"# {shape.processes} trainer processes of {shape.devices_per_process} devices each, detected at launch "
+            "(mesh.coordinator_address=auto on the command line); mesh.num_processes stays 1 here\n"
+            f"{resolved_config(config)}")
+
+
+def new_key_file() -> str:
+    """A fresh KEY_FILE's text: URL-safe characters only, so it reads back whole in any shell or env file."""
+    return f"{KEY_ENV}={secrets.token_urlsafe(32)}\n"
 
 
 def weights_root(config: Config) -> str:

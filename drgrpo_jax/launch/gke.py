@@ -1,5 +1,6 @@
 """GKE: the trainer as a JobSet over a TPU slice, the generation services as a StatefulSet behind a headless
-Service (stable URLs: NAME-gen-I.NAME-gen:30000), the run config as a ConfigMap, the API key as a Secret; and the
+Service (stable URLs: NAME-gen-I.NAME-gen:30000), the run config as a ConfigMap, the API key as a Secret
+made from the launch folder's api_key.env; and the
 matching `xpk workload create` command.
 
 Exit code 42 (a preempted trainer that saved) fails the pod by the Job's backoff limit, which the JobSet answers by
@@ -18,6 +19,8 @@ from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.launch.cluster import (
     CONFIG_NAME,
+    KEY_ENV,
+    KEY_FILE,
     assign,
     check_pattern,
     check_slice,
@@ -28,7 +31,6 @@ from drgrpo_jax.launch.cluster import (
     train_command,
 )
 
-KEY_ENV = "DRGRPO_API_KEY"  # the Secret's key, the services' --api-key-env and the trainer's rollout.api_key_env
 PORT = 30000  # every service's port
 COORDINATOR_PORT = 8482  # JAX's coordinator port on TPUs, which `mesh.coordinator_address=auto` uses
 # What each field may hold: --name prefixes the objects' DNS-1035 labels (and xpk's workload name, 40 at most)
@@ -132,21 +134,21 @@ def services(config: Config, o: GkeOptions) -> list[dict]:
 
 
 def config_objects(config: Config, o: GkeOptions) -> list[dict]:
-    """The resolved config as a ConfigMap; the key as a Secret whose value you fill in (never rendered)."""
+    """The resolved config as a ConfigMap. The key's Secret is made from the launch folder's KEY_FILE
+    (`kubectl create secret generic NAME-api-key --from-env-file=DIR/api_key.env`), never rendered."""
     return [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{o.name}-config"},
-             "data": {CONFIG_NAME: resolved_config(config)}},
-            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{o.name}-api-key"}, "type": "Opaque",
-             "stringData": {KEY_ENV: "REPLACE-ME: kubectl create secret generic ... --from-literal"}}]
+             "data": {CONFIG_NAME: resolved_config(config)}}]
 
 
 def xpk_command(config: Config, o: GkeOptions) -> str:
     """xpk's JobSet for the trainer (it restarts on exit code 42 up to --max-restarts). Its pods mount no ConfigMap,
-    so the command carries the resolved config; the key comes from --env-file (a file holding DRGRPO_API_KEY=...)."""
+    so the command carries the resolved config; the key comes from KEY_FILE beside xpk.sh (`$here`)."""
     unpack = f"echo {base64.b64encode(resolved_config(config).encode()).decode()} | base64 -d > /config/{CONFIG_NAME}"
-    return shlex.join(["xpk", "workload", "create", f"--cluster={o.cluster}", f"--workload={o.name}",
-                       f"--tpu-type={o.tpu}", "--num-slices=1", f"--docker-image={o.image}",
-                       f"--max-restarts={o.max_restarts}", "--env-file=drgrpo_api_key.env", "--command",
-                       f"mkdir -p /config && {unpack} && {trainer_command(config, o)}"])
+    words = shlex.join(["xpk", "workload", "create", f"--cluster={o.cluster}", f"--workload={o.name}",
+                        f"--tpu-type={o.tpu}", "--num-slices=1", f"--docker-image={o.image}",
+                        f"--max-restarts={o.max_restarts}", "--command",
+                        f"mkdir -p /config && {unpack} && {trainer_command(config, o)}"])
+    return f'{words} --env-file="$here/{KEY_FILE}"'
 
 
 def _yaml(objects: list[dict]) -> str:
@@ -161,5 +163,5 @@ def render(config: Config, o: GkeOptions) -> dict[str, str]:
     files |= {"services.yaml": _yaml(services(config, o))} if o.services else {}  # none: rollout.urls's own
     return {**files, "jobset.yaml": trainer,
             "xpk.sh": "#!/bin/bash\n# The trainer through xpk instead of jobset.yaml (apply services.yaml first: "
-                      "the trainer reads their URLs).\n"
+                      "the trainer reads their URLs).\nset -euo pipefail\nhere=$(cd \"$(dirname \"$0\")\" && pwd)\n"
                       f"{xpk_command(config, o)}\n"}

@@ -6,6 +6,7 @@ The generation services are the config's rollout.urls (a SkyServe service or hos
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import yaml
@@ -19,6 +20,8 @@ COORDINATOR_PORT = 8476
 
 @dataclasses.dataclass(frozen=True)
 class SkyOptions:
+    launch_dir: str  # absolute: run.yaml's folder, mounted on every node
+    workdir: str  # absolute: the checkout SkyPilot copies to every node (~/sky_workdir) and installs
     tpu: str = ""  # a TPU slice type (v5p-64) or
     gpus: str = ""  # GPUs per node, NAME:COUNT (H100:8)
     max_restarts: int = 10
@@ -54,8 +57,9 @@ def task(config: Config, o: SkyOptions) -> dict:
         words += [f'mesh.coordinator_address="$(echo "$SKYPILOT_NODE_IPS" | head -n1):{COORDINATOR_PORT}"',
                   'mesh.num_processes="$SKYPILOT_NUM_NODES"', 'mesh.process_id="$SKYPILOT_NODE_RANK"']
     run = train_command("python3", CONFIG_NAME, *words, detect=bool(o.tpu))
-    return {"name": "drgrpo-train", "resources": resources, "num_nodes": nodes, "workdir": ".",
-            "file_mounts": {f"~/sky_workdir/{CONFIG_NAME}": CONFIG_NAME},
+    # Absolute sources: `sky` resolves relative ones against where it runs, not against task.yaml
+    return {"name": "drgrpo-train", "resources": resources, "num_nodes": nodes, "workdir": o.workdir,
+            "file_mounts": {f"~/sky_workdir/{CONFIG_NAME}": os.path.join(o.launch_dir, CONFIG_NAME)},
             "setup": f"pip install -e {extra}", "run": run}
 
 

@@ -23,6 +23,8 @@ from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.launch.cluster import (
     CONFIG_NAME,
+    KEY_ENV,
+    KEY_FILE,
     assign,
     check_pattern,
     check_text,
@@ -103,6 +105,21 @@ def _urls_from_services(o: SlurmOptions) -> list[str]:
             ">&2; exit 1; }"]
 
 
+def own_key(config: Config, o: SlurmOptions) -> bool:
+    """The services this render starts use the launch folder's KEY_FILE, unless rollout.api_key_env names the
+    variable the submitting shell holds the key in (sbatch and srun pass the environment on)."""
+    return bool(o.services) and not config.rollout.api_key_env
+
+
+def _key(config: Config, o: SlurmOptions) -> tuple[list[str], str]:
+    """The lines that export the key, and the variable that holds it ('' : no key)."""
+    if not own_key(config, o):
+        return [], config.rollout.api_key_env
+    path = shlex.quote(_launch_path(o, KEY_FILE))
+    read = f"IFS== read -r _ {KEY_ENV} < {path} && export {KEY_ENV} || {{ echo {path}: no key >&2; exit 1; }}"
+    return [read], KEY_ENV
+
+
 def _refuse_loopback(config: Config) -> None:
     """Without --services the trainer's nodes reach rollout.urls; on loopback nothing starts them there."""
     for url in config.rollout.urls:
@@ -136,9 +153,11 @@ def train_sbatch(config: Config, o: SlurmOptions) -> str:
              f"for u in \"${{services[@]}}\"; do for t in $(seq 0 {o.health_timeout_s // 2}); do",
              "  curl -sf \"$u/health\" > /dev/null && continue 2; sleep 2",
              f"done; echo \"$u/health: no answer in {o.health_timeout_s} s\" >&2; exit 1; done"]
-    key = [assign("rollout.api_key_env", config.rollout.api_key_env)] if config.rollout.api_key_env else []
+    export, key_env = _key(config, o)
+    key = [assign("rollout.api_key_env", key_env)] if key_env else []
     command = train_command(o.python, _launch_path(o, CONFIG_NAME), '"rollout.urls=[$urls]"', *key)
-    body += [f"# every task exits 42 on a preemption; a task that crashed has the others killed {STRAGGLER_WAIT_S} s "
+    body += [*export,
+             f"# every task exits 42 on a preemption; a task that crashed has the others killed {STRAGGLER_WAIT_S} s "
              "later",
              f"srun --kill-on-bad-exit=0 --wait={STRAGGLER_WAIT_S} {command} \"$@\" &",
              "trainer=$!",
@@ -161,12 +180,13 @@ def serve_sbatch(config: Config, o: SlurmOptions) -> str:
     gpus = devices if o.gpus_per_node is None or o.gpus_per_node else 0
     lines = [f"--ntasks={o.services}", f"--cpus-per-task={SERVICE_CPUS}"]
     lines += ([f"--gpus-per-task={gpus}"] if gpus else []) + ["--requeue"]
-    serve = serve_command(o.python, config, _launch_path(o, CONFIG_NAME), "$port", config.rollout.api_key_env)
+    export, key_env = _key(config, o)
+    serve = serve_command(o.python, config, _launch_path(o, CONFIG_NAME), "$port", key_env)
     task = f"port=$(({o.port} + SLURM_LOCALID)); echo \"http://$(hostname):$port\" > \"$1/$SLURM_PROCID.url\"; " \
            f"exec {serve}"
     body = [f"# generation services: {o.services}, devices each: {devices} (rollout.service_mesh).",
             "set -euo pipefail",
-            f"cd {shlex.quote(o.workdir)}",
+            f"cd {shlex.quote(o.workdir)}", *export,
             f"folder={shlex.quote(_launch_path(o, 'services'))}/\"$SLURM_JOB_ID\"",
             "rm -rf \"$folder\" && mkdir -p \"$folder\"",
             f"srun bash -c {shlex.quote(task)} serve \"$folder\""]

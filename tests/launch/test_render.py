@@ -92,13 +92,13 @@ RUN_YAML = "# the resolved config\n"  # the goldens' stand-in: they follow the l
 
 
 def test_gke_golden_and_valid_kubernetes_objects(monkeypatch):
-    (configmap, _) = yaml.safe_load_all(gke.render(_gke_config(), GKE)["config.yaml"])
+    (configmap,) = yaml.safe_load_all(gke.render(_gke_config(), GKE)["config.yaml"])
     assert configmap["data"]["run.yaml"] == resolved_config(_gke_config())
     monkeypatch.setattr(gke, "resolved_config", lambda config: RUN_YAML)
     files = gke.render(_gke_config(), GKE)
     for name, text in files.items():
         _check_golden(f"gke/{name}", text)
-    kinds = {"Service": "V1Service", "StatefulSet": "V1StatefulSet", "ConfigMap": "V1ConfigMap", "Secret": "V1Secret"}
+    kinds = {"Service": "V1Service", "StatefulSet": "V1StatefulSet", "ConfigMap": "V1ConfigMap"}
     objects = [o for name in ("config.yaml", "services.yaml") for o in yaml.safe_load_all(files[name])]
     assert sorted(o["kind"] for o in objects) == sorted(kinds)
     for obj in objects:
@@ -141,12 +141,13 @@ def test_jobset_schema_refuses_a_broken_jobset(mutate, message):
         JOBSET_VALIDATOR.validate(jobset)
 
 
+SKY_DIRS = ("/shared/launch", "/shared/drgrpo_jax")  # the launch folder and the checkout
 SKY_SCHEMA = json.loads((GOLDEN / "skypilot_task_schema.json").read_text())
 
 
 @pytest.mark.parametrize("recipe, overrides, options", [
-    (RECIPE, ["mesh.num_processes=8"], skypilot.SkyOptions(tpu="v5p-64")),
-    (H100, ["mesh.num_processes=2", "mesh.fsdp=16"], skypilot.SkyOptions(gpus="H100:8")),
+    (RECIPE, ["mesh.num_processes=8"], skypilot.SkyOptions(*SKY_DIRS, tpu="v5p-64")),
+    (H100, ["mesh.num_processes=2", "mesh.fsdp=16"], skypilot.SkyOptions(*SKY_DIRS, gpus="H100:8")),
 ], ids=["tpu", "gpu"])
 def test_skypilot_golden_and_valid_against_skypilots_schema(request, recipe, overrides, options):
     files = skypilot.render(_config(recipe, "rollout.urls=[http://gen:30000]", *overrides), options)
@@ -164,7 +165,8 @@ def test_skypilot_golden_and_valid_against_skypilots_schema(request, recipe, ove
      "v5litepod-256, v6e-1, v6e-4, v6e-8, v6e-16, v6e-32, v6e-64, v6e-128, v6e-256"),
     (lambda: gke.render(_config(RECIPE, "mesh.num_processes=8"), GKE),
      "--serve-tpu: v5p-8 has 4 chips on 1 hosts; a service takes one host of rollout.service_mesh's 1 devices"),
-    (lambda: skypilot.render(_config(H100, "mesh.num_processes=2", "mesh.fsdp=16"), skypilot.SkyOptions(gpus="H100:4")),
+    (lambda: skypilot.render(_config(H100, "mesh.num_processes=2", "mesh.fsdp=16"),
+                             skypilot.SkyOptions(*SKY_DIRS, gpus="H100:4")),
      "--gpus: H100:4 per node, but the mesh puts 8 devices on each of mesh.num_processes = 2 processes"),
     (lambda: slurm.render(_config(H100, "mesh.num_processes=4", "mesh.fsdp=2"), slurm.SlurmOptions("/l", "/w")),
      "mesh: data x fsdp x tensor = 2 devices do not split over mesh.num_processes = 4 processes"),
@@ -178,7 +180,7 @@ def test_disagreements_fail_in_one_line(render, message):
 def test_cli_writes_the_resolved_config_and_the_files(tmp_path, capsys):
     main(["slurm", "--config", H100, "--out", str(tmp_path), "--services", "1", *PATHS, "mesh.num_processes=2",
           "mesh.fsdp=16"])
-    assert sorted(os.listdir(tmp_path)) == ["run.yaml", "serve.sbatch", "submit.sh", "train.sbatch"]
+    assert sorted(os.listdir(tmp_path)) == ["api_key.env", "run.yaml", "serve.sbatch", "submit.sh", "train.sbatch"]
     resolved = load_config(tmp_path / "run.yaml", ["mesh.coordinator_address=auto"])  # what every host loads
     assert (resolved.mesh.fsdp, resolved.mesh.num_processes, resolved.rollout.urls) == (16, 1, ())
     assert resolved.model.path == "/shared/qwen2.5-math-7b"
