@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from drgrpo_jax.errors import FieldError
 from drgrpo_jax.models.families import FAMILIES, Family, family_of_model_type
+from drgrpo_jax.models.hf_fields import REQUIRED, SOURCE, is_int, read_choice, read_field, read_token_ids, shown
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.models.remat import normalise_remat
 
@@ -261,70 +261,14 @@ class DecoderConfig:
 
 # ---------------------------------------------------------------- config.json in, every field checked
 
-# What from_hf_config's errors name the fields of: `config.json.num_hidden_layers: must be a positive int, got 0`.
-_SOURCE = "config.json"
-_REQUIRED = object()  # `_read`'s default for a field config.json must name
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# A field's kind -> (the test its value passes, what the error says it must be).
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "count": (lambda v: _is_int(v) and v > 0, "a positive int"),
-    "id": (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
-    "positive": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
-    "scale": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
-    "flag": (lambda v: isinstance(v, bool), "true or false"),
-    "text": (lambda v: isinstance(v, str), "a string"),
-    "object": (lambda v: isinstance(v, dict), "a JSON object"),
-    "list": (lambda v: isinstance(v, list), "a list"),
-}
-
-
-def _shown(value: Any) -> str:
-    """A value as an error shows it: its repr, cut to one short line (a hostile file's value may be huge)."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _read(hf: dict[str, Any], key: str, kind: str, default: Any = _REQUIRED, where: str = "") -> Any:
-    """config.json's `key` checked to be of `kind` (`_KINDS`); null or absent is `default`, or a FieldError naming
-    the field (`where` the dict it sits in: "rope_scaling.") when it is required."""
-    value = hf.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise FieldError(_SOURCE, where + key, "is required and missing")
-        return default
-    test, expected = _KINDS[kind]
-    if not test(value):
-        raise FieldError(_SOURCE, where + key, f"must be {expected}, got {_shown(value)}")
-    return value
-
-
-def _choice(hf: dict[str, Any], key: str, choices: tuple[str, ...], default: str, where: str = "") -> str:
-    """config.json's `key`, one of `choices` (`default` when null or absent)."""
-    value = hf.get(key)
-    if value is None:
-        return default
-    if value not in choices:
-        raise FieldError(_SOURCE, where + key, f"{_shown(value)} is not supported (supported: {list(choices)})")
-    return value
-
-
 def _decoder_part(hf: Any) -> dict[str, Any]:
     """The decoder's fields: config.json itself, or a multimodal wrapper's text_config with the wrapper's token ids
     and tying (Gemma 3 4B+)."""
     if not isinstance(hf, dict):
-        raise ValueError(f"{_SOURCE}: must be a JSON object, got {type(hf).__name__}")
+        raise ValueError(f"{SOURCE}: must be a JSON object, got {type(hf).__name__}")
     if hf.get("model_type") != "gemma3" or "text_config" not in hf:
         return hf
-    text = dict(_read(hf, "text_config", "object"))
+    text = dict(read_field(hf, "text_config", "object"))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         text.setdefault(key, hf.get(key))
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
@@ -334,7 +278,7 @@ def _decoder_part(hf: Any) -> dict[str, Any]:
 def hf_num_layers(hf: dict[str, Any]) -> int:
     """config.json's num_hidden_layers (its text_config's for a multimodal wrapper), checked as `from_hf_config`
     checks it: the loaders compare it with the layers the weights hold before anything counts them one by one."""
-    return _read(_decoder_part(hf), "num_hidden_layers", "count")
+    return read_field(_decoder_part(hf), "num_hidden_layers", "count")
 
 
 def _rope_from_hf(params: dict[str, Any] | None, theta: float, context: int = 2048,
@@ -343,12 +287,12 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float, context: int = 20
     transformers does on the config's `original_context` (else its `context`) and a factor of their ratio."""
     params = params or {}
     if not isinstance(params, dict):
-        raise FieldError(_SOURCE, where.rstrip("."), f"must be a JSON object, got {_shown(params)}")
-    rope_type = _choice(params, "rope_type" if "rope_type" in params else "type", ROPE_TYPES, "default", where)
-    theta = float(_read(params, "rope_theta", "positive", theta, where))
+        raise FieldError(SOURCE, where.rstrip("."), f"must be a JSON object, got {shown(params)}")
+    rope_type = read_choice(params, "rope_type" if "rope_type" in params else "type", ROPE_TYPES, "default", where)
+    theta = float(read_field(params, "rope_theta", "positive", theta, where))
 
-    def number(key: str, default: Any = _REQUIRED) -> Any:
-        value = _read(params, key, "positive", default, where)
+    def number(key: str, default: Any = REQUIRED) -> Any:
+        value = read_field(params, key, "positive", default, where)
         return value if value is None else float(value)
 
     if rope_type == "default":
@@ -358,15 +302,15 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float, context: int = 20
     if rope_type == "llama3":
         low, high = number("low_freq_factor"), number("high_freq_factor")
         if high <= low:
-            raise FieldError(_SOURCE, where + "high_freq_factor", f"must exceed low_freq_factor={low}, got {high}")
+            raise FieldError(SOURCE, where + "high_freq_factor", f"must exceed low_freq_factor={low}, got {high}")
         return RopeConfig(
             theta=theta, rope_type="llama3", factor=number("factor"), low_freq_factor=low, high_freq_factor=high,
-            original_max_position_embeddings=_read(params, "original_max_position_embeddings", "count",
+            original_max_position_embeddings=read_field(params, "original_max_position_embeddings", "count",
                                                    where=where))
-    original = _read(params, "original_max_position_embeddings", "count", original_context or context, where)
+    original = read_field(params, "original_max_position_embeddings", "count", original_context or context, where)
     factor = number("factor", context / original)
     attention_factor = number("attention_factor", None)
-    mscale, mscale_all_dim = (_read(params, key, "scale", 0.0, where) for key in ("mscale", "mscale_all_dim"))
+    mscale, mscale_all_dim = (read_field(params, key, "scale", 0.0, where) for key in ("mscale", "mscale_all_dim"))
     if attention_factor is None and mscale and mscale_all_dim:
         def scale(m: float) -> float:
             return 0.1 * float(m) * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -375,16 +319,7 @@ def _rope_from_hf(params: dict[str, Any] | None, theta: float, context: int = 20
     return RopeConfig(
         theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
         beta_fast=number("beta_fast", 32.0), beta_slow=number("beta_slow", 1.0),
-        truncate=_read(params, "truncate", "flag", True, where), attention_factor=attention_factor)
-
-
-def _token_ids(hf: dict[str, Any], key: str) -> tuple[int, ...]:
-    """An HF token id field (null, an id or a list of them) as a tuple."""
-    value = hf.get(key)
-    ids = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(_KINDS["id"][0](token) for token in ids):
-        raise FieldError(_SOURCE, key, f"must be an int >= 0 or a list of them, got {_shown(value)}")
-    return tuple(ids)
+        truncate=read_field(params, "truncate", "flag", True, where), attention_factor=attention_factor)
 
 
 def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> DecoderConfig:
@@ -393,59 +328,59 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
     hf = _decoder_part(hf)
     traits = family_of_model_type(hf.get("model_type"))
     _check_hf_support(hf, traits)
-    hidden, num_heads = _read(hf, "hidden_size", "count"), _read(hf, "num_attention_heads", "count")
-    context = _read(hf, "max_position_embeddings", "count", 2048)
-    num_layers = _read(hf, "num_hidden_layers", "count")
+    hidden, num_heads = read_field(hf, "hidden_size", "count"), read_field(hf, "num_attention_heads", "count")
+    context = read_field(hf, "max_position_embeddings", "count", 2048)
+    num_layers = read_field(hf, "num_hidden_layers", "count")
     rope, local_rope = _ropes_from_hf(hf, traits, context)
     layer_types, sliding_window = _sliding_from_hf(hf, traits, num_layers)
     experts = _experts_from_hf(hf, traits, num_layers) if traits.sparse else {}
-    attention_bias = _read(hf, "attention_bias", "flag", False)
+    attention_bias = read_field(hf, "attention_bias", "flag", False)
     scalar = traits.query_pre_attn_scalar
     activation_key = "hidden_activation" if hf.get("hidden_activation") is not None else "hidden_act"
-    eos = list(_token_ids(hf, "eos_token_id"))
-    for token in _token_ids(generation or {}, "eos_token_id"):
+    eos = list(read_token_ids(hf, "eos_token_id"))
+    for token in read_token_ids(generation or {}, "eos_token_id"):
         if token not in eos:
             eos.append(token)
     return DecoderConfig(
         family=traits.name,
-        vocab_size=_read(hf, "vocab_size", "count"),
+        vocab_size=read_field(hf, "vocab_size", "count"),
         hidden_size=hidden,
-        intermediate_size=_read(hf, "intermediate_size", "count"),
+        intermediate_size=read_field(hf, "intermediate_size", "count"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=_read(hf, "num_key_value_heads", "count", num_heads),
-        head_dim=_read(hf, "head_dim", "count", hidden // num_heads),
+        num_kv_heads=read_field(hf, "num_key_value_heads", "count", num_heads),
+        head_dim=read_field(hf, "head_dim", "count", hidden // num_heads),
         max_position_embeddings=context,
-        rms_norm_eps=float(_read(hf, "rms_norm_eps", "positive", 1e-6)),
+        rms_norm_eps=float(read_field(hf, "rms_norm_eps", "positive", 1e-6)),
         rope=rope,
         local_rope=local_rope,
         layer_types=layer_types,
         sliding_window=sliding_window,
-        activation=_choice(hf, activation_key, ACTIVATIONS, traits.activation),
+        activation=read_choice(hf, activation_key, ACTIVATIONS, traits.activation),
         qkv_bias=attention_bias or traits.attention_bias == "qkv",
         o_bias=attention_bias,
-        query_pre_attn_scalar=None if scalar is None else float(_read(hf, "query_pre_attn_scalar", "positive",
+        query_pre_attn_scalar=None if scalar is None else float(read_field(hf, "query_pre_attn_scalar", "positive",
                                                                       scalar)),
         # transformers' Gemma 3 never applies attn_logit_softcapping (the field is a Gemma 2 leftover), so neither
         # do we: parity with the reference is the contract.
-        final_logit_softcap=_read(hf, "final_logit_softcapping", "positive", None),
-        tie_word_embeddings=_read(hf, "tie_word_embeddings", "flag", traits.tie_word_embeddings),
-        bos_token_id=_read(hf, "bos_token_id", "id", None),
+        final_logit_softcap=read_field(hf, "final_logit_softcapping", "positive", None),
+        tie_word_embeddings=read_field(hf, "tie_word_embeddings", "flag", traits.tie_word_embeddings),
+        bos_token_id=read_field(hf, "bos_token_id", "id", None),
         eos_token_ids=tuple(eos),
-        pad_token_id=_read(hf, "pad_token_id", "id", None),
+        pad_token_id=read_field(hf, "pad_token_id", "id", None),
         **experts,
     )
 
 
 def _check_hf_support(hf: dict[str, Any], traits: Family) -> None:
     """ValueError for what a config.json may ask that no family here computes."""
-    if _read(hf, "mlp_bias", "flag", False):
+    if read_field(hf, "mlp_bias", "flag", False):
         raise ValueError("mlp_bias: True is not supported (no supported checkpoint uses MLP biases)")
-    if _read(hf, "use_sliding_window", "flag", False):
+    if read_field(hf, "use_sliding_window", "flag", False):
         raise ValueError("use_sliding_window: Qwen2-style sliding window attention is not supported")
-    if _read(hf, "use_bidirectional_attention", "flag", False):
+    if read_field(hf, "use_bidirectional_attention", "flag", False):
         raise ValueError("use_bidirectional_attention: only causal decoders are supported")
-    quantized = _read(_read(hf, "quantization_config", "object", {}), "quant_method", "text", None,
+    quantized = read_field(read_field(hf, "quantization_config", "object", {}), "quant_method", "text", None,
                       "quantization_config.")
     if traits.gpt_oss_experts and quantized not in (None, "mxfp4"):  # MXFP4 is dequantized as read (mxfp4.py)
         raise ValueError(f"quantization_config: {quantized} experts are not supported; use the published "
@@ -458,9 +393,9 @@ def _check_hf_support(hf: dict[str, Any], traits: Family) -> None:
 def _ropes_from_hf(hf: dict[str, Any], traits: Family, context: int) -> tuple[RopeConfig, RopeConfig | None]:
     """The full-attention layers' RoPE and, for a family whose sliding layers have their own, theirs (else None)."""
     read = functools.partial(_rope_from_hf, context=context,
-                             original_context=_read(hf, "original_max_position_embeddings", "count", None))
+                             original_context=read_field(hf, "original_max_position_embeddings", "count", None))
     params = hf.get("rope_parameters")
-    theta = float(_read(hf, "rope_theta", "positive", traits.rope_theta))
+    theta = float(read_field(hf, "rope_theta", "positive", traits.rope_theta))
     if not traits.local_rope:
         if params:
             return read(params, theta, where="rope_parameters."), None
@@ -468,22 +403,22 @@ def _ropes_from_hf(hf: dict[str, Any], traits: Family, context: int) -> tuple[Ro
     if isinstance(params, dict) and "full_attention" in params:
         return (read(params["full_attention"], traits.rope_theta, where="rope_parameters.full_attention."),
                 read(params.get("sliding_attention"), 10_000.0, where="rope_parameters.sliding_attention."))
-    local_theta = float(_read(hf, "rope_local_base_freq", "positive", 10_000.0))
+    local_theta = float(read_field(hf, "rope_local_base_freq", "positive", 10_000.0))
     return read(hf.get("rope_scaling"), theta), RopeConfig(theta=local_theta)
 
 
 def _sliding_from_hf(hf: dict[str, Any], traits: Family, num_layers: int) -> tuple[tuple[str, ...], int | None]:
     """Per layer attention types and the window, read as the family's `sliding` trait says."""
-    window = _read(hf, "sliding_window", "count", None)
+    window = read_field(hf, "sliding_window", "count", None)
     if traits.sliding == "none":  # Qwen's configs name a window they do not use (use_sliding_window: False)
         return (), None
     if traits.sliding == "every":  # Mistral's window: every layer or none
         return ("sliding_attention",) * num_layers if window else (), window
-    every = 2 if traits.sliding == "alternate" else _read(hf, "sliding_window_pattern", "count", 6)
-    listed = _read(hf, "layer_types", "list", None)
+    every = 2 if traits.sliding == "alternate" else read_field(hf, "sliding_window_pattern", "count", 6)
+    listed = read_field(hf, "layer_types", "list", None)
     if listed is not None and (len(listed) != num_layers or not all(t in LAYER_TYPES for t in listed)):
-        raise FieldError(_SOURCE, "layer_types", f"must list one of {list(LAYER_TYPES)} for each of the "
-                                                 f"num_hidden_layers={num_layers} layers, got {_shown(listed)}")
+        raise FieldError(SOURCE, "layer_types", f"must list one of {list(LAYER_TYPES)} for each of the "
+                                                 f"num_hidden_layers={num_layers} layers, got {shown(listed)}")
     layer_types = tuple(listed or (
         "sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)))
     return layer_types, window or (4096 if traits.sliding == "pattern" else None)
@@ -497,26 +432,26 @@ def _experts_from_hf(hf: dict[str, Any], traits: Family, num_layers: int) -> dic
     are all-sparse). The dense layers are found without counting every layer (num_hidden_layers is not yet
     compared with the weights).
     """
-    step = _read(hf, "decoder_sparse_step", "count", 1)
-    mlp_only = _read(hf, "mlp_only_layers", "list", [])
-    if not all(_is_int(i) for i in mlp_only):
-        raise FieldError(_SOURCE, "mlp_only_layers", f"must be a list of layer numbers, got {_shown(mlp_only)}")
+    step = read_field(hf, "decoder_sparse_step", "count", 1)
+    mlp_only = read_field(hf, "mlp_only_layers", "list", [])
+    if not all(is_int(i) for i in mlp_only):
+        raise FieldError(SOURCE, "mlp_only_layers", f"must be a list of layer numbers, got {shown(mlp_only)}")
     stepped = [i for i in range(min(num_layers, 8 * step)) if (i + 1) % step][:8]  # layer 0 whenever step > 1
     dense = sorted({i for i in mlp_only if 0 <= i < num_layers} | set(stepped))
     if dense:
-        raise ValueError(f"mlp_only_layers/decoder_sparse_step: layers {_shown(dense)} keep a dense MLP; only models "
+        raise ValueError(f"mlp_only_layers/decoder_sparse_step: layers {shown(dense)} keep a dense MLP; only models "
                          f"whose every layer is a mixture of experts are supported")
     # Qwen3-MoE names the experts' size moe_intermediate_size; Mixtral's and GPT-OSS's intermediate_size is theirs.
     experts_key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
     fields: dict[str, Any] = dict(
-        num_experts=_read(hf, experts_key, "count"),
-        experts_per_token=_read(hf, "num_experts_per_tok", "count"),
-        moe_intermediate_size=_read(hf, "moe_intermediate_size", "count", None) or _read(hf, "intermediate_size",
-                                                                                        "count"),
-        norm_topk_prob=traits.renormalise_topk or _read(hf, "norm_topk_prob", "flag", False))
+        num_experts=read_field(hf, experts_key, "count"),
+        experts_per_token=read_field(hf, "num_experts_per_tok", "count"),
+        moe_intermediate_size=(read_field(hf, "moe_intermediate_size", "count", None)
+                               or read_field(hf, "intermediate_size", "count")),
+        norm_topk_prob=traits.renormalise_topk or read_field(hf, "norm_topk_prob", "flag", False))
     if traits.gpt_oss_experts:
-        fields.update(swiglu_alpha=float(_read(hf, "swiglu_alpha", "positive", 1.702)),
-                      swiglu_limit=float(_read(hf, "swiglu_limit", "positive", 7.0)))
+        fields.update(swiglu_alpha=float(read_field(hf, "swiglu_alpha", "positive", 1.702)),
+                      swiglu_limit=float(read_field(hf, "swiglu_limit", "positive", 7.0)))
     return fields
 
 
