@@ -5,7 +5,10 @@ whose code and config do not depend on where `sky` runs."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import shlex
 import stat
 import subprocess
 
@@ -145,3 +148,29 @@ def test_skypilot_task_carries_its_code_and_config_from_anywhere(tmp_path, monke
     assert task["workdir"] == REPO and os.path.isfile(os.path.join(task["workdir"], "pyproject.toml"))
     (source,) = task["file_mounts"].values()
     assert source == str(tmp_path / "sky" / "run.yaml") and os.path.isfile(source)
+
+
+def _documented_commands() -> list[str]:
+    """The `python -m drgrpo_jax.launch ENGINE --config ...` commands of docs/scaling_out.md and the recipes'
+    headers, each on one line."""
+    with open(os.path.join(REPO, "docs", "scaling_out.md")) as f:
+        commands = [" ".join(c.split()) for c in re.findall(r"`(python -m drgrpo_jax\.launch [^`]*)`", f.read())]
+    for recipe in sorted(glob.glob(os.path.join(REPO, "configs", "**", "*.yaml"), recursive=True)):
+        with open(recipe) as f:
+            header = "".join(line.lstrip("# ") for line in f if line.startswith("#"))
+        commands += [" ".join(c.split()) for c in re.findall(r"python -m drgrpo_jax\.launch (?:[^\n]*\\\n)*[^\n]*",
+                                                             header.replace("(then:", "\n"))]
+    return [c.replace("\\", "") for c in commands if "--config" in c and "ENGINE" not in c]
+
+
+def test_the_documented_commands_render(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the commands name the recipes from the repository's root
+    commands = _documented_commands()
+    assert len(commands) >= 4, commands  # the docs' SLURM and GKE rows and two recipes'
+    for i, command in enumerate(commands):
+        argv = shlex.split(re.sub(r"=\.\.\.", "=/x", command).replace("IMAGE", "img:1"))[3:]
+        argv = [arg for arg in argv if arg != "..."]  # what "..." stands for, where it is not given:
+        argv += [f"{key}=/x" for key in ("model.path", "data.path") if f"{key}=" not in command]
+        argv[argv.index("--out") + 1] = str(tmp_path / str(i))
+        main(argv)
+        assert (tmp_path / str(i) / "run.yaml").exists(), command
