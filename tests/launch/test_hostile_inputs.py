@@ -112,12 +112,15 @@ def _value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+@pytest.mark.parametrize("inside", [True, False], ids=["out_in_workdir", "out_elsewhere"])
 @pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
-def test_slurm_scripts_run_hostile_paths_as_data(sandbox, payload):
+def test_slurm_scripts_run_hostile_paths_as_data(sandbox, payload, inside):
     """--out, --workdir, --python and run.output_dir (the services' --weights-root) hold the payload; the scripts,
-    run under stubs, hand each one through as one argument and delete only their own folder."""
-    workdir = sandbox.root / "t"
-    out = workdir / f"victim {payload}"
+    run under stubs, hand each one through as one argument and delete only their own folder. The launch folder is
+    named relative to the working folder (inside it) or whole (elsewhere)."""
+    workdir = sandbox.root / "t" if inside else sandbox.root / f"work {payload}"
+    workdir.mkdir(exist_ok=True)
+    out = sandbox.root / "t" / f"victim {payload}"
     run_dir = sandbox.root / f"run {payload}"
     python = sandbox.interpreter(payload)
     main(["slurm", "--config", QUICKSTART, "--out", str(out), "--workdir", str(workdir), "--python", python,
