@@ -58,9 +58,11 @@ def task(config: Config, o: SkyOptions) -> dict:
                   'mesh.num_processes="$SKYPILOT_NUM_NODES"', 'mesh.process_id="$SKYPILOT_NODE_RANK"']
     run = train_command("python3", CONFIG_NAME, *words, detect=bool(o.tpu))
     # Absolute sources: `sky` resolves relative ones against where it runs, not against task.yaml
-    return {"name": "drgrpo-train", "resources": resources, "num_nodes": nodes, "workdir": o.workdir,
+    task = {"name": "drgrpo-train", "resources": resources, "num_nodes": nodes, "workdir": o.workdir,
             "file_mounts": {f"~/sky_workdir/{CONFIG_NAME}": os.path.join(o.launch_dir, CONFIG_NAME)},
             "setup": f"pip install -e {extra}", "run": run}
+    # The services' key: a secret with no value, which `sky jobs launch --secret NAME` fills from your environment
+    return task | ({"secrets": {config.rollout.api_key_env: None}} if config.rollout.api_key_env else {})
 
 
 def render(config: Config, o: SkyOptions) -> dict[str, str]:

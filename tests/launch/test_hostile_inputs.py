@@ -232,6 +232,7 @@ def test_skypilot_run_runs_hostile_values_as_data(sandbox, payload):
              "rollout.urls=[http://gen:30000,https://gen2:443/v1]", "rollout.api_key_env=GEN_KEY",
              "mesh.num_processes=2", "mesh.data=2"])
     task = yaml.safe_load((out / "task.yaml").read_text())
+    assert task["secrets"] == {"GEN_KEY": None}  # sky jobs launch --secret GEN_KEY: the key from your environment
     for script in (task["setup"], task["run"]):
         assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0
     sandbox.run(["bash", "-c", task["run"]], sandbox.root, SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",

@@ -147,7 +147,8 @@ SKY_SCHEMA = json.loads((GOLDEN / "skypilot_task_schema.json").read_text())
 
 @pytest.mark.parametrize("recipe, overrides, options", [
     (RECIPE, ["mesh.num_processes=8"], skypilot.SkyOptions(*SKY_DIRS, tpu="v5p-64")),
-    (H100, ["mesh.num_processes=2", "mesh.fsdp=16"], skypilot.SkyOptions(*SKY_DIRS, gpus="H100:8")),
+    (H100, ["mesh.num_processes=2", "mesh.fsdp=16", "rollout.api_key_env=GEN_KEY"],
+     skypilot.SkyOptions(*SKY_DIRS, gpus="H100:8")),
 ], ids=["tpu", "gpu"])
 def test_skypilot_golden_and_valid_against_skypilots_schema(request, recipe, overrides, options):
     files = skypilot.render(_config(recipe, "rollout.urls=[http://gen:30000]", *overrides), options)
