@@ -296,6 +296,10 @@ class TrainConfig:
     eval_temperature: float = _f(0.6, "evaluation: temperature of the k sampled completions (> 0)")
     save_every: int = _f(50, "checkpoint every N steps (always at the end)")
     keep_checkpoints: int = _f(2, "keep the newest N checkpoints")
+    checkpoint_optimizer: bool = _f(True, "save the optimizer's state in each checkpoint (AdamW's: twice the trained "
+                                          "weights); false: weights only, about a third of the disk, and a resumed "
+                                          "run restarts the optimizer's moments, so it no longer equals an "
+                                          "uninterrupted run")
     resume: bool | None = _f(None, "continue from the latest checkpoint; null = when run.output_dir has one")
 
 

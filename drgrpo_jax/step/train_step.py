@@ -53,9 +53,9 @@ class TrainState:
     ref_params: nnx.State | None = None
     frozen: nnx.State | None = None  # LoRA: the base weights, never updated
 
-    def checkpointed(self) -> TrainState:
-        """What a checkpoint holds: everything but the frozen base."""
-        return dataclasses.replace(self, frozen=None)
+    def checkpointed(self, *, optimizer: bool = True) -> TrainState:
+        """What a checkpoint holds: everything but the frozen base (and, `optimizer` False, the optimizer's state)."""
+        return dataclasses.replace(self, frozen=None, opt_state=self.opt_state if optimizer else None)
 
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, rng: jax.Array,

@@ -45,9 +45,10 @@ class Recorder:
 
     def save(self, state: TrainState, steps_done: int, queue: RolloutQueue) -> None:
         """A checkpoint after `steps_done` steps when one is due (the last step always), with the queue's record."""
-        last = steps_done == self.config.train.steps
+        last, optimizer = steps_done == self.config.train.steps, self.config.train.checkpoint_optimizer
         if self.checkpointer.due(steps_done, force=last):
-            trees, record, rounds = queue.checkpoint(state, steps_done)
+            trees, record, rounds = queue.checkpoint(state.checkpointed(optimizer=optimizer), steps_done)
+            record = dataclasses.replace(record, optimizer_state=optimizer)
             self.checkpointer.save(steps_done, trees, record.host(), force=last, rounds=rounds)
 
     def export(self, state: TrainState, last_eval: dict[str, Any] | None, command: str) -> list[str]:

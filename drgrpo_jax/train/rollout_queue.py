@@ -129,11 +129,12 @@ class QueueRecord:
     inflight_updates: bool = False  # the checkpoint holds the queued rounds' rows (`rounds`), not their params
     round_functions: tuple[tuple[str, ...], ...] = ()  # inflight_updates: each held round's reward functions
     round_errors: tuple[tuple[str, ...], ...] = ()  # ... and its reward errors
+    optimizer_state: bool = True  # the checkpoint holds the optimizer's state (train.checkpoint_optimizer)
 
     def host(self) -> dict[str, Any]:
         """The host JSON: the step's weight version beside the fields set."""
         out: dict[str, Any] = {"step": self.step, "data_position": self.data_position, "weight_version": self.step,
-                               "rollout_queue": self.rollout_queue}
+                               "rollout_queue": self.rollout_queue, "optimizer_state": self.optimizer_state}
         if self.round_positions is not None:
             out.update(round_positions=list(self.round_positions), stream_position=self.stream_position)
         if self.inflight_updates:
@@ -150,7 +151,7 @@ class QueueRecord:
                    None if host.get("stream_position") is None else int(host["stream_position"]),
                    bool(host.get("inflight_updates", False)),
                    tuple(tuple(f) for f in host.get("round_functions", ())),
-                   tuple(tuple(e) for e in host.get("round_errors", ())))
+                   tuple(tuple(e) for e in host.get("round_errors", ())), bool(host.get("optimizer_state", True)))
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -474,23 +475,23 @@ class RolloutQueue:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def checkpoint(self, state: TrainState, steps_done: int) -> tuple[Any, QueueRecord, Any]:
-        """(the saved trees, the record, the held rounds or None) after `steps_done` steps: with rollout.async the
-        queue's data positions and the params of the versions that sample its rounds, or with
-        rollout.inflight_updates the rounds themselves, once done."""
+    def checkpoint(self, saved: TrainState, steps_done: int) -> tuple[Any, QueueRecord, Any]:
+        """(the saved trees, the record, the held rounds or None) after `steps_done` steps, `saved` the state as a
+        checkpoint holds it: with rollout.async also the queue's data positions and the params of the versions that
+        sample its rounds, or with rollout.inflight_updates the rounds themselves, once done."""
         position = self._source.stream.state()
         record = QueueRecord(steps_done, position, queue_length(bool(self.k), self.k))
         if not self.k:
-            return state.checkpointed(), record, None
+            return saved, record, None
         if self._inflight:
             rounds, held = held_contents(self._queue)
-            return state.checkpointed(), dataclasses.replace(record, stream_position=position, **held), rounds
+            return saved, dataclasses.replace(record, stream_position=position, **held), rounds
         positions = [p.data_position for p in self._queue]
         positions += range(position, position + self.k - len(positions))  # not launched (the run ends): the next
         params = [self._params_of[sampler_version(t, self.k)] for t in sampled_ahead(steps_done, self.k)]
         record = dataclasses.replace(record, data_position=positions[0], round_positions=tuple(positions),
                                      stream_position=position)
-        return (state.checkpointed(), saved_params(params, self.k)), record, None
+        return (saved, saved_params(params, self.k)), record, None
 
     def prime(self, state: TrainState, start_step: int) -> None:
         """Queues the rounds before the first step (`rounds_in_flight`). Fresh, version 0 samples them all; resumed,

@@ -39,7 +39,7 @@ from drgrpo_jax.models.precision import DTYPES, resolve_compute_dtype
 from drgrpo_jax.models.pretrained import from_pretrained, load_tokenizer
 from drgrpo_jax.plan.planner import auto_remat
 from drgrpo_jax.rewards.scorer import RewardScorer
-from drgrpo_jax.rollout.client import RolloutClient, RouterShape
+from drgrpo_jax.rollout.client import RolloutClient, RouterShape, model_vocab_size
 from drgrpo_jax.rollout.local_service import LocalServer
 from drgrpo_jax.rollout.weight_push import SegmentPusher, WeightPublisher, check_room, publish_weights, sync_mode
 from drgrpo_jax.seeds import init_key, lora_init_key
@@ -121,7 +121,8 @@ def check_attention_backend(impl: str, backend: str) -> None:
 def connect_urls(config: Config) -> RolloutClient:
     """A client for the configured services; ConfigError naming rollout.urls when one does not answer."""
     r = config.rollout
-    client = RolloutClient(r.urls, timeout_s=r.timeout_s, api_key=api_key(r.api_key_env), engine=r.engine)
+    client = RolloutClient(r.urls, timeout_s=r.timeout_s, api_key=api_key(r.api_key_env), engine=r.engine,
+                           vocab_size=model_vocab_size(resolve_model_path(config.model.path)))
     for url, ok in zip(client.urls, client.healthy()):
         if not ok:
             client.close()
@@ -209,12 +210,13 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
     os.makedirs(os.path.join(local_out, "weights"), exist_ok=True)
     checkpointer = stack.enter_context(Checkpointer(os.path.join(out, "checkpoints"), save_every=c.train.save_every,
                                                     keep=c.train.keep_checkpoints, catch_sigterm=True))
-    resume = checkpointer.should_resume(c.train.resume)
+    resume, saved_optimizer = checkpointer.should_resume(c.train.resume), True
     if resume:  # before anything is built: a queue the run cannot restore must not be mistaken for a damaged save
         latest = checkpointer.latest_host_state()
         if latest is not None:
             check_queue(QueueRecord.from_host(latest), c.rollout.async_, c.rollout.max_staleness,
                         c.rollout.inflight_updates)
+            saved_optimizer = QueueRecord.from_host(latest).optimizer_state
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None
     if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error
@@ -247,16 +249,20 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
         # rollout.async also saves the params that sample the queued rounds (drgrpo_jax.train.rollout_queue).
         # rollout.inflight_updates saves the queued rounds themselves instead (the checkpoint's `rounds`).
         k, saves_params = c.rollout.max_staleness, c.rollout.async_ and not c.rollout.inflight_updates
-        target = (state.checkpointed(), saved_params([state.params] * k, k)) if saves_params else \
-            state.checkpointed()
+        saved = state.checkpointed(optimizer=saved_optimizer)
+        target = (saved, saved_params([state.params] * k, k)) if saves_params else saved
         restored = checkpointer.restore_latest(target, rounds=c.rollout.inflight_updates)
         if restored is None:  # should_resume saw a checkpoint; none is left
             raise ConfigError("train.resume", f"no checkpoint left in {checkpointer.directory} to resume from")
         restored_state = restored.state[0] if saves_params else restored.state
-        state = dataclasses.replace(restored_state, frozen=state.frozen)
         record = QueueRecord.from_host(restored.host)
         start_step, position = record.step, record.data_position
         say(f"resuming from the checkpoint of step {start_step} in {checkpointer.directory}")
+        if not saved_optimizer:
+            say("it holds no optimizer state (saved with train.checkpoint_optimizer=false): the optimizer's moments "
+                "start afresh")
+        state = dataclasses.replace(restored_state, frozen=state.frozen,
+                                    opt_state=restored_state.opt_state if saved_optimizer else state.opt_state)
         if c.rollout.inflight_updates:
             queued = held_rounds(record, restored.rounds)
             position = queued.stream_position
@@ -284,7 +290,8 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
             raise RuntimeError("the local generation service started without a URL")
         # Given the server, the client restarts it if it dies and redoes the rollout (metrics: service_restarts).
         client = stack.enter_context(RolloutClient([server.url], timeout_s=c.rollout.timeout_s,
-                                                   api_key=api_key(c.rollout.api_key_env), local_server=server))
+                                                   api_key=api_key(c.rollout.api_key_env), local_server=server,
+                                                   vocab_size=model_config.vocab_size))
     pusher = None
     if weight_sync == "shm":
         pusher = stack.enter_context(SegmentPusher(graphdef, merged_lora=spec is not None))

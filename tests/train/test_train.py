@@ -13,6 +13,7 @@ import pytest
 
 from drgrpo_jax.rollout.record import HostCounters, correct_mask, host_share, left_pad, merge_host_rows, response_stats
 from drgrpo_jax.seeds import step_seed
+from drgrpo_jax.train.progress import folder_bytes
 
 from support.gcs_emulator import bucket_objects, gcs_emulator
 from support.paths import REPO
@@ -307,6 +308,21 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(inputs, uninterru
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.subprocess  # two short trainer runs, each with its service
+def test_weights_only_checkpoints_are_a_third_of_the_disk_and_resume_with_fresh_moments(inputs, uninterrupted):
+    output_dir, slim = inputs["root"] / "weights_only", ["train.checkpoint_optimizer=false", "train.eval_every=0"]
+    first = start_trainer(_overrides(inputs, output_dir, steps=2) + slim)
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-3000:]
+    full = folder_bytes(str(uninterrupted[0] / "checkpoints" / "2"))
+    assert folder_bytes(str(output_dir / "checkpoints" / "2")) < 0.45 * full  # AdamW's two moments are gone
+    resumed = start_trainer(_overrides(inputs, output_dir, steps=3) + slim)
+    _, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-3000:]
+    assert "resuming from the checkpoint of step 2" in stderr and "optimizer's moments start afresh" in stderr
+    assert [r["step"] for r in _rows(output_dir)[0]] == [1, 2, 3]
 
 
 @pytest.mark.subprocess
