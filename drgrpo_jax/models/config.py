@@ -367,7 +367,7 @@ def from_hf_config(hf: dict[str, Any], generation: dict[str, Any] | None = None)
         tie_word_embeddings=read_field(hf, "tie_word_embeddings", "flag", traits.tie_word_embeddings),
         bos_token_id=read_field(hf, "bos_token_id", "id", None),
         eos_token_ids=tuple(eos),
-        pad_token_id=read_field(hf, "pad_token_id", "id", None),
+        pad_token_id=read_field(hf, "pad_token_id", "id", None) if hf.get("pad_token_id") != -1 else None,
         **experts,
     )
 
