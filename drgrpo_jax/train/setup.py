@@ -148,9 +148,10 @@ def check_inflight(client: RolloutClient) -> None:
 
 def child_service_args(config: Config) -> list[str]:
     """The trainer's own child service's flags beyond its model and port. Its deadline is the client's, so the
-    service never answers "abort" to a client still willing to wait."""
+    service never answers "abort" to a client still willing to wait; it admits every request of its one client
+    (admission's estimate assumes each row runs to its budget, and would refuse rounds that finish in time)."""
     return ["--max-batch-size", str(child_service_batch_size(config)),
-            "--request-timeout-s", str(config.rollout.timeout_s),
+            "--request-timeout-s", str(config.rollout.timeout_s), "--admission-share", "0",
             *(["--inflight-updates"] if config.rollout.inflight_updates else [])]
 
 

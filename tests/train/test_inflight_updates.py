@@ -60,6 +60,8 @@ def test_inflight_config_errors_name_the_key(overrides, reason):
 def test_the_child_service_runs_with_inflight_updates_only_when_asked():
     assert "--inflight-updates" in child_service_args(load_config(None, BASE + INFLIGHT))
     assert "--inflight-updates" not in child_service_args(load_config(None, BASE + INFLIGHT[:3]))
+    args = child_service_args(load_config(None, BASE))
+    assert args[args.index("--admission-share") + 1] == "0"  # the trainer's own service refuses none of its rounds
 
 
 class _Services:
