@@ -82,16 +82,16 @@ def _vocab_size(folder: str) -> int:
 def train_ours(spec: dict) -> dict:
     """Our jitted train_step on spec's rows x length, `attention_impl: auto`, spec's remat policy and compute dtype
     (benchmarks/train_step.py), with the attention kernel auto chose and the compiled step's XLA temporaries."""
-    import dataclasses
 
     import jax.numpy as jnp
     from train_step import jax_step_seconds, make_batch
 
     from drgrpo_jax.models.attention import choose_impl
+    from drgrpo_jax.models.config import RuntimeOptions
     from drgrpo_jax.models.pretrained import from_pretrained
 
     model = from_pretrained(spec["folder"], dtype=jnp.float32)
-    model.config = dataclasses.replace(model.config, attention_impl="auto", remat=spec["remat"])
+    model.runtime = RuntimeOptions(attention_impl="auto", remat=spec["remat"])
     kernel = choose_impl("auto", seq_len=spec["length"] - 1, dtype=jnp.dtype(spec["dtype"]),
                          head_dim=model.config.head_dim)  # the step's forward reads length - 1 tokens
     batch = make_batch(spec["rows"], PROMPT_TOKENS, spec["length"] - PROMPT_TOKENS, model.config.vocab_size)

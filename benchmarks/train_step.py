@@ -17,7 +17,6 @@ response - 1 tokens), reporting both times, the packed over padded speed-up and 
 """
 
 import argparse
-import dataclasses
 import json
 import resource
 import tempfile
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.config import RuntimeOptions
 from drgrpo_jax.models.hf_io import save_pretrained
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, place
@@ -108,7 +108,7 @@ def packed_step(batch, args) -> dict:
     from drgrpo_jax.step.packing import rows_needed, sequence_lengths
 
     model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
-    model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)
+    model.runtime = RuntimeOptions(attention_impl=args.attention, remat=args.remat)
 
     lengths = sequence_lengths(batch.prompt_mask, batch.response_mask, batch.row_valid)
     pack_length = args.prompt + args.response - 1
@@ -129,7 +129,7 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--attention", default="auto", help="DecoderConfig.attention_impl")
+    parser.add_argument("--attention", default="auto", help="RuntimeOptions.attention_impl")
     parser.add_argument("--remat", nargs="?", const="full", default="none",
                         help="a policy of drgrpo_jax/models/remat.py (bare --remat: full)")
     parser.add_argument("--pack", action="store_true", help="varied response lengths; padded and packed steps")
@@ -139,7 +139,7 @@ def main():
     args = parser.parse_args()
 
     model = from_pretrained(smollm2_gguf(), dtype=jnp.float32)
-    model.config = dataclasses.replace(model.config, attention_impl=args.attention, remat=args.remat)
+    model.runtime = RuntimeOptions(attention_impl=args.attention, remat=args.remat)
     config = model.config
     lengths = np.random.default_rng(2).integers(1, args.response + 1, args.rows) if args.pack else None
     batch = make_batch(args.rows, args.prompt, args.response, config.vocab_size, lengths=lengths)

@@ -144,6 +144,25 @@ class LoraSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    """How a built model runs (not what it is: that is `DecoderConfig`, the architecture config.json names);
+    `Transformer.runtime` holds them and its forward reads them."""
+
+    remat: str = "none"  # a policy of models/remat.py
+    attention_impl: str = "auto"  # one of ATTENTION_IMPLS for the cache-free forward
+    lora: LoraSpec | None = None  # the low-rank adapters' rank, scale and dropout (models/lora.py); None = none
+    compute_dtype: str | None = None  # the GEMM operands' dtype (None: the weights' dtype)
+
+    def __post_init__(self):
+        object.__setattr__(self, "remat", normalise_remat(self.remat))
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl: {self.attention_impl!r} is not supported (supported: {ATTENTION_IMPLS})")
+        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype: {self.compute_dtype!r} is not supported (None, {' or '.join(DTYPES)})")
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Architecture of a decoder-only LM (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS, Gemma 3 text)."""
 
@@ -176,10 +195,6 @@ class DecoderConfig:
     norm_topk_prob: bool = False  # the k routing weights renormalised to sum to 1 (else raw softmax shares)
     swiglu_alpha: float = 1.702  # GPT-OSS experts: the sigmoid's gain in gate * sigmoid(alpha * gate)
     swiglu_limit: float = 7.0  # GPT-OSS experts: gate clamped above, up clamped to [-limit, limit]
-    remat: str = "none"  # runtime option: a policy of models/remat.py
-    attention_impl: str = "auto"  # runtime option: one of ATTENTION_IMPLS for the cache-free forward
-    lora: LoraSpec | None = None  # runtime option: the low-rank adapters' rank, scale and dropout (models/lora.py)
-    compute_dtype: str | None = None  # runtime option: the full forward's GEMM operands (None: the weights' dtype)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -195,12 +210,6 @@ class DecoderConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
         self._check_experts()
-        object.__setattr__(self, "remat", normalise_remat(self.remat))
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"attention_impl: {self.attention_impl!r} is not supported (supported: {ATTENTION_IMPLS})")
-        if self.compute_dtype is not None and self.compute_dtype not in DTYPES:
-            raise ValueError(f"compute_dtype: {self.compute_dtype!r} is not supported (None, {' or '.join(DTYPES)})")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: {self.activation!r} is not supported (supported: {ACTIVATIONS})")
         if self.layer_types:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import struct
 from collections.abc import Iterable
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from drgrpo_jax.models.config import from_hf_config, hf_num_layers
+from drgrpo_jax.models.config import RuntimeOptions, from_hf_config, hf_num_layers
 from drgrpo_jax.models.families import FAMILIES, Family
 from drgrpo_jax.models.hf_io import build_model, check_layer_count, check_weights, hf_param_reader
 from drgrpo_jax.models.transformer import Transformer
@@ -176,16 +175,16 @@ def _open(path: str) -> gguf.GGUFReader:
 
 
 def load_gguf(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
-              remat: str = "none", attention_impl: str = "auto") -> Transformer:
+              runtime: RuntimeOptions | None = None) -> Transformer:
     """A Transformer from a GGUF file (any quantisation the gguf package can dequantise); its metadata is checked
     against its tensors' shapes (`hf_io.check_weights`) before any is dequantised."""
     reader = _open(path)
     hf = gguf_hf_config(reader)
     index = GGUFIndex(reader, hf["num_attention_heads"], hf["num_key_value_heads"])
     check_layer_count(index, hf_num_layers(hf), _METADATA)  # as load_hf: the block count against the blocks first
-    config = dataclasses.replace(from_hf_config(hf), remat=remat, attention_impl=attention_impl)
+    config = from_hf_config(hf)
     check_weights(index, config, _METADATA)
-    return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
+    return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules, runtime=runtime)
 
 
 def load_gguf_tokenizer(path: str) -> Any:

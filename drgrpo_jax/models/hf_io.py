@@ -6,7 +6,6 @@ Also the HF-layout reader and `build_model` that `gguf_io` reuses (imports point
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from jax.sharding import Mesh
 
 from drgrpo_jax.hosts import host_array
 from drgrpo_jax.models import mxfp4
-from drgrpo_jax.models.config import DecoderConfig, from_hf_config, hf_num_layers, to_hf_config
+from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions, from_hf_config, hf_num_layers, to_hf_config
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import ShardingRules, named_sharding
@@ -422,9 +421,10 @@ def check_weights(index: TensorIndex, config: DecoderConfig, source: str = "conf
 
 
 def build_model(config: DecoderConfig, read: Callable[[str], np.ndarray], *, dtype=jnp.float32,
-                mesh: Mesh | None = None, rules: ShardingRules = ShardingRules()) -> Transformer:
+                mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(),
+                runtime: RuntimeOptions | None = None) -> Transformer:
     """A Transformer whose parameters come from `read(path)`, each placed on its shards directly."""
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, runtime=runtime))
     graphdef, state = nnx.split(abstract)
     specs = param_specs(config)
     np_dtype = np.dtype(dtype)
@@ -465,8 +465,7 @@ def load_hf_config(folder: str) -> DecoderConfig:
 
 
 def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-            rules: ShardingRules = ShardingRules(), remat: str = "none",
-            attention_impl: str = "auto") -> Transformer:
+            rules: ShardingRules = ShardingRules(), runtime: RuntimeOptions | None = None) -> Transformer:
     """A Transformer from an HF folder (config.json + safetensors); the config is checked against the weights'
     headers (`check_weights`) before any weight is read."""
     if not os.path.isdir(folder):
@@ -474,9 +473,9 @@ def load_hf(folder: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
     hf, generation = _read_config_files(folder)
     index = SafetensorsIndex(folder)
     check_layer_count(index, hf_num_layers(hf))  # first: a config's per-layer lists are as long as it says
-    config = dataclasses.replace(from_hf_config(hf, generation), remat=remat, attention_impl=attention_impl)
+    config = from_hf_config(hf, generation)
     check_weights(index, config)
-    return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules)
+    return build_model(config, hf_param_reader(index, config), dtype=dtype, mesh=mesh, rules=rules, runtime=runtime)
 
 
 # ---------------------------------------------------------------- export

@@ -64,7 +64,7 @@ def adapter_specs(config: DecoderConfig, spec: LoraSpec) -> dict[str, tuple[tupl
 
 def add_adapters(model: Transformer, spec: LoraSpec, key: jax.Array) -> Transformer:
     """`model` with float32 adapters on `spec.targets` (A as PEFT's default init, B = 0): unchanged outputs."""
-    model.config = dataclasses.replace(model.config, lora=spec)
+    model.runtime = dataclasses.replace(model.runtime, lora=spec)
     for index, (name, (shape, axes)) in enumerate(adapter_specs(model.config, spec).items()):
         if name.endswith("_lora_a"):
             # PEFT: kaiming_uniform(a=sqrt(5)) on [r, in], i.e. uniform(+-1/sqrt(in)).
@@ -125,8 +125,8 @@ def merge_adapters(model: Transformer, spec: LoraSpec, adapters: Mapping[str, Ar
     `model` may carry adapters itself (they are dropped); arrays of untargeted weights are shared, not copied.
     A base stored narrower (`store_base`) comes out in model.dtype (the embedding's), int8 dequantised.
     """
-    config = dataclasses.replace(model.config, lora=None)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    runtime = dataclasses.replace(model.runtime, lora=None)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(model.config, rngs=nnx.Rngs(0), runtime=runtime)))
     source = {"/".join(str(p) for p in path): v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     for path, variable in nnx.to_flat_state(state):
         name = "/".join(str(p) for p in path)
@@ -145,9 +145,9 @@ def merge_adapters(model: Transformer, spec: LoraSpec, adapters: Mapping[str, Ar
 
 def merged_model(model: Transformer) -> Transformer:
     """A model with adapters as the plain Transformer of its merged weights (what `save_pretrained` writes)."""
-    if model.config.lora is None:
+    if model.runtime.lora is None:
         return model
-    return merge_adapters(model, model.config.lora, adapter_arrays(nnx.state(model, nnx.LoRAParam)))
+    return merge_adapters(model, model.runtime.lora, adapter_arrays(nnx.state(model, nnx.LoRAParam)))
 
 
 # ---------------------------------------------------------------- PEFT folders
@@ -159,17 +159,14 @@ def _peft_name(target: str, layer: int, matrix: str) -> str:
     return f"{_PEFT_PREFIX}model.layers.{layer}.{HF_MODULES[target]}.lora_{matrix}.weight"
 
 
-def save_adapter(adapters: Mapping[str, ArrayLike], config: DecoderConfig, path: str, *, base_model: str = "") -> None:
+def save_adapter(adapters: Mapping[str, ArrayLike], spec: LoraSpec, path: str, *, base_model: str = "") -> None:
     """Writes a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors, float32) at `path`."""
-    spec = config.lora
-    if spec is None:
-        raise ValueError("save_adapter: the model config has no LoRA spec")
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for target in spec.targets:
         a = np.asarray(adapters[f"{target}_lora_a"], np.float32)
         b = np.asarray(adapters[f"{target}_lora_b"], np.float32)
-        for layer in range(config.num_layers):
+        for layer in range(a.shape[0]):  # [L, *X, r]
             tensors[_peft_name(target, layer, "A")] = np.ascontiguousarray(a[layer].reshape(-1, spec.rank).T)
             tensors[_peft_name(target, layer, "B")] = np.ascontiguousarray(b[layer].reshape(spec.rank, -1).T)
     alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha

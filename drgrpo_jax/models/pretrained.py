@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import TOKENIZER_FILES, local_model
+from drgrpo_jax.models.config import RuntimeOptions
 from drgrpo_jax.models.gguf_io import load_gguf, load_gguf_tokenizer
 from drgrpo_jax.models.hf_io import load_hf
 from drgrpo_jax.models.transformer import Transformer
@@ -26,13 +27,13 @@ def from_pretrained(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
                     attention_impl: str = "auto") -> Transformer:
     """Load an HF folder (config.json + safetensors), a Hub id of one or a .gguf file as a Transformer.
 
-    `remat` (a policy of models/remat.py) and `attention_impl` are runtime options of its
-    DecoderConfig (the training forward's memory).
+    `remat` (a policy of models/remat.py) and `attention_impl` are its `RuntimeOptions` (the training forward's
+    memory), not part of its DecoderConfig.
     """
     path = local_model(os.fspath(path), "model.path")
-    if path.endswith(".gguf"):
-        return load_gguf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat, attention_impl=attention_impl)
-    return load_hf(path, dtype=dtype, mesh=mesh, rules=rules, remat=remat, attention_impl=attention_impl)
+    runtime = RuntimeOptions(remat=remat, attention_impl=attention_impl)
+    load = load_gguf if path.endswith(".gguf") else load_hf
+    return load(path, dtype=dtype, mesh=mesh, rules=rules, runtime=runtime)
 
 
 class PerThreadTokenizer:

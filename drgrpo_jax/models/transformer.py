@@ -24,7 +24,7 @@ from flax import nnx
 
 from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
-from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig
+from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig, RuntimeOptions
 from drgrpo_jax.models.gemm import dense
 from drgrpo_jax.models.grad_sums import scan_layers
 from drgrpo_jax.models.kv_cache import (
@@ -62,39 +62,39 @@ def _project_f32(x_BTX: jax.Array, w_XY: jax.Array) -> jax.Array:
     return jnp.einsum("btx,xy->bty", x_BTX, w_XY, preferred_element_type=_F32)
 
 
-def _lora_term(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array,
+def _lora_term(run: RuntimeOptions, p: dict[str, jax.Array], name: str, x_BTX: jax.Array,
                key: jax.Array | None) -> jax.Array | None:
     """float32 (alpha / r) * dropout(x) A B [B, T, *out] when projection `name` has an adapter (models/lora.py).
 
     Both GEMMs are `dense`s in the config's compute dtype (bfloat16 under mixed precision) accumulating in
     float32, the adapters' gradients float32; dropout and the low-rank activations between them stay float32.
     """
-    if config.lora is None or f"{name}_lora_a" not in p:
+    if run.lora is None or f"{name}_lora_a" not in p:
         return None
     a, b = p[f"{name}_lora_a"], p[f"{name}_lora_b"]  # [*X, Z], [Z, *Y]
     B, T = x_BTX.shape[:2]
     x_MX = x_BTX.reshape(B * T, -1).astype(_F32)
-    if key is not None and config.lora.dropout > 0:
-        keep = 1.0 - config.lora.dropout
+    if key is not None and run.lora.dropout > 0:
+        keep = 1.0 - run.lora.dropout
         kept_MX = jax.random.bernoulli(jax.random.fold_in(key, LORA_TARGETS.index(name)), keep, x_MX.shape)
         x_MX = jnp.where(kept_MX, x_MX / keep, 0.0)
-    low_MZ = dense(x_MX, a.reshape(-1, a.shape[-1]), config.compute_dtype)
-    y_MY = dense(low_MZ, b.reshape(b.shape[0], -1), config.compute_dtype) * config.lora.scale
+    low_MZ = dense(x_MX, a.reshape(-1, a.shape[-1]), run.compute_dtype)
+    y_MY = dense(low_MZ, b.reshape(b.shape[0], -1), run.compute_dtype) * run.lora.scale
     return y_MY.reshape(B, T, *b.shape[1:])
 
 
-def _project(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array, in_dims: int = 1,
+def _project(run: RuntimeOptions, p: dict[str, jax.Array], name: str, x_BTX: jax.Array, in_dims: int = 1,
              key: jax.Array | None = None) -> jax.Array:
     """`project` by weight `name` of layer `p` (int8 dequantised: models/quant.py), plus its adapter's term."""
-    y_BTY = project(x_BTX, quant.weight(p, name), in_dims, config.compute_dtype)
-    delta = _lora_term(config, p, name, x_BTX, key)
+    y_BTY = project(x_BTX, quant.weight(p, name), in_dims, run.compute_dtype)
+    delta = _lora_term(run, p, name, x_BTX, key)
     return name_projection(y_BTY if delta is None else (y_BTY.astype(_F32) + delta).astype(y_BTY.dtype))
 
 
-def _project_f32_lora(config: DecoderConfig, p: dict[str, jax.Array], name: str, x_BTX: jax.Array) -> jax.Array:
+def _project_f32_lora(run: RuntimeOptions, p: dict[str, jax.Array], name: str, x_BTX: jax.Array) -> jax.Array:
     """`_project_f32` by weight `name`, plus its adapter's term (inference: no dropout)."""
     y_BTY = _project_f32(x_BTX, quant.weight(p, name))
-    delta = _lora_term(config, p, name, x_BTX, None)
+    delta = _lora_term(run, p, name, x_BTX, None)
     return y_BTY if delta is None else y_BTY + delta
 
 
@@ -154,14 +154,14 @@ def rope_for_layers(config: DecoderConfig, positions_BT: jax.Array):
     return global_tables, rope_tables(positions_BT, local.inv_freq(config.head_dim), local.attention_scaling)
 
 
-def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array, sin_BTH: jax.Array,
-         key: jax.Array | None = None):
+def _qkv(config: DecoderConfig, run: RuntimeOptions, p: dict[str, jax.Array], x_BTD: jax.Array, cos_BTH: jax.Array,
+         sin_BTH: jax.Array, key: jax.Array | None = None):
     """A layer's normed, roped queries [B, T, Q, H] and new keys/values [B, T, C, H] (`key`: adapter dropout)."""
     eps, plus_one = config.rms_norm_eps, config.traits.norm_plus_one
     h_BTD = rms_norm(x_BTD, p["attn_norm"], eps, plus_one)
-    q_BTQH = _project(config, p, "q_proj", h_BTD, key=key)
-    k_BTCH = _project(config, p, "k_proj", h_BTD, key=key)
-    v_BTCH = _project(config, p, "v_proj", h_BTD, key=key)
+    q_BTQH = _project(run, p, "q_proj", h_BTD, key=key)
+    k_BTCH = _project(run, p, "k_proj", h_BTD, key=key)
+    v_BTCH = _project(run, p, "v_proj", h_BTD, key=key)
     if config.qkv_bias:
         q_BTQH, k_BTCH, v_BTCH = (
             q_BTQH + p["q_bias"][None, None], k_BTCH + p["k_bias"][None, None], v_BTCH + p["v_bias"][None, None])
@@ -174,9 +174,9 @@ def _qkv(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, cos_B
 Routing = tuple[jax.Array, jax.Array]  # a mixture's (router logits [M, e], experts [M, k]) of one layer
 
 
-def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.Array, o_BTQH: jax.Array,
-                     f32_gate: bool = False, key: jax.Array | None = None, forced_BTk: jax.Array | None = None
-                     ) -> tuple[jax.Array, Routing | None]:
+def _after_attention(config: DecoderConfig, run: RuntimeOptions, p: dict[str, jax.Array], x_BTD: jax.Array,
+                     o_BTQH: jax.Array, f32_gate: bool = False, key: jax.Array | None = None,
+                     forced_BTk: jax.Array | None = None) -> tuple[jax.Array, Routing | None]:
     """Output projection and residual, then the MLP block and its residual; and a mixture's routing (else None).
 
     `forced_BTk`: the experts a mixture uses (router replay), in place of its router's choice.
@@ -185,7 +185,7 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
     in bf16, XLA on CPU emulates the activation op by op, rounding after each (much slower at decode).
     """
     eps, plus_one = config.rms_norm_eps, config.traits.norm_plus_one
-    a_BTD = _project(config, p, "o_proj", o_BTQH, in_dims=2, key=key)
+    a_BTD = _project(run, p, "o_proj", o_BTQH, in_dims=2, key=key)
     if config.o_bias:
         a_BTD = a_BTD + p["o_bias"][None, None]
     if config.traits.sandwich_norms:
@@ -198,39 +198,39 @@ def _after_attention(config: DecoderConfig, p: dict[str, jax.Array], x_BTD: jax.
             k = config.experts_per_token
             forced_Mk = None if forced_BTk is None else forced_BTk.reshape(B * T, k)
             m_MD, logits_Me, experts_Mk = moe_mlp(h_BTD.reshape(B * T, D), p, k, config.norm_topk_prob,
-                                                  _expert_glu(config), config.compute_dtype,
+                                                  _expert_glu(config), run.compute_dtype,
                                                   config.traits.gpt_oss_experts, forced_Mk)
             return x_BTD + m_MD.reshape(B, T, D), (logits_Me, experts_Mk)
         if f32_gate:
-            gate_BTI = _activation(config.activation, _project_f32_lora(config, p, "gate_proj", h_BTD))
-            hidden_BTI = (gate_BTI * _project_f32_lora(config, p, "up_proj", h_BTD)).astype(h_BTD.dtype)
+            gate_BTI = _activation(config.activation, _project_f32_lora(run, p, "gate_proj", h_BTD))
+            hidden_BTI = (gate_BTI * _project_f32_lora(run, p, "up_proj", h_BTD)).astype(h_BTD.dtype)
         else:
-            gate_BTI = _activation(config.activation, _project(config, p, "gate_proj", h_BTD, key=key))
-            hidden_BTI = gate_BTI * _project(config, p, "up_proj", h_BTD, key=key)
-        m_BTD = _project(config, p, "down_proj", hidden_BTI, key=key)
+            gate_BTI = _activation(config.activation, _project(run, p, "gate_proj", h_BTD, key=key))
+            hidden_BTI = gate_BTI * _project(run, p, "up_proj", h_BTD, key=key)
+        m_BTD = _project(run, p, "down_proj", hidden_BTI, key=key)
         if config.traits.sandwich_norms:
             m_BTD = rms_norm(m_BTD, p["post_mlp_norm"], eps, plus_one)
         return x_BTD + m_BTD, None
 
 
-def _layer_attention(config: DecoderConfig, impl: str, q_BTQH: jax.Array, k_BTCH: jax.Array, v_BTCH: jax.Array,
-                     positions_BT: jax.Array, segment_ids_BT: jax.Array, sliding: jax.Array,
+def _layer_attention(config: DecoderConfig, run: RuntimeOptions, impl: str, q_BTQH: jax.Array, k_BTCH: jax.Array,
+                     v_BTCH: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array, sliding: jax.Array,
                      sinks_Q: jax.Array | None) -> jax.Array:
     """One scanned layer's attention by a memory-linear `impl`; the window is static, so mixed layers take a cond."""
-    def run(window):
+    def attend(window):
         return attention(q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, scale=config.attn_scale,
-                         window=window, impl=impl, dtype=config.compute_dtype, sinks_Q=sinks_Q)
+                         window=window, impl=impl, dtype=run.compute_dtype, sinks_Q=sinks_Q)
 
     kinds = set(config.sliding_layers)
     if config.sliding_window is None or kinds == {False}:
-        return run(None)
+        return attend(None)
     if kinds == {True}:
-        return run(config.sliding_window)
-    return jax.lax.cond(sliding, lambda: run(config.sliding_window), lambda: run(None))
+        return attend(config.sliding_window)
+    return jax.lax.cond(sliding, lambda: attend(config.sliding_window), lambda: attend(None))
 
 
-def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.Array, positions_BT: jax.Array,
-                segment_ids_BT: jax.Array, lora_key: jax.Array | None = None,
+def _run_blocks(config: DecoderConfig, run: RuntimeOptions, params: dict[str, jax.Array], x_BTD: jax.Array,
+                positions_BT: jax.Array, segment_ids_BT: jax.Array, lora_key: jax.Array | None = None,
                 grad_sums: dict[str, jax.Array] | None = None, routed_BTLk: jax.Array | None = None,
                 with_stats: bool = False, counted_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
     """All decoder layers of a full (cache-free) forward via lax.scan: one compiled block for L layers; and with
@@ -240,12 +240,12 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
     `grad_sums` (remat `full`): float32 sums shaped like params that take their gradient (models/grad_sums.py).
     `routed_BTLk` (a mixture): every layer's experts of every token (router replay), in place of its router's.
 
-    Attention by `config.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
+    Attention by `run.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
     layers; the others derive visibility from positions and segment ids inside their kernels.
     """
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
-    compute = config.compute_dtype or x_BTD.dtype  # float32 activations under bf16 compute still get cuDNN
-    impl = choose_impl(config.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim,
+    compute = run.compute_dtype or x_BTD.dtype  # float32 activations under bf16 compute still get cuDNN
+    impl = choose_impl(run.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim,
                        sinks=config.traits.attention_sinks)
     masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
     sliding_L = jnp.asarray(config.sliding_layers)
@@ -259,33 +259,34 @@ def _run_blocks(config: DecoderConfig, params: dict[str, jax.Array], x_BTD: jax.
         key = None if lora_key is None else jax.random.fold_in(lora_key, index)
         with jax.named_scope("attention"):
             cos, sin = jnp.where(sliding, cos_l, cos_g), jnp.where(sliding, sin_l, sin_g)
-            q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, cos, sin, key)
+            q_BTQH, k_BTCH, v_BTCH = _qkv(config, run, p, x_BTD, cos, sin, key)
             if masks is None:
-                o_BTQH = _layer_attention(config, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, sliding,
-                                          _sinks(config, p))
+                o_BTQH = _layer_attention(config, run, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT,
+                                          sliding, _sinks(config, p))
             else:
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
-                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, config.compute_dtype,
+                o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, run.compute_dtype,
                                              _sinks(config, p))
             o_BTQH = name_attention(o_BTQH)
-        x_BTD, routing = _after_attention(config, p, x_BTD, o_BTQH, key=key, forced_BTk=forced_BTk)
+        x_BTD, routing = _after_attention(config, run, p, x_BTD, o_BTQH, key=key, forced_BTk=forced_BTk)
         if stats is None or routing is None:
             return x_BTD
         layer_stats = router_stats(*routing, real_M, index, config.num_layers)
         return x_BTD, jax.tree.map(jnp.add, stats, layer_stats)
 
     if not with_stats:
-        return scan_layers(block, x_BTD, params, (sliding_L, layer_L, routed_LBTk), config.remat, grad_sums), None
+        return scan_layers(block, x_BTD, params, (sliding_L, layer_L, routed_LBTk), run.remat, grad_sums), None
     if not config.moe:
         raise ValueError(f"router stats: {config.family} has no router (a dense MLP in every layer)")
     e = config.num_experts
     zeros = RouterStats(counts_Le=jnp.zeros((config.num_layers, e), _F32), probs_e=jnp.zeros(e, _F32),
                         z=jnp.zeros((), _F32), rows=jnp.zeros((), _F32))
-    return scan_layers(block, (x_BTD, zeros), params, (sliding_L, layer_L, routed_LBTk), config.remat, grad_sums)
+    return scan_layers(block, (x_BTD, zeros), params, (sliding_L, layer_L, routed_LBTk), run.remat, grad_sums)
 
 
-def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Array], ...], x_BTD: jax.Array,
-                         positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache, rope=None):
+def _run_blocks_unrolled(config: DecoderConfig, run: RuntimeOptions, layers: tuple[dict[str, jax.Array], ...],
+                         x_BTD: jax.Array, positions_BT: jax.Array, masks: tuple[jax.Array, jax.Array], cache: KVCache,
+                         rope=None):
     """Every layer as straight-line code over per-layer weights and a per-layer (split) cache; returns
     (x, keys, values, a mixture's experts [B, T, L, k] or None).
 
@@ -297,12 +298,12 @@ def _run_blocks_unrolled(config: DecoderConfig, layers: tuple[dict[str, jax.Arra
     keys, values, experts = [], [], []
     for index, (p, sliding) in enumerate(zip(layers, config.sliding_layers)):
         with jax.named_scope(f"layer_{index}"):
-            q_BTQH, k_BTCH, v_BTCH = _qkv(config, p, x_BTD, *tables[int(sliding)])
+            q_BTQH, k_BTCH, v_BTCH = _qkv(config, run, p, x_BTD, *tables[int(sliding)])
             keys.append(write_keys(cache.k[index], k_BTCH, cache.length))
             values.append(write_values(cache.v[index], v_BTCH, cache.length))
             o_BTQH = attend_slots(q_BTQH, keys[-1], values[-1], masks[int(sliding)], config.attn_scale,
                                   _sinks(config, p))
-            x_BTD, routing = _after_attention(config, p, x_BTD, o_BTQH, f32_gate=True)
+            x_BTD, routing = _after_attention(config, run, p, x_BTD, o_BTQH, f32_gate=True)
             if routing is not None:
                 experts.append(routing[1].reshape(*x_BTD.shape[:2], -1))
     return x_BTD, tuple(keys), tuple(values), jnp.stack(experts, axis=2) if experts else None
@@ -340,8 +341,10 @@ def cache_masks(config: DecoderConfig, positions_BT: jax.Array, cache_positions_
 class Transformer(nnx.Module):
     """Decoder-only LM; call it for float32 logits, `decode` for cached generation."""
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        self.config = config
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 runtime: RuntimeOptions | None = None):
+        self.config = config  # the architecture (config.json)
+        self.runtime = runtime or RuntimeOptions()  # how its forward runs: remat, attention, adapters, GEMM dtype
         D, V = config.hidden_size, config.vocab_size
         self.embed = nnx.Param(init_value("normal", rngs.params(), (V, D), dtype), logical_axes=("vocab", "embed"))
         self.blocks = Blocks(config, rngs=rngs, dtype=dtype)
@@ -399,7 +402,7 @@ class Transformer(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids_BT is None:
             segment_ids_BT = jnp.ones((B, T), jnp.int32)
-        x_BTD, stats = _run_blocks(config, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
+        x_BTD, stats = _run_blocks(config, self.runtime, self.blocks.arrays(), self._embed(input_ids_BT), positions_BT,
                                    segment_ids_BT, lora_key, grad_sums, routed_experts_BTLk, with_stats, counted_BT)
         return rms_norm(x_BTD, self.final_norm[...], config.rms_norm_eps, config.traits.norm_plus_one), stats
 
@@ -447,7 +450,8 @@ class Transformer(nnx.Module):
         stacked = not isinstance(cache.k, tuple)
         layers = layer_params(self.blocks.arrays(), self.config.num_layers) if layers is None else layers
         split = split_cache(cache) if stacked else cache
-        x_BTD, k, v, experts_BTLk = _run_blocks_unrolled(self.config, layers, x_BTD, positions_BT, masks, split, rope)
+        x_BTD, k, v, experts_BTLk = _run_blocks_unrolled(self.config, self.runtime, layers, x_BTD, positions_BT, masks,
+                                                         split, rope)
         if stacked:
             restacked = stack_cache(dataclasses.replace(split, k=k, v=v))
             k, v = restacked.k, restacked.v

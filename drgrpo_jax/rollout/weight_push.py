@@ -132,7 +132,7 @@ class WeightPublisher:
 
     With `mirror` (run.weights_dir: a folder every service reads, or gs://bucket/path) each version
     is also copied to mirror/v{version}, which is then the path the services are told to load.
-    With `lora` (the model's DecoderConfig, which carries the adapters' spec), params are LoRA adapters
+    With `lora` (the adapters' LoraSpec), params are LoRA adapters
     and each version is a PEFT adapter folder naming `base_model`, a few MB instead of the whole model.
     """
     def __init__(self, root: str, graphdef: Any, keep: int = 2, mirror: str | None = None, *,

@@ -79,7 +79,7 @@ def policy_forward(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt
     unembed_sum, sum_layout = unembed or (None, "DV")
     model = merge_model(graphdef, params, frozen)
     if low is not None:
-        model.config = dataclasses.replace(model.config, compute_dtype=compute_dtype)
+        model.runtime = dataclasses.replace(model.runtime, compute_dtype=compute_dtype)
     routed_NSLk = None if routed_experts is None else routed_experts[:, :-1]  # as the tokens: the last never read
     hidden_NTD, stats = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key,
                                          packing, row_valid, layer_sums, routed_NSLk, router_stats)

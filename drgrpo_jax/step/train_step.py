@@ -163,8 +163,9 @@ def train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, 
     # Full remat reruns each layer in the backward, which then adds the layer's gradient into the running sum in
     # place: the sum takes the gradient (models/grad_sums.py), no second whole gradient beside it. LoRA's adapters
     # are small, and the other policies keep the forward's values: they add each micro-batch's gradient.
-    model_config = merge_model(graphdef, state.params, state.frozen).config
-    in_place = state.frozen is None and model_config.remat == "full"
+    model = merge_model(graphdef, state.params, state.frozen)
+    model_config = model.config
+    in_place = state.frozen is None and model.runtime.remat == "full"
     grad_fn = jax.value_and_grad(share_of_loss, argnums=1 if in_place else 0, has_aux=True)
 
     def accumulate(carry, micro_and_index):

@@ -231,7 +231,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
         model = from_pretrained(model_path, dtype=dtype, mesh=mesh, remat=fixed_remat,
                                 attention_impl=c.model.attention_impl)
     if c.model.remat == "auto":  # the plan's pick for this device's memory (python -m drgrpo_jax.plan shows it)
-        model.config = dataclasses.replace(model.config, remat=auto_remat(c, model.config, jax.devices()[0]))
+        model.runtime = dataclasses.replace(model.runtime, remat=auto_remat(c, model.config, jax.devices()[0]))
     if (spec := lora_spec(c)) is not None:  # adapters train, the base stays frozen (TrainState.frozen)
         model = add_adapters(model, spec, lora_init_key(c.run.seed))
         model = store_base(model, stored_dtype)  # deterministic: a resumed run rebuilds the same stored base
@@ -277,7 +277,7 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
     stack.callback(log.close)
     # With LoRA each version is a PEFT adapter folder naming the base; a service given one loads that base.
     publisher = WeightPublisher(os.path.join(local_out, "weights"), graphdef, mirror=weights_mirror(c),
-                                lora=model_config if spec is not None else None, base_model=os.path.abspath(model_path),
+                                lora=spec, base_model=os.path.abspath(model_path),
                                 push_merged=c.model.lora.push == "merged")
     publish_weights(publisher, client, state.params, start_step, rollback=resume, frozen=state.frozen)
     server = None

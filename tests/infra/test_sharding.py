@@ -1,6 +1,5 @@
 """Mesh construction, logical-axis rules, and a sharded load that matches the unsharded model."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -10,7 +9,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions
 from drgrpo_jax.models.hf_io import save_pretrained
 from drgrpo_jax.models.kv_cache import cache_shardings, init_cache
 from drgrpo_jax.models.pretrained import from_pretrained
@@ -136,7 +135,7 @@ def test_shard_model_and_sharded_decode(saved):
 def test_remat_policy_through_from_pretrained(saved):
     _, folder = saved
     model = from_pretrained(folder, remat="full")
-    assert model.config == dataclasses.replace(CONFIG, remat="full")
+    assert model.config == CONFIG and model.runtime == RuntimeOptions(remat="full")
 
 
 def test_save_pretrained_from_a_sharded_model(saved, tmp_path):

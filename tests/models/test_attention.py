@@ -12,7 +12,7 @@ from flax import nnx
 
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models import attention as attn
-from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
 from drgrpo_jax.step.batch import Batch
@@ -268,9 +268,9 @@ def test_mixed_precision_hands_the_gpu_kernel_16_bit_operands(monkeypatch):
     out = attn.attention(q, k, v, positions, segments, scale=0.25, dtype=jnp.bfloat16)
     assert seen == [(jnp.bfloat16,) * 3] and out.dtype == jnp.float32
     # and so does the model: float32 weights and activations, bf16 compute (the trainer's mixed precision), T odd
-    config = dataclasses.replace(_family_config("llama", "auto"), compute_dtype="bfloat16")
+    model = Transformer(_family_config("llama"), rngs=nnx.Rngs(0), runtime=RuntimeOptions(compute_dtype="bfloat16"))
     ids = jnp.zeros((1, 29), jnp.int32)
-    Transformer(config, rngs=nnx.Rngs(0))(ids, jnp.arange(29)[None], jnp.ones((1, 29), jnp.int32))
+    model(ids, jnp.arange(29)[None], jnp.ones((1, 29), jnp.int32))
     assert seen[1:] == [(jnp.bfloat16,) * 3]  # traced once: the layers are one scanned block
 
 
@@ -289,7 +289,7 @@ def test_auto_per_backend_and_explicit_kernels_check_their_constraints():
     with pytest.raises(ValueError, match="attention"):
         choose("flash", seq_len=100, dtype=jnp.bfloat16, head_dim=64)
     with pytest.raises(ValueError, match="attention_impl"):
-        DecoderConfig(attention_impl="flash")
+        RuntimeOptions(attention_impl="flash")
 
 
 @pytest.mark.heavy  # compiles the interpreted Pallas kernel
@@ -310,10 +310,10 @@ def test_splash_interpreted_on_cpu_matches_reference():
 # ---------------------------------------------------------------- the models
 
 
-def _family_config(family: str, impl: str) -> DecoderConfig:
+def _family_config(family: str) -> DecoderConfig:
     """A tiny random config with each family's distinctive attention features (GQA, q/k norm, Gemma's windows)."""
     common = dict(family=family, vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-                  num_kv_heads=2, head_dim=8, attention_impl=impl)
+                  num_kv_heads=2, head_dim=8)
     if family == "gemma3":
         return DecoderConfig(**common, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                              sliding_window=5, query_pre_attn_scalar=12, activation="gelu_pytorch_tanh",
@@ -338,8 +338,8 @@ def test_model_forward_and_gradients_blockwise_equal_reference(family, monkeypat
         # Gemma's and GPT-OSS's blockwise side also rematerialises: the layer-kind cond (and the sinks' custom
         # backward) inside a checkpointed scan body.
         remat = "full" if impl == "blockwise" and family in ("gemma3", "gpt_oss") else "none"
-        config = dataclasses.replace(_family_config(family, impl), remat=remat)
-        graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+        runtime = RuntimeOptions(remat=remat, attention_impl=impl)
+        graphdef, state = nnx.split(Transformer(_family_config(family), rngs=nnx.Rngs(0), runtime=runtime))
         if family == "gpt_oss":  # sinks as large as a trained model's, not the init's 0.02
             state["blocks"]["sinks"].set_value(state["blocks"]["sinks"][...] * 100)
 
@@ -374,8 +374,8 @@ def test_train_step_blockwise_equals_reference(monkeypatch):
     config = StepConfig(loss=LossConfig(budget=T), logprob_chunk=5)
     results = []
     for impl in ("reference", "blockwise"):
-        model = shard_model(Transformer(dataclasses.replace(_family_config("llama", impl), num_layers=2),
-                                        rngs=nnx.Rngs(0)), mesh)
+        model = shard_model(Transformer(dataclasses.replace(_family_config("llama"), num_layers=2),
+                                        rngs=nnx.Rngs(0), runtime=RuntimeOptions(attention_impl=impl)), mesh)
         optimizer = optax.sgd(1.0)
         graphdef, state = init_state(model, optimizer, jax.random.key(0))
         shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
@@ -454,8 +454,8 @@ def test_auto_on_a_gpu_runs_cudnn_in_the_model_within_bf16_of_the_reference(fami
     seen = np.asarray(segments != 0)
     outputs = []
     for impl, compute in (("reference", None), ("auto", "bfloat16")):
-        config = dataclasses.replace(_family_config(family, impl), compute_dtype=compute)
-        graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+        runtime = RuntimeOptions(attention_impl=impl, compute_dtype=compute)
+        graphdef, state = nnx.split(Transformer(_family_config(family), rngs=nnx.Rngs(0), runtime=runtime))
 
         def loss(state, graphdef=graphdef):
             logits = nnx.merge(graphdef, state)(ids, positions, segments)

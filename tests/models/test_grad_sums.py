@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from drgrpo_jax.models.config import RuntimeOptions
 from drgrpo_jax.models.grad_sums import into_sums, scan_layers, summing_into
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.transformer import Transformer
@@ -19,8 +20,9 @@ pytestmark = pytest.mark.heavy  # compiles the model's forward and backward
 
 
 def _model(dtype, **options):
-    config = dataclasses.replace(tiny_decoder_config(), remat="full", **options)
-    return nnx.split(Transformer(config, rngs=nnx.Rngs(0), dtype=dtype), nnx.Param)
+    config = dataclasses.replace(tiny_decoder_config(), **options)
+    runtime = RuntimeOptions(remat="full")
+    return nnx.split(Transformer(config, rngs=nnx.Rngs(0), dtype=dtype, runtime=runtime), nnx.Param)
 
 
 def _loss(graphdef, params, tokens_BT, weights_BTD, sums=None, unembed_by_caller=False):

@@ -153,7 +153,7 @@ def test_peft_loads_our_adapter_with_equal_logits_and_the_merged_export_matches(
 
     model = with_adapters(from_pretrained(tiny_model), LoraSpec(rank=4, alpha=12.0))
     arrays = adapters_of(model)
-    save_adapter(arrays, model.config, str(tmp_path / "adapter"), base_model=tiny_model)
+    save_adapter(arrays, model.runtime.lora, str(tmp_path / "adapter"), base_model=tiny_model)
     ids = np.random.default_rng(0).integers(3, 51, (2, 9))
     ours = np.asarray(model(jnp.asarray(ids)))
 
@@ -178,9 +178,8 @@ def test_peft_loads_our_adapter_with_equal_logits_and_the_merged_export_matches(
 
 
 def test_adapter_folders_we_cannot_apply_are_refused_by_name(tmp_path):
-    config = dataclasses.replace(TINY, lora=SPEC)
     arrays = {name: np.ones(shape, np.float32) for name, (shape, _) in adapter_specs(TINY, SPEC).items()}
-    save_adapter(arrays, config, str(tmp_path / "ok"))
+    save_adapter(arrays, SPEC, str(tmp_path / "ok"))
     assert load_adapter(str(tmp_path / "ok"), TINY)[0] == SPEC
     wider = dataclasses.replace(TINY, hidden_size=48)
     with pytest.raises(ValueError, match=r"q_proj.lora_A.weight has shape \(4, 32\), the model needs \(4, 48\)"):
@@ -207,10 +206,10 @@ def test_service_serves_a_pushed_adapter_with_the_trainers_logprobs(tiny_model, 
     from drgrpo_jax.step.policy import response_logprobs
 
     model = with_adapters(from_pretrained(tiny_model), b_scale=0.5)
-    save_adapter(adapters_of(model), model.config, str(tmp_path / "weights" / "v1"), base_model=tiny_model)
+    save_adapter(adapters_of(model), model.runtime.lora, str(tmp_path / "weights" / "v1"), base_model=tiny_model)
     os.makedirs(tmp_path / "weights" / "bad")
     bad = adapters_of(model) | {"q_proj_lora_a": np.zeros((2, 32, 3), np.float32)}
-    save_adapter(bad, model.config, str(tmp_path / "weights" / "bad"))
+    save_adapter(bad, model.runtime.lora, str(tmp_path / "weights" / "bad"))
     prompt = [5, 9, 14, 20]
     with LocalServer(tiny_model, weights_roots=[str(tmp_path / "weights")]) as server, \
             RolloutClient([server.url]) as client:

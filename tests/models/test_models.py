@@ -11,7 +11,7 @@ import torch
 import transformers
 from flax import nnx
 
-from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions, from_hf_config
 from drgrpo_jax.models.families import FAMILIES, family_of_model_type
 from drgrpo_jax.models.hf_io import SafetensorsIndex, save_pretrained
 from drgrpo_jax.models.kv_cache import init_cache, split_cache, stack_cache, write_slots
@@ -251,13 +251,14 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(impl, monkeypatch)
     from drgrpo_jax.models.remat import REMAT_POLICIES
 
     monkeypatch.setattr(attention, "DEFAULT_BLOCK_SIZE", 2)  # blockwise: 4 query and 2 key blocks per row
-    config = dataclasses.replace(from_hf_config(_hf_config("qwen3").to_dict()), attention_impl=impl)
+    config = from_hf_config(_hf_config("qwen3").to_dict())
     ids = jnp.asarray(_ids(7, (2, 8)))
     segments = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0], [1] * 8])  # two packed sequences and a padding slot
     positions = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 0], list(range(8))])
     results = {}
     for policy in REMAT_POLICIES:
-        graphdef, state = nnx.split(Transformer(dataclasses.replace(config, remat=policy), rngs=nnx.Rngs(0)))
+        runtime = RuntimeOptions(remat=policy, attention_impl=impl)
+        graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0), runtime=runtime))
 
         def loss(s, graphdef=graphdef):
             return (nnx.merge(graphdef, s)(ids, positions, segments) * (segments > 0)[..., None]).mean()
@@ -269,9 +270,9 @@ def test_every_remat_policy_gives_the_same_loss_and_gradients(impl, monkeypatch)
                      results["none"][1])
     for former_flag in (True, False):  # the old boolean is no policy
         with pytest.raises(ValueError, match="is not a policy"):
-            dataclasses.replace(config, remat=former_flag)
+            RuntimeOptions(remat=former_flag)
     with pytest.raises(ValueError, match="remat: 'some' is not a policy"):
-        dataclasses.replace(config, remat="some")
+        RuntimeOptions(remat="some")
 
 
 def test_each_model_type_reads_as_one_family_and_no_other():

@@ -176,5 +176,5 @@ def test_lora_on_attention_of_a_mixture_and_mlp_targets_refused(tmp_path):
     np.testing.assert_array_equal(np.asarray(adapted(ids)), before)  # B = 0: a fresh adapter changes nothing
     adapters = adapter_arrays(nnx.state(adapted, nnx.LoRAParam))
     adapters["q_proj_lora_b"] = adapters["q_proj_lora_b"] + 0.1
-    merged = merge_adapters(adapted, adapted.config.lora, adapters)
+    merged = merge_adapters(adapted, adapted.runtime.lora, adapters)
     assert not np.allclose(np.asarray(merged(ids)), before)  # the adapter reaches the sparse layers' input

@@ -14,7 +14,7 @@ from flax import nnx
 
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.models.config import DecoderConfig, from_hf_config
+from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions, from_hf_config
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.plan import cli, remat, report
 from drgrpo_jax.plan import planner as plan
@@ -272,7 +272,6 @@ FORMULA_FACTOR = 1.5
 def test_activation_formula_matches_xla_memory_analysis(impl):
     """Each policy's estimate is within FORMULA_FACTOR of XLA's temp memory for a tiny model's backward, and the
     policies keep less memory in the order the plan assumes."""
-    import dataclasses
 
     from drgrpo_jax.models.remat import REMAT_POLICIES
     from drgrpo_jax.plan.activations import activation_bytes
@@ -282,11 +281,12 @@ def test_activation_formula_matches_xla_memory_analysis(impl):
                                 "rollout.prompts_per_step=1", f"rollout.group_size={b}",
                                 f"model.attention_impl={impl}"])
     tiny = DecoderConfig(family="llama", vocab_size=64, hidden_size=64, intermediate_size=192, num_layers=4,
-                         num_heads=4, num_kv_heads=2, head_dim=16, attention_impl=impl)
+                         num_heads=4, num_kv_heads=2, head_dim=16)
     ids = jnp.zeros((b, S), jnp.int32)
     measured = {}
     for policy in REMAT_POLICIES:
-        graphdef, state = nnx.split(Transformer(dataclasses.replace(tiny, remat=policy), rngs=nnx.Rngs(0)))
+        runtime = RuntimeOptions(remat=policy, attention_impl=impl)
+        graphdef, state = nnx.split(Transformer(tiny, rngs=nnx.Rngs(0), runtime=runtime))
 
         def loss(s, graphdef=graphdef):
             return nnx.merge(graphdef, s).hidden_states(ids).mean()
@@ -349,7 +349,6 @@ def test_moe_plan_equals_the_real_allocation_with_experts_over_fsdp(mesh):
 def test_moe_activation_formula_matches_xla_memory_analysis():
     """A mixture's activations (its dispatch buffers, and on CPU ragged_dot's per-expert fallback) are within
     FORMULA_FACTOR of XLA's temp memory for each policy (measured 2026-12-06, float32 on CPU: 0.79-1.17)."""
-    import dataclasses
 
     from drgrpo_jax.models.remat import REMAT_POLICIES
     from drgrpo_jax.plan.activations import activation_bytes
@@ -360,8 +359,9 @@ def test_moe_activation_formula_matches_xla_memory_analysis():
                                 "model.attention_impl=blockwise"])
     ids = jnp.zeros((b, S), jnp.int32)
     for policy in REMAT_POLICIES:
-        model = dataclasses.replace(MOE, remat=policy, attention_impl="blockwise")
-        graphdef, state = nnx.split(Transformer(model, rngs=nnx.Rngs(0)))
+        model = MOE
+        runtime = RuntimeOptions(remat=policy, attention_impl="blockwise")
+        graphdef, state = nnx.split(Transformer(model, rngs=nnx.Rngs(0), runtime=runtime))
 
         def loss(s, graphdef=graphdef):
             return nnx.merge(graphdef, s).hidden_states(ids).mean()
@@ -380,7 +380,6 @@ def test_moe_plan_is_within_10_percent_of_the_compiled_expert_parallel_step(fsdp
     CPU's ragged_dot fallback) against the memory analysis of the training step compiled on a (1, fsdp, 1) mesh
     of CPU devices, where the experts run expert-parallel (measured 2026-12-07, float32: 0.94 at fsdp 2, 1.02 at
     4; without the all-to-all's buffers 4 ways planned about 0.85)."""
-    import dataclasses
 
     import numpy as np
 
@@ -395,12 +394,13 @@ def test_moe_plan_is_within_10_percent_of_the_compiled_expert_parallel_step(fsdp
                                 "model.attention_impl=blockwise", "rollout.prompts_per_step=4",
                                 "rollout.group_size=4", f"rollout.max_prompt_tokens={prompt}",
                                 f"rollout.max_new_tokens={response}"])
-    model = dataclasses.replace(MOE, remat="full", attention_impl="blockwise")
+    model = MOE
     planned = plan.make_plan(config, model)["trainer"]["total"]
 
     mesh = make_mesh(MeshShape(data=1, fsdp=fsdp, tensor=1), jax.devices()[:fsdp])
     optimizer, schedule = make_optimizer(1e-3, total_steps=10)
-    graphdef, state = init_state(Transformer(model, rngs=nnx.Rngs(0)), optimizer, jax.random.key(0))
+    runtime = RuntimeOptions(remat="full", attention_impl="blockwise")
+    graphdef, state = init_state(Transformer(model, rngs=nnx.Rngs(0), runtime=runtime), optimizer, jax.random.key(0))
     shardings = state_shardings(state, param_shardings(state.params, mesh), mesh)
     step = jit_train_step(graphdef, optimizer, schedule, step_configs(config)[0], shardings, mesh)
     rng = np.random.default_rng(0)

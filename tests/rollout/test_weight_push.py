@@ -270,7 +270,7 @@ def test_a_merged_lora_push_sends_what_export_merged_writes(tiny_model, tmp_path
     graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, nnx.Param)
     adapters = _perturbed(adapters, 3)  # B starts at zero: make the merge matter
     tensors = host_tensors(graphdef, adapters, frozen)
-    publisher = WeightPublisher(str(tmp_path), graphdef, lora=model.config, push_merged=True)
+    publisher = WeightPublisher(str(tmp_path), graphdef, lora=model.runtime.lora, push_merged=True)
     _, written = nnx.split(from_pretrained(publisher.export_merged(adapters, frozen, str(tmp_path / "m"))), nnx.Param)
     flat = {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(written)}
     assert tensors.keys() == flat.keys()

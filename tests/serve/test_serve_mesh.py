@@ -5,7 +5,6 @@ a LoRA adapter; every generation of weights lands split over the mesh."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -56,12 +55,12 @@ def folders(tmp_path_factory):
     v0 = write_model(str(root / "v0"), seed=0)
     v1 = write_model(str(root / "v1"), seed=1)
     spec = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "o_proj", "down_proj"))
-    config = dataclasses.replace(load_hf_config(v0), lora=spec)
+    config = load_hf_config(v0)
     rng = np.random.default_rng(0)
     arrays = {name: rng.normal(0, 0.3, shape).astype(np.float32) for name, (shape, _) in adapter_specs(config,
                                                                                                        spec).items()}
     adapter = str(root / "adapter")
-    save_adapter(arrays, config, adapter, base_model=v0)
+    save_adapter(arrays, spec, adapter, base_model=v0)
     return {"v0": v0, "v1": v1, "adapter": adapter}
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 from drgrpo_jax.errors import FieldError
 from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models.config import RuntimeOptions
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.step.config import StepConfig, importance_weights
 from drgrpo_jax.step.optimizer import make_optimizer
@@ -244,7 +245,7 @@ def test_bfloat16_step_runs_every_gemm_in_bfloat16_into_float32(impl):
     YNNPACK (a folded transpose, a transposed output) into a float32 dot, ~5x slower (models/gemm.py)."""
     graphdef, params = _peaked_params()
     model = nnx.merge(graphdef, params)
-    model.config = dataclasses.replace(model.config, attention_impl=impl, remat="full")
+    model.runtime = RuntimeOptions(attention_impl=impl, remat="full")
     graphdef, state = init_state(model, optax.sgd(1.0), jax.random.key(0))
     config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), micro_batches=2, logprob_chunk=5,
                         compute_dtype="bfloat16")

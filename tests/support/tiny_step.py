@@ -99,6 +99,7 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
     from flax import nnx
 
     from drgrpo_jax.losses import LossConfig
+    from drgrpo_jax.models.config import RuntimeOptions
     from drgrpo_jax.models.transformer import Transformer
     from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
     from drgrpo_jax.step.config import StepConfig
@@ -118,7 +119,8 @@ def run_step(mesh_shape, micro_batches, aggregation="fixed_budget", lengths=None
         optimizer = optimizer or optax.sgd(0.5)
     else:
         mesh, optimizer, shardings, step, old_logprobs = cached
-    model = shard_model(Transformer(dataclasses.replace(tiny_decoder_config(), remat=remat), rngs=nnx.Rngs(0)), mesh)
+    runtime = RuntimeOptions(remat=remat)
+    model = shard_model(Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0), runtime=runtime), mesh)
     graphdef, state = init_state(model, optimizer, jax.random.key(0), with_reference=kl_coef > 0)
     if cached is None:
         loss = LossConfig(aggregation=aggregation, budget=STEP_RESPONSE, kl_coef=kl_coef, **dict(loss_options))
