@@ -59,12 +59,12 @@ class StepBar:
     def step_done(self, row: dict[str, Any]) -> None:
         self._done += 1
         self._ends.append(time.perf_counter())
-        self._bar.update(1)
         self._bar.set_postfix_str(f"eta {self.eta()}, reward {row['reward_mean']:.3f}, acc {row['accuracy']:.2f}, "
                                   f"{row['tokens_per_second']:.0f} tok/s", refresh=False)
+        self._bar.update(1)  # draws the bar with this step's figures
 
     def eta(self) -> str:
-        """The time left at the steady-state steps' mean ('after step 2' until there is one)."""
+        """The time left at the steady-state steps' mean ('after the next step' until there is one)."""
         steady = [b - a for a, b in zip(self._ends[1:], self._ends[2:])]
         if not steady:
             return "after the next step"
