@@ -90,8 +90,9 @@ def folder_bytes(path: str) -> int | None:
 
 
 def _size(path: str) -> str:
+    """'0.54 GB; ' for a local folder ('' for a bucket): the start of its parenthesis."""
     size = folder_bytes(path)
-    return "" if size is None else f" ({size / 1e9:.2f} GB)" if size >= 1e8 else f" ({size / 1e6:.1f} MB)"
+    return "" if size is None else f"{size / 1e9:.2f} GB; " if size >= 1e8 else f"{size / 1e6:.1f} MB; "
 
 
 def closing_summary(output_dir: str, steps: int, seconds: float, checkpoints: list[int], *, tensorboard: bool,
@@ -103,9 +104,9 @@ def closing_summary(output_dir: str, steps: int, seconds: float, checkpoints: li
              f"  metrics:     {os.path.join(out, 'metrics.jsonl')} (a row per step and per evaluation), "
              f"{os.path.join(out, 'samples.jsonl')}",
              f"  plot:        python scripts/plot_run.py {out} -o {os.path.basename(os.path.normpath(out))}.png",
-             f"  final model: {os.path.join(out, 'final')}{_size(os.path.join(out, 'final'))} (a Hugging Face folder)",
-             f"  checkpoints: {os.path.join(out, 'checkpoints')}{_size(os.path.join(out, 'checkpoints'))} "
-             f"(steps {saved}; the same command resumes from the last)"]
+             f"  final model: {os.path.join(out, 'final')} ({_size(os.path.join(out, 'final'))}a Hugging Face folder)",
+             f"  checkpoints: {os.path.join(out, 'checkpoints')} ({_size(os.path.join(out, 'checkpoints'))}"
+             f"steps {saved}; the same command resumes from the last)"]
     if tensorboard:
         lines.insert(2, f"  TensorBoard: tensorboard --logdir {os.path.join(out, 'tensorboard')}")
     if last_eval:

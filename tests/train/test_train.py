@@ -258,7 +258,7 @@ def test_end_to_end_metrics_outputs_and_service_shutdown(uninterrupted, monkeypa
     summary = stderr[stderr.index("[drgrpo] done: 4 steps"):]
     for output in ("metrics.jsonl", "tensorboard --logdir", "plot_run.py", "final model:", "checkpoints:"):
         assert output in summary, output
-    assert re.search(r"checkpoints: \S+ \(\d+\.\d+ (MB|GB)\) \(steps 2, 4;", summary), summary
+    assert re.search(r"checkpoints: \S+ \(\d+\.\d+ (MB|GB); steps 2, 4;", summary), summary
 
 
 @pytest.mark.subprocess
