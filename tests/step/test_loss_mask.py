@@ -103,7 +103,7 @@ def test_a_full_loss_mask_is_the_same_as_none():
     none = dataclasses.replace(batch, loss_mask=None)
     a, b = run((2, 1, 1), 1, full), run((2, 1, 1), 1, none)
     assert_same(a[0], b[0], "full loss mask vs none")
-    assert a[1]["num_tokens"] == b[1]["num_tokens"] == (batch.response_mask & batch.row_valid[:, None]).sum()
+    assert a[1].num_tokens == b[1].num_tokens == (batch.response_mask & batch.row_valid[:, None]).sum()
 
 
 def test_environment_tokens_are_context_not_dropped(single):
