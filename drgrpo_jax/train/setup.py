@@ -215,9 +215,9 @@ def setup(config: Config, stack: contextlib.ExitStack) -> tuple[Roles, TrainStat
     if resume:  # before anything is built: a queue the run cannot restore must not be mistaken for a damaged save
         latest = checkpointer.latest_host_state()
         if latest is not None:
-            check_queue(QueueRecord.from_host(latest), c.rollout.async_, c.rollout.max_staleness,
-                        c.rollout.inflight_updates)
-            saved_optimizer = QueueRecord.from_host(latest).optimizer_state
+            latest_record = QueueRecord.from_host(latest)
+            check_queue(latest_record, c.rollout.async_, c.rollout.max_staleness, c.rollout.inflight_updates)
+            saved_optimizer = latest_record.optimizer_state
     scorer = stack.enter_context(RewardScorer(c.reward, budget=c.rollout.max_new_tokens))
     episodes = None
     if c.environment.enabled:  # before any compile: a tool or factory that cannot be built is a config error
