@@ -40,7 +40,7 @@ from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.rollout.client import RolloutClient, RouterShape
 from drgrpo_jax.rollout.record import ScoredRollout, routed_layout
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.policy import policy_logprobs
 
@@ -54,9 +54,9 @@ CONFIG = DecoderConfig(family="qwen3_moe", vocab_size=512, hidden_size=128, inte
 def sample(folder: str, dtype: str, prompts: list[list[int]], group: int, new_tokens: int, seed: int):
     """The service's completions of `prompts` (temperature 1), with their log-probs and routed experts."""
     shape = RouterShape(CONFIG.num_layers, CONFIG.experts_per_token, CONFIG.num_experts)
-    engine = Engine(ServeConfig(model=folder, dtype=dtype, short_request_tokens=0, batch_wait_ms=1.0))
+    scheduler = Scheduler(ServeConfig(model=folder, dtype=dtype, short_request_tokens=0, batch_wait_ms=1.0))
     try:
-        with TestClient(build_app(engine), base_url="http://localhost") as http:
+        with TestClient(build_app(scheduler), base_url="http://localhost") as http:
             def forward(request: httpx.Request) -> httpx.Response:
                 answer = http.request(request.method, request.url.path, content=request.content,
                                       headers={"content-type": "application/json"})
@@ -66,7 +66,7 @@ def sample(folder: str, dtype: str, prompts: list[list[int]], group: int, new_to
                 return client.generate(prompts, group, max_new_tokens=new_tokens, temperature=1.0, seed=seed,
                                        stop_token_ids=[2], return_routed_experts=shape)
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def trainer_routing(model: Transformer, batch) -> np.ndarray:

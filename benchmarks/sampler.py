@@ -80,17 +80,17 @@ def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
 
 
 def time_weight_swap(folder: str, dtype: str) -> float:
-    """Seconds for Engine.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
+    """Seconds for Scheduler.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
     from drgrpo_jax.config.serve import ServeConfig
-    from drgrpo_jax.serve.engine import Engine
+    from drgrpo_jax.serve.scheduler import Scheduler
 
-    engine = Engine(ServeConfig(model=folder, dtype=dtype))
+    scheduler = Scheduler(ServeConfig(model=folder, dtype=dtype))
     try:
         start = time.perf_counter()
-        engine.update_weights(folder, "1")
+        scheduler.update_weights(folder, "1")
         return time.perf_counter() - start
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ def pytest_runtest_teardown(item, nextitem):
     """An xdist worker runs hundreds of test files and jax keeps every program they compile, each holding memory
     mappings (host_memory.mapped_fraction): without this a worker passes Linux's vm.max_map_count late in the suite
     and the compile whose mmap fails segfaults. Past 40% of the limit the worker drops every compiled program; the
-    tests after it compile again. Below the service's own 50% (serve/engine.py): a service a test left running must
+    tests after it compile again. Below the service's own 50% (serve/scheduler.py): a service a test left running must
     never drop the programs of a later test in the middle of it."""
     yield
     if mapped_fraction() > 0.4:

@@ -1,6 +1,6 @@
 """The generation service: an HTTP process (SGLang-style native API + OpenAI completions) over the sampler,
 `python -m drgrpo_jax.serve --model PATH` (or `--config run.yaml`: its `model.path`, `model.dtype` and `serve:`
-section; the settings, their flags and their YAML: config/serve.py). `engine.py` batches requests and hot-swaps
+section; the settings, their flags and their YAML: config/serve.py). `scheduler.py` batches requests and hot-swaps
 the weights, `service.py` holds what every route shares, `native_routes.py` and `openai_routes.py` answer
 (`stops.py` cuts stop strings, `scoring.py` scores log-probs in tiles), `app.py` puts them behind `security.py`'s
 guard, `cli.py` starts it under uvicorn with `connections.py`'s limits. Every limit: docs/serving-limits.md.
@@ -8,11 +8,11 @@ guard, `cli.py` starts it under uvicorn with `connections.py`'s limits. Every li
 
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.cli import bind_socket, main, parse_args, served_tokenizer
-from drgrpo_jax.serve.engine import Engine, RowResult
+from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 from drgrpo_jax.serve.weights import Weights, check_compatible, load_weights
 
 __all__ = [
-    "Engine",
+    "Scheduler",
     "RowResult",
     "Weights",
     "bind_socket",

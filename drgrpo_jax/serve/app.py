@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from drgrpo_jax.config.serve import normalize_roots
 from drgrpo_jax.errors import BadRequest, ClientGone, QueueFull
-from drgrpo_jax.serve.engine import Engine
 from drgrpo_jax.serve.native_routes import ROUTES as NATIVE_ROUTES
 from drgrpo_jax.serve.openai_routes import ROUTES as OPENAI_ROUTES
+from drgrpo_jax.serve.scheduler import Scheduler
 from drgrpo_jax.serve.security import Guard, Keys
 from drgrpo_jax.serve.service import Service, error_response, shown_name
 
@@ -127,14 +127,14 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def build_app(engine: Engine, tokenizer: Any = None, *, keys: Keys | None = None, port_file: str = "", port: int = 0
-              ) -> FastAPI:
+def build_app(scheduler: Scheduler, tokenizer: Any = None, *, keys: Keys | None = None, port_file: str = "",
+              port: int = 0) -> FastAPI:
     """SGLang's `/generate`, `/update_weights_from_disk`, `/update_weights_from_tensor`, `/health`, ... and
-    OpenAI's `/v1/*` over `engine`, behind the Guard; `port_file` gets `port` once the app accepts requests."""
-    config = engine.config
+    OpenAI's `/v1/*` over `scheduler`, behind the Guard; `port_file` gets `port` once the app accepts requests."""
+    config = scheduler.config
     app = FastAPI(title="drgrpo_jax generation service",
                   lifespan=functools.partial(_publish_port, port_file=port_file, port=port))
-    app.state.service = Service(engine, tokenizer, config.served_model_name or shown_name(config.model),
+    app.state.service = Service(scheduler, tokenizer, config.served_model_name or shown_name(config.model),
                                 normalize_roots(config.weights_roots))
     # Starlette types a handler as taking any Exception; each of these takes only the type it is registered for.
     handlers: list[tuple[type[Exception], Any]] = [(RequestValidationError, _invalid_request),

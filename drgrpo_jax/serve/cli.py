@@ -23,7 +23,7 @@ from drgrpo_jax.hub_ids import local_model_and_tokenizer
 from drgrpo_jax.models.pretrained import load_tokenizer
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.connections import guarded_protocol
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 from drgrpo_jax.serve.security import read_keys
 from drgrpo_jax.serve.service import shown_name
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh
@@ -120,16 +120,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     except OSError as error:
         _fail(f"--port: cannot listen on {config.host}:{config.port}: {error.strerror}")
     try:
-        engine = Engine(config)
+        scheduler = Scheduler(config)
     except Exception as error:  # noqa: BLE001 - whatever the loaders raise: one line, as the trainer's errors
         _fail(f"--model: cannot load {config.model}: {type(error).__name__}: {' '.join(str(error).split())[:500]}")
-    app = build_app(engine, served_tokenizer(config), keys=keys, port_file=config.port_file,
+    app = build_app(scheduler, served_tokenizer(config), keys=keys, port_file=config.port_file,
                     port=sock.getsockname()[1])
     if not config.loopback and not config.weights_roots:
         log.warning("no --weights-root: /update_weights_from_disk refuses every path on this non-loopback service")
-    where = "one device" if engine.mesh is None else (
-        f"{engine.mesh.size} devices (data={engine.mesh.shape['data']}, tensor={engine.mesh.shape['tensor']})")
-    log.info("serving %s (version %s) on %s at http://%s:%d", config.model, engine.weights.version, where,
+    where = "one device" if scheduler.mesh is None else (
+        f"{scheduler.mesh.size} devices (data={scheduler.mesh.shape['data']}, tensor={scheduler.mesh.shape['tensor']})")
+    log.info("serving %s (version %s) on %s at http://%s:%d", config.model, scheduler.weights.version, where,
              config.host, sock.getsockname()[1])
     if config.parent_pid:
         threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True).start()
@@ -140,5 +140,5 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        engine.close()
+        scheduler.close()
 

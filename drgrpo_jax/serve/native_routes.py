@@ -17,7 +17,7 @@ from drgrpo_jax.errors import BadRequest, InvalidWeights, PathNotAllowed
 from drgrpo_jax.named_tensors import NAME_FORM, SEGMENT_NAME
 from drgrpo_jax.sampler.batch import RowRequest
 from drgrpo_jax.sampler.programs import compiled_programs
-from drgrpo_jax.serve.engine import RowResult
+from drgrpo_jax.serve.scheduler import RowResult
 from drgrpo_jax.serve.schemas import (
     GenerateRequest,
     SamplingParamsIn,
@@ -48,10 +48,10 @@ __all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "upda
 
 async def health(request: Request) -> JSONResponse:
     """GET /health: ok and the weight version while the sampler worker runs, else 503."""
-    engine = service_of(request).engine
-    if not engine.alive:
+    scheduler = service_of(request).scheduler
+    if not scheduler.alive:
         return error_response(503, "sampler worker has stopped")
-    return JSONResponse({"status": "ok", "weight_version": engine.weights.version})
+    return JSONResponse({"status": "ok", "weight_version": scheduler.weights.version})
 
 
 async def model_info(request: Request) -> dict:
@@ -61,24 +61,24 @@ async def model_info(request: Request) -> dict:
     LoRA adapter (null, or the merged adapter's name, rank, alpha and targets) of this service. The paths are
     names (`Service.shown`): no server path is shown."""
     service = service_of(request)
-    engine, w = service.engine, service.engine.weights
+    scheduler, w = service.scheduler, service.scheduler.weights
     adapter = w.adapter and {**w.adapter, "path": service.shown(w.adapter["path"])}
-    tokenizer = shown_name(engine.config.tokenizer) if engine.config.tokenizer else service.name
+    tokenizer = shown_name(scheduler.config.tokenizer) if scheduler.config.tokenizer else service.name
     return {"model_path": service.shown(w.path), "tokenizer_path": tokenizer,
-            "is_generation": True, "weight_version": w.version, "max_context": engine.max_context,
+            "is_generation": True, "weight_version": w.version, "max_context": scheduler.max_context,
             "vocab_size": w.config.vocab_size, "eos_token_ids": list(w.config.eos_token_ids),
-            "dtype": engine.config.dtype, "max_batch_size": engine.config.max_batch_size,
-            "max_batch_bytes": engine.batch_budget,
-            "batches_run": engine.batches_run, "queued_tokens": engine.queued_tokens,
-            "rows_dropped": engine.rows_dropped, "rows_cut": engine.rows_cut,
-            "batches_stopped": engine.batches_stopped, "compiled_programs": compiled_programs(),
-            "programs_dropped": engine.programs_dropped, "adapter": adapter,
-            "inflight_updates": engine.config.inflight_updates}
+            "dtype": scheduler.config.dtype, "max_batch_size": scheduler.config.max_batch_size,
+            "max_batch_bytes": scheduler.batch_budget,
+            "batches_run": scheduler.batches_run, "queued_tokens": scheduler.queued_tokens,
+            "rows_dropped": scheduler.rows_dropped, "rows_cut": scheduler.rows_cut,
+            "batches_stopped": scheduler.batches_stopped, "compiled_programs": compiled_programs(),
+            "programs_dropped": scheduler.programs_dropped, "adapter": adapter,
+            "inflight_updates": scheduler.config.inflight_updates}
 
 
 async def weight_version(request: Request) -> dict:
     """GET /get_weight_version: the version new batches sample with."""
-    return {"weight_version": service_of(request).engine.weights.version}
+    return {"weight_version": service_of(request).scheduler.weights.version}
 
 
 # ---------------------------------------------------------------- weight updates
@@ -107,26 +107,26 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONRe
     load failure says only that the folder is not a valid model (the service's log has the detail).
     """
     service = service_of(request)
-    engine = service.engine
+    scheduler = service.scheduler
     version = str(body.weight_version) if body.weight_version is not None else _next_version(
-        engine.weights.version)
+        scheduler.weights.version)
     try:
-        path = confine_weight_path(body.model_path, service.weights_roots, required=not engine.config.loopback)
+        path = confine_weight_path(body.model_path, service.weights_roots, required=not scheduler.config.loopback)
         if not body.allow_rollback:
-            check_newer(engine.weights.version, version)
+            check_newer(scheduler.weights.version, version)
 
         def load() -> Weights:  # off the event loop: opening a folder on a slow disk must not stall /health
             with open_weight_folder(path, service.weights_roots) as folder:  # read through descriptors: no race
-                return engine.update_weights(folder, version, shown_path=body.model_path,
+                return scheduler.update_weights(folder, version, shown_path=body.model_path,
                                              allow_rollback=body.allow_rollback)
 
         weights = await asyncio.to_thread(load)
     except PathNotAllowed as error:
-        return _update_answer(403, str(error), engine.weights.version)
+        return _update_answer(403, str(error), scheduler.weights.version)
     except InvalidWeights as error:
-        return _update_answer(400, str(error), engine.weights.version)
+        return _update_answer(400, str(error), scheduler.weights.version)
     except OSError:  # the folder (or a folder on the way) is missing or unreadable: the log of a load says no more
-        return _update_answer(400, "model_path: not a valid model folder", engine.weights.version)
+        return _update_answer(400, "model_path: not a valid model folder", scheduler.weights.version)
     return _update_answer(200, "Succeeded to update model weights.", weights.version)
 
 
@@ -138,22 +138,22 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, reque
     index (`tensor_segment`), not serialized tensors. A segment lives on this machine only, so a service bound
     beyond loopback refuses the route (403); the admin key guards it like /update_weights_from_disk.
     """
-    engine = service_of(request).engine
-    if not engine.config.loopback:
+    scheduler = service_of(request).scheduler
+    if not scheduler.config.loopback:
         return _update_answer(403, "segment: shared-memory updates are served on loopback only",
-                              engine.weights.version)
+                              scheduler.weights.version)
     if not SEGMENT_NAME.fullmatch(body.segment):  # whole: a trailing newline or another path is no segment name
         return _update_answer(400, f"segment: not a weight segment name ({NAME_FORM})",
-                              engine.weights.version)
-    version = str(body.weight_version) if body.weight_version is not None else _next_version(engine.weights.version)
+                              scheduler.weights.version)
+    version = str(body.weight_version) if body.weight_version is not None else _next_version(scheduler.weights.version)
     index = [entry.model_dump() for entry in body.tensors]
     try:
         if not body.allow_rollback:
-            check_newer(engine.weights.version, version)
-        weights = await asyncio.to_thread(engine.update_weights_from_segment, body.segment, index, version,
+            check_newer(scheduler.weights.version, version)
+        weights = await asyncio.to_thread(scheduler.update_weights_from_segment, body.segment, index, version,
                                           allow_rollback=body.allow_rollback)
     except (InvalidWeights, ValueError) as error:
-        return _update_answer(400, str(error), engine.weights.version)
+        return _update_answer(400, str(error), scheduler.weights.version)
     return _update_answer(200, "Succeeded to update model weights.", weights.version)
 
 
@@ -215,35 +215,35 @@ def _choice(result: RowResult, tokenizer: Any, params: SamplingParamsIn) -> Choi
 async def generate(body: GenerateRequest, request: Request) -> Any:
     """POST /generate: completions prompt-major, a single object when one prompt asked for one."""
     service = service_of(request)
-    engine = service.engine
-    if body.return_routed_experts and not engine.weights.config.moe:
-        raise BadRequest(f"return_routed_experts: the served {engine.weights.config.family} model has no router "
+    scheduler = service.scheduler
+    if body.return_routed_experts and not scheduler.weights.config.moe:
+        raise BadRequest(f"return_routed_experts: the served {scheduler.weights.config.family} model has no router "
                          f"(only a mixture of experts routes tokens)")
-    deadline = deadline_of(engine)
+    deadline = deadline_of(scheduler)
     field = "input_ids" if body.text is None else "text"
     # Off the event loop: tokenizing long texts must not stall /health and every other client.
     prompts, is_batch = await asyncio.to_thread(prompt_ids, body.text, body.input_ids, service.tokenizer, field,
-                                                engine.max_context)
+                                                scheduler.max_context)
     params = body.sampling_params or SamplingParamsIn()
     per_prompt = _per_prompt(params, len(prompts))
-    check_request(engine, prompts, per_prompt, field, "sampling_params.", record=body.return_routed_experts)
+    check_request(scheduler, prompts, per_prompt, field, "sampling_params.", record=body.return_routed_experts)
     if service.tokenizer is None and any(p.stop for p in per_prompt):
         raise BadRequest("sampling_params.stop: this server has no tokenizer to match stop strings; use "
                          "stop_token_ids")
     if isinstance(body.rid, list) and len(body.rid) != len(prompts):
         raise BadRequest(f"rid: {len(body.rid)} ids for {len(prompts)} prompts")
     rids = body.rid if isinstance(body.rid, list) else [body.rid or secrets.token_hex(8)] * len(prompts)
-    rows = sampler_rows(prompts, per_prompt, not isinstance(params, list), engine.weights.config.vocab_size)
+    rows = sampler_rows(prompts, per_prompt, not isinstance(params, list), scheduler.weights.config.vocab_size)
     if body.return_routed_experts:
         rows = [dataclasses.replace(row, return_routed_experts=True) for row in rows]
     start = time.perf_counter()
-    results = await run_rows(engine, rows, request, deadline)
+    results = await run_rows(scheduler, rows, request, deadline)
     latency = time.perf_counter() - start
     prompt_of_row = [i for i, p in enumerate(per_prompt) for _ in range(p.n)]
     choices = await asyncio.to_thread(lambda: [_choice(result, service.tokenizer, per_prompt[i])
                                                for result, i in zip(results, prompt_of_row)])
     out = [_generated(result, choice, row, rids[i], latency, body.return_logprob,
-                      abort_message(engine, bool(result.output_ids)))
+                      abort_message(scheduler, bool(result.output_ids)))
            for row, result, choice, i in zip(rows, results, choices, prompt_of_row)]
     return out if is_batch or len(out) > 1 else out[0]
 

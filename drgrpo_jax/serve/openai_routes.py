@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from drgrpo_jax.errors import BadRequest
 from drgrpo_jax.sampler.batch import RowRequest
-from drgrpo_jax.serve.engine import Engine, RowResult
+from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
 from drgrpo_jax.serve.scoring import ScoredSequence, call_bytes, rows_per_call, score_sequences
 from drgrpo_jax.serve.service import (
@@ -58,18 +58,18 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
     Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
     request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
     exactly when it was the likeliest; the sampler's own log-probs (`/generate`) agree to ~1e-4. The scoring
-    marks itself busy with the engine (`programs_in_use`), so an idle drop of the compiled programs waits for it.
+    marks itself busy with the scheduler (`programs_in_use`), so an idle drop of the compiled programs waits for it.
     """
-    engine = service.engine
-    weights, config = engine.weights, engine.config
+    scheduler = service.scheduler
+    weights, config = scheduler.weights, scheduler.config
     if any(c.weight_version != weights.version for c in choices):
         return None
     stop = threading.Event()
     rows = rows_per_call(weights.config, max(map(len, sequences)), top, config.max_scoring_bytes,
-                         engine.batch_budget, config.max_batch_size)
+                         scheduler.batch_budget, config.max_batch_size)
 
     def score() -> list[ScoredSequence] | None:
-        with engine.programs_in_use():
+        with scheduler.programs_in_use():
             return score_sequences(weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
                                    weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=rows,
                                    stopped=stop.is_set)
@@ -93,9 +93,9 @@ async def _sample(service: Service, rows: list[RowRequest], stops: list[str], sc
     `scoring` (temperature, top) asks for them). Log-probs come from the weights that sampled the tokens: when
     the weights were swapped between sampling and scoring, the rows are sampled once more on the new ones, and a
     second swap answers 503."""
-    engine, tokenizer = service.engine, service.tokenizer
+    scheduler, tokenizer = service.scheduler, service.tokenizer
     for _ in range(2):
-        results = await run_rows(engine, rows, request, deadline)
+        results = await run_rows(scheduler, rows, request, deadline)
         choices = await asyncio.to_thread(_apply_stops, results, tokenizer, stops)
         sequences = [list(row.prompt_ids) + choice.token_ids for row, choice in zip(rows, choices)]
         if scoring is None:
@@ -106,12 +106,12 @@ async def _sample(service: Service, rows: list[RowRequest], stops: list[str], sc
     raise HTTPException(503, "weights: a new version was loaded twice while this request ran; send it again")
 
 
-def _ending(engine: Engine, choice: Choice) -> dict:
+def _ending(scheduler: Scheduler, choice: Choice) -> dict:
     """A choice's finish reason, the version that sampled it and, when it was cut short, why (`abort_reason`:
     OpenAI's finish reasons carry no message, and an empty 200 must say why it is empty)."""
     ending = {"finish_reason": choice.finish_reason, "weight_version": choice.weight_version}
     if choice.finish_reason == "abort":
-        ending["abort_reason"] = abort_message(engine, bool(choice.token_ids))
+        ending["abort_reason"] = abort_message(scheduler, bool(choice.token_ids))
     return ending
 
 
@@ -154,14 +154,14 @@ def _answer(response: dict, body: CompletionRequest | ChatCompletionRequest, kin
     return _event_stream(_chunks(response, kind, include_usage))
 
 
-def _check_scoring(engine: Engine, prompts: list[list[int]], new_tokens: int, top: int, field: str) -> None:
+def _check_scoring(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int, top: int, field: str) -> None:
     """Refuses, before anything is sampled, log-probs whose one sequence's scoring call would not fit the
     service's memory budget (--max-batch-bytes)."""
     longest = max(map(len, prompts)) + new_tokens
-    need = call_bytes(engine.weights.config, 1, longest, top, engine.config.max_scoring_bytes)
-    if need > engine.batch_budget:
+    need = call_bytes(scheduler.weights.config, 1, longest, top, scheduler.config.max_scoring_bytes)
+    if need > scheduler.batch_budget:
         raise BadRequest(f"{field}: scoring a sequence of {longest} tokens needs {need / 2**20:,.0f} MiB, over the "
-                         f"service's budget of {engine.batch_budget / 2**20:,.0f} MiB a batch (--max-batch-bytes)")
+                         f"service's budget of {scheduler.batch_budget / 2**20:,.0f} MiB a batch (--max-batch-bytes)")
 
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -180,7 +180,7 @@ async def models(request: Request) -> dict:
     """GET /v1/models: the one served model."""
     service = service_of(request)
     return {"object": "list", "data": [{"id": service.name, "object": "model", "owned_by": "drgrpo_jax",
-                                        "max_model_len": service.engine.max_context}]}
+                                        "max_model_len": service.scheduler.max_context}]}
 
 
 def _completion_prompts(prompt: str | list, tokenizer: Any, max_context: int) -> list[list[int]]:
@@ -240,18 +240,18 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     """POST /v1/completions: every prompt gets the same settings, and n completions each."""
     service = service_of(request)
-    engine, tokenizer = service.engine, service.tokenizer
-    deadline = deadline_of(engine)
-    prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, engine.max_context)
+    scheduler, tokenizer = service.scheduler, service.tokenizer
+    deadline = deadline_of(scheduler)
+    prompts = await asyncio.to_thread(_completion_prompts, body.prompt, tokenizer, scheduler.max_context)
     stops = _stops(body.stop, tokenizer)
-    limits = engine.config
+    limits = scheduler.config
     # OpenAI's default of 16 when max_tokens is left out, or the operator's if that is smaller.
     params = _params(body, _budget(body.max_tokens, "max_tokens", min(16, limits.default_max_tokens),
                                    limits.max_tokens_limit))
-    check_request(engine, prompts, [params] * len(prompts), "prompt", "")
+    check_request(scheduler, prompts, [params] * len(prompts), "prompt", "")
     if body.logprobs is not None:
-        _check_scoring(engine, prompts, params.max_new_tokens, body.logprobs, "logprobs")
-    rows = sampler_rows(prompts, [params] * len(prompts), True, engine.weights.config.vocab_size)
+        _check_scoring(scheduler, prompts, params.max_new_tokens, body.logprobs, "logprobs")
+    rows = sampler_rows(prompts, [params] * len(prompts), True, scheduler.weights.config.vocab_size)
     scoring = None if body.logprobs is None else (params.temperature, body.logprobs)
     choices, sequences, scored = await _sample(service, rows, stops, scoring, request, deadline)
     prompt_of = [i for i in range(len(prompts)) for _ in range(body.n)]
@@ -262,7 +262,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         logprobs = (None if scored is None or body.logprobs is None else
                     _legacy_logprobs(tokenizer, sequences[index], scored[index], first, body.logprobs))
         out.append({"index": index, "text": prefix + choice.text, "logprobs": logprobs,
-                    "token_ids": choice.token_ids, **_ending(engine, choice)})
+                    "token_ids": choice.token_ids, **_ending(scheduler, choice)})
     response = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model or service.name, "choices": out, "usage": _usage(prompts, choices)}
     return _answer(response, body, "text_completion")
@@ -321,33 +321,33 @@ def _chat_logprobs(tokenizer: Any, sequence: list[int], scored: ScoredSequence, 
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     """POST /v1/chat/completions: n assistant replies to one conversation."""
     service = service_of(request)
-    engine, tokenizer = service.engine, service.tokenizer
-    deadline = deadline_of(engine)
-    prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, engine.max_context)
+    scheduler, tokenizer = service.scheduler, service.tokenizer
+    deadline = deadline_of(scheduler)
+    prompt = await asyncio.to_thread(_chat_prompt, body.messages, tokenizer, scheduler.max_context)
     stops = _stops(body.stop, tokenizer)
     top = body.top_logprobs or 0
     if top and not body.logprobs:  # before any work: a refused request costs no batch
         raise BadRequest("top_logprobs: needs logprobs: true")
-    limits = engine.config
+    limits = scheduler.config
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # Not the rest of the context: one request without max_tokens must not hold the worker for minutes.
-    budget = _budget(given, field, min(limits.default_max_tokens, max(engine.max_context - len(prompt), 0)),
+    budget = _budget(given, field, min(limits.default_max_tokens, max(scheduler.max_context - len(prompt), 0)),
                      limits.max_tokens_limit)
     if body.max_tokens is not None and body.max_tokens > limits.max_tokens_limit:
         raise BadRequest(f"max_tokens: {body.max_tokens} exceeds this service's limit of "
                          f"{limits.max_tokens_limit} (--max-tokens-limit)")
     params = _params(body, budget)
-    check_request(engine, [prompt], [params], "messages", "")
+    check_request(scheduler, [prompt], [params], "messages", "")
     if body.logprobs:
-        _check_scoring(engine, [prompt], params.max_new_tokens, top, "logprobs")
-    rows = sampler_rows([prompt], [params], True, engine.weights.config.vocab_size)
+        _check_scoring(scheduler, [prompt], params.max_new_tokens, top, "logprobs")
+    rows = sampler_rows([prompt], [params], True, scheduler.weights.config.vocab_size)
     scoring = (params.temperature, top) if body.logprobs else None
     choices, sequences, scored = await _sample(service, rows, stops, scoring, request, deadline)
     out = [{"index": j, "message": {"role": "assistant", "content": choice.text},
             "logprobs": None if scored is None else _chat_logprobs(tokenizer, sequences[j], scored[j], len(prompt),
                                                                    top),
-            "token_ids": choice.token_ids, **_ending(engine, choice)} for j, choice in enumerate(choices)]
+            "token_ids": choice.token_ids, **_ending(scheduler, choice)} for j, choice in enumerate(choices)]
     response = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.model or service.name, "choices": out, "usage": _usage([prompt], choices)}
     return _answer(response, body, "chat.completion.chunk")

@@ -1,4 +1,4 @@
-"""The request bodies: every field bounded on arrival to what the engine can hold (int32, float32, sizes), so no
+"""The request bodies: every field bounded on arrival to what the scheduler can hold (int32, float32, sizes), so no
 value can overflow a worker array; bounds that depend on the served model (vocabulary, context) or the service's
 limits are service.check_request's, once the body has parsed."""
 

@@ -1,5 +1,5 @@
 """What every route shares: the Service state stored on the app, the error body, the checks a request passes
-before anything is queued, tokenizing and decoding, and running rows on the Engine."""
+before anything is queued, tokenizing and decoding, and running rows on the Scheduler."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from drgrpo_jax.errors import BadRequest, ClientGone
 from drgrpo_jax.hub_ids import hub_id
 from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.seeds import unseeded
-from drgrpo_jax.serve.engine import Engine, RowResult
+from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
 
 __all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "Service", "abort_message", "check_request", "check_share",
@@ -33,7 +33,7 @@ DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client i
 class Service:
     """What every route handler reads, stored on the app by build_app."""
 
-    engine: Engine
+    scheduler: Scheduler
     tokenizer: Any  # a transformers tokenizer, or None: only token-id prompts are served
     name: str  # the model's name in responses (served_model_name): never where it lies on the server
     weights_roots: tuple[str, ...] = ()  # normalized --weights-root folders and gs:// prefixes
@@ -41,7 +41,7 @@ class Service:
     def shown(self, path: str) -> str:
         """What responses call the weights loaded from `path`: the served name for the model the service started
         with, else the last part of the path (a client holding only the API key learns no server path)."""
-        return self.name if path == self.engine.config.model else shown_name(path)
+        return self.name if path == self.scheduler.config.model else shown_name(path)
 
 
 def shown_name(spec: str) -> str:
@@ -103,30 +103,30 @@ def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> 
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
 
 
-def check_request(engine: Engine, prompts: list[list[int]], params: list[SamplingParamsIn], field: str,
+def check_request(scheduler: Scheduler, prompts: list[list[int]], params: list[SamplingParamsIn], field: str,
                   params_field: str, record: bool = False) -> None:
     """Refuses empty prompts, ids outside the vocabulary, prompts + budgets beyond the context or the sampler's
     memory budget (`record`: with the routed experts recorded), and requests over the row or token budget; all
     before anything is queued."""
     if not prompts:
         raise BadRequest(f"{field}: no prompts")
-    vocab, limits = engine.weights.config.vocab_size, engine.config
+    vocab, limits = scheduler.weights.config.vocab_size, scheduler.config
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         if not prompt:
             raise BadRequest(f"{field}[{i}]: empty prompt")
         if max(prompt) >= vocab:
             raise BadRequest(f"{field}[{i}]: token id {max(prompt)} is outside the vocabulary of {vocab}")
-        if len(prompt) + p.max_new_tokens > engine.max_context:
+        if len(prompt) + p.max_new_tokens > scheduler.max_context:
             raise BadRequest(f"{field}[{i}]: prompt of {len(prompt)} tokens + {p.max_new_tokens} new tokens exceeds "
-                             f"the context of {engine.max_context}")
+                             f"the context of {scheduler.max_context}")
         if p.stop_token_ids and max(p.stop_token_ids) >= vocab:
             raise BadRequest(f"{params_field}stop_token_ids: token id {max(p.stop_token_ids)} is outside the "
                              f"vocabulary of {vocab}")
-        need = engine.batch_bytes(1, len(prompt), p.max_new_tokens, record)
-        if need > engine.batch_budget:
+        need = scheduler.batch_bytes(1, len(prompt), p.max_new_tokens, record)
+        if need > scheduler.batch_budget:
             raise BadRequest(f"{field}[{i}]: a prompt of {len(prompt)} tokens with {p.max_new_tokens} new tokens needs "
                              f"{need / 2**20:,.0f} MiB of sampler memory, over the service's budget of "
-                             f"{engine.batch_budget / 2**20:,.0f} MiB a batch (--max-batch-bytes)")
+                             f"{scheduler.batch_budget / 2**20:,.0f} MiB a batch (--max-batch-bytes)")
     rows = sum(p.n for p in params)
     if rows > limits.max_rows_per_request:
         raise BadRequest(f"n: {rows} completions exceed max_rows_per_request={limits.max_rows_per_request}")
@@ -134,28 +134,28 @@ def check_request(engine: Engine, prompts: list[list[int]], params: list[Samplin
     if tokens > limits.max_request_tokens:
         raise BadRequest(f"n: prompts x n x (prompt + new tokens) = {tokens} tokens exceed "
                          f"max_request_tokens={limits.max_request_tokens}")
-    check_share(engine, max(p.max_new_tokens for p in params), field)
+    check_share(scheduler, max(p.max_new_tokens for p in params), field)
 
 
-def check_share(engine: Engine, new_tokens: int, field: str) -> None:
+def check_share(scheduler: Scheduler, new_tokens: int, field: str) -> None:
     """Refuses a request whose batch would hold the workers for more than --admission-share of the deadline at
     the service's decoding speed: admitted, it would keep every later request waiting (or, with the queue full,
     refused) until the deadline, and be answered empty."""
-    config = engine.config
+    config = scheduler.config
     allowed = config.admission_share * config.request_timeout_s
-    need = engine.batch_seconds(new_tokens) if config.admission_share else None
+    need = scheduler.batch_seconds(new_tokens) if config.admission_share else None
     if need is not None and need > allowed:
         raise BadRequest(f"{field}: up to {new_tokens} new tokens a completion would hold a batch for about "
-                         f"{need:,.0f} s at this service's {engine.row_rate():,.0f} new tokens a second, over "
+                         f"{need:,.0f} s at this service's {scheduler.row_rate():,.0f} new tokens a second, over "
                          f"{allowed:g} s (--admission-share {config.admission_share:g} of --request-timeout-s "
                          f"{config.request_timeout_s:g}); ask for fewer new tokens")
 
 
-def abort_message(engine: Engine, sampled: bool) -> str:
+def abort_message(scheduler: Scheduler, sampled: bool) -> str:
     """Why a completion ended with finish reason abort: its deadline passed (`sampled`: after some of it was
     sampled, or while its log-probs were computed; else before any of it was sampled)."""
     when = "before it finished" if sampled else "before this completion was sampled"
-    return f"the request's deadline (--request-timeout-s {engine.config.request_timeout_s:g}) passed {when}"
+    return f"the request's deadline (--request-timeout-s {scheduler.config.request_timeout_s:g}) passed {when}"
 
 
 def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], shared_seed: bool, vocab: int
@@ -174,9 +174,9 @@ def sampler_rows(prompts: list[list[int]], params: list[SamplingParamsIn], share
     return rows
 
 
-def deadline_of(engine: Engine) -> float:
+def deadline_of(scheduler: Scheduler) -> float:
     """When a request arriving now must be answered (time.monotonic()), from --request-timeout-s."""
-    return time.monotonic() + engine.config.request_timeout_s
+    return time.monotonic() + scheduler.config.request_timeout_s
 
 
 async def wait_while_wanted(waiter: asyncio.Future, request: Request, deadline: float,
@@ -193,18 +193,18 @@ async def wait_while_wanted(waiter: asyncio.Future, request: Request, deadline: 
     return True
 
 
-async def run_rows(engine: Engine, rows: list[RowRequest], request: Request, deadline: float) -> list[RowResult]:
+async def run_rows(scheduler: Scheduler, rows: list[RowRequest], request: Request, deadline: float) -> list[RowResult]:
     """The rows' results; a failed batch answers HTTP 500 and the service keeps running.
 
     While waiting, the client is checked every DISCONNECT_POLL_S: once it is gone its rows are dropped
     at the next batch boundary (QueueFull, raised by submit, answers 429). At `deadline` the request is
     answered with the rows sampled so far and the others empty and `aborted` (their finish reason: abort).
     """
-    future = engine.submit(rows)
+    future = scheduler.submit(rows)
     waiter = asyncio.wrap_future(future)
     if not await wait_while_wanted(waiter, request, deadline, future.cancel):
-        done = engine.abandon(future)
-        version = engine.weights.version
+        done = scheduler.abandon(future)
+        version = scheduler.weights.version
         return [r if r is not None else RowResult([], [], False, version, aborted=True) for r in done]
     try:
         return waiter.result()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from drgrpo_jax.serve.engine import RowResult
+from drgrpo_jax.serve.scheduler import RowResult
 from drgrpo_jax.serve.service import decode
 
 __all__ = ["Choice", "apply_stop", "first_stop"]

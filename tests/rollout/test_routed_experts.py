@@ -24,7 +24,7 @@ from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.rollout.client import RolloutClient, RouterShape
 from drgrpo_jax.rollout.record import ScoredRollout, routed_layout
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 from drgrpo_jax.step.config import StepConfig
 from drgrpo_jax.step.policy import policy_logprobs
 
@@ -145,8 +145,8 @@ def test_replayed_trainer_logprobs_equal_the_services_behaviour_logprobs(tmp_pat
     model = from_pretrained(folder)
     shape = RouterShape(model.config.num_layers, model.config.experts_per_token, model.config.num_experts)
     prompts, group, U, T = [[1, 7, 12, 30, 4], [1, 22], [1, 40, 41, 9, 9, 9, 3, 17, 25]], 2, 12, 10
-    engine = Engine(ServeConfig(model=folder, short_request_tokens=0, batch_wait_ms=1.0))
-    with TestClient(build_app(engine), base_url="http://localhost") as http:
+    scheduler = Scheduler(ServeConfig(model=folder, short_request_tokens=0, batch_wait_ms=1.0))
+    with TestClient(build_app(scheduler), base_url="http://localhost") as http:
         def forward(request: httpx.Request) -> httpx.Response:
             answer = http.request(request.method, request.url.path, content=request.content,
                                   headers={"content-type": "application/json"})
@@ -154,7 +154,7 @@ def test_replayed_trainer_logprobs_equal_the_services_behaviour_logprobs(tmp_pat
         with RolloutClient(["http://localhost"], transport=httpx.MockTransport(forward)) as client:
             sampled = client.generate(prompts, group, max_new_tokens=T, temperature=1.0, seed=5,
                                       stop_token_ids=[2], return_routed_experts=shape)
-    engine.close()
+    scheduler.close()
     rollout = ScoredRollout.from_prompts(
         [Example(str(i), "q", "a") for i in range(len(prompts))], prompts, response_ids=sampled.response_ids,
         behaviour_logprobs=sampled.behaviour_logprobs, response_mask=sampled.response_mask, lengths=sampled.lengths,

@@ -314,18 +314,18 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
     from drgrpo_jax.config.serve import ServeConfig
     from drgrpo_jax.rollout.weight_push import WeightPublisher
     from drgrpo_jax.serve.app import build_app
-    from drgrpo_jax.serve.engine import Engine
+    from drgrpo_jax.serve.scheduler import Scheduler
 
     graphdef, params = tiny_state
     new = _perturbed(params, 1)
-    engine = Engine(ServeConfig(model=tiny_model, dtype=dtype))
+    scheduler = Scheduler(ServeConfig(model=tiny_model, dtype=dtype))
     try:
-        http = TestClient(build_app(engine), base_url="http://127.0.0.1")
+        http = TestClient(build_app(scheduler), base_url="http://127.0.0.1")
         before = _generate(http, "0")
         path = WeightPublisher(str(tmp_path / "weights"), graphdef).publish(new, 1)
         answer = http.post("/update_weights_from_disk", json={"model_path": path, "weight_version": 1})
         assert answer.status_code == 200, answer.text
-        by_disk, disk_state = _generate(http, "1"), jax.device_get(jax.tree.leaves(engine.weights.state))
+        by_disk, disk_state = _generate(http, "1"), jax.device_get(jax.tree.leaves(scheduler.weights.state))
         name = tensor_segment.segment_name(folder, "2.0")
         entries = tensor_segment.write_segment(name, host_tensors(graphdef, new))
         try:
@@ -334,14 +334,14 @@ def test_a_shared_memory_push_serves_bit_identical_weights_and_logprobs_to_a_dis
         finally:
             tensor_segment.remove_segment(name)  # the service copied the tensors out: the segment may go now
         assert answer.status_code == 200 and answer.json()["weight_version"] == "2", answer.text
-        by_shm, shm_state = _generate(http, "2"), jax.device_get(jax.tree.leaves(engine.weights.state))
+        by_shm, shm_state = _generate(http, "2"), jax.device_get(jax.tree.leaves(scheduler.weights.state))
         assert by_shm == by_disk and by_shm != before
         for a, b in zip(disk_state, shm_state, strict=True):
             assert a.dtype == b.dtype == np.dtype(dtype)
             np.testing.assert_array_equal(a, b)
         assert http.get("/get_model_info").json()["weight_version"] == "2"
     finally:
-        engine.close()
+        scheduler.close()
 
 
 @pytest.mark.heavy  # an in-process service
@@ -350,14 +350,14 @@ def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model,
 
     from drgrpo_jax.config.serve import ServeConfig
     from drgrpo_jax.serve.app import build_app
-    from drgrpo_jax.serve.engine import Engine
+    from drgrpo_jax.serve.scheduler import Scheduler
 
     graphdef, params = tiny_state
     tensors = host_tensors(graphdef, params)
-    engine = Engine(ServeConfig(model=tiny_model))
+    scheduler = Scheduler(ServeConfig(model=tiny_model))
     name = tensor_segment.segment_name(folder, "5.0")
     try:
-        http = TestClient(build_app(engine), base_url="http://127.0.0.1")
+        http = TestClient(build_app(scheduler), base_url="http://127.0.0.1")
         entries = [e.to_json() for e in tensor_segment.write_segment(name, tensors)]
 
         def push(**body):
@@ -371,14 +371,14 @@ def test_bad_tensor_updates_are_refused_and_the_old_weights_serve_on(tiny_model,
                  "not a weight segment name": push(segment="../../etc/passwd")}
         for reason, answer in cases.items():
             assert answer.status_code == 400 and reason in answer.json()["message"], (reason, answer.text)
-        assert engine.weights.version == "0"
-        assert push().status_code == 200 and engine.weights.version == "5"
+        assert scheduler.weights.version == "0"
+        assert push().status_code == 200 and scheduler.weights.version == "5"
         older = push(weight_version=4)
         assert older.status_code == 400 and "older" in older.json()["message"]
-        assert push(weight_version=4, allow_rollback=True).status_code == 200 and engine.weights.version == "4"
+        assert push(weight_version=4, allow_rollback=True).status_code == 200 and scheduler.weights.version == "4"
     finally:
         tensor_segment.remove_segment(name)
-        engine.close()
+        scheduler.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -304,43 +304,43 @@ def test_openapi_documents_400_not_422(server):
 
 
 def test_one_failing_request_does_not_fail_its_batch_mates(folders):
-    """The engine, in process: a row that makes the sampler raise fails its own request; the other is answered."""
+    """The scheduler, in process: a row that makes the sampler raise fails its own request; the other is answered."""
     from drgrpo_jax.config.serve import ServeConfig
     from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
-    from drgrpo_jax.serve.engine import Engine
+    from drgrpo_jax.serve.scheduler import Scheduler
 
-    engine = Engine(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))
-    real = engine.run_batch
+    scheduler = Scheduler(ServeConfig(model=folders["v0"], batch_wait_ms=300, max_queued_tokens=100))
+    real = scheduler.run_batch
 
     def poisoned(weights, rows, **kwargs):
         if any(r.prompt_ids[0] == 63 for r in rows):
             raise RuntimeError("poisoned row")
         return real(weights, rows, **kwargs)
 
-    engine.run_batch = poisoned
+    scheduler.run_batch = poisoned
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
     try:
-        good = engine.submit([RowRequest((5, 9), params, 0, 0, 0)])
-        bad = engine.submit([RowRequest((63, 9), params, 0, 0, 0)])
+        good = scheduler.submit([RowRequest((5, 9), params, 0, 0, 0)])
+        bad = scheduler.submit([RowRequest((63, 9), params, 0, 0, 0)])
         assert len(good.result(timeout=120)[0].output_ids) <= 3
         with pytest.raises(RuntimeError, match="poisoned"):
             bad.result(timeout=120)
         # The queue bound: beyond max_queued_tokens of outstanding work, submit refuses with a retry delay.
         from drgrpo_jax.errors import QueueFull
-        slow = engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=40), 0, 0, 0)])
+        slow = scheduler.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=40), 0, 0, 0)])
         with pytest.raises(QueueFull) as busy:
-            engine.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=60), 0, 0, 0)])
+            scheduler.submit([RowRequest((5, 9), SamplingParams(max_new_tokens=60), 0, 0, 0)])
         assert 1 <= busy.value.retry_after_s <= 60
         # A cancelled request (its client went away) is dropped at the batch boundary, not sampled.
-        dropped = engine.submit([RowRequest((7, 9), params, 0, 0, j) for j in range(3)])
+        dropped = scheduler.submit([RowRequest((7, 9), params, 0, 0, j) for j in range(3)])
         dropped.cancel()
         slow.result(timeout=120)
         deadline = time.monotonic() + 30
-        while engine.rows_dropped < 3 and time.monotonic() < deadline:
+        while scheduler.rows_dropped < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert engine.rows_dropped == 3 and engine.queued_tokens == 0
+        assert scheduler.rows_dropped == 3 and scheduler.queued_tokens == 0
     finally:
-        engine.close()
+        scheduler.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.serve import openai_routes
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 
 from support.tiny_models import write_tiny_llama
 
@@ -32,8 +32,8 @@ def model(tmp_path_factory):
                             max_position_embeddings=4096)
 
 
-def _client(engine: Engine) -> TestClient:
-    return TestClient(build_app(engine, None), base_url="http://localhost", raise_server_exceptions=False)
+def _client(scheduler: Scheduler) -> TestClient:
+    return TestClient(build_app(scheduler, None), base_url="http://localhost", raise_server_exceptions=False)
 
 
 def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
@@ -46,13 +46,13 @@ def _wait_for(condition, what: str, timeout_s: float = 120.0) -> None:
 def test_an_oversize_request_is_refused_and_the_small_ones_are_answered(model):
     """Finding 11: main admitted the oversize request into an empty queue, and every small one behind it got 429
     (the queue holds just the oversize one) until its deadline, when it came back empty."""
-    engine = Engine(ServeConfig(model=model, request_timeout_s=4.0, admission_tokens_per_second=100.0,
+    scheduler = Scheduler(ServeConfig(model=model, request_timeout_s=4.0, admission_tokens_per_second=100.0,
                                 max_queued_tokens=16020, short_request_tokens=0, batch_wait_ms=1.0))
-    client = _client(engine)
+    client = _client(scheduler)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             oversize = pool.submit(client.post, "/v1/completions", json=OVERSIZE)
-            _wait_for(lambda: engine.queued_tokens > 0 or oversize.done(), "the oversize request's admission")
+            _wait_for(lambda: scheduler.queued_tokens > 0 or oversize.done(), "the oversize request's admission")
             small = [client.post("/v1/completions", json=SMALL) for _ in range(3)]
             refused = oversize.result()
         assert [s.status_code for s in small] == [200] * 3, [s.text for s in small]
@@ -61,31 +61,31 @@ def test_an_oversize_request_is_refused_and_the_small_ones_are_answered(model):
         assert "up to 2000 new tokens a completion would hold a batch for about 20 s" in message, message
         assert "--admission-share 0.5 of --request-timeout-s 4" in message, message
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def test_the_measured_speed_refuses_what_cannot_be_done_in_its_share(model):
     """Without --admission-tokens-per-second the fastest batch that compiled nothing sets the speed; before one,
     nothing is refused."""
-    engine = Engine(ServeConfig(model=model, request_timeout_s=1.0, short_request_tokens=0))
-    client = _client(engine)
+    scheduler = Scheduler(ServeConfig(model=model, request_timeout_s=1.0, short_request_tokens=0))
+    client = _client(scheduler)
     try:
-        assert engine.batch_seconds(4000) is None
+        assert scheduler.batch_seconds(4000) is None
         for _ in range(3):  # the first compiles; the next ones are measured
             assert client.post("/v1/completions", json=SMALL).status_code == 200
-        assert engine.fastest_row_rate > 0
+        assert scheduler.fastest_row_rate > 0
         answer = client.post("/v1/completions", json={**SMALL, "max_tokens": 4000})
         assert answer.status_code == 400 and "--request-timeout-s 1" in answer.text, answer.text
         assert client.post("/v1/completions", json=SMALL).status_code == 200
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def test_a_request_of_many_batches_takes_turns_with_a_later_one(model):
     """Rows of the least served request go first: a one-row request that arrives while the first of a six-row
     request's three batches runs is sampled in the next batch. Main sampled it after all three."""
-    engine = Engine(ServeConfig(model=model, max_batch_size=2, short_request_tokens=0, batch_wait_ms=1.0))
-    arrived, real_run, batches = threading.Event(), engine.run_batch, []
+    scheduler = Scheduler(ServeConfig(model=model, max_batch_size=2, short_request_tokens=0, batch_wait_ms=1.0))
+    arrived, real_run, batches = threading.Event(), scheduler.run_batch, []
 
     def first_held(weights, rows, **kwargs):
         batches.append([row.seed for row in rows])
@@ -93,33 +93,33 @@ def test_a_request_of_many_batches_takes_turns_with_a_later_one(model):
             arrived.wait(60)
         return real_run(weights, rows, **kwargs)
 
-    engine.run_batch = first_held
+    scheduler.run_batch = first_held
     params = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True)
     try:
-        many = engine.submit([RowRequest((5, 9), params, seed, 0, 0) for seed in range(6)])
+        many = scheduler.submit([RowRequest((5, 9), params, seed, 0, 0) for seed in range(6)])
         _wait_for(lambda: batches, "the first batch")
-        one = engine.submit([RowRequest((7, 3), params, 100, 0, 0)])
+        one = scheduler.submit([RowRequest((7, 3), params, 100, 0, 0)])
         arrived.set()
         one.result(timeout=120)
         assert not many.done() and 100 in batches[1], batches  # main: [[0, 1], [2, 3], [4, 5], [100]]
         assert len(many.result(timeout=120)) == 6
     finally:
         arrived.set()
-        engine.close()
+        scheduler.close()
 
 
 def test_a_completion_cut_by_its_deadline_says_why(model):
     """An empty 200 names the deadline (`abort_reason`; /generate's finish_reason.message), not just `abort`."""
-    engine = Engine(ServeConfig(model=model, request_timeout_s=1.0))
-    release, real_run = threading.Event(), engine.run_batch
+    scheduler = Scheduler(ServeConfig(model=model, request_timeout_s=1.0))
+    release, real_run = threading.Event(), scheduler.run_batch
 
     def held(weights, rows, **kwargs):
         release.wait(30)
         return real_run(weights, rows, **kwargs)
 
-    engine.run_batch = held
+    scheduler.run_batch = held
     try:
-        client = _client(engine)
+        client = _client(scheduler)
         chat = client.post("/v1/completions", json={"prompt": [5, 9], "max_tokens": 4})
         native = client.post("/generate", json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 4}})
         choice = chat.json()["choices"][0]
@@ -129,23 +129,23 @@ def test_a_completion_cut_by_its_deadline_says_why(model):
         assert native.json()["meta_info"]["finish_reason"]["message"] == choice["abort_reason"]
     finally:
         release.set()
-        engine.close()
+        scheduler.close()
 
 
 def test_scoring_holds_the_compiled_programs_like_a_lane(model, monkeypatch):
     """A lane that goes idle while a log-prob call runs must not drop the programs under it: main's scoring was not
     marked busy, and a /generate finishing meanwhile dropped every program mid-scoring."""
-    engine = Engine(ServeConfig(model=model, max_kept_programs=1, short_request_tokens=0, batch_wait_ms=1.0))
-    client = _client(engine)
+    scheduler = Scheduler(ServeConfig(model=model, max_kept_programs=1, short_request_tokens=0, batch_wait_ms=1.0))
+    client = _client(scheduler)
     scoring_started, generated, seen = threading.Event(), threading.Event(), []
     real_score = openai_routes.score_sequences
 
     def held_score(*args, **kwargs):
         scoring_started.set()
-        before = engine.programs_dropped
+        before = scheduler.programs_dropped
         generated.wait(120)
         time.sleep(0.5)  # the lane's idle check runs after its answer
-        seen.append(engine.programs_dropped - before)
+        seen.append(scheduler.programs_dropped - before)
         return real_score(*args, **kwargs)
 
     monkeypatch.setattr(openai_routes, "score_sequences", held_score)
@@ -158,13 +158,13 @@ def test_scoring_holds_the_compiled_programs_like_a_lane(model, monkeypatch):
             generated.set()
             assert scored.result().status_code == 200
         assert seen == [0], seen  # main: [the programs the idle lane dropped]
-        _wait_for(lambda: engine.programs_dropped > 0, "the drop after the scoring")
+        _wait_for(lambda: scheduler.programs_dropped > 0, "the drop after the scoring")
     finally:
         generated.set()
-        engine.close()
+        scheduler.close()
 
 
-def _swap_after_sampling(engine: Engine, monkeypatch, swaps: int) -> list[int]:
+def _swap_after_sampling(scheduler: Scheduler, monkeypatch, swaps: int) -> list[int]:
     """Each of the first `swaps` samplings is followed by a new weight version (the same arrays)."""
     real_run_rows, calls = openai_routes.run_rows, []
 
@@ -172,7 +172,7 @@ def _swap_after_sampling(engine: Engine, monkeypatch, swaps: int) -> list[int]:
         results = await real_run_rows(*args, **kwargs)
         calls.append(1)
         if len(calls) <= swaps:
-            engine.weights = dataclasses.replace(engine.weights, version=str(10 + len(calls)))
+            scheduler.weights = dataclasses.replace(scheduler.weights, version=str(10 + len(calls)))
         return results
 
     monkeypatch.setattr(openai_routes, "run_rows", run_then_swap)
@@ -182,26 +182,26 @@ def _swap_after_sampling(engine: Engine, monkeypatch, swaps: int) -> list[int]:
 def test_a_swap_between_sampling_and_scoring_samples_again_on_the_new_weights(model, monkeypatch):
     """Main answered 503 whenever a weight update landed between a request's sampling and its scoring (every
     push of a trainer, under --inflight-updates)."""
-    engine = Engine(ServeConfig(model=model))
-    calls = _swap_after_sampling(engine, monkeypatch, swaps=1)
+    scheduler = Scheduler(ServeConfig(model=model))
+    calls = _swap_after_sampling(scheduler, monkeypatch, swaps=1)
     try:
-        answer = _client(engine).post("/v1/completions", json={**SMALL, "logprobs": 1})
+        answer = _client(scheduler).post("/v1/completions", json={**SMALL, "logprobs": 1})
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
         assert choice["weight_version"] == "11" and len(choice["logprobs"]["token_logprobs"]) == 8
         assert len(calls) == 2
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def test_a_second_swap_answers_503(model, monkeypatch):
-    engine = Engine(ServeConfig(model=model))
-    _swap_after_sampling(engine, monkeypatch, swaps=2)
+    scheduler = Scheduler(ServeConfig(model=model))
+    _swap_after_sampling(scheduler, monkeypatch, swaps=2)
     try:
-        answer = _client(engine).post("/v1/completions", json={**SMALL, "logprobs": 1})
+        answer = _client(scheduler).post("/v1/completions", json={**SMALL, "logprobs": 1})
         assert answer.status_code == 503 and "twice" in answer.json()["error"]["message"], answer.text
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def _events(answer) -> list:
@@ -213,8 +213,8 @@ def _events(answer) -> list:
 
 
 def test_stream_answers_server_sent_events_with_what_the_json_answer_holds(model):
-    engine = Engine(ServeConfig(model=model))
-    client = _client(engine)
+    scheduler = Scheduler(ServeConfig(model=model))
+    client = _client(scheduler)
     body = {"prompt": [[5, 9], [7, 3]], "max_tokens": 6, "temperature": 0, "logprobs": 1, "seed": 3}
     try:
         whole = client.post("/v1/completions", json=body).json()
@@ -232,4 +232,4 @@ def test_stream_answers_server_sent_events_with_what_the_json_answer_holds(model
         plain = _events(client.post("/v1/completions", json={**body, "stream": True}))
         assert all("usage" not in c for c in plain[:-1]) and len(plain) == 2 * 2 + 1
     finally:
-        engine.close()
+        scheduler.close()

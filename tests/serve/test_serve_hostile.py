@@ -1,4 +1,4 @@
-"""Issue #44's findings against the service, in process (FastAPI's TestClient over a real Engine on the tiny model):
+"""Issue #44's findings against the service, in process (FastAPI's TestClient over a real Scheduler on the tiny model):
 each test failed on main at 4e341fd and holds here. Hostile paths, error shapes, request bounds, numerics."""
 
 import os
@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 
 from support.tiny_models import write_tiny_llama
 
@@ -28,16 +28,16 @@ def root(tmp_path_factory):
             "base": str(base)}
 
 
-def _client(engine: Engine, tokenizer=None) -> TestClient:
-    return TestClient(build_app(engine, tokenizer), base_url="http://localhost", raise_server_exceptions=False)
+def _client(scheduler: Scheduler, tokenizer=None) -> TestClient:
+    return TestClient(build_app(scheduler, tokenizer), base_url="http://localhost", raise_server_exceptions=False)
 
 
 @pytest.fixture(scope="module")
-def engine(root):
-    engine = Engine(ServeConfig(model=root["served"], weights_roots=(root["root"],), max_batch_size=8,
+def scheduler(root):
+    scheduler = Scheduler(ServeConfig(model=root["served"], weights_roots=(root["root"],), max_batch_size=8,
                                 batch_wait_ms=1.0))
-    yield engine
-    engine.close()
+    yield scheduler
+    scheduler.close()
 
 
 def _embed(weights) -> np.ndarray:
@@ -56,8 +56,8 @@ def _push(client: TestClient, path: str, version: str) -> tuple[int, dict]:
     return answer.status_code, answer.json()
 
 
-def test_a_null_byte_in_a_weight_path_is_403_naming_the_rule(engine, root):
-    client = _client(engine)
+def test_a_null_byte_in_a_weight_path_is_403_naming_the_rule(scheduler, root):
+    client = _client(scheduler)
     for path in (root["inside"] + "\x00", "\x00", root["root"] + "/\x00/../x"):
         status, body = _push(client, path, "1")
         assert status == 403, body  # main: 500 (realpath raised ValueError: embedded null byte)
@@ -66,7 +66,7 @@ def test_a_null_byte_in_a_weight_path_is_403_naming_the_rule(engine, root):
     assert status == 403 and "'..'" in body["message"], body
 
 
-def test_swapping_a_folder_for_a_symlink_during_the_load_cannot_escape_the_root(engine, root, monkeypatch):
+def test_swapping_a_folder_for_a_symlink_during_the_load_cannot_escape_the_root(scheduler, root, monkeypatch):
     """The race, made deterministic: the folder is swapped for a link out of the root once the path was checked,
     just before the loader reads it. The files read are those opened when the path was checked."""
     from drgrpo_jax.serve import weights as weights_module
@@ -82,36 +82,36 @@ def test_swapping_a_folder_for_a_symlink_during_the_load_cannot_escape_the_root(
 
     monkeypatch.setattr(weights_module, "from_pretrained", swap_then_load)
     try:
-        status, body = _push(_client(engine), root["inside"], "2")
+        status, body = _push(_client(scheduler), root["inside"], "2")
     finally:
         os.remove(run)
         os.rename(run + "_moved", run)
     assert status == 200, body
-    np.testing.assert_array_equal(_embed(engine.weights), inside)  # main: the outside's weights were served
+    np.testing.assert_array_equal(_embed(scheduler.weights), inside)  # main: the outside's weights were served
 
 
-def test_a_weight_file_symlinked_out_of_the_root_is_refused(engine, root):
+def test_a_weight_file_symlinked_out_of_the_root_is_refused(scheduler, root):
     folder = os.path.join(root["root"], "linked")
     shutil.copytree(root["inside"], folder)
     os.remove(os.path.join(folder, "model.safetensors"))
     os.symlink(os.path.join(root["outside"], "model.safetensors"), os.path.join(folder, "model.safetensors"))
-    before = _embed(engine.weights)
-    status, body = _push(_client(engine), folder, "3")
+    before = _embed(scheduler.weights)
+    status, body = _push(_client(scheduler), folder, "3")
     assert status == 403 and "symbolic link" in body["message"] and "model.safetensors" in body["message"], body
-    np.testing.assert_array_equal(_embed(engine.weights), before)  # main: 200, the outside's weights served
+    np.testing.assert_array_equal(_embed(scheduler.weights), before)  # main: 200, the outside's weights served
     link = os.path.join(root["root"], "link")
     os.symlink(root["inside"], link)  # a link below the root, even to a folder inside it, is refused too
-    status, body = _push(_client(engine), link, "3")
+    status, body = _push(_client(scheduler), link, "3")
     assert status == 403 and "symbolic link" in body["message"], body
 
 
-def test_a_missing_folder_under_the_root_is_400_and_a_real_one_loads(engine, root):
-    client = _client(engine)
+def test_a_missing_folder_under_the_root_is_400_and_a_real_one_loads(scheduler, root):
+    client = _client(scheduler)
     status, body = _push(client, os.path.join(root["root"], "nowhere"), "4")
     assert status == 400 and body["message"] == "model_path: not a valid model folder", body
     status, body = _push(client, root["inside"], "4")
     assert status == 200 and body["weight_version"] == "4", body
-    np.testing.assert_array_equal(_embed(engine.weights), _loaded_embed(root["inside"]))
+    np.testing.assert_array_equal(_embed(scheduler.weights), _loaded_embed(root["inside"]))
 
 
 def _is_openai_error(answer, status: int, *words: str) -> None:
@@ -122,8 +122,8 @@ def _is_openai_error(answer, status: int, *words: str) -> None:
         assert word in error["message"], (word, error)
 
 
-def test_every_error_is_in_openais_shape(engine):
-    client = _client(engine)
+def test_every_error_is_in_openais_shape(scheduler):
+    client = _client(scheduler)
     _is_openai_error(client.get("/no/such/route"), 404, "/no/such/route")
     _is_openai_error(client.get("/generate"), 405, "GET")
     _is_openai_error(client.post("/generate", content=b"\xff\xfe{", headers={"content-type": "application/json"}),
@@ -136,22 +136,22 @@ def test_every_error_is_in_openais_shape(engine):
     assert "detail" not in client.get("/nowhere").json()
 
 
-def test_an_unexpected_failure_is_500_in_openais_shape(engine, monkeypatch):
+def test_an_unexpected_failure_is_500_in_openais_shape(scheduler, monkeypatch):
     from drgrpo_jax.serve import native_routes
 
     def broken(*_):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(native_routes, "_per_prompt", broken)
-    answer = _client(engine).post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    answer = _client(scheduler).post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
     _is_openai_error(answer, 500, "internal error")
     assert "boom" not in answer.text  # nothing of the server's internals goes to the client
 
 
 def test_a_chunked_body_over_the_limit_is_413(root):
-    engine = Engine(ServeConfig(model=root["served"], max_body_bytes=1000))
+    scheduler = Scheduler(ServeConfig(model=root["served"], max_body_bytes=1000))
     try:
-        client = _client(engine)
+        client = _client(scheduler)
 
         def chunks():
             yield b'{"input_ids": ['
@@ -162,20 +162,20 @@ def test_a_chunked_body_over_the_limit_is_413(root):
         answer = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
         _is_openai_error(answer, 413, "body", "1000")  # main: 400 "There was an error parsing the body"
     finally:
-        engine.close()
+        scheduler.close()
 
 
-def test_top_logprobs_without_logprobs_is_refused_before_any_work(engine, root):
+def test_top_logprobs_without_logprobs_is_refused_before_any_work(scheduler, root):
     from drgrpo_jax.models.pretrained import load_tokenizer
 
     tokenizer = load_tokenizer(root["served"], None)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    client = _client(engine, tokenizer)
-    before = engine.batches_run
+    client = _client(scheduler, tokenizer)
+    before = scheduler.batches_run
     answer = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "top_logprobs": 2, "max_tokens": 4})
     _is_openai_error(answer, 400, "top_logprobs")
-    assert engine.batches_run == before  # main: refused only after the batch had run
+    assert scheduler.batches_run == before  # main: refused only after the batch had run
 
 
 def test_chat_without_max_tokens_gets_the_operators_default_and_a_limit(root):
@@ -183,8 +183,8 @@ def test_chat_without_max_tokens_gets_the_operators_default_and_a_limit(root):
 
     tokenizer = load_tokenizer(root["served"], None)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    engine = Engine(ServeConfig(model=root["served"], default_max_tokens=8, max_tokens_limit=64))
-    client = _client(engine, tokenizer)
+    scheduler = Scheduler(ServeConfig(model=root["served"], default_max_tokens=8, max_tokens_limit=64))
+    client = _client(scheduler, tokenizer)
     body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "temperature": 0}
     answer = client.post("/v1/chat/completions", json=body)
     assert answer.status_code == 200, answer.text
@@ -192,11 +192,11 @@ def test_chat_without_max_tokens_gets_the_operators_default_and_a_limit(root):
     for route, payload in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": [3, 4]})):
         for field in ("max_tokens", "max_completion_tokens") if "chat" in route else ("max_tokens",):
             _is_openai_error(client.post(route, json={**payload, field: 65}), 400, field, "64")
-    engine.close()
+    scheduler.close()
 
 
-def test_tiny_temperatures_are_greedy_and_every_logprob_is_finite(engine):
-    client = _client(engine)
+def test_tiny_temperatures_are_greedy_and_every_logprob_is_finite(scheduler):
+    client = _client(scheduler)
     greedy = client.post("/generate", json={"input_ids": [5, 9, 14], "return_logprob": True,
                                             "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}).json()
     for temperature in (1e-6, 1e-9, 1e-20, 1e-37, 5e-324):
@@ -211,20 +211,20 @@ def test_tiny_temperatures_are_greedy_and_every_logprob_is_finite(engine):
         assert all(np.isfinite(lp) for lp in completion["choices"][0]["logprobs"]["token_logprobs"]), completion
 
 
-def test_segment_names_must_match_whole(engine):
+def test_segment_names_must_match_whole(scheduler):
     body = {"segment": "drgrpo_weights_1_1\n", "weight_version": "1",
             "tensors": [{"name": "embed", "dtype": "float32", "shape": [1], "offset": 0}]}
-    answer = _client(engine).post("/update_weights_from_tensor", json=body)
+    answer = _client(scheduler).post("/update_weights_from_tensor", json=body)
     _is_openai_error(answer, 400, "segment")
     assert "drgrpo_weights_<pid>_<random>/v<version>_<random>" in answer.json()["error"]["message"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
-def test_a_segment_another_user_owns_or_may_write_is_refused(engine):
+def test_a_segment_another_user_owns_or_may_write_is_refused(scheduler):
     """Issue #57: the service maps a segment only when it is a private file of its own user's."""
     from drgrpo_jax import named_tensors
 
-    folder, served = named_tensors.make_folder(), engine.weights.version
+    folder, served = named_tensors.make_folder(), scheduler.weights.version
     name = named_tensors.segment_name(folder, 1)
     try:
         entries = named_tensors.write_segment(name, {"embed": np.zeros(4, np.float32)})
@@ -234,9 +234,9 @@ def test_a_segment_another_user_owns_or_may_write_is_refused(engine):
         for owner, mode, reason in [(65534, 0o600, "owned by another user"), (0, 0o666, "open to others")]:
             os.chown(path, owner, owner)
             os.chmod(path, mode)
-            answer = _client(engine).post("/update_weights_from_tensor", json=body)
+            answer = _client(scheduler).post("/update_weights_from_tensor", json=body)
             _is_openai_error(answer, 400, reason)
-        assert engine.weights.version == served
+        assert scheduler.weights.version == served
     finally:
         named_tensors.remove_folder(folder)
 
@@ -304,17 +304,17 @@ def test_a_request_past_its_deadline_is_answered_with_abort(root):
     import threading
     import time
 
-    engine = Engine(ServeConfig(model=root["served"], request_timeout_s=1.0))
+    scheduler = Scheduler(ServeConfig(model=root["served"], request_timeout_s=1.0))
     release = threading.Event()
-    real_run = engine.run_batch
+    real_run = scheduler.run_batch
 
     def slow_run(weights, rows, **kwargs):
         release.wait(30)
         return real_run(weights, rows, **kwargs)
 
-    engine.run_batch = slow_run
+    scheduler.run_batch = slow_run
     try:
-        client = _client(engine)
+        client = _client(scheduler)
         start = time.monotonic()
         answer = client.post("/generate", json={"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 4}})
         chat = client.post("/v1/completions", json={"prompt": [5, 9], "max_tokens": 4})
@@ -324,7 +324,7 @@ def test_a_request_past_its_deadline_is_answered_with_abort(root):
         assert chat.json()["choices"][0]["finish_reason"] == "abort"
     finally:
         release.set()
-        engine.close()
+        scheduler.close()
 
 
 # SGLang's sampling parameters, the API fields of `class SamplingParams` in sgl-project/sglang
@@ -343,10 +343,10 @@ NOT_IMPLEMENTED = {"min_p": 0.1, "frequency_penalty": 0.5, "presence_penalty": 0
                    "stop_regex": "a", "logit_bias": {"3": 1.0}}
 
 
-def test_generate_accepts_sglangs_sampling_parameters_and_names_any_other(engine, root):
+def test_generate_accepts_sglangs_sampling_parameters_and_names_any_other(scheduler, root):
     from drgrpo_jax.models.pretrained import load_tokenizer
 
-    client = _client(engine, load_tokenizer(root["served"], None))
+    client = _client(scheduler, load_tokenizer(root["served"], None))
     prompt = {"input_ids": [5, 9, 14], "return_logprob": True}
     answer = client.post("/generate", json={**prompt, "sampling_params": SGLANG_SAMPLING_PARAMS})
     assert answer.status_code == 200, answer.text  # main: 400 on stop, min_p, sampling_seed, ... (extra fields)
@@ -362,11 +362,11 @@ def test_generate_accepts_sglangs_sampling_parameters_and_names_any_other(engine
                      400, "sampling_seed")
 
 
-def test_generate_stop_strings_cut_the_completion_as_sglang_reports_them(engine, root):
+def test_generate_stop_strings_cut_the_completion_as_sglang_reports_them(scheduler, root):
     from drgrpo_jax.models.pretrained import load_tokenizer
 
     tokenizer = load_tokenizer(root["served"], None)
-    client = _client(engine, tokenizer)
+    client = _client(scheduler, tokenizer)
     body = {"input_ids": [5, 9, 14], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
     full = client.post("/generate", json=body).json()
@@ -386,9 +386,9 @@ def test_a_short_request_does_not_wait_behind_a_long_batch(root):
     import threading
     import time
 
-    engine = Engine(ServeConfig(model=root["served"], short_request_tokens=8))
+    scheduler = Scheduler(ServeConfig(model=root["served"], short_request_tokens=8))
     release, long_started = threading.Event(), threading.Event()
-    real_run = engine.run_batch
+    real_run = scheduler.run_batch
 
     def held_when_long(weights, rows, **kwargs):
         if max(r.params.max_new_tokens for r in rows) > 8:
@@ -396,8 +396,8 @@ def test_a_short_request_does_not_wait_behind_a_long_batch(root):
             release.wait(120)
         return real_run(weights, rows, **kwargs)
 
-    engine.run_batch = held_when_long
-    client = _client(engine)
+    scheduler.run_batch = held_when_long
+    client = _client(scheduler)
     short = {"input_ids": [5, 9], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
     try:
         alone = client.post("/generate", json=short).json()
@@ -412,7 +412,7 @@ def test_a_short_request_does_not_wait_behind_a_long_batch(root):
             assert long.result(timeout=120).status_code == 200
     finally:
         release.set()
-        engine.close()
+        scheduler.close()
 
 
 # ---------------------------------------------------------------- issue #57: each failed on main at a433d1c
@@ -421,22 +421,22 @@ def test_a_short_request_does_not_wait_behind_a_long_batch(root):
 @pytest.mark.parametrize("host", ["127.0.0.1:80@evil", "localhost@evil.com", "localhost:80@127.0.0.1",
                                   "[::1]evil", "localhost:8x", "localhost:80:80", "localhost/evil", "localhost?x",
                                   "localhost:99999", "local\thost", "[localhost]", "evil.com", ""])
-def test_a_host_header_that_is_not_a_loopback_host_and_port_is_refused(engine, host):
-    answer = _client(engine).get("/health", headers={"host": host})
+def test_a_host_header_that_is_not_a_loopback_host_and_port_is_refused(scheduler, host):
+    answer = _client(scheduler).get("/health", headers={"host": host})
     _is_openai_error(answer, 400, "Host")  # main: 200 for 127.0.0.1:80@evil, localhost:80@127.0.0.1, ...
 
 
-def test_a_loopback_host_with_or_without_a_port_is_served(engine):
+def test_a_loopback_host_with_or_without_a_port_is_served(scheduler):
     for host in ("localhost", "LOCALHOST:30000", "127.0.0.1:1", "[::1]:30000", "[0:0::1]", "localhost:"):
-        assert _client(engine).get("/health", headers={"host": host}).status_code == 200, host
+        assert _client(scheduler).get("/health", headers={"host": host}).status_code == 200, host
 
 
 def test_responses_name_the_model_and_never_show_a_server_path(root):
     from drgrpo_jax.serve.service import shown_name
 
-    engine = Engine(ServeConfig(model=root["served"], weights_roots=(root["root"],), short_request_tokens=0))
+    scheduler = Scheduler(ServeConfig(model=root["served"], weights_roots=(root["root"],), short_request_tokens=0))
     try:
-        client = _client(engine)
+        client = _client(scheduler)
         for route in ("/get_model_info", "/v1/models"):
             answer = client.get(route)
             assert answer.status_code == 200 and root["base"] not in answer.text, answer.text  # main: the folder
@@ -447,8 +447,8 @@ def test_responses_name_the_model_and_never_show_a_server_path(root):
         pushed = client.get("/get_model_info")
         assert pushed.json()["model_path"] == "step" and root["base"] not in pushed.text, pushed.text
     finally:
-        engine.close()
-    named = Engine(ServeConfig(model=root["served"], served_model_name="tiny-v1"))
+        scheduler.close()
+    named = Scheduler(ServeConfig(model=root["served"], served_model_name="tiny-v1"))
     try:
         assert _client(named).get("/v1/models").json()["data"][0]["id"] == "tiny-v1"
     finally:
@@ -456,12 +456,12 @@ def test_responses_name_the_model_and_never_show_a_server_path(root):
     assert shown_name("org/tiny@main") == "org/tiny@main" and shown_name("gs://bucket/run/step_8/") == "step_8"
 
 
-def test_openais_neutral_penalties_are_accepted_and_others_refused_as_not_supported(engine, root):
+def test_openais_neutral_penalties_are_accepted_and_others_refused_as_not_supported(scheduler, root):
     from drgrpo_jax.models.pretrained import load_tokenizer
 
     tokenizer = load_tokenizer(root["served"], None)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    client = _client(engine, tokenizer)
+    client = _client(scheduler, tokenizer)
     bodies = {"/v1/completions": {"prompt": [5, 9], "max_tokens": 2},
               "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
     for route, body in bodies.items():
@@ -481,7 +481,7 @@ def test_scoring_past_its_deadline_stops_within_one_batch(root, monkeypatch):
 
     from drgrpo_jax.serve import scoring
 
-    engine = Engine(ServeConfig(model=root["served"], max_batch_size=2, request_timeout_s=3.0,
+    scheduler = Scheduler(ServeConfig(model=root["served"], max_batch_size=2, request_timeout_s=3.0,
                                 short_request_tokens=0))
     body = {"prompt": [[5, 9, i] for i in range(3, 11)], "max_tokens": 2, "temperature": 0}
     answered, rows_scored, real_score = threading.Event(), [], scoring._score
@@ -493,7 +493,7 @@ def test_scoring_past_its_deadline_stops_within_one_batch(root, monkeypatch):
         return real_score(graphdef, state, ids, segments, *args, **kwargs)
 
     try:
-        client = _client(engine)
+        client = _client(scheduler)
         for _ in range(20):  # until the sampler's programs are compiled: sampling then ends well within 3 s
             if client.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"] != "abort":
                 break
@@ -507,7 +507,7 @@ def test_scoring_past_its_deadline_stops_within_one_batch(root, monkeypatch):
         assert sum(rows_scored) <= 2, rows_scored  # main: [8]
     finally:
         answered.set()
-        engine.close()
+        scheduler.close()
 
 
 @pytest.fixture(scope="module")
@@ -525,7 +525,7 @@ def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
 
     from drgrpo_jax.sampler import generate as driver  # the module: the programs it calls are wrapped below
 
-    engine = Engine(ServeConfig(model=long_model, request_timeout_s=2.0, short_request_tokens=0,
+    scheduler = Scheduler(ServeConfig(model=long_model, request_timeout_s=2.0, short_request_tokens=0,
                                 batch_wait_ms=1.0))
     answered, parts, prefills = threading.Event(), [], []
     real_part, real_prefill = driver.prefill_part, driver.prefill
@@ -544,19 +544,19 @@ def test_a_long_prompts_prefill_stops_at_the_deadline(long_model, monkeypatch):
     monkeypatch.setattr(driver, "prefill", counted_prefill)
     prompt = np.random.default_rng(0).integers(3, 64, 2500).tolist()
     try:
-        answer = _client(engine).post("/generate", json={"input_ids": prompt, "sampling_params": {
+        answer = _client(scheduler).post("/generate", json={"input_ids": prompt, "sampling_params": {
             "max_new_tokens": 4, "sampling_seed": 1}})
         answered.set()
         assert answer.status_code == 200 and answer.json()["meta_info"]["finish_reason"]["type"] == "abort"
         deadline = time.monotonic() + 120
-        while engine.batches_run == 0:
+        while scheduler.batches_run == 0:
             assert time.monotonic() < deadline, "the batch never ended"
             time.sleep(0.01)
         assert parts == [1] and prefills == [], (parts, prefills)  # main: the whole prefill ran after the answer
-        assert engine.rows_cut == 1 and engine.batches_stopped == 1
+        assert scheduler.rows_cut == 1 and scheduler.batches_stopped == 1
     finally:
         answered.set()
-        engine.close()
+        scheduler.close()
 
 
 @pytest.mark.slow
@@ -583,10 +583,10 @@ def test_a_prompt_over_the_memory_budget_is_refused_before_any_work(long_model):
     """A batch's sampler memory is estimated before it is admitted (sampler/memory.py): a prompt that alone needs
     more than --max-batch-bytes is a 400 naming the budget, on every route, and nothing runs. Main admitted a
     6,000-id prompt and its prefill took 8.5 GB."""
-    engine = Engine(ServeConfig(model=long_model, max_batch_bytes=2**20, batch_wait_ms=1.0))
+    scheduler = Scheduler(ServeConfig(model=long_model, max_batch_bytes=2**20, batch_wait_ms=1.0))
     try:
-        assert engine.batch_bytes(1, 100, 4) < 2**20 < engine.batch_bytes(1, 2500, 4)
-        client = _client(engine)
+        assert scheduler.batch_bytes(1, 100, 4) < 2**20 < scheduler.batch_bytes(1, 2500, 4)
+        client = _client(scheduler)
         prompt = [5] * 2500
         answer = client.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}})
         assert answer.status_code == 400, answer.text
@@ -597,21 +597,21 @@ def test_a_prompt_over_the_memory_budget_is_refused_before_any_work(long_model):
         assert answer.status_code == 400 and "--max-batch-bytes" in answer.text, answer.text
         assert client.post("/generate", json={"input_ids": [5] * 100, "sampling_params": {
             "max_new_tokens": 4}}).status_code == 200
-        assert engine.batches_run == 1
+        assert scheduler.batches_run == 1
         assert client.get("/get_model_info").json()["max_batch_bytes"] == 2**20
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def test_batches_are_cut_to_fit_the_memory_budget(long_model):
     """Rows that fit max_batch_size but not the memory budget together run in as many batches as the budget
     takes; the tokens are those of one batch (a row's draws are its own)."""
-    probe = Engine(ServeConfig(model=long_model))
+    probe = Scheduler(ServeConfig(model=long_model))
     assert 0 < probe.batch_budget  # the default: half the device's free memory
     two = probe.batch_bytes(2, 300, 8)
     probe.close()
-    budgeted = Engine(ServeConfig(model=long_model, max_batch_bytes=two, batch_wait_ms=1.0, short_request_tokens=0))
-    free = Engine(ServeConfig(model=long_model, batch_wait_ms=1.0, short_request_tokens=0))
+    budgeted = Scheduler(ServeConfig(model=long_model, max_batch_bytes=two, batch_wait_ms=1.0, short_request_tokens=0))
+    free = Scheduler(ServeConfig(model=long_model, batch_wait_ms=1.0, short_request_tokens=0))
     body = {"input_ids": [5] * 300, "sampling_params": {"max_new_tokens": 8, "n": 4, "sampling_seed": 3}}
     try:
         cut, whole = (_client(e).post("/generate", json=body) for e in (budgeted, free))
@@ -660,7 +660,7 @@ def test_scoring_is_cut_into_calls_that_fit_and_a_sequence_that_alone_does_not_i
     long), and a request whose one sequence's scoring would not fit is a 400 before anything is sampled."""
     from drgrpo_jax.serve import openai_routes, scoring
 
-    probe = Engine(ServeConfig(model=wide_mlp_model))
+    probe = Scheduler(ServeConfig(model=wide_mlp_model))
     config, scoring_bytes = probe.weights.config, probe.config.max_scoring_bytes
     two = scoring.call_bytes(config, 2, 304, 1, scoring_bytes)  # two sequences of 300 + 4 tokens
     between = (probe.batch_bytes(1, 3000, 4) + scoring.call_bytes(config, 1, 3004, 1, scoring_bytes)) // 2
@@ -674,19 +674,19 @@ def test_scoring_is_cut_into_calls_that_fit_and_a_sequence_that_alone_does_not_i
         return real(*args, rows_per_call=rows_per_call, **kwargs)
 
     monkeypatch.setattr(openai_routes, "score_sequences", counted)
-    engine = Engine(ServeConfig(model=wide_mlp_model, max_batch_bytes=two, max_batch_size=8, batch_wait_ms=1.0))
+    scheduler = Scheduler(ServeConfig(model=wide_mlp_model, max_batch_bytes=two, max_batch_size=8, batch_wait_ms=1.0))
     try:
-        answer = _client(engine).post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4, "n": 8,
+        answer = _client(scheduler).post("/v1/completions", json={"prompt": [5] * 300, "max_tokens": 4, "n": 8,
                                                                "logprobs": 1})
         assert answer.status_code == 200, answer.text
         assert calls == [2] and all(c["logprobs"] for c in answer.json()["choices"])  # main: [8]
     finally:
-        engine.close()
-    engine = Engine(ServeConfig(model=wide_mlp_model, max_batch_bytes=between, batch_wait_ms=1.0))
+        scheduler.close()
+    scheduler = Scheduler(ServeConfig(model=wide_mlp_model, max_batch_bytes=between, batch_wait_ms=1.0))
     try:
-        long = _client(engine).post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 4, "logprobs": 1})
+        long = _client(scheduler).post("/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 4, "logprobs": 1})
         assert long.status_code == 400, long.text
         assert "logprobs: scoring a sequence of 3004 tokens needs" in long.text and "--max-batch-bytes" in long.text
-        assert engine.batches_run == 0  # refused before anything was sampled
+        assert scheduler.batches_run == 0  # refused before anything was sampled
     finally:
-        engine.close()
+        scheduler.close()

@@ -18,7 +18,7 @@ from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
 from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sampler.programs import compiled_programs
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine, RowResult
+from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 
 from support.full_cache_sampler import full_cache_sample
 from support.tiny_models import write_tiny_llama
@@ -36,14 +36,14 @@ def folders(tmp_path_factory):
     return write_tiny_llama(str(root / "v0"), seed=0), write_tiny_llama(str(root / "v1"), seed=1)
 
 
-def _engine(model: str, inflight: bool) -> Engine:
-    return Engine(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0, cancel_check_steps=EVERY,
+def _scheduler(model: str, inflight: bool) -> Scheduler:
+    return Scheduler(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0, cancel_check_steps=EVERY,
                               inflight_updates=inflight))
 
 
-def _push_at_second_question(engine: Engine, folder: str) -> None:
-    """The engine's next batches load `folder` as version 1 when the sampler asks its second question."""
-    real = engine.run_batch
+def _push_at_second_question(scheduler: Scheduler, folder: str) -> None:
+    """The scheduler's next batches load `folder` as version 1 when the sampler asks its second question."""
+    real = scheduler.run_batch
 
     def pushes(weights, rows, unwanted):
         questions = []
@@ -51,16 +51,16 @@ def _push_at_second_question(engine: Engine, folder: str) -> None:
         def asked() -> list[bool]:
             questions.append(1)
             if len(questions) == 2:
-                engine.update_weights(folder, "1")
+                scheduler.update_weights(folder, "1")
             return unwanted()
 
         return real(weights, rows, unwanted=asked)
 
-    engine.run_batch = pushes  # type: ignore[method-assign]
+    scheduler.run_batch = pushes  # type: ignore[method-assign]
 
 
-def _sample(engine: Engine) -> RowResult:
-    (result,) = engine.submit([ROW]).result(timeout=300)
+def _sample(scheduler: Scheduler) -> RowResult:
+    (result,) = scheduler.submit([ROW]).result(timeout=300)
     return result
 
 
@@ -72,19 +72,19 @@ def _oracle(folders, switch: bool) -> dict[str, np.ndarray]:
 
 
 def test_a_push_reaches_the_running_batch_at_its_next_boundary(folders):
-    engine = _engine(folders[0], inflight=True)
+    scheduler = _scheduler(folders[0], inflight=True)
     try:
-        plain = _sample(engine)  # compiles the batch's programs
+        plain = _sample(scheduler)  # compiles the batch's programs
         assert plain.token_versions == ["0"] * 24 and plain.weight_version == "0"
         programs = compiled_programs()
-        _push_at_second_question(engine, folders[1])
-        crossed = _sample(engine)
+        _push_at_second_question(scheduler, folders[1])
+        crossed = _sample(scheduler)
         assert compiled_programs() == programs  # the new weights are arguments of the same programs
         assert crossed.token_versions == ["0"] * SWITCH + ["1"] * (24 - SWITCH)
         assert crossed.weight_version == "0"  # the oldest version of the row
-        assert engine.weights.version == "1" and _sample(engine).token_versions == ["1"] * 24
+        assert scheduler.weights.version == "1" and _sample(scheduler).token_versions == ["1"] * 24
     finally:
-        engine.close()
+        scheduler.close()
     # Before the switch: version 0's tokens and log-probs; from it: version 1's over the cache version 0 wrote.
     assert crossed.output_ids[:SWITCH] == plain.output_ids[:SWITCH]
     np.testing.assert_array_equal(crossed.logprobs[:SWITCH], plain.logprobs[:SWITCH])
@@ -101,14 +101,14 @@ def test_a_push_reaches_the_running_batch_at_its_next_boundary(folders):
 
 
 def test_without_the_flag_a_batch_finishes_on_its_version(folders):
-    engine = _engine(folders[0], inflight=False)
+    scheduler = _scheduler(folders[0], inflight=False)
     try:
-        plain = _sample(engine)
-        _push_at_second_question(engine, folders[1])
-        crossed = _sample(engine)
-        after = _sample(engine)
+        plain = _sample(scheduler)
+        _push_at_second_question(scheduler, folders[1])
+        crossed = _sample(scheduler)
+        after = _sample(scheduler)
     finally:
-        engine.close()
+        scheduler.close()
     assert crossed.token_versions is None and crossed.weight_version == "0"
     assert (crossed.output_ids, crossed.logprobs) == (plain.output_ids, plain.logprobs)
     assert after.weight_version == "1"
@@ -116,15 +116,15 @@ def test_without_the_flag_a_batch_finishes_on_its_version(folders):
 
 def test_generate_answers_each_tokens_version_only_with_the_flag(folders):
     for inflight in (True, False):
-        engine = _engine(folders[0], inflight=inflight)
+        scheduler = _scheduler(folders[0], inflight=inflight)
         try:
-            client = TestClient(build_app(engine, None), base_url="http://localhost")
-            _push_at_second_question(engine, folders[1])
+            client = TestClient(build_app(scheduler, None), base_url="http://localhost")
+            _push_at_second_question(scheduler, folders[1])
             answer = client.post("/generate", json={"input_ids": list(ROW.prompt_ids), "return_logprob": True,
                                                     "sampling_params": {"max_new_tokens": 24, "ignore_eos": True,
                                                                         "sampling_seed": 1}}).json()
         finally:
-            engine.close()
+            scheduler.close()
         meta = answer["meta_info"]
         assert meta["weight_version"] == "0" and len(meta["output_token_logprobs"]) == 24
         if inflight:

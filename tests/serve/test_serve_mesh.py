@@ -1,5 +1,5 @@
 """The sharded service (`--mesh tensor=T[,data=D]`, issue #43), in process over HTTP (FastAPI's TestClient over a
-real Engine): on 8 fake CPU devices a service with tensor=4, and one with tensor=2,data=2, return the same tokens
+real Scheduler): on 8 fake CPU devices a service with tensor=4, and one with tensor=2,data=2, return the same tokens
 and log-probs as one device for the same seeds, before and after weight pushes from disk and shared memory and with
 a LoRA adapter; every generation of weights lands split over the mesh."""
 
@@ -24,7 +24,7 @@ from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sampler.programs import check_mesh
 from drgrpo_jax.serve.app import build_app
 from drgrpo_jax.serve.cli import parse_args
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 from drgrpo_jax.serve.weights import load_weights
 from drgrpo_jax.sharding import MeshShape, make_mesh, parse_service_mesh, service_mesh
 
@@ -64,8 +64,8 @@ def folders(tmp_path_factory):
     return {"v0": v0, "v1": v1, "adapter": adapter}
 
 
-def _client(engine: Engine) -> TestClient:
-    return TestClient(build_app(engine, None), base_url="http://localhost", raise_server_exceptions=False)
+def _client(scheduler: Scheduler) -> TestClient:
+    return TestClient(build_app(scheduler, None), base_url="http://localhost", raise_server_exceptions=False)
 
 
 def _generate(client: TestClient, seed: int) -> list[tuple[list[int], list[float]]]:
@@ -105,10 +105,10 @@ def _push_segment(client: TestClient, path: str, version: str) -> None:
     assert answer.status_code == 200, answer.text
 
 
-def _split_shards(engine: Engine) -> dict[str, tuple[tuple[int, ...], int]]:
+def _split_shards(scheduler: Scheduler) -> dict[str, tuple[tuple[int, ...], int]]:
     """Each parameter's per-device shard shape and how many devices hold it."""
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(engine.weights.state):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(scheduler.weights.state):
         shards = leaf.addressable_shards
         out[jax.tree_util.keystr(path)] = (shards[0].data.shape, len({s.device for s in shards}))
     return out
@@ -117,15 +117,15 @@ def _split_shards(engine: Engine) -> dict[str, tuple[tuple[int, ...], int]]:
 def _run(folders, mesh: str) -> tuple[list, list]:
     """The outputs of one service through its life (start, disk push, segment push, adapter push), and where its
     q_proj, down_proj and lm_head shards lie after each step."""
-    engine = Engine(ServeConfig(model=folders["v0"], mesh=mesh, max_batch_size=8, batch_wait_ms=1.0,
+    scheduler = Scheduler(ServeConfig(model=folders["v0"], mesh=mesh, max_batch_size=8, batch_wait_ms=1.0,
                                 short_request_tokens=0))
     try:
-        client = _client(engine)
+        client = _client(scheduler)
         outputs, layouts = [], []
 
         def record(seed: int) -> None:  # after each push, the same requests
             outputs.append(_generate(client, seed))
-            layouts.append(_split_shards(engine))
+            layouts.append(_split_shards(scheduler))
 
         record(7)
         _push_disk(client, folders["v1"], "1")
@@ -133,11 +133,11 @@ def _run(folders, mesh: str) -> tuple[list, list]:
         _push_segment(client, folders["v0"], "2")
         record(7)
         _push_disk(client, folders["adapter"], "3")
-        assert engine.weights.adapter is not None
+        assert scheduler.weights.adapter is not None
         record(7)
         return outputs, layouts
     finally:
-        engine.close()
+        scheduler.close()
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_a_model_whose_heads_do_not_divide_is_refused_before_it_loads(folders):
     with pytest.raises(ValueError, match=r"^--mesh: blocks/q_proj: dimension 'q_heads' of size 4 .* \(size 8\)"):
         check_mesh(config, make_mesh(MeshShape(data=1, fsdp=1, tensor=8), jax.devices()))
     with pytest.raises(ValueError, match=r"--mesh: .*not divisible"):
-        Engine(ServeConfig(model=folders["v0"], mesh="tensor=8"))
+        Scheduler(ServeConfig(model=folders["v0"], mesh="tensor=8"))
 
 
 def test_rows_pad_to_a_multiple_of_the_data_ways():

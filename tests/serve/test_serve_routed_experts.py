@@ -14,7 +14,7 @@ from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.models.kv_cache import init_cache
 from drgrpo_jax.models.pretrained import from_pretrained
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 
 from support.tiny_models import write_tiny_llama, write_tiny_qwen3_moe
 
@@ -22,8 +22,8 @@ PROMPTS = [[1, 7, 12, 30, 4], [1, 22, 40]]
 
 
 def _client(folder: str) -> TestClient:
-    engine = Engine(ServeConfig(model=folder, short_request_tokens=0, batch_wait_ms=1.0))
-    return TestClient(build_app(engine), base_url="http://localhost")
+    scheduler = Scheduler(ServeConfig(model=folder, short_request_tokens=0, batch_wait_ms=1.0))
+    return TestClient(build_app(scheduler), base_url="http://localhost")
 
 
 @pytest.mark.heavy

@@ -1,4 +1,4 @@
-"""Concurrent text requests to the service (in process: FastAPI's TestClient over a real Engine on the tiny chat
+"""Concurrent text requests to the service (in process: FastAPI's TestClient over a real Scheduler on the tiny chat
 model) while another thread calls the same tokenizer with its own truncation: every request is answered 200 with
 the text it gets alone (issue #62: the service tokenizes and decodes on `asyncio.to_thread`'s threads)."""
 
@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.serve import served_tokenizer
 from drgrpo_jax.serve.app import build_app
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 
 from support.chat_models import write_chat_model
 
@@ -26,12 +26,12 @@ def service(tmp_path_factory):
     """The app over the tiny chat model, its tokenizer loaded as the service's command line loads it."""
     config = ServeConfig(model=write_chat_model(str(tmp_path_factory.mktemp("chat") / "model")), max_batch_size=32,
                          batch_wait_ms=20.0)
-    engine, tokenizer = Engine(config), served_tokenizer(config)
+    scheduler, tokenizer = Scheduler(config), served_tokenizer(config)
     try:
-        with TestClient(build_app(engine, tokenizer), base_url="http://localhost") as client:
+        with TestClient(build_app(scheduler, tokenizer), base_url="http://localhost") as client:
             yield client, tokenizer
     finally:
-        engine.close()
+        scheduler.close()
 
 
 def ask(client: TestClient, route: str) -> tuple[int, object]:

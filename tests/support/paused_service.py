@@ -6,10 +6,10 @@ import sys
 import time
 
 from drgrpo_jax.serve.cli import main
-from drgrpo_jax.serve.engine import Engine
+from drgrpo_jax.serve.scheduler import Scheduler
 
 PAUSE_S = 5.0
-_run_batch = Engine.run_batch
+_run_batch = Scheduler.run_batch
 
 
 def _paused_run_batch(self, weights, rows, unwanted=None):
@@ -26,5 +26,5 @@ def _paused_run_batch(self, weights, rows, unwanted=None):
     return _run_batch(self, weights, rows, unwanted=ask)
 
 
-Engine.run_batch = _paused_run_batch  # type: ignore[method-assign]
+Scheduler.run_batch = _paused_run_batch  # type: ignore[method-assign]
 main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""The engine: the served weights' hot swap (from a folder or a shared-memory segment) and the one worker thread
+"""The scheduler: the served weights' hot swap (from a folder or a shared-memory segment) and the one worker thread
 that batches requests into the sampler. What a generation of weights is and how it loads: weights.py."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from drgrpo_jax.sharding import parse_service_mesh, service_mesh
 from drgrpo_jax.weight_folders import local_folder
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
-__all__ = ["Engine", "RowResult"]
+__all__ = ["Scheduler", "RowResult"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +100,7 @@ class _Job:
     taken: int = 0  # rows taken into batches so far: the least served request goes first (`_take_rows`)
 
 
-class Engine:
+class Scheduler:
     """Owns the weights, the request queue and the one worker thread that runs the sampler.
 
     Requests from concurrent clients are cut into batches (rows = prompts x n), each taking the rows of the
