@@ -350,8 +350,11 @@ class MeshConfig:
     data: int = _f(1, "data-parallel ways (batch split, parameters replicated)")
     fsdp: int = _f(1, "fully-sharded data-parallel ways (batch and parameters split)")
     tensor: int = _f(1, "tensor-parallel ways (heads and MLP split)")
+    context: int = _f(1, "context-parallel ways (the token axis of every row split, for rows longer than one "
+                         "device holds; divides the padded row length; python -m drgrpo_jax.plan advises it)")
     dcn_data: int = _f(1, "of mesh.data's ways, how many cross slices over the data-center network (multi-slice "
-                          "TPU pods; divides mesh.data): each slice holds data/dcn_data x fsdp x tensor devices")
+                          "TPU pods; divides mesh.data): each slice holds data/dcn_data x fsdp x tensor x context "
+                          "devices")
     coordinator_address: str | None = _f(
         None, "process 0's host:port for jax.distributed (with mesh.num_processes and mesh.process_id); auto = "
               "JAX detects the cluster (TPU VM pods and multi-slice, GKE JobSet/indexed Job, SLURM, Open MPI) and "
@@ -360,6 +363,11 @@ class MeshConfig:
                                             "(null = JAX's default for the detected cluster)")
     num_processes: int = _f(1, "JAX processes (hosts) in the run (detected with coordinator_address=auto)")
     process_id: int = _f(0, "this process's index in [0, num_processes) (detected with coordinator_address=auto)")
+
+    @property
+    def devices(self) -> int:
+        """The devices the mesh takes: data x fsdp x tensor x context."""
+        return self.data * self.fsdp * self.tensor * self.context
 
 
 @dataclasses.dataclass(frozen=True)

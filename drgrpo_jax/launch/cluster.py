@@ -7,6 +7,7 @@ import dataclasses
 import re
 import secrets
 import shlex
+import urllib.parse
 
 from drgrpo_jax.config.load import dump_config
 from drgrpo_jax.config.schema import Config
@@ -14,6 +15,7 @@ from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.sharding import parse_service_mesh
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
 CONFIG_NAME = "run.yaml"  # the resolved config beside the rendered files; every host and service reads it
 # The services' API key, in the launch folder (mode 0600, written by the first render, kept by later ones) as
 # KEY_ENV=<key>: what `kubectl create secret --from-env-file` and `xpk --env-file` read, and the sbatch scripts too.
@@ -69,11 +71,12 @@ class Shape:
 
 
 def run_shape(config: Config) -> Shape:
-    """mesh.data x fsdp x tensor devices over mesh.num_processes processes; a ConfigError when they do not split."""
+    """mesh.data x fsdp x tensor x context devices over mesh.num_processes processes; a ConfigError when they do not
+    split."""
     m = config.mesh
-    devices = m.data * m.fsdp * m.tensor
+    devices = m.devices
     if devices % m.num_processes:
-        raise ConfigError("mesh", f"data x fsdp x tensor = {devices} devices do not split over "
+        raise ConfigError("mesh", f"data x fsdp x tensor x context = {devices} devices do not split over "
                                   f"mesh.num_processes = {m.num_processes} processes")
     return Shape(m.num_processes, devices // m.num_processes)
 
@@ -137,19 +140,43 @@ def assign(key: str, value: object) -> str:
     return shlex.quote(f"{key}={value}")
 
 
-def train_command(python: str, config_path: str, *words: str, detect: bool = True) -> str:
-    """The command every host runs unchanged (with `detect`, JAX finds the processes); `words` are already shell
-    words (quoted overrides, or a variable the shell expands at launch)."""
+def train_command(python: str, config_path: str, *words: str, detect: bool = True, config_word: str = "") -> str:
+    """The command every host runs unchanged (with `detect`, JAX finds the processes); `words` (and `config_word`,
+    in place of `config_path`) are already shell words (quoted overrides, or a variable the shell expands at
+    launch)."""
     start = ["mesh.coordinator_address=auto"] if detect else []
-    return " ".join([shlex.quote(python), "-m", "drgrpo_jax.train", "--config", shlex.quote(config_path), *start,
-                     *words])
+    return " ".join([shlex.quote(python), "-m", "drgrpo_jax.train", "--config", config_word or shlex.quote(config_path),
+                     *start, *words])
 
 
-def serve_command(python: str, config: Config, config_path: str, port: str, key_env: str) -> str:
-    """One generation service on all interfaces; with the key in `key_env` or, with none, refusing to start open.
-    `port` is a shell word (a number, or a variable set at launch)."""
-    words = [shlex.quote(python), "-m", "drgrpo_jax.serve", "--config", shlex.quote(config_path), "--host",
-             "0.0.0.0", "--port", port]
+def activate(venv: str, base: str = "") -> list[str]:
+    """The line of a rendered script that activates the virtual environment `venv` (none without one); a relative
+    `venv` is under `base`, a shell word (e.g. "$HOME"), when given."""
+    if not venv:
+        return []
+    path = shlex.quote(f"{venv.rstrip('/') or '/'}/bin/activate")
+    return [f". {base}/{path}" if base and not venv.startswith("/") else f". {path}"]
+
+
+def refuse_loopback(config: Config, hint: str) -> None:
+    """rollout.urls on loopback reach the trainer's own host, where nothing the render starts serves them."""
+    for url in config.rollout.urls:
+        if urllib.parse.urlsplit(url).hostname in LOOPBACK:
+            raise ConfigError("rollout.urls", f"{url} is on the trainer's own node, where nothing starts a "
+                                              f"service: {hint}")
+
+
+def check_count(flag: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(flag, f"must be at least {low}, got {value}")
+
+
+def serve_command(python: str, config: Config, config_path: str, port: str, key_env: str, *,
+                  host: str = "0.0.0.0", config_word: str = "") -> str:
+    """One generation service on `host` (default: all interfaces); with the key in `key_env` or, with none, refusing
+    to start open. `port` (and `config_word`, in place of `config_path`) are shell words (a variable set at launch)."""
+    words = [shlex.quote(python), "-m", "drgrpo_jax.serve", "--config", config_word or shlex.quote(config_path),
+             "--host", host, "--port", port]
     words += ["--mesh", shlex.quote(config.rollout.service_mesh)] if config.rollout.service_mesh else []
     batch = config.rollout.service_batch_size
     words += ["--max-batch-size", str(int(batch))] if batch else []

@@ -170,7 +170,7 @@ def test_skypilot_golden_and_valid_against_skypilots_schema(request, recipe, ove
                              skypilot.SkyOptions(*SKY_DIRS, gpus="H100:4")),
      "--gpus: H100:4 per node, but the mesh puts 8 devices on each of mesh.num_processes = 2 processes"),
     (lambda: slurm.render(_config(H100, "mesh.num_processes=4", "mesh.fsdp=2"), slurm.SlurmOptions("/l", "/w")),
-     "mesh: data x fsdp x tensor = 2 devices do not split over mesh.num_processes = 4 processes"),
+     "mesh: data x fsdp x tensor x context = 2 devices do not split over mesh.num_processes = 4 processes"),
 ])
 def test_disagreements_fail_in_one_line(render, message):
     with pytest.raises(ConfigError) as error:
