@@ -17,7 +17,8 @@ from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sampler.memory import moe_dispatch
 
 __all__ = ["activation_bytes", "activations_by_policy", "batch_bytes", "choose_remat", "expert_ways",
-           "logprob_chunk_bytes", "model_call", "rows_per_device", "stores_probabilities"]
+           "gathered_kv_bytes", "local_tokens", "logprob_chunk_bytes", "model_call", "rows_per_device",
+           "stores_probabilities"]
 
 
 def rows_per_device(config: Config) -> int:
@@ -36,10 +37,24 @@ def expert_ways(config: Config, model: DecoderConfig) -> int:
 
 def model_call(config: Config) -> tuple[int, int]:
     """(rows b, tokens S) of one device's model call per micro-batch: padded responses (prompt + budget - 1
-    tokens), or the packed rows (train.pack_rows of train.pack_length)."""
+    tokens), or the packed rows (train.pack_rows of train.pack_length); with mesh.context > 1, the whole row, of
+    which a device holds S / mesh.context tokens (`local_tokens`)."""
     if config.train.pack_rows:
         return config.train.pack_rows, pack_length(config)
     return rows_per_device(config), config.rollout.max_prompt_tokens + config.rollout.max_new_tokens - 1
+
+
+def local_tokens(config: Config, S: int) -> int:
+    """The tokens of a row of S that one device holds: its share of the mesh.context ways (rounded up)."""
+    return -(-S // config.mesh.context)
+
+
+def gathered_kv_bytes(config: Config, model: DecoderConfig, S: int) -> int:
+    """One row's keys and values of one layer over the whole sequence, 2 * S * CH/t * a: what each context way
+    all-gathers to attend its own queries to every key (0 with mesh.context = 1, where they are the layer's own)."""
+    if config.mesh.context == 1:
+        return 0
+    return 2 * S * model.num_kv_heads * model.head_dim // config.mesh.tensor * DTYPES[config.model.dtype].itemsize
 
 
 def stores_probabilities(attention_impl: str, seq_len: int, backend: str) -> bool:
@@ -49,18 +64,20 @@ def stores_probabilities(attention_impl: str, seq_len: int, backend: str) -> boo
     return attention_impl == "reference"
 
 
-def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool) -> dict[str, int]:
+def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool, keys: int | None = None
+               ) -> dict[str, int]:
     """Bytes one row keeps per layer for the backward pass under each policy.
 
     Letters: capitals as in docs/shape_letters.md (D, I, Q, C, H from the model), S tokens per row of
-    one model call, a activation bytes (the parameter dtype), t tensor ways:
+    one model call on this device (its share with mesh.context > 1), a activation bytes (the parameter dtype), t
+    tensor ways, `keys` the keys each query may see (the whole row; default S):
 
       none                 2S * (4D + (2Q + 2C)H/t + 3I/t) * a + A    (norm inputs, q/k/v/o, MLP gate/up/product)
       dots_saveable        S * (3D + (Q + 2C)H/t + 2I/t) * a + O      (layer input, every projection's output)
       save_attention_out   S * D * a + O                              (layer input, attention output)
       full                 S * D * a                                  (layer input)
 
-    A is the attention's own state: the reference keeps float32 scores and probabilities 2 * (Q/t) * S^2 * 4, the
+    A is the attention's own state: the reference keeps float32 scores and probabilities 2 * (Q/t) * S * keys * 4, the
     memory-linear kernels (blockwise, cuDNN, splash) the float32 log-sum-exp (Q/t) * S * 4; O is the attention
     output S * QH/t * a, plus, for a memory-linear kernel, its own copy and log-sum-exp S * QH/t * a + (Q/t) * S * 4.
     Without remat XLA keeps about twice the listed tensors (float32 norm and RoPE intermediates, both sides of each
@@ -69,7 +86,7 @@ def _per_layer(config: Config, model: DecoderConfig, S: int, probabilities: bool
     a, t = DTYPES[config.model.dtype].itemsize, config.mesh.tensor
     D, I, Q, C, H = model.hidden_size, model.intermediate_size, model.num_heads, model.num_kv_heads, model.head_dim
     heads = Q // t
-    attention_state = 2 * heads * S * S * 4 if probabilities else heads * S * 4
+    attention_state = 2 * heads * S * (keys or S) * 4 if probabilities else heads * S * 4
     output = S * heads * H * a + (0 if probabilities else S * heads * H * a + heads * S * 4)
     if model.moe:
         mlp_none, mlp_dots = _moe_per_token(model, t, a, expert_ways(config, model))
@@ -104,23 +121,26 @@ def _fallback_backward(model: DecoderConfig, tokens: int, a: int, t: int) -> int
 def activation_bytes(config: Config, model: DecoderConfig, policy: str, backend: str = "cpu") -> int:
     """Activations one device holds in the backward pass of one micro-batch under `policy`.
 
-    L layers of `_per_layer` for b rows of S tokens (`model_call`), plus what one layer's backward recomputes beside
-    them (the none figure less its own), plus what is live at once: the reference's float32 scores
-    b * (Q/t) * S^2 * 4 and its two bool masks 2 * b * S^2, or a blockwise kernel's block temporaries
-    3 * b * (Q/t) * W * 2W * 4 (W its query block, `block_widths`).
+    L layers of `_per_layer` for b rows of s = S / mesh.context tokens (`model_call`, `local_tokens`), plus what
+    one layer's backward recomputes beside them (the none figure less its own), plus what is live at once: the
+    reference's float32 scores b * (Q/t) * s * S * 4 and its two bool masks 2 * b * s * S, or a blockwise kernel's
+    block temporaries 3 * b * (Q/t) * W * 2W * 4 (W its query block, `block_widths`); with mesh.context > 1 also
+    one layer's all-gathered keys and values of the whole row and their gradient, 2 * b * `gathered_kv_bytes`.
     """
     b, S = model_call(config)
+    s = local_tokens(config, S)
     probabilities = stores_probabilities(config.model.attention_impl, S, backend)
-    layer = _per_layer(config, model, S, probabilities)
+    layer = _per_layer(config, model, s, probabilities, keys=S)
     heads = model.num_heads // config.mesh.tensor
     if probabilities:
-        live = b * heads * S * S * 4 + 2 * b * S * S
+        live = b * heads * s * S * 4 + 2 * b * s * S
     else:
-        W, V = block_widths(S)
+        W, V = block_widths(s)
         live = 3 * b * heads * W * V * 4
+    live += 2 * b * gathered_kv_bytes(config, model, S)
     recomputed = b * (layer["none"] - layer[policy])  # what one layer's backward rebuilds beside what it kept
     if backend == "cpu":  # no grouped matmuls: one layer's backward holds ragged_dot's fallback buffers
-        live += _fallback_backward(model, b * S, DTYPES[config.model.dtype].itemsize, config.mesh.tensor)
+        live += _fallback_backward(model, b * s, DTYPES[config.model.dtype].itemsize, config.mesh.tensor)
     return model.num_layers * b * layer[policy] + recomputed + live
 
 
@@ -136,7 +156,7 @@ def choose_remat(by_policy: dict[str, int], budget: int) -> str:
 
 def logprob_chunk_bytes(config: Config, model: DecoderConfig, chunk: int = DEFAULT_CHUNK_SIZE) -> int:
     """One chunk's float32 logits, probabilities and their gradient on one device: 3 * W * V/t * 4 for W tokens."""
-    tokens = min(chunk, rows_per_device(config) * config.rollout.max_new_tokens)
+    tokens = min(chunk, rows_per_device(config) * local_tokens(config, config.rollout.max_new_tokens))
     return 3 * tokens * (model.vocab_size // config.mesh.tensor) * 4
 
 

@@ -28,10 +28,12 @@ from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.plan.activations import (
     activation_bytes,
     activations_by_policy,
+    local_tokens,
     model_call,
     rows_per_device,
     stores_probabilities,
 )
+from drgrpo_jax.plan.context import context_advice, context_table, context_traffic
 from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, preset_name
 from drgrpo_jax.plan.remat import resolve_remat
 from drgrpo_jax.plan.service import (
@@ -158,7 +160,7 @@ def _micro_batch_advice(config: Config, model: DecoderConfig, budget: int, backe
             return (f"train.micro_batches={micro} (with model.remat=full): {rows_per_device(candidate)} response(s) "
                     "per device per micro-batch")
     return ("rollout.max_new_tokens or rollout.max_prompt_tokens (one response per device still does not fit), "
-            "or raise mesh.tensor (splits heads, MLP and vocabulary)")
+            "or raise mesh.tensor (splits heads, MLP and vocabulary) or mesh.context (splits each row's tokens)")
 
 
 def trainer_advice(config: Config, model: DecoderConfig, figures: dict[str, int], usable: int,
@@ -193,7 +195,22 @@ def trainer_advice(config: Config, model: DecoderConfig, figures: dict[str, int]
 def shares_one_device(config: Config) -> bool:
     """One process, one device and no rollout.urls: the trainer's own child service runs on the same device."""
     m = config.mesh
-    return not config.rollout.urls and m.num_processes == 1 and m.data * m.fsdp * m.tensor == 1
+    return not config.rollout.urls and m.num_processes == 1 and m.devices == 1
+
+
+def _trainer(config: Config, model: DecoderConfig, state: tuple[Any, Any, Any], budget: int | None,
+             backend: str) -> tuple[dict[str, int], dict[str, int], str]:
+    """(trainer figures per device, activations by remat policy, the policy taken) of a config: exact state
+    (`state`: its abstract params, optimizer state and frozen base), estimated activations under the policy
+    model.remat takes with `budget` bytes beside the rest (None: no device)."""
+    params, opt_state, frozen = state
+    trainer = trainer_memory(config, model, params, opt_state, frozen)
+    trainer.pop("_params_total")
+    by_policy = activations_by_policy(config, model, backend)
+    policy = resolve_remat(config, by_policy, None if budget is None else budget - total(trainer), backend)
+    trainer["activations"] = by_policy[policy]
+    trainer["gradients"] = gradient_bytes(config, model, params, frozen, policy)
+    return trainer, by_policy, policy
 
 
 def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None = None,
@@ -217,9 +234,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
     check_model_options(config, model)
     sizes = mesh_sizes(config)
     backend = backend or device_backend(device)
-    params, opt_state, frozen = abstract_state(config, model)
-    trainer = trainer_memory(config, model, params, opt_state, frozen)
-    trainer.pop("_params_total")
+    params, opt_state, frozen = state = abstract_state(config, model)
     rows = service_rows(config, serve_batch_size)
     # drgrpo_jax.serve keeps the adapted base weights to merge each pushed adapter into; merged pushes need none.
     merge = 0 if frozen is None or config.model.lora.push == "merged" else adapted_bytes(frozen,
@@ -228,14 +243,11 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
                              backend=backend)
     base = params if frozen is None else frozen
     usable = None if device is None else int(device.memory_bytes * HEADROOM)
-    by_policy = activations_by_policy(config, model, backend)
     shared = service_total(service) if shares_one_device(config) else 0  # the trainer's child service on its device
-    policy = resolve_remat(config, by_policy, None if usable is None else usable - total(trainer) - shared, backend)
-    trainer["activations"] = by_policy[policy]
-    trainer["gradients"] = gradient_bytes(config, model, params, frozen, policy)
+    trainer, by_policy, policy = _trainer(config, model, state, None if usable is None else usable - shared, backend)
     calls, length = model_call(config)
     plan: dict[str, Any] = {
-        "mesh": {**sizes, "devices": math.prod(sizes.values()), "processes": config.mesh.num_processes,
+        "mesh": {**sizes, "devices": config.mesh.devices, "processes": config.mesh.num_processes,
                  "dcn_data": config.mesh.dcn_data, "dcn_axes": ["data"] if config.mesh.dcn_data > 1 else []},
         "model": {"source": model_source, "family": model.family, "layers": model.num_layers,
                   "hidden_size": model.hidden_size, "vocab_size": model.vocab_size, "dtype": config.model.dtype,
@@ -248,7 +260,8 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
                     "activations_without_remat": by_policy["none"], "activations_with_remat": by_policy["full"],
                     "attention_probabilities": stores_probabilities(config.model.attention_impl, length, backend),
                     "rows_per_device": rows_per_device(config), "model_call_rows": calls, "sequence": length,
-                    "packed": bool(config.train.pack_rows)},
+                    "packed": bool(config.train.pack_rows), "tokens_per_device": local_tokens(config, length),
+                    "context_traffic": context_traffic(config, model), "context_table": None},
         "service": {**service, "total": service_total(service), "rows": rows, "tensor_ways": mesh.tensor,
                     "data_ways": mesh.data, "mesh": serve_mesh, "devices": mesh.tensor * mesh.data,
                     "smallest_tensor": None},
@@ -262,7 +275,15 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
                           "source": device.source}
         plan["fits"] = fits
         if not fits["trainer"]:
-            plan["advice"] += [f"trainer: {line}" for line in trainer_advice(config, model, trainer, usable, backend)]
+            def estimate(candidate: Config) -> tuple[dict[str, int], str]:
+                figures, _, chosen = _trainer(candidate, model, state, usable, backend)
+                return figures, chosen
+
+            table = plan["trainer"]["context_table"] = context_table(config, model, estimate, usable)
+            advice = trainer_advice(config, model, trainer, usable, backend)
+            if (split := context_advice(config, table)) is not None:
+                advice.append(split)
+            plan["advice"] += [f"trainer: {line}" for line in advice]
         plan["service"]["smallest_tensor"] = smallest_tensor(config, model, rows, usable, data=mesh.data,
                                                              merge_bytes=merge, backend=backend)
         if not fits["service"]:

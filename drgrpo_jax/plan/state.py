@@ -29,7 +29,9 @@ __all__ = ["abstract_state", "adapted_bytes", "gradient_bytes", "mesh_sizes", "p
 
 
 def mesh_sizes(config: Config) -> dict[str, int]:
-    return {"data": config.mesh.data, "fsdp": config.mesh.fsdp, "tensor": config.mesh.tensor}
+    """Each mesh axis's ways, by name (sharding.MESH_AXES)."""
+    m = config.mesh
+    return {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor, "context": m.context}
 
 
 def _shard_elements(name: str, shape: tuple[int, ...], logical_axes: tuple[str | None, ...] | None,

@@ -192,15 +192,15 @@ def test_cli_text_json_and_one_line_errors(capsys, tmp_path):
 
     assert cli.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen2.5-Math-7B", "--device", "v5p"]) == 0
     text = capsys.readouterr().out
-    assert "mesh: data=1 fsdp=32 tensor=1 -> 32 devices" in text and "P(None, fsdp, tensor, None)" in text
+    assert "mesh: data=1 fsdp=32 tensor=1 context=1 -> 32 devices" in text and "P(None, fsdp, tensor, None)" in text
     assert "trainer:" in text and "-> fits" in text and "no axis crosses DCN" in text
 
     # Two v5p-32 slices: data's two ways cross DCN, the per-device figures stay those of one slice's layout.
     assert cli.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen2.5-Math-7B", "--device", "v5p",
                      "mesh.data=2", "mesh.fsdp=16", "mesh.dcn_data=2"]) == 0
     text = capsys.readouterr().out
-    assert ("mesh: data=2 fsdp=16 tensor=1 -> 32 devices over 1 process(es); data crosses 2 slices over DCN "
-            "(1 data way(s) per slice), fsdp and tensor stay on each slice's ICI") in text
+    assert ("mesh: data=2 fsdp=16 tensor=1 context=1 -> 32 devices over 1 process(es); data crosses 2 slices over DCN "
+            "(1 data way(s) per slice), fsdp, tensor and context stay on each slice's ICI") in text
 
     hf_dir = tmp_path / "model"
     hf_dir.mkdir()
