@@ -319,7 +319,8 @@ def _check_rest(config: Config) -> None:
     if c.mesh.num_processes > 1 and not c.rollout.urls:
         raise ConfigError("rollout.urls", f"must list the generation services when mesh.num_processes = "
                                           f"{c.mesh.num_processes}: the trainer's mesh takes every device of every "
-                                          "host, so start the services apart (scripts/launch_*.sh --serve-*)")
+                                          "host, so start the services apart (python -m drgrpo_jax.launch starts "
+                                          "them)")
 
 
 def _check_mesh_start_up(m: MeshConfig) -> None:

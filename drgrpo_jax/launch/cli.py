@@ -1,9 +1,11 @@
-"""python -m drgrpo_jax.launch {slurm,gke,skypilot} --config PATH --out DIR [options] [section.key=value ...]:
-writes the resolved config (run.yaml) and the engine's files into DIR and prints how to start them."""
+"""python -m drgrpo_jax.launch {slurm,gke,skypilot,tpu-vm,hosts} --config PATH --out DIR [options]
+[section.key=value ...]: writes the resolved config (run.yaml) and the engine's files into DIR and prints how to start
+them."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import shlex
 import sys
@@ -11,7 +13,7 @@ import sys
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
-from drgrpo_jax.launch import gke, skypilot, slurm
+from drgrpo_jax.launch import gke, hosts, skypilot, slurm, tpu_vm
 from drgrpo_jax.launch.cluster import CONFIG_NAME, KEY_FILE, launch_config, new_key_file
 
 PROG = "python -m drgrpo_jax.launch"
@@ -43,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--python", default="python3",
                    help="the interpreter on the nodes, e.g. a virtual environment's bin/python (default python3)")
     s.add_argument("--port", type=int, default=30000, help="first service port on a node")
+    s.add_argument("--venv", default="", help="a virtual environment the jobs activate (relative: to --workdir)")
     g = engines.add_parser("gke", parents=[common], help="a JobSet, the services and the xpk command")
     g.add_argument("--tpu", required=True, help="the trainer's TPU slice type, e.g. v5p-64")
     g.add_argument("--serve-tpu", default="v5litepod-4", help="each service's TPU slice type (default v5litepod-4)")
@@ -57,7 +60,63 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--max-restarts", type=int, default=10, help="managed-job restarts on failure (exit 42) at most")
     k.add_argument("--workdir", default=os.getcwd(),
                    help="the checkout SkyPilot copies to the nodes and installs there (default: here)")
+    _tpu_vm_parser(engines.add_parser("tpu-vm", parents=[common], help="Cloud TPU VM slices over gcloud ssh: "
+                                      "launch.sh, stop.sh and each worker's worker.sh"))
+    _hosts_parser(engines.add_parser("hosts", parents=[common], help="GPU hosts over ssh, or N CPU processes here: "
+                                     "launch.sh"))
     return parser
+
+
+def _tpu_vm_parser(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--tpu", required=True, help="the trainer's TPU VM, by its name")
+    t.add_argument("--zone", required=True, help="its zone, e.g. us-east5-a")
+    t.add_argument("--project", default="", help="the gcloud project (default: gcloud's)")
+    t.add_argument("--serve-tpu", default="", help="a TPU VM of its own for the generation services")
+    t.add_argument("--serve-ips", default="",
+                   help="its workers' IPs, ip,ip,... (default: gcloud describe at launch)")
+    t.add_argument("--serve-chips", type=int, default=0,
+                   help="chips for services on each --serve-tpu worker or, without it, on the trainer's one worker "
+                        "beyond the mesh's (rollout.service_mesh's chips each; default 0: rollout.urls)")
+    t.add_argument("--port", type=int, default=30000, help="first service port on a worker")
+    t.add_argument("--workdir", default=os.getcwd(), help="the checkout whose working tree the launch ships "
+                                                         "(default: here)")
+    t.add_argument("--venv", default="",
+                   help="a virtual environment on the workers (relative: under the home folder), made if missing")
+    t.add_argument("--jax-version", default=_local_jax(),
+                   help="jax[tpu]==V where a worker lacks it (default: the jax installed here)")
+    t.add_argument("--install", default="",
+                   help="a shell command run in each worker's run folder instead of the default install")
+    t.add_argument("--max-restarts", type=int, default=3, help="restarts after exit 42 (preempted, saved)")
+    t.add_argument("--stop-grace", type=int, default=120, help="seconds from SIGTERM to SIGKILL in stop.sh")
+    t.add_argument("--retries", type=int, default=3, help="tries again of a failed gcloud scp or ssh")
+    t.add_argument("--retry-delay", type=int, default=10, help="seconds before the first try again, then doubled")
+    t.add_argument("--health-timeout", type=int, default=900, help="seconds to wait for the services' /health")
+
+
+def _hosts_parser(h: argparse.ArgumentParser) -> None:
+    where = h.add_mutually_exclusive_group(required=True)
+    where.add_argument("--hosts", default="", help="h1,h2,...: one process per host over ssh (localhost: here); "
+                                                  "h1 is the coordinator")
+    where.add_argument("--local", type=int, default=0, help="N CPU processes here (gloo collectives)")
+    h.add_argument("--gpus-per-host", type=int, default=8, help="GPUs on each host (default 8)")
+    h.add_argument("--serve-gpus", type=int, default=0,
+                   help="GPUs of the first host for generation services, its last ones (CPU devices with --local); "
+                        "default 0: rollout.urls")
+    h.add_argument("--local-devices", type=int, default=1, help="CPU devices of each --local process")
+    h.add_argument("--port", type=int, default=30000, help="first service port")
+    h.add_argument("--coordinator-port", type=int, default=8476, help="jax.distributed's port on the first host")
+    h.add_argument("--workdir", default=os.getcwd(),
+                   help="the checkout the processes run in, the same path on every host (default: here)")
+    h.add_argument("--python", default="python3", help="the interpreter on the hosts (default python3)")
+    h.add_argument("--venv", default="", help="a virtual environment the processes activate (relative: to --workdir)")
+    h.add_argument("--health-timeout", type=int, default=900, help="seconds to wait for the services' /health")
+
+
+def _local_jax() -> str:
+    try:
+        return importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], str, bool]:
@@ -67,7 +126,7 @@ def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], s
         batch = slurm.SlurmOptions(out, os.path.abspath(args.workdir), args.python, args.services,
                                    args.tasks_per_node, args.gpus_per_node, args.partition, args.time, port=args.port,
                                    account=args.account, cpus_per_task=args.cpus_per_task, mem=args.mem,
-                                   exclusive=args.exclusive)
+                                   exclusive=args.exclusive, venv=args.venv)
         return slurm.render(config, batch), f"bash {shlex.quote(out + '/submit.sh')}", slurm.own_key(config, batch)
     if args.engine == "gke":
         k8s = gke.GkeOptions(args.tpu, args.serve_tpu, args.services, args.image, args.name, args.max_restarts,
@@ -76,8 +135,35 @@ def _render(args: argparse.Namespace, config: Config) -> tuple[dict[str, str], s
                              f"--from-env-file={out}/{KEY_FILE}"])
         start = f"{secret} && kubectl apply -f {shlex.quote(out)}  (or: bash {shlex.quote(out + '/xpk.sh')})"
         return gke.render(config, k8s), start, True
+    if args.engine == "tpu-vm":
+        tpu = tpu_vm.TpuVmOptions(out, os.path.abspath(args.workdir), args.tpu, args.zone, args.project, args.serve_tpu,
+                                  args.serve_ips, args.serve_chips, args.port, args.venv, args.jax_version,
+                                  args.install, args.max_restarts, args.stop_grace, args.retries, args.retry_delay,
+                                  args.health_timeout)
+        return tpu_vm.render(config, tpu), f"bash {shlex.quote(out + '/launch.sh')}", tpu_vm.own_key(config, tpu)
+    if args.engine == "hosts":
+        ssh = _hosts_options(args, out)
+        return hosts.render(config, ssh), f"bash {shlex.quote(out + '/launch.sh')}", hosts.own_key(config, ssh)
     sky = skypilot.SkyOptions(out, os.path.abspath(args.workdir), args.tpu, args.gpus, args.max_restarts)
     return skypilot.render(config, sky), f"sky jobs launch {shlex.quote(out + '/task.yaml')}", False
+
+
+def _hosts_options(args: argparse.Namespace, out: str) -> hosts.HostsOptions:
+    names = tuple(args.hosts.split(",")) if args.hosts else ()
+    return hosts.HostsOptions(out, os.path.abspath(args.workdir), names, args.local, args.gpus_per_host,
+                              args.serve_gpus, args.local_devices, args.port, args.coordinator_port, args.python,
+                              args.venv, args.health_timeout)
+
+
+def _stand_ins(args: argparse.Namespace) -> list[str]:
+    """What is known only at launch, so that the config's rules pass: the coordinator, the URLs of the services the
+    render starts, and (hosts) the process count the host list gives."""
+    words = ["mesh.coordinator_address=detected-at-launch:8476"]
+    if getattr(args, "services", 0) or getattr(args, "serve_chips", 0) or getattr(args, "serve_gpus", 0):
+        words.append("rollout.urls=[http://started-services:30000]")
+    if args.engine == "hosts":
+        words.append(f"mesh.num_processes={args.local or len(args.hosts.split(','))}")
+    return words
 
 
 def _write_key_file(folder: str) -> None:
@@ -93,10 +179,7 @@ def _write_key_file(folder: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
-        # The coordinator and started services' URLs are known only at launch: stand-ins let the rules pass.
-        stand_in = ["mesh.coordinator_address=detected-at-launch:8476"]
-        stand_in += ["rollout.urls=[http://started-services:30000]"] if getattr(args, "services", 0) else []
-        config = load_config(args.config, [*stand_in, *args.overrides])
+        config = load_config(args.config, [*_stand_ins(args), *args.overrides])
         files, start, key = _render(args, config)
     except ConfigError as error:
         sys.exit(f"{PROG}: config error: {error}")

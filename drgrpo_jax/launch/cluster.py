@@ -4,6 +4,7 @@ the resolved config the hosts read, and the trainer's and services' command line
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import secrets
 import shlex
@@ -164,6 +165,13 @@ def refuse_loopback(config: Config, hint: str) -> None:
         if urllib.parse.urlsplit(url).hostname in LOOPBACK:
             raise ConfigError("rollout.urls", f"{url} is on the trainer's own node, where nothing starts a "
                                               f"service: {hint}")
+
+
+def launch_path(launch_dir: str, workdir: str, *parts: str) -> str:
+    """A path in the launch folder as scripts that `cd` into `workdir` see it: relative when it lies inside."""
+    relative = os.path.relpath(launch_dir, workdir)
+    folder = launch_dir if relative == ".." or relative.startswith("../") else relative
+    return os.path.normpath(os.path.join(folder, *parts))
 
 
 def check_count(flag: str, value: int, low: int) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import urllib.parse
 
 from drgrpo_jax.checkpoint import RESTART_EXIT_CODE
 from drgrpo_jax.config.schema import Config
@@ -25,9 +24,13 @@ from drgrpo_jax.launch.cluster import (
     CONFIG_NAME,
     KEY_ENV,
     KEY_FILE,
+    activate,
     assign,
+    check_count,
     check_pattern,
     check_text,
+    launch_path,
+    refuse_loopback,
     run_shape,
     serve_command,
     service_devices,
@@ -37,7 +40,6 @@ from drgrpo_jax.launch.cluster import (
 STRAGGLER_WAIT_S = 60  # after a task exits (42, or a crash), the others' time to exit before srun kills them
 TRAINER_SPARE_CPUS = 4  # a trainer task's CPUs beyond its reward workers: the host loop, the rollout and push threads
 SERVICE_CPUS = 4  # a service's CPUs: its HTTP server, tokenizer and weight loads
-LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 # What sbatch accepts in each field (a newline would end the #SBATCH line and run the rest as a command)
 PARTITION = (r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", "a partition name (or a comma-separated list)")
@@ -63,6 +65,7 @@ class SlurmOptions:
     cpus_per_task: int | None = None  # None: reward.num_workers + TRAINER_SPARE_CPUS for each trainer task
     mem: str = "0"  # --mem of each trainer node; 0: all of the node's memory
     exclusive: bool = True  # the trainer's nodes to itself (it takes every device of each)
+    venv: str = ""  # a virtual environment the jobs activate (absolute, or relative to workdir)
 
 
 def _check(o: SlurmOptions) -> None:
@@ -71,21 +74,19 @@ def _check(o: SlurmOptions) -> None:
                                          ("--account", o.account, ACCOUNT), ("--mem", o.mem, MEMORY)]:
         if value:
             check_pattern(flag, value, pattern, what)
-    for flag, value in [("--out", o.launch_dir), ("--workdir", o.workdir), ("--python", o.python)]:
+    for flag, value in [("--out", o.launch_dir), ("--workdir", o.workdir), ("--python", o.python),
+                        ("--venv", o.venv)]:
         check_text(flag, value)
     if not os.path.isabs(o.launch_dir) or not os.path.isabs(o.workdir):
         raise ConfigError("--out", f"the launch folder {o.launch_dir!r} and --workdir {o.workdir!r} must be absolute")
     for flag, count, low in [("--services", o.services, 0), ("--tasks-per-node", o.tasks_per_node, 1),
                              ("--port", o.port, 1), ("--cpus-per-task", o.cpus_per_task or 1, 1)]:
-        if count < low:
-            raise ConfigError(flag, f"must be at least {low}, got {count}")
+        check_count(flag, count, low)
 
 
 def _launch_path(o: SlurmOptions, *parts: str) -> str:
     """A path in the launch folder as the jobs see it: relative to the working folder when it lies inside."""
-    relative = os.path.relpath(o.launch_dir, o.workdir)
-    folder = o.launch_dir if relative == ".." or relative.startswith("../") else relative
-    return os.path.normpath(os.path.join(folder, *parts))
+    return launch_path(o.launch_dir, o.workdir, *parts)
 
 
 def _header(name: str, lines: list[str], o: SlurmOptions) -> str:
@@ -120,14 +121,6 @@ def _key(config: Config, o: SlurmOptions) -> tuple[list[str], str]:
     return [read], KEY_ENV
 
 
-def _refuse_loopback(config: Config) -> None:
-    """Without --services the trainer's nodes reach rollout.urls; on loopback nothing starts them there."""
-    for url in config.rollout.urls:
-        if urllib.parse.urlsplit(url).hostname in LOOPBACK:
-            raise ConfigError("rollout.urls", f"{url} is on the trainer's own node, where nothing starts a "
-                                              "service: give --services N, or the services' host names")
-
-
 def train_sbatch(config: Config, o: SlurmOptions) -> str:
     shape = run_shape(config)
     if shape.processes % o.tasks_per_node:
@@ -143,11 +136,11 @@ def train_sbatch(config: Config, o: SlurmOptions) -> str:
     lines += ["--requeue", f"--signal=B:TERM@{o.signal_seconds}"]
     body = [f"# trainer processes: {shape.processes}, devices each: {shape.devices_per_process} (mesh data x fsdp x "
             f"tensor = {shape.devices}); each process takes every device its task sees.", "set -uo pipefail",
-            f"cd {shlex.quote(o.workdir)}"]
+            f"cd {shlex.quote(o.workdir)}", *activate(o.venv)]
     if o.services:
         body += _urls_from_services(o)
     else:
-        _refuse_loopback(config)
+        refuse_loopback(config, "give --services N, or the services' host names")
         body.append(f"urls={shlex.quote(','.join(config.rollout.urls))}")
     body += ["IFS=, read -ra services <<< \"$urls\"",
              f"for u in \"${{services[@]}}\"; do for t in $(seq 0 {o.health_timeout_s // 2}); do",
@@ -186,7 +179,7 @@ def serve_sbatch(config: Config, o: SlurmOptions) -> str:
            f"exec {serve}"
     body = [f"# generation services: {o.services}, devices each: {devices} (rollout.service_mesh).",
             "set -euo pipefail",
-            f"cd {shlex.quote(o.workdir)}", *export,
+            f"cd {shlex.quote(o.workdir)}", *activate(o.venv), *export,
             f"folder={shlex.quote(_launch_path(o, 'services'))}/\"$SLURM_JOB_ID\"",
             "rm -rf \"$folder\" && mkdir -p \"$folder\"",
             f"srun bash -c {shlex.quote(task)} serve \"$folder\""]
