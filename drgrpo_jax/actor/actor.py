@@ -126,10 +126,11 @@ class Actor:
                 [ids[:n] for ids, n in zip(completions.response_ids, completions.lengths)], skip_special_tokens=True)
             model_tokens, truncated, given = completions.lengths, completions.truncated, {}
         rollout_seconds = time.perf_counter() - start
+        prefix_cache = self.client.prefix_cache_delta()
         start = time.perf_counter()
         rewards = self.scorer.score(texts, grouped, model_tokens, given=given)
         counters = HostCounters(rewards.functions, rollout_seconds, time.perf_counter() - start, rewards.timeouts_F,
-                                rewards.errors_F, rewards.error_messages)
+                                rewards.errors_F, rewards.error_messages, prefix_cache)
         rows = None
         if record_prompt_tokens is not None:
             rows = (_episode_rows(trajectories, sampling.max_new_tokens) if self.episodes is not None else

@@ -110,8 +110,10 @@ def run_episodes(client: RolloutClient, tokenizer: Any, make_environment: Callab
     turn is one `client.generate` of every unfinished episode. Episode i's turn-t seed comes from (seed, t,
     first_episode + i) alone, so an episode is the same whichever episodes share its requests: a host sampling its
     share (`first_episode`: the index of examples[0] among all the rollout's episodes) or a chunk of an evaluation
-    draws what one client sampling everything would. `renderer`: the environment's ChatRenderer (default: its
-    tools, Hermes calls, the template's own tool rendering when it has one)."""
+    draws what one client sampling everything would. Every turn of an episode goes to the service its opening routes
+    to, with the group's other episodes (`route_prefixes`): the one whose prefix cache holds their context. `renderer`:
+    the environment's ChatRenderer (default: its tools, Hermes calls, the template's own tool rendering when it has
+    one)."""
     make_renderer = renderer or (lambda env: ChatRenderer(tokenizer, env.tools))
     environments = [make_environment() for _ in examples]
     renderers = [make_renderer(env) for env in environments]
@@ -132,7 +134,8 @@ def run_episodes(client: RolloutClient, tokenizer: Any, make_environment: Callab
         sampled = client.generate([trajectories[i].prompt_ids + trajectories[i].ids for i in active], 1,
                                   max_new_tokens=max(caps.values()), temperature=temperature, top_p=top_p,
                                   top_k=top_k, stop_token_ids=stops, seeds=[turn_seeds[i] for i in active],
-                                  expected_version=expected_version, max_staleness=max_staleness)
+                                  expected_version=expected_version, max_staleness=max_staleness,
+                                  route_prefixes=[trajectories[i].prompt_ids for i in active])
         for row, i in enumerate(active):
             trajectory, env, chat = trajectories[i], environments[i], renderers[i]
             length = int(sampled.lengths[row])

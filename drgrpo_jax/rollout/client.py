@@ -2,10 +2,12 @@
 
 It drives the inference engine the services run (`rollout.engine`) through that engine's module under
 rollout/engines/ (our service, SGLang, vLLM: one interface, `engines.base.Engine`), and never branches on its name.
-Several URLs form a data-parallel fleet: each gets a contiguous share of the prompts (whole groups), and a URL
-that keeps failing hands its share to the others (`retryable`). Weight pushes go by folder (`update_weights`, as
-the engine loads one) or, to the trainer's own child (rollout/local_service.py), by shared-memory segment
-(`update_weights_from_segment`).
+Several URLs form a data-parallel fleet (`rollout/routing.py` says which URL samples which prompt): a call with
+routing keys (an episode's turns) goes by key, so each episode stays with the service that caches its prefix; one
+without keys is cut into contiguous shares of whole groups. A URL that keeps failing (`retryable`) hands its prompts
+to the others and, for `rest_s` after, is asked only when no other URL is left. Weight pushes go by folder
+(`update_weights`, as the engine loads one) or, to the trainer's own child (rollout/local_service.py), by
+shared-memory segment (`update_weights_from_segment`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
-import itertools
+import functools
 import json
 import logging
 import os
@@ -30,8 +32,10 @@ from drgrpo_jax.config.engines import EngineName
 from drgrpo_jax.errors import RolloutError, StaleWeightsError
 from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.rollout.engines import ENGINES
-from drgrpo_jax.rollout.engines.base import Call, Completion, Sampling, described, json_object
+from drgrpo_jax.rollout.engines.base import Completion, PrefixCacheStats, Sampling, described, json_object
 from drgrpo_jax.rollout.local_service import LocalServer
+from drgrpo_jax.rollout.prefix_cache import PrefixCacheReadings
+from drgrpo_jax.rollout.routing import Router, route_key
 from drgrpo_jax.seeds import prompt_seeds, unseeded
 from drgrpo_jax.weight_folders import is_remote
 
@@ -93,12 +97,6 @@ class RouterShape(NamedTuple):
     num_experts: int
 
 
-def _split(num_items: int, num_parts: int) -> list[tuple[int, int]]:
-    """Contiguous, nearly equal [start, stop) shares; empty shares are dropped."""
-    bounds = np.linspace(0, num_items, num_parts + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in itertools.pairwise(bounds) if b > a]
-
-
 def check_versions(versions: Sequence[str | None], expected: str | int, max_staleness: int = 0) -> None:
     """Raises StaleWeightsError unless every version is within max_staleness of the expected one."""
     expected_text = str(expected)
@@ -122,14 +120,15 @@ class RolloutClient:
     run, by its rollout.engine name (`ENGINES`); each URL's start-up settings are checked on first use.
     `vocab_size`: the trained model's vocabulary, which every answered token id must be in; None: each URL's own
     report, read once (our service's /get_model_info), else only int32 ids are checked. `timeout_s` bounds each
-    request whole (sending, waiting and reading), not each read.
+    request whole (sending, waiting and reading), not each read. `rest_s`: how long a URL that failed a generate call
+    is asked only when every other is resting or failed (its keys come back to it after).
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
                  transport: httpx.BaseTransport | None = None, api_key: str | None = None,
                  local_server: LocalServer | None = None, max_restarts: int = 3, engine: EngineName = "ours",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, rest_s: float = 30.0):
         if isinstance(urls, str):
             urls = [urls]
         if not urls:
@@ -149,6 +148,8 @@ class RolloutClient:
         self.seeds_ignored_by: tuple[str, ...] = ()  # the URLs that sample without honouring the seeds sent
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self._router = Router(rest_s)
+        self._prefix_caches = PrefixCacheReadings()
         self.local_server, self.max_restarts = local_server, max_restarts
         self.service_restarts = 0  # times local_server was found dead and restarted
         self._restart_lock = threading.Lock()
@@ -180,13 +181,16 @@ class RolloutClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, method: str, url: str, path: str, body: Any = None, max_bytes: int = MIN_ANSWER_CAP) -> Any:
-        """One call with retries while `retryable`; its answer's JSON (None when empty); raises RolloutError with
-        the last HTTP status (None = no answer), or at once for an answer that is not JSON."""
+    def _request(self, method: str, url: str, path: str, body: Any = None, max_bytes: int = MIN_ANSWER_CAP,
+                 attempts: int | None = None) -> Any:
+        """One call with retries while `retryable` (`attempts` in all, else max_retries + 1); its answer's JSON (None
+        when empty); raises RolloutError with the last HTTP status (None = no answer), or at once for an answer that
+        is not JSON."""
         error: Exception | None = None
         status: int | None = None
         retry_after = 0.0  # what the service asked for (429/503 Retry-After), capped at max_backoff_s
-        for attempt in range(self.max_retries + 1):
+        attempts = self.max_retries + 1 if attempts is None else attempts
+        for attempt in range(attempts):
             if attempt:
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
                 delay *= 0.5 + random.random() / 2  # jitter: a fleet of clients does not retry in step
@@ -206,7 +210,7 @@ class RolloutClient:
                                  url=url)
             if not retryable(status):
                 raise error
-        raise RolloutError(f"{url}{path}: failed after {self.max_retries + 1} attempts: {error}",
+        raise RolloutError(f"{url}{path}: failed after {attempts} attempts: {error}",
                            status=status, url=url) from error
 
     def _exchange(self, method: str, url: str, body: Any, max_bytes: int) -> _Answer:
@@ -284,31 +288,20 @@ class RolloutClient:
             self._request("POST", new_url, "/update_weights_from_disk",
                           {"model_path": path, "weight_version": str(version)})
 
-    def _with_failover(self, first: int, path: str, body: Any, max_bytes: int) -> tuple[str, Any]:
-        """Posts to urls[first]; while it fails `retryable`, to each other URL in turn; (the URL that answered, its
-        answer)."""
-        errors: list[RolloutError] = []
-        for k in range(len(self.urls)):
-            url = self.urls[(first + k) % len(self.urls)]
-            try:
-                return url, self._request("POST", url, path, body, max_bytes)
-            except RolloutError as error:
-                if not retryable(error.status):  # the request itself is bad: every server would refuse it
-                    raise
-                errors.append(error)
-        raise RolloutError("every generation service failed: " + " | ".join(map(str, errors))) from errors[-1]
-
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, *, max_new_tokens: int,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: Sequence[int] = (), seed: int | None = None,
                  expected_version: str | int | None = None, max_staleness: int = 0, prompt_offset: int = 0,
                  first_url: int = 0, ignore_eos: bool = False, seeds: Sequence[int] | None = None,
-                 return_routed_experts: RouterShape | None = None) -> Completions:
+                 return_routed_experts: RouterShape | None = None,
+                 route_prefixes: Sequence[Sequence[int]] | None = None) -> Completions:
         """G completions of every prompt (token ids), with behaviour log-probs; checks the weight version.
 
         `prompt_offset`: the index of prompts[0] in the whole rollout, so that a host sampling its share
-        draws the same per-prompt seeds as one client sampling everything. `first_url`: the URL that
-        takes the first share (hosts start at different URLs to spread the load). `ignore_eos`: SGLang's
+        draws the same per-prompt seeds as one client sampling everything. `route_prefixes`: per prompt, the
+        prefix whose service it goes to (`routing.route_key`; an episode's turns give its opening, so the episode
+        stays where its prefix is cached); without them, `first_url`: the URL that takes the first contiguous share
+        (hosts start at different URLs to spread the load). `ignore_eos`: SGLang's
         sampling parameter, the model's EOS does not end a completion (stop_token_ids still do). `seeds`: each
         prompt's own sampling seed, in place of those drawn from `seed` and `prompt_offset`.
         `return_routed_experts` (the served mixture's shape): each completion also brings the experts its tokens
@@ -323,14 +316,15 @@ class RolloutClient:
             seeds = prompt_seeds(unseeded() if seed is None else seed, len(prompts), prompt_offset)
         elif len(seeds) != len(prompts):
             raise ValueError(f"seeds: {len(seeds)} for {len(prompts)} prompts")
-        shares = _split(len(prompts), len(self.urls))
+        if route_prefixes is not None and len(route_prefixes) != len(prompts):
+            raise ValueError(f"route_prefixes: {len(route_prefixes)} for {len(prompts)} prompts")
+        keys = None if route_prefixes is None else [route_key(prefix) for prefix in route_prefixes]
         self.check_engine()
         if return_routed_experts is not None:
             self._check_routed_experts()
         sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             stop_token_ids=tuple(map(int, stop_token_ids)), ignore_eos=ignore_eos,
                             routed_experts=return_routed_experts is not None)
-        calls = self._engine.generate_calls(prompts, seeds, shares, group_size, sampling)
         tokens_per_row = max_new_tokens * ANSWER_BYTES_PER_TOKEN
         if return_routed_experts is not None:  # base64 of int32 ids for every token read (8 bytes: room for JSON)
             tokens_per_row += (max(map(len, prompts)) + max_new_tokens) * 8 * \
@@ -338,7 +332,7 @@ class RolloutClient:
         while True:
             restarts = self.service_restarts
             try:
-                rows = self._gather(calls, first_url, group_size, tokens_per_row)
+                rows = self._gather(prompts, seeds, keys, first_url, sampling, group_size, tokens_per_row)
                 break
             except RolloutError as error:  # the same prompts and seeds again: the redone request samples the same
                 if not (retryable(error.status) and self._restart_local_server(restarts)):
@@ -354,23 +348,48 @@ class RolloutClient:
                            max_staleness)
         return completions
 
-    def _gather(self, calls: list[Call], first_url: int, group_size: int,
+    def _gather(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], keys: Sequence[bytes] | None,
+                first_url: int, sampling: Sampling, group_size: int,
                 bytes_per_row: int) -> list[tuple[str, Completion]]:
-        """Posts each call to its share's URL (in parallel, with failover); the completions in prompt order, each
-        checked (`Engine.read_completions`) and with the `url + path` that answered it."""
-        futures = [self._pool.submit(self._with_failover, (first_url + call.share) % len(self.urls), call.path,
-                                     call.body, max(MIN_ANSWER_CAP, call.num_prompts * group_size * bytes_per_row))
-                   for call in calls]
-        rows: list[tuple[str, Completion]] = []
-        for call, future in zip(calls, futures):
-            url, answer = future.result()
-            source = f"{url}{call.path}"
-            read = _named(source, self._engine.read_completions, answer, group_size, self._vocab_of(url))
-            if len(read) != call.num_prompts * group_size:
-                raise RolloutError(f"{source}: {len(read)} completions for {call.num_prompts} prompts x "
-                                   f"{group_size}", url=url)
-            rows += [(source, row) for row in read]
-        return rows
+        """Samples every prompt on the URL `routing` gives it (by `keys`, else contiguous shares from `first_url`), the
+        URLs' calls in parallel; the prompts of a URL that fails `retryable` go again to the URLs left. The
+        completions in prompt order, each checked (`Engine.read_completions`) and with the `url + path` that answered
+        it."""
+        answered: dict[int, list[tuple[str, Completion]]] = {}
+        failed: dict[int, RolloutError] = {}  # URL index -> why it failed this call
+        pending = list(range(len(prompts)))
+        while pending:
+            shares = self._router.shares(self.urls, pending, keys, first_url, failed)
+            if not shares:
+                raise RolloutError("every generation service failed: " + " | ".join(map(str, failed.values()))) \
+                    from list(failed.values())[-1]
+            calls = self._engine.generate_calls(prompts, seeds, [share for _, share in shares], group_size, sampling)
+            futures = [self._pool.submit(self._request, "POST", self.urls[shares[call.share][0]], call.path, call.body,
+                                         max(MIN_ANSWER_CAP, len(call.prompts) * group_size * bytes_per_row))
+                       for call in calls]
+            pending = []
+            for call, future in zip(calls, futures):
+                index = shares[call.share][0]
+                url = self.urls[index]
+                try:
+                    answer = future.result()
+                except RolloutError as error:
+                    if not retryable(error.status):  # the request itself is bad: every server would refuse it
+                        raise
+                    failed[index] = error
+                    self._router.failed(url)
+                    pending += call.prompts
+                    continue
+                self._router.answered(url)
+                source = f"{url}{call.path}"
+                read = _named(source, self._engine.read_completions, answer, group_size, self._vocab_of(url))
+                if len(read) != len(call.prompts) * group_size:
+                    raise RolloutError(f"{source}: {len(read)} completions for {len(call.prompts)} prompts x "
+                                       f"{group_size}", url=url)
+                for k, prompt in enumerate(call.prompts):
+                    answered[prompt] = [(source, row) for row in read[k * group_size:(k + 1) * group_size]]
+            pending.sort()
+        return [row for prompt in range(len(prompts)) for row in answered[prompt]]
 
     def _vocab_of(self, url: str) -> int | None:
         """The vocabulary the ids answered by `url` must be in: the trained model's, else the server's own report."""
@@ -467,6 +486,11 @@ class RolloutClient:
         if not self._engine.traits.serves_model_info:
             raise RolloutError(f"{url}: {self._engine.traits.label} has no /get_model_info", url=url)
         return json_object(self._request("GET", url, "/get_model_info"), f"{url}/get_model_info: the answer")
+
+    def prefix_cache_delta(self) -> PrefixCacheStats | None:
+        """What the services' prefix caches did since the last call, summed (`PrefixCacheReadings.delta`): one
+        request per URL whose engine reports a cache, not retried; None when none does."""
+        return self._prefix_caches.delta(self._engine, self.urls, functools.partial(self._request, attempts=1))
 
     def healthy(self) -> list[bool]:
         """One health probe per URL, without retries."""

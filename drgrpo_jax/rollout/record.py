@@ -3,8 +3,8 @@
 `ScoredRollout` holds P groups of G responses with named per-row arrays (prompt-major: row
 p * G + g); `take(groups)` selects groups (dynamic sampling), `concat` joins rounds, `to_batch`
 builds the step's `Batch`, and the algorithm table says what its advantages and learning signal are.
-`HostCounters` holds what is not one per row (wall-clock, reward timeouts and errors) and adds up over
-rounds and hosts. Beside them: each host's share of a rollout, correctness and length statistics.
+`HostCounters` holds what is not one per row (wall-clock, reward timeouts and errors, the services' prefix cache)
+and adds up over rounds and hosts. Beside them: each host's share of a rollout, correctness and length statistics.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from drgrpo_jax.rewards.functions import CORRECTNESS_REWARDS, failure_metrics
+from drgrpo_jax.rollout.engines.base import PrefixCacheStats
+from drgrpo_jax.rollout.prefix_cache import prefix_cache_metrics
 from drgrpo_jax.step.batch import Batch
 
 if TYPE_CHECKING:
@@ -168,14 +170,20 @@ class HostCounters:
     reward_timeouts_F: np.ndarray  # int [F]: reward calls killed at the time limit
     reward_errors_F: np.ndarray  # int [F]: reward calls that raised or killed their worker
     error_messages: tuple[str, ...] = ()  # the first few reward failures (this host's), for the log
+    # What the services' prefix caches did during the round, as this host read them after it (RolloutClient.
+    # prefix_cache_delta); None when no service reports a cache. The services serve every host, so one host's
+    # reading is the fleet's: it is not gathered.
+    prefix_cache: PrefixCacheStats | None = None
 
     def __add__(self, other: HostCounters) -> HostCounters:
         """Sequential work (dynamic sampling's rounds): times and counts add up."""
+        caches = [cache for cache in (self.prefix_cache, other.prefix_cache) if cache is not None]
         return HostCounters(self.reward_functions, self.rollout_seconds + other.rollout_seconds,
                             self.reward_seconds + other.reward_seconds,
                             self.reward_timeouts_F + other.reward_timeouts_F,
                             self.reward_errors_F + other.reward_errors_F,
-                            (self.error_messages + other.error_messages)[:5])
+                            (self.error_messages + other.error_messages)[:5],
+                            caches[0].then(caches[1]) if len(caches) == 2 else next(iter(caches), None))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The numbers as arrays (what the hosts all-gather)."""
@@ -187,11 +195,14 @@ class HostCounters:
         """Every host's `arrays()` stacked [hosts, ...] -> parallel work: the slowest host's time, summed counts."""
         seconds = stacked["seconds"].max(axis=0)
         return HostCounters(self.reward_functions, float(seconds[0]), float(seconds[1]),
-                            stacked["timeouts_F"].sum(axis=0), stacked["errors_F"].sum(axis=0), self.error_messages)
+                            stacked["timeouts_F"].sum(axis=0), stacked["errors_F"].sum(axis=0), self.error_messages,
+                            self.prefix_cache)
 
-    def metrics(self) -> dict[str, int]:
-        """Per-function and total reward timeouts and errors, for metrics.jsonl."""
-        return failure_metrics(self.reward_functions, self.reward_timeouts_F, self.reward_errors_F)
+    def metrics(self) -> dict[str, float | None]:
+        """Per-function and total reward timeouts and errors, and the services' prefix cache when they report one,
+        for metrics.jsonl."""
+        return {**failure_metrics(self.reward_functions, self.reward_timeouts_F, self.reward_errors_F),
+                **({} if self.prefix_cache is None else prefix_cache_metrics(self.prefix_cache))}
 
 
 def merge_host_rows(stacked: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -26,6 +26,9 @@ class Client:
                            lengths=lengths, truncated=lengths == budget, weight_versions=("3",) * rows,
                            token_versions=np.where(mask, 3, -1).astype(np.int32), group_size=group_size)
 
+    def prefix_cache_delta(self):
+        return None  # a service without a prefix cache
+
 
 class Tokenizer:
     eos_token_id = 2

@@ -53,6 +53,9 @@ class StandInClient:
                            lengths=lengths, truncated=lengths == max_new_tokens, weight_versions=("0",) * rows,
                            token_versions=np.where(mask, 0, -1).astype(np.int32), group_size=group_size)
 
+    def prefix_cache_delta(self):
+        return None  # a service without a prefix cache
+
 
 class StandInTokenizer:
     def batch_decode(self, rows, skip_special_tokens=True):

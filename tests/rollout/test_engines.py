@@ -48,8 +48,8 @@ class ToyEngine(Engine):
     name = "ours"  # takes ours' place in the registry for these tests
 
     def generate_calls(self, prompts, seeds, shares, group_size, sampling):
-        return [Call(k, "/sample", {"prompt": list(prompts[i]), "seed": int(seeds[i]), "n": group_size}, 1)
-                for k, (start, stop) in enumerate(shares) for i in range(start, stop)]
+        return [Call(k, "/sample", {"prompt": list(prompts[i]), "seed": int(seeds[i]), "n": group_size}, (i,))
+                for k, share in enumerate(shares) for i in share]
 
     def read_completions(self, answer, group_size, vocab_size):
         return read_sglang_items([{"output_ids": ids, "meta_info": {

@@ -19,8 +19,9 @@ from typing import Any, ClassVar, Protocol
 from drgrpo_jax.config.engines import ENGINE_TRAITS, EngineName, EngineTraits
 from drgrpo_jax.errors import RolloutError
 
-__all__ = ["Call", "Completion", "Engine", "Request", "Sampling", "checked_tokens", "described", "finish_is_length",
-           "json_object", "one_per_index", "read_sglang_items", "token_ids", "token_versions", "version_text"]
+__all__ = ["Call", "Completion", "Engine", "PrefixCacheStats", "Request", "Sampling", "checked_tokens", "described",
+           "finish_is_length", "json_object", "one_per_index", "read_prefix_cache", "read_sglang_items", "token_ids",
+           "token_versions", "version_text"]
 
 INT32_END = 2**31  # token ids are stored as int32: the bound when the vocabulary is not known
 LOGPROB_SLACK = 1e-3  # a log-prob this far above 0 is rounding; beyond it the service overflowed
@@ -59,13 +60,54 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One request of a generate call: posted to the URL of share `share` (failing over to the others), it answers
-    `num_prompts` x G completions."""
+    """One request of a generate call: posted to the URL of share `share`, it answers G completions of each of
+    `prompts` (indices into the call's prompts), in that order."""
 
     share: int
     path: str
     body: dict[str, Any]
-    num_prompts: int
+    prompts: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheStats:
+    """A service's prefix cache as its `/get_model_info` reports it (`prefix_cache`): counts since it started and
+    its size now; summed (`+`) over services."""
+
+    hit_tokens: int  # prompt tokens read from the cache, not prefilled
+    miss_tokens: int  # prompt tokens prefilled
+    evicted_blocks: int
+    cached_blocks: int  # held now
+    budget_bytes: int
+
+    def since(self, earlier: PrefixCacheStats | None) -> PrefixCacheStats:
+        """The counts since `earlier` (a reading of the same service), the size as now; all of them when there is no
+        earlier reading or a count went back (the service restarted)."""
+        counts = ("hit_tokens", "miss_tokens", "evicted_blocks")
+        if earlier is None or any(getattr(self, name) < getattr(earlier, name) for name in counts):
+            return self
+        return dataclasses.replace(self, **{name: getattr(self, name) - getattr(earlier, name) for name in counts})
+
+    def __add__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        return PrefixCacheStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def then(self, later: PrefixCacheStats) -> PrefixCacheStats:
+        """These counts followed by `later`'s (the next round's): the counts add up, the size is the later one."""
+        return dataclasses.replace(self + later, cached_blocks=later.cached_blocks, budget_bytes=later.budget_bytes)
+
+
+def read_prefix_cache(value: Any, field: str) -> PrefixCacheStats | None:
+    """A `prefix_cache` object as checked counts (each an integer >= 0); None when the service reports none."""
+    if value is None:
+        return None
+    _field(value, dict, field)
+    counts = {}
+    for name in (f.name for f in dataclasses.fields(PrefixCacheStats)):
+        count = value.get(name)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise RolloutError(f"{field}.{name}: {described(count)} is not a count (an integer >= 0)")
+        counts[name] = count
+    return PrefixCacheStats(**counts)
 
 
 class Engine(abc.ABC):
@@ -80,10 +122,10 @@ class Engine(abc.ABC):
         return ENGINE_TRAITS[self.name]
 
     @abc.abstractmethod
-    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                       shares: Sequence[tuple[int, int]], group_size: int, sampling: Sampling) -> list[Call]:
-        """The requests that sample G completions of every prompt, prompt i with seed seeds[i], share k's prompts
-        prompts[start:stop] (shares[k]) in share order; their answers, in order, are the completions in prompt order."""
+    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], shares: Sequence[Sequence[int]],
+                       group_size: int, sampling: Sampling) -> list[Call]:
+        """The requests that sample G completions of the prompts of every share (shares[k]: indices into `prompts`,
+        all sent to one URL), prompt i with seed seeds[i]; each names its share and the prompts it answers."""
 
     def read_completions(self, answer: Any, group_size: int, vocab_size: int | None) -> list[Completion]:
         """One call's answer (SGLang `/generate` items) as its checked completions, in the order asked; ids below
@@ -101,6 +143,10 @@ class Engine(abc.ABC):
     def check_routed_experts(self, url: str, request: Request) -> None:
         """ConfigError (model.moe.router_replay) when the server at `url` does not return routed experts."""
         return  # SGLang's wire has no setting to read: a completion without them is refused as it is decoded
+
+    def prefix_cache(self, url: str, request: Request) -> PrefixCacheStats | None:
+        """What the prefix cache of the server at `url` reports now; None when it reports none."""
+        return None
 
     @abc.abstractmethod
     def push_weights(self, url: str, model_path: str, version: str, rollback: bool, request: Request) -> None:

@@ -26,16 +26,16 @@ class SGLangEngine(Engine):
     name: ClassVar[EngineName] = "sglang"
     one_row_per_completion: ClassVar[bool] = True  # else one row per prompt with n = G
 
-    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                       shares: Sequence[tuple[int, int]], group_size: int, sampling: Sampling) -> list[Call]:
+    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], shares: Sequence[Sequence[int]],
+                       group_size: int, sampling: Sampling) -> list[Call]:
         """One /generate call per share, holding its prompts' rows."""
-        return [Call(k, "/generate", self._generate_body(prompts, seeds, start, stop, group_size, sampling),
-                     stop - start) for k, (start, stop) in enumerate(shares)]
+        return [Call(k, "/generate", self._generate_body(prompts, seeds, share, group_size, sampling), tuple(share))
+                for k, share in enumerate(shares)]
 
-    def _generate_body(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], start: int, stop: int,
+    def _generate_body(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], share: Sequence[int],
                        group_size: int, sampling: Sampling) -> dict[str, Any]:
-        """The /generate body of prompts[start:stop], each G times."""
-        rows = [(i, s) for i in range(start, stop) for s in (
+        """The /generate body of the prompts of `share`, each G times."""
+        rows = [(i, s) for i in share for s in (
             completion_seeds(seeds[i], group_size) if self.one_row_per_completion else [seeds[i]])]
         params = [{"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                    "top_p": sampling.top_p, "top_k": sampling.top_k if sampling.top_k > 0 else -1,

@@ -153,13 +153,13 @@ class VLLMEngine(Engine):
     name: ClassVar[EngineName] = "vllm"
     in_flight: ClassVar[int] = 64
 
-    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                       shares: Sequence[tuple[int, int]], group_size: int, sampling: Sampling) -> list[Call]:
+    def generate_calls(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], shares: Sequence[Sequence[int]],
+                       group_size: int, sampling: Sampling) -> list[Call]:
         """One /inference/v1/generate call per prompt, sent to its share's URL."""
         return [Call(k, GENERATE_PATH, generate_body(
             prompts[i], seeds[i], group_size, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=sampling.stop_token_ids,
-            ignore_eos=sampling.ignore_eos), 1) for k, (start, stop) in enumerate(shares) for i in range(start, stop)]
+            ignore_eos=sampling.ignore_eos), (i,)) for k, share in enumerate(shares) for i in share]
 
     def read_completions(self, answer: Any, group_size: int, vocab_size: int | None) -> list[Completion]:
         return read_choices(answer, group_size, vocab_size)
