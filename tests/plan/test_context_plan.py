@@ -136,3 +136,31 @@ def test_a_plan_that_fits_has_no_table_and_the_text_shows_the_split():
     assert "trainer per device by mesh.context (the same devices, or more):" in tight
     assert "      2    1   32      1      64     4     8.18 GiB  11.58 GiB      33.0 MiB  fits" in tight
     assert "change trainer: mesh.context=2 on 64 devices" in tight
+
+
+@pytest.mark.parametrize("name, device, alone", [
+    ("qwen2.5_math_7b_dr_grpo_16k_v5p64.yaml", "v5p", ["mesh.fsdp=32", "mesh.context=1", "train.micro_batches=4"]),
+    ("qwen2.5_math_7b_dr_grpo_16k_8xh100.yaml", "h100", ["mesh.fsdp=8", "mesh.context=1", "train.micro_batches=16"]),
+])
+def test_the_16k_recipes_state_the_plans_split_and_what_it_saves(name, device, alone):
+    """The 16k recipes' headers: the rows and the split they plan, its traffic, and the figure without the split
+    that says why mesh.context is set (test_plan.py checks their trainer and service totals)."""
+    path = os.path.join(REPO, "configs", "recipes", name)
+    header = open(path).read()
+    config = cli._load(path, [])[0]
+    assert config.mesh.context == 2 and config.rollout.max_prompt_tokens + config.rollout.max_new_tokens == 16384
+    spec = device_spec(device)
+    result = plan.make_plan(config, MODEL_7B, device=spec, serve_batch_size=32)
+    assert result["fits"]["trainer"] and result["trainer"]["rows_per_device"] == 1
+    traffic = result["trainer"]["context_traffic"]
+    assert (f"The split receives {traffic['forward_per_layer'] / 2**20:.1f} MiB of keys and values per layer forward "
+            f"(at most twice that backward), {traffic['per_step'] / GIB:.2f} GiB a step.") in header
+    without = plan.make_plan(cli._load(path, alone)[0], MODEL_7B, device=spec, serve_batch_size=32)
+    assert without["mesh"]["devices"] == result["mesh"]["devices"]
+    assert f"{without['trainer']['total'] / GIB:.2f} GiB a " in header
+    assert " ".join(alone) in header
+    if device == "v5p":  # without the split, nothing recomputed does not fit
+        assert config.model.remat == "none" and not without["fits"]["trainer"]
+    else:  # the same policy fits without it, this close to the limit
+        margin = (without["device"]["usable_bytes"] - without["trainer"]["total"]) / GIB
+        assert f"{margin:.2f} GiB from the limit" in header and without["fits"]["trainer"]

@@ -165,6 +165,8 @@ def test_advice_names_values_that_make_it_fit():
     ("qwen2.5_math_1.5b_dr_grpo_v5e8.yaml", "Qwen2.5-Math-1.5B", "v5e", 16),
     ("qwen2.5_math_7b_dr_grpo_v5p64.yaml", "Qwen2.5-Math-7B", "v5p", 32),
     ("qwen2.5_math_7b_dr_grpo_8xh100.yaml", "Qwen2.5-Math-7B", "h100", 32),
+    ("qwen2.5_math_7b_dr_grpo_16k_v5p64.yaml", "Qwen2.5-Math-7B", "v5p", 32),
+    ("qwen2.5_math_7b_dr_grpo_16k_8xh100.yaml", "Qwen2.5-Math-7B", "h100", 32),
     ("qwen3_30b_a3b_dr_grpo_v5p64.yaml", "Qwen3-30B-A3B", "v5p", 32),
     ("qwen3_30b_a3b_dr_grpo_8xh100.yaml", "Qwen3-30B-A3B", "h100", 32),
     ("gpt_oss_20b_dr_grpo_lora_1gpu.yaml", "GPT-OSS-20B", "h200", 4),
