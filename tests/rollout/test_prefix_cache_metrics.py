@@ -84,6 +84,16 @@ def test_a_report_that_cannot_be_read_adds_nothing_and_warns(caplog):
     assert ("b", "/get_model_info") in services.asked and services.asked.count(("b", "/get_model_info")) == 1
     with pytest.raises(RolloutError, match="prefix_cache: a list, not an object"):
         read_prefix_cache([], "prefix_cache")
+    asked = []
+
+    def unavailable(request):
+        asked.append(request.url.path)
+        return httpx.Response(503)
+
+    with RolloutClient(["http://a"], transport=httpx.MockTransport(unavailable), backoff_s=0.0, vocab_size=100,
+                       max_retries=4) as client:
+        assert client.prefix_cache_delta() is None
+    assert asked == ["/get_model_info"]  # one request, not retried: the round's rows do not wait on a metric
 
 
 def test_rounds_add_their_counts_and_keep_the_last_size():
@@ -114,7 +124,8 @@ def test_the_actors_counters_carry_the_rounds_cache_metrics():
     actor = Actor(client_of(services), Scorer(), Tokenizer())
     examples = (Example("t/0", "q", "a"),)
     with actor.client:
-        actor.sample_and_score(examples, [[1, 2, 3]], GroupSampling(group=2, max_new_tokens=2), seed=0)
+        first = actor.sample_and_score(examples, [[1, 2, 3]], GroupSampling(group=2, max_new_tokens=2), seed=0)
+        assert first.counters.metrics()[HIT_RATE] is None  # nothing prefilled yet: no rate
         services.reports["a"] = cache(hit=30, miss=10, evicted=1, cached=2)
         scored = actor.sample_and_score(examples, [[1, 2, 3]], GroupSampling(group=2, max_new_tokens=2), seed=0)
     metrics = scored.counters.metrics()

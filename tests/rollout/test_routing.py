@@ -1,6 +1,7 @@
 """Prefix-affine routing over several services: a key's service is the same on every process and every call, keys
 spread evenly, a failing service's keys move to the others (its own only, nothing lost) and come back after."""
 
+import inspect
 import json
 import time
 
@@ -122,6 +123,10 @@ def test_a_failed_service_rests_then_gets_its_keys_back():
         time.sleep(2.0)
         routed(client, prompts)
     assert fleet.hosts_of(prompts) == home and "b" in home
+
+
+def test_a_failed_service_rests_30_seconds_by_default():
+    assert inspect.signature(RolloutClient).parameters["rest_s"].default == 30.0
 
 
 def test_a_resting_service_is_still_asked_when_no_other_is_left():
