@@ -1,10 +1,10 @@
 """mesh.context in the plan: what the split sends per layer, each context size's per-device memory, and the
 smallest size that fits.
 
-A context size C is tried two ways: on the same devices (C taken from the row-splitting ways, fsdp kept where it
-can be, and train.micro_batches raised so that a device holds as many rows as before, each 1/C as long), and on C
-times the devices (data, fsdp and tensor kept). The figures of each candidate are the planner's own
-(`planner.make_plan` passes its trainer estimate in), so the table and the plan never disagree.
+A context size is tried two ways: on the same devices (its ways taken from the row-splitting ways, fsdp kept where
+it can be, and train.micro_batches raised so that a device holds as many rows as before, each that many times
+shorter), and on that many times the devices (data, fsdp and tensor kept). The figures of each candidate are the
+planner's own (`planner.make_plan` passes its trainer estimate in), so the table and the plan never disagree.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ TrainerEstimate = Callable[[Config], tuple[dict[str, int], str]]
 def context_traffic(config: Config, model: DecoderConfig) -> dict[str, int]:
     """Bytes one device receives for the split, per layer of one micro-batch and per optimizer step.
 
-    Forward: the keys and values of the other C - 1 ways, (C - 1) / C of the whole row's (`gathered_kv_bytes`) for
-    each of its b rows. Backward, at most twice that: the gather again where remat recomputes the layer, and the
-    reduce-scatter of the keys' and values' gradients. A step: both, over every layer and micro-batch. 0 at C = 1.
+    Forward: the keys and values of the other ways - 1 of mesh.context's ways, (ways - 1) / ways of the whole row's
+    (`gathered_kv_bytes`) for each of its b rows. Backward, at most twice that: the gather again where remat
+    recomputes the layer, and the reduce-scatter of the keys' and values' gradients. A step: both, over every layer
+    and micro-batch. 0 with one way.
     """
-    C = config.mesh.context
+    ways = config.mesh.context
     rows, S = model_call(config)
-    forward = rows * gathered_kv_bytes(config, model, S) * (C - 1) // C
+    forward = rows * gathered_kv_bytes(config, model, S) * (ways - 1) // ways
     per_step = (forward + 2 * forward) * model.num_layers * config.train.micro_batches
     return {"forward_per_layer": forward, "backward_per_layer": 2 * forward, "per_step": per_step}
 

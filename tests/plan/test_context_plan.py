@@ -164,3 +164,16 @@ def test_the_16k_recipes_state_the_plans_split_and_what_it_saves(name, device, a
     else:  # the same policy fits without it, this close to the limit
         margin = (without["device"]["usable_bytes"] - without["trainer"]["total"]) / GIB
         assert f"{margin:.2f} GiB from the limit" in header and without["fits"]["trainer"]
+
+
+def test_the_long_responses_page_quotes_the_plans_table_and_advice():
+    """docs/long_responses.md#context-parallelism: its command's output holds every line the page quotes."""
+    page = open(os.path.join(REPO, "docs", "long_responses.md")).read()
+    section = page.split("## Context parallelism", 1)[1].split("\n## ", 1)[0]
+    command, quoted = section.split("```bash\n", 1)[1].split("```", 1)
+    assert "--device v5e rollout.max_new_tokens=32768 train.micro_batches=4" in command.replace("\\\n    ", "")
+    text = report.format_text(_plan(*LONG_ROWS, device="v5e"))
+    lines = quoted.split("```\n", 1)[1].split("```", 1)[0].strip("\n").splitlines()
+    assert len(lines) == 5
+    for line in lines:
+        assert line in text.splitlines(), line
