@@ -112,6 +112,11 @@ class ServeConfig:
                                  "cut to fit, a prompt that alone does not fit is refused (400), and log-prob "
                                  "scoring runs as many rows a call as fit; 0 = half the device's free memory once "
                                  "the weights are loaded", group=LIMITS)
+    prefix_cache_bytes: int = _f(-1, "device memory (one device) kept for prompts' KV blocks across requests: a "
+                                      "prompt that starts with a cached prefix prefills only the rest (same tokens); "
+                                      "least recently used blocks go when it is full, and a weight update empties "
+                                      "it; -1 = a quarter of the batch budget (--max-batch-bytes or its default), "
+                                      "0 = off", group=LIMITS)
     max_queued_tokens: int = _f(2**24, "that measure over every request queued or running; beyond it: 429",
                                 group=LIMITS)
     max_body_bytes: int = _f(32 * 2**20, "largest request body, however it is sent (413 beyond)", group=LIMITS)
@@ -168,6 +173,9 @@ class ServeConfig:
         for name in ("short_request_tokens", "max_kept_programs", "max_batch_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.prefix_cache_bytes < -1:
+            raise ValueError(f"prefix_cache_bytes: must be >= 0, or -1 for a quarter of the batch budget, got "
+                             f"{self.prefix_cache_bytes}")
         if not 0 <= self.admission_share < math.inf or not 0 <= self.admission_tokens_per_second < math.inf:
             raise ValueError("admission_share, admission_tokens_per_second: must be finite and >= 0")
         if self.default_max_tokens > self.max_tokens_limit:

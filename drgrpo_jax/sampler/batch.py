@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 __all__ = ["MIN_BUCKET", "RowRequest", "RowSettings", "SamplerBatch", "SamplerOutput", "SamplingParams",
-           "batch_bucket", "bucket", "make_batch", "mesh_rows"]
+           "batch_bucket", "bucket", "distinct_prompts", "make_batch", "mesh_rows"]
 
 MIN_BUCKET = 16  # smallest prompt / new-token bucket: tiny requests share one program
 
@@ -127,34 +127,51 @@ def mesh_rows(n: int, data: int = 1) -> int:
 
 
 
-def _left_pad(prompts: Sequence[tuple[int, ...]], num_prompts: int, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt ids and positions [num_prompts, prompt_len], left-padded (host, numpy)."""
+def _left_pad(prompts: Sequence[tuple[int, ...]], num_prompts: int, prompt_len: int,
+              skipped: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ids and positions [num_prompts, prompt_len] of each prompt past its first `skipped` tokens (which keep
+    their positions), left-padded (host, numpy)."""
     ids = np.zeros((num_prompts, prompt_len), np.int32)
     # A padding prompt is one real token at position 0 so its attention is never empty (no NaN).
     pos = np.full((num_prompts, prompt_len), -1, np.int32)
     pos[:, -1] = 0
-    for p, prompt in enumerate(prompts):
-        ids[p, prompt_len - len(prompt):] = prompt
+    for p, (prompt, skip) in enumerate(zip(prompts, skipped)):
+        rest = prompt[skip:]
+        ids[p, prompt_len - len(rest):] = rest
         pos[p, :] = -1
-        pos[p, prompt_len - len(prompt):] = np.arange(len(prompt))
+        pos[p, prompt_len - len(rest):] = np.arange(skip, len(prompt))
     return ids, pos
 
 
+def distinct_prompts(rows: Sequence[RowRequest]) -> list[tuple[int, ...]]:
+    """The rows' distinct prompts in first-seen order: the prompt rows of their batch (`make_batch`)."""
+    return list(dict.fromkeys(tuple(r.prompt_ids) for r in rows))
+
+
 def make_batch(rows: Sequence[RowRequest], eos_token_ids: Sequence[int], *, batch_size: int, prompt_len: int,
-               num_prompts: int | None = None) -> SamplerBatch[np.ndarray]:
+               num_prompts: int | None = None, cached: Sequence[int] | None = None) -> SamplerBatch[np.ndarray]:
     """Left-pads the distinct prompts of `rows` and their per-row settings into a `SamplerBatch` (host, numpy).
 
     Rows with identical prompt ids share one prompt row (prefilled once). `num_prompts`: the static number of
-    prompt rows; None = `batch_bucket` of the distinct prompts (at most batch_size).
+    prompt rows; None = `batch_bucket` of the distinct prompts (at most batch_size). `cached`: per distinct prompt
+    (`distinct_prompts` order), its leading tokens already in a prefix cache (`generate`'s `prefix`): the batch
+    holds only the rest of each prompt (at least one token, within `prompt_len`), at its own positions, and each
+    row's `prompt_lengths_B` stays its whole prompt's.
     """
     if not rows:
         raise ValueError("rows: need at least one row")
     if len(rows) > batch_size:
         raise ValueError(f"batch_size: {batch_size} is smaller than the {len(rows)} rows")
-    for b, row in enumerate(rows):
-        if not 0 < len(row.prompt_ids) <= prompt_len:
-            raise ValueError(f"prompt_ids: row {b} has {len(row.prompt_ids)} tokens, must be in [1, {prompt_len}]")
-    prompts = list(dict.fromkeys(tuple(r.prompt_ids) for r in rows))
+    prompts = distinct_prompts(rows)
+    skipped = [0] * len(prompts) if cached is None else list(cached)
+    if cached is not None and (len(skipped) != len(prompts) or any(
+            not 0 <= skip < len(p) for p, skip in zip(prompts, skipped))):
+        raise ValueError(f"cached: need one count in [0, prompt length) for each of the {len(prompts)} prompts, "
+                         f"got {cached}")
+    for index, (prompt, skip) in enumerate(zip(prompts, skipped)):
+        if not 0 < len(prompt) - skip <= prompt_len:
+            raise ValueError(f"prompt_ids: prompt {index} has {len(prompt) - skip} tokens to prefill, must be in "
+                             f"[1, {prompt_len}]")
     if num_prompts is None:
         num_prompts = min(batch_bucket(len(prompts)), batch_size)
     if len(prompts) > num_prompts:
@@ -185,5 +202,5 @@ def make_batch(rows: Sequence[RowRequest], eos_token_ids: Sequence[int], *, batc
         settings.streams_B[b] = row.stream
         settings.samples_B[b] = row.sample
         settings.live_B[b] = True
-    ids, pos = _left_pad(prompts, num_prompts, prompt_len)
+    ids, pos = _left_pad(prompts, num_prompts, prompt_len, skipped)
     return SamplerBatch(ids, pos, settings)

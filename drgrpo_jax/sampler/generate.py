@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from drgrpo_jax.models.kv_cache import KVCache
 from drgrpo_jax.sampler.batch import SamplerBatch, SamplerOutput, mesh_rows
 from drgrpo_jax.sampler.programs import (
     PREFILL_CHUNK,
@@ -144,7 +145,8 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
              cache_dtype: jnp.dtype = jnp.float32, compact: bool = True,
              unwanted: Callable[[], Sequence[bool]] | None = None, check_every: int | None = None,
              mesh: Mesh | None = None, record_experts: bool = False,
-             weights_now: Callable[[], tuple[nnx.State, int]] | None = None) -> SamplerOutput:
+             weights_now: Callable[[], tuple[nnx.State, int]] | None = None, prefix: KVCache | None = None,
+             keep_prompts: Callable[[KVCache], None] | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
     `unwanted`: called on the host between the prefill's programs of a prompt longer than PREFILL_CHUNK, before
@@ -166,19 +168,30 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     tokens sampled so far are not recomputed, as in PipelineRL), and `SamplerOutput.versions_BT` records the index
     that sampled each token. The new state must have `state`'s tree, shapes and dtypes (ValueError otherwise); it is
     an argument of the same programs, so a swap compiles nothing.
+    `prefix` (a prefix cache's hit): the distinct prompts' split cache whose first `length` slots hold each prompt's
+    cached leading tokens (`prefix_pool.gather_prefix`); `batch` then holds only the rest of each prompt
+    (`make_batch`'s `cached`), prefilled after them. Positions, masks and draws are those of the whole prompt, so the
+    tokens are what a prefill of the whole prompt gives (up to the order of float sums). Not with `record_experts`:
+    the cached tokens' experts are not kept (the caller prefills such rows whole).
+    `keep_prompts`: called once with the rows' split cache right after the prefill, before any decode program takes
+    it (its first prompt slots are the prompts' KV, laid out as `prefix` + `batch` give them): a prefix cache copies
+    the prompts' blocks from there.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if check_every is not None and check_every < 1:
         raise ValueError(f"check_every: must be >= 1 or None, got {check_every}")
+    if prefix is not None and record_experts:
+        raise ValueError("prefix: a cached prefix keeps no routed experts; record_experts needs the prompts whole")
     num_rows, prompt_len = batch.rows.live_B.shape[0], batch.prompt_ids_PU.shape[1]
     data = 1 if mesh is None else mesh.shape["data"]
     if num_rows % data or batch.prompt_ids_PU.shape[0] % data:
         raise ValueError(f"batch: {num_rows} rows and {batch.prompt_ids_PU.shape[0]} prompts must both divide over "
                          f"data={data} devices (make_batch with mesh_rows)")
-    spans = span_schedule(prompt_len, max_new_tokens)
+    cached_slots = 0 if prefix is None else prefix.positions_BS.shape[1] - prompt_len
+    spans = span_schedule(cached_slots + prompt_len, max_new_tokens)
     placed = place_batch(batch, mesh)
-    cache, done = None, 0
+    cache, done = prefix, 0
     experts_Lk: tuple[int, int] | None = None  # (L, k) when recording
     prompt_parts: list[Any] = []  # the experts [P, W, L, k] of the chunked prompt columns (None unless a mixture)
     if record_experts:
@@ -204,8 +217,10 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
             prompt_parts.append(experts_PWLk)
             done = start + PREFILL_CHUNK
     decoding = prefill(graphdef, state, placed, max_new_tokens=max_new_tokens,
-                       num_slots=(spans or (prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh, cache=cache,
-                       done=done, record_experts=record_experts)
+                       num_slots=(spans or (cached_slots + prompt_len,))[0], cache_dtype=cache_dtype, mesh=mesh,
+                       cache=cache, done=done, record_experts=record_experts)
+    if keep_prompts is not None:
+        keep_prompts(decoding.cache)
     prompt_experts_PULk = None
     if record_experts:
         prompt_experts_PULk = jnp.concatenate([*prompt_parts, decoding.out.prompt_experts_PULk], axis=1)

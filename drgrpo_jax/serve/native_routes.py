@@ -1,5 +1,6 @@
-"""SGLang's native routes: `/generate`, `/health`, `/get_model_info`, `/get_weight_version`, and the weight
-updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the trainer's push through shared memory)."""
+"""SGLang's native routes: `/generate`, `/health`, `/get_model_info`, `/get_weight_version`, `/flush_cache`, and the
+weight updates `/update_weights_from_disk` and `/update_weights_from_tensor` (the trainer's push through shared
+memory)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from drgrpo_jax.errors import BadRequest, InvalidWeights, PathNotAllowed
 from drgrpo_jax.named_tensors import NAME_FORM, SEGMENT_NAME
@@ -40,8 +41,8 @@ from drgrpo_jax.serve.service import (
 from drgrpo_jax.serve.stops import Choice, apply_stop
 from drgrpo_jax.serve.weights import Weights, check_newer
 
-__all__ = ["ROUTES", "generate", "health", "model_info", "update_weights", "update_weights_from_tensor",
-           "weight_version"]
+__all__ = ["FLUSHED", "ROUTES", "flush_cache", "generate", "health", "model_info", "update_weights",
+           "update_weights_from_tensor", "weight_version"]
 
 
 # ---------------------------------------------------------------- the service's state
@@ -58,8 +59,9 @@ async def model_info(request: Request) -> dict:
     """GET /get_model_info: SGLang's fields plus the context, vocabulary, batching, queue, the rows and batches
     cut short because their clients left, the sampler programs compiled and kept (one set per new batch shape) and
     those dropped while idle (--max-kept-programs), whether pushes reach running batches (--inflight-updates), and
-    LoRA adapter (null, or the merged adapter's name, rank, alpha and targets) of this service. The paths are
-    names (`Service.shown`): no server path is shown."""
+    LoRA adapter (null, or the merged adapter's name, rank, alpha and targets) of this service, and the prefix
+    cache's counters (`prefix_cache`: hit_tokens, miss_tokens, evicted_blocks, cached_blocks, budget_bytes; budget
+    0 = off). The paths are names (`Service.shown`): no server path is shown."""
     service = service_of(request)
     scheduler, w = service.scheduler, service.scheduler.weights
     adapter = w.adapter and {**w.adapter, "path": service.shown(w.adapter["path"])}
@@ -73,12 +75,25 @@ async def model_info(request: Request) -> dict:
             "rows_dropped": scheduler.rows_dropped, "rows_cut": scheduler.rows_cut,
             "batches_stopped": scheduler.batches_stopped, "compiled_programs": compiled_programs(),
             "programs_dropped": scheduler.programs_dropped, "adapter": adapter,
-            "inflight_updates": scheduler.config.inflight_updates}
+            "inflight_updates": scheduler.config.inflight_updates, "prefix_cache": scheduler.prefix_stats()}
 
 
 async def weight_version(request: Request) -> dict:
     """GET /get_weight_version: the version new batches sample with."""
     return {"weight_version": service_of(request).scheduler.weights.version}
+
+
+# SGLang's answer, word for word: clients (and SGLang's own tools) read the status and this text.
+FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+           "the operation will not be performed.)\n")
+
+
+async def flush_cache(request: Request) -> PlainTextResponse:
+    """POST /flush_cache: empties the prefix cache, as SGLang's: 200 and SGLang's text, or 400 while any
+    request is queued or running (nothing is flushed then)."""
+    if service_of(request).scheduler.flush_cache():
+        return PlainTextResponse(FLUSHED)
+    return PlainTextResponse("Flush cache failed: requests are queued or running.\n", status_code=400)
 
 
 # ---------------------------------------------------------------- weight updates
@@ -190,6 +205,7 @@ def _generated(result: RowResult, choice: Choice, row: RowRequest, rid: str, lat
     """
     ids = choice.token_ids
     meta = {"id": rid, "prompt_tokens": len(row.prompt_ids), "completion_tokens": len(ids),
+            "cached_tokens": result.cached_tokens,
             "finish_reason": _finish_reason(result, choice, aborted), "weight_version": result.weight_version,
             "e2e_latency": latency}
     if return_logprob:  # SGLang's (log-prob, token id, token text) triples; the text is left out
@@ -255,4 +271,5 @@ ROUTES = (  # (method, path, handler), wired by serve/app.py
     ("POST", "/update_weights_from_disk", update_weights),
     ("POST", "/generate", generate),
     ("POST", "/update_weights_from_tensor", update_weights_from_tensor),
+    ("POST", "/flush_cache", flush_cache),
 )

@@ -25,10 +25,11 @@ from drgrpo_jax.host_memory import available_bytes, mapped_fraction, return_free
 from drgrpo_jax.models.lora import is_adapter_folder
 from drgrpo_jax.models.precision import DTYPES
 from drgrpo_jax.named_tensors import parse_index, read_segment
-from drgrpo_jax.sampler.batch import RowRequest, bucket, make_batch, mesh_rows
+from drgrpo_jax.sampler.batch import RowRequest, bucket, distinct_prompts, make_batch, mesh_rows
 from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.sampler.programs import compiled_programs, drop_compiled_programs
+from drgrpo_jax.serve.prefix_cache import Prefix, PrefixCache
 from drgrpo_jax.serve.weights import (
     Weights,
     check_compatible,
@@ -60,6 +61,7 @@ class RowResult:
     routed_experts: np.ndarray | None = None
     # --inflight-updates: the version that sampled each of output_ids (a weight update can reach a running batch)
     token_versions: list[str] | None = None
+    cached_tokens: int = 0  # leading prompt tokens read from the prefix cache instead of prefilled (SGLang's name)
 
 
 def row_cost(row: RowRequest) -> int:
@@ -122,6 +124,9 @@ class Scheduler:
         self.base, self.weights = load_served(config.model, config.dtype, config.weight_version, self.mesh)
         self.max_context = config.max_context or self.weights.config.max_position_embeddings
         self.batch_budget = config.max_batch_bytes or self._free_device_bytes() // 2
+        cache_bytes = self.batch_budget // 4 if config.prefix_cache_bytes < 0 else config.prefix_cache_bytes
+        self.prefix_cache = PrefixCache(self.weights.config, cache_bytes, DTYPES[config.dtype],
+                                        self.mesh) if cache_bytes else None
         self._update_lock = threading.Lock()
         self._lanes = (_Lane("sampler"),) + ((_Lane("sampler-short"),) if config.short_request_tokens else ())
         self._jobs: dict[concurrent.futures.Future, _Job] = {}  # requests not answered yet (see `abandon`)
@@ -193,6 +198,22 @@ class Scheduler:
         job = self._jobs.get(future)  # before cancelling: the future's done-callback forgets it
         future.cancel()
         return list(job.results) if job is not None else []
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache, as SGLang's /flush_cache: refused (False) while any request is queued or
+        running, whose batches may be reading or writing it."""
+        with self._programs_lock:
+            if self._jobs or any(lane.busy or lane.pending for lane in self._lanes):
+                return False
+            if self.prefix_cache is not None:
+                self.prefix_cache.flush()
+            return True
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counters (zeros, budget 0, when it is off)."""
+        if self.prefix_cache is None:
+            return {"hit_tokens": 0, "miss_tokens": 0, "evicted_blocks": 0, "cached_blocks": 0, "budget_bytes": 0}
+        return self.prefix_cache.stats()
 
     def _release(self, rows: Sequence[RowRequest]) -> None:
         with self._budget_lock:
@@ -459,11 +480,16 @@ class Scheduler:
         `unwanted` (asked every --cancel-check-steps decode steps) names the rows whose clients are gone: they
         finish there (`aborted`), and the batch ends there when none is left.
         """
-        distinct = len({tuple(r.prompt_ids) for r in rows})
+        prompts = distinct_prompts(rows)
+        num_prompts = mesh_rows(len(prompts), self.data_ways)
+        record = any(r.return_routed_experts for r in rows)
+        # A batch that records routed experts reads and keeps no cached prefix: the cache keeps no experts.
+        prefix = None if self.prefix_cache is None or record else self.prefix_cache.take(weights, prompts,
+                                                                                        num_prompts)
         batch = make_batch(
             rows, weights.config.eos_token_ids, batch_size=mesh_rows(len(rows), self.data_ways),
-            prompt_len=bucket(max(len(r.prompt_ids) for r in rows)),
-            num_prompts=mesh_rows(distinct, self.data_ways))
+            prompt_len=bucket(max(len(r.prompt_ids) for r in rows)) if prefix is None else prefix.prompt_len,
+            num_prompts=num_prompts, cached=None if prefix is None else prefix.cached)
         gone = [False] * len(rows)  # the last answer the sampler acted on
 
         def ask() -> list[bool]:
@@ -481,12 +507,12 @@ class Scheduler:
                 seen.append(served)
             return seen[-1].state, len(seen) - 1
 
-        record = any(r.return_routed_experts for r in rows)
         out = generate(weights.graphdef, weights.state, batch,
                        max_new_tokens=bucket(max(r.params.max_new_tokens for r in rows)),
                        cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
                        check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record,
-                       weights_now=weights_now if self.config.inflight_updates else None)
+                       weights_now=weights_now if self.config.inflight_updates else None,
+                       prefix=None if prefix is None else prefix.cache, keep_prompts=self._keeper(prefix, batch))
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
         names = [w.version for w in seen]
@@ -508,10 +534,20 @@ class Scheduler:
             self.phases_run += len(out.phases)
             self.rows_cut += sum(cut)
             self.batches_stopped += all(gone) and any(cut)
+        cached = [0] * len(rows) if prefix is None else [prefix.cached[i] for i in batch.rows.prompt_index_B]
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
                           weights.version, aborted=cut[b], routed_experts=routed[b],
-                          token_versions=None if versions is None else versions[b])
+                          token_versions=None if versions is None else versions[b], cached_tokens=cached[b])
                 for b in range(len(rows))]
+
+    def _keeper(self, prefix: Prefix | None, batch: Any) -> Callable[[Any], None] | None:
+        """The sampler's `keep_prompts` hook: the prefix cache copies the batch's prompt blocks after its prefill."""
+        if prefix is None or self.prefix_cache is None:
+            return None
+        cache = self.prefix_cache
+        first_row = {int(p): b for b, p in reversed(list(enumerate(batch.rows.prompt_index_B)))}
+        row_of_prompt = [first_row[p] for p in range(len(prefix.prompts))]
+        return lambda rows_cache: cache.keep(prefix, rows_cache, row_of_prompt)
 
 
 def _gather_queued(lane: _Lane) -> None:
