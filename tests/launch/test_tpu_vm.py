@@ -160,8 +160,8 @@ def test_launch_ships_the_working_tree_and_runs_one_command_detached_on_every_wo
 
 def test_services_on_spare_chips_start_before_the_trainer_with_the_key_and_stop_with_it(cluster):
     port = _free_port()
-    folder = cluster.render("--serve-chips", "4", "--port", str(port), "--health-timeout", "60", config=V5E8_LORA,
-                            *["model.path=/m", "data.path=/d"])
+    folder = cluster.render("--serve-chips", "4", "--port", str(port), "--health-timeout", "60", "model.path=/m",
+                            "data.path=/d", config=V5E8_LORA)
     result = cluster.run(folder, "launch.sh", FAKE_TPU_WORKERS="1")
     assert result.returncode == 0, result.stderr
     (home,) = cluster.workers()

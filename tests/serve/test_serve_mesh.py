@@ -5,9 +5,6 @@ a LoRA adapter; every generation of weights lands split over the mesh."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -239,66 +236,6 @@ def test_the_trainers_child_service_on_a_mesh_matches_one_device(folders, one_de
     for (ids, lps), (ref_ids, ref_lps) in zip(got, expected[0], strict=True):
         assert ids == ref_ids
         np.testing.assert_allclose(lps, ref_lps, rtol=0, atol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# The launchers: --serve-mesh gives each started service T x D chips (dry runs)
-# ---------------------------------------------------------------------------------------------
-
-
-def _launch(script: str, *args: str):
-    import subprocess
-
-    from support.paths import REPO
-
-    here = os.path.dirname(sys.executable)  # its python3, whose jax the TPU launcher pins the workers' to
-    return subprocess.run(["bash", os.path.join(REPO, "scripts", script), *args], capture_output=True, text=True,
-                          timeout=30, cwd=REPO, env={**os.environ, "PATH": here + os.pathsep + os.environ["PATH"]})
-
-
-@pytest.mark.subprocess
-def test_the_tpu_launcher_starts_a_service_over_several_chips():
-    from support.paths import REPO
-
-    recipe = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_lora_v5e8.yaml")
-    result = _launch("launch_tpu_pod.sh", "--tpu", "v5e", "--zone", "z", "--config", recipe, "--num-workers", "1",
-                     "--chips-per-worker", "8", "--serve-chips", "4", "--serve-mesh", "tensor=4", "--dry-run")
-    assert result.returncode == 0, result.stderr
-    starts = [line for line in result.stdout.splitlines() if "drgrpo_jax.serve" in line]
-    assert len(starts) == 1  # one service over 4 chips, not four of one
-    assert ("TPU_VISIBLE_CHIPS=4,5,6,7 TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_PROCESS_BOUNDS=1,1,1" in starts[0]
-            and "--port 30000 --mesh tensor=4 >" in starts[0])
-    assert "TPU_VISIBLE_CHIPS=0,1,2,3 " in result.stdout and "rollout.urls=[http://127.0.0.1:30000]" in result.stdout
-    two = _launch("launch_tpu_pod.sh", "--tpu", "v5e", "--zone", "z", "--config", recipe, "--num-workers", "1",
-                  "--chips-per-worker", "8", "--serve-chips", "4", "--serve-mesh", "tensor=2", "--dry-run")
-    assert two.returncode == 0, two.stderr
-    assert "TPU_VISIBLE_CHIPS=4,5 TPU_CHIPS_PER_PROCESS_BOUNDS=1,2,1" in two.stdout
-    assert "TPU_VISIBLE_CHIPS=6,7 TPU_CHIPS_PER_PROCESS_BOUNDS=1,2,1" in two.stdout
-    for args, message in ((["--serve-chips", "3", "--serve-mesh", "tensor=2"], "--serve-chips: 3 chips do not split"),
-                          (["--serve-chips", "4", "--serve-mesh", "heads=2"], "--serve-mesh: must be tensor=T"),
-                          (["--serve-chips", "3", "--serve-mesh", "tensor=3"], "1, 2, 4 or 8 can form")):
-        bad = _launch("launch_tpu_pod.sh", "--tpu", "v5e", "--zone", "z", "--config", recipe, "--num-workers", "1",
-                      "--chips-per-worker", "8", *args, "--dry-run")
-        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
-
-
-@pytest.mark.subprocess
-def test_the_gpu_launcher_gives_each_service_its_mesh_of_gpus():
-    result = _launch("launch_gpu.sh", "--config", "c.yaml", "--hosts", "localhost", "--serve-gpus", "4",
-                     "--serve-mesh", "tensor=2", "--log-dir", "/tmp/l", "--dry-run", "--", "model.path=/m")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    for k, gpus in enumerate(("4,5", "6,7")):
-        assert lines[k] == (f"env CUDA_VISIBLE_DEVICES={gpus} python3 -m drgrpo_jax.serve --config c.yaml --model /m "
-                            f"--host 127.0.0.1 --port {30000 + k} --mesh tensor=2 > /tmp/l/serve_{k}.log 2>&1 &")
-    assert "CUDA_VISIBLE_DEVICES=0,1,2,3 " in lines[-1] and "http://127.0.0.1:30001]" in lines[-1]
-    local = _launch("launch_gpu.sh", "--config", "c.yaml", "--local", "1", "--serve-gpus", "2", "--serve-mesh",
-                    "tensor=2", "--dry-run")
-    assert "env JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=2 python3 -m drgrpo_jax.serve" \
-        in local.stdout, local.stderr
-    bad = _launch("launch_gpu.sh", "--config", "c.yaml", "--local", "1", "--serve-gpus", "3", "--serve-mesh",
-                  "tensor=2", "--dry-run")
-    assert bad.returncode == 2 and "--serve-gpus: 3 GPUs do not split into services of 2" in bad.stderr
 
 
 # ---------------------------------------------------------------------------------------------
