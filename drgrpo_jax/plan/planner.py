@@ -59,7 +59,7 @@ from drgrpo_jax.sharding import parse_service_mesh
 __all__ = ["HEADROOM", "auto_remat", "device_backend", "device_memory_bytes", "make_plan", "resolve_decoder_config",
            "shares_one_device", "trainer_advice"]
 
-HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; launch_gpu.sh sets MEM_FRACTION=0.9
+HEADROOM = 0.9  # usable share of device memory: XLA scratch, fragmentation; the hosts launcher sets MEM_FRACTION=0.9
 
 
 def _architecture(key: str, spec: str) -> tuple[DecoderConfig, str] | None:
