@@ -174,3 +174,17 @@ def test_the_documented_commands_render(tmp_path, monkeypatch):
         argv[argv.index("--out") + 1] = str(tmp_path / str(i))
         main(argv)
         assert (tmp_path / str(i) / "run.yaml").exists(), command
+
+
+def test_slurm_jobs_activate_the_venv_after_cd(tmp_path):
+    """--venv: both jobs source its activate script, quoted, relative to --workdir where they cd."""
+    venv = tmp_path / "my venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("export DRGRPO_API_KEY=from-venv\n")
+    main(["slurm", "--config", QUICKSTART, "--out", str(tmp_path / "o"), "--workdir", str(tmp_path), "--venv",
+          "my venv", "--services", "1", "rollout.api_key_env=K"])
+    env = _stubs(tmp_path, "srun", "python3", "curl", "scontrol", "scancel", "sleep")
+    for job in ("serve.sbatch", "train.sbatch"):
+        assert f"cd {tmp_path}\n. 'my venv/bin/activate'\n" in (tmp_path / "o" / job).read_text()
+        _run(["bash", str(tmp_path / "o" / job)], {**env, "K": "k"}, "/")
+        assert (tmp_path / "calls" / "python3").read_text().splitlines()[-1] == "key=from-venv"
