@@ -40,16 +40,18 @@ def episodes(model_dir, tokenizer):
     examples = [{"prompt": p} for p in ("what is 2+3?", "add 17 and 5", "hello", "count to three")]
     with LocalServer(model_dir) as server, RolloutClient(server.url) as client:
         first = run_episodes(client, tokenizer, Chatty, examples, limits=limits, seed=7)
+        caches = [client.prefix_cache_delta()]  # since the service started: the first round's
         again = run_episodes(client, tokenizer, Chatty, examples, limits=limits, seed=7)
+        caches.append(client.prefix_cache_delta())
         # Two hosts' shares (or two evaluation chunks), the second's first episode being the whole's third.
         split = (run_episodes(client, tokenizer, Chatty, examples[:2], limits=limits, seed=7)
                  + run_episodes(client, tokenizer, Chatty, examples[2:], limits=limits, seed=7, first_episode=2))
-    return first, again, limits, split
+    return first, again, limits, split, caches
 
 
 def test_an_episode_does_not_depend_on_the_episodes_beside_it(episodes):
     """Episode i's seeds come from (seed, turn, i): sampled in shares it is what it is sampled with every other."""
-    first, _, _, split = episodes
+    first, _, _, split, _ = episodes
     assert [t.ids for t in split] == [t.ids for t in first]
     for alone, together in zip(split, first):
         # Float32 rounding differs with the batch shape (the ids do not): the sampler tests use the same bound.
@@ -57,7 +59,7 @@ def test_an_episode_does_not_depend_on_the_episodes_beside_it(episodes):
 
 
 def test_rows_are_token_exact_and_the_mask_covers_exactly_the_model_tokens(episodes, tokenizer):
-    trajectories, again, limits, _ = episodes
+    trajectories, again, limits, _, _ = episodes
     assert [t.ids for t in trajectories] == [t.ids for t in again]  # the seed fixes every turn
     renderer = ChatRenderer(tokenizer)
     for t in trajectories:
@@ -107,7 +109,7 @@ def test_the_trainers_recomputed_logprobs_equal_the_services(episodes, model_dir
     from drgrpo_jax.models.pretrained import from_pretrained
     from drgrpo_jax.step.policy import response_logprobs
 
-    trajectories, _, limits, _ = episodes
+    trajectories, _, limits, _, _ = episodes
     rows = trajectory_arrays(trajectories, limits.max_total_tokens)
     U = max(len(t.prompt_ids) for t in trajectories)
     prompt_ids = np.zeros((len(trajectories), U), np.int32)
@@ -157,3 +159,12 @@ def test_an_episodes_reward_components_are_its_turns_rewards_or_its_counts():
     assert episode.reward_component("tool_calls") == -1.0  # the environment's own value wins over the count
     assert (episode.reward_component("turns"), episode.reward_component("malformed_calls")) == (3.0, 1.0)
     assert episode.reward_component("never_reported") == 0.0
+
+
+def test_the_services_prefix_cache_serves_the_later_turns_and_the_trainer_reads_it(episodes):
+    """Each turn's prompt starts with the turn before it: the service prefills only what is new, and the client's
+    reading after a round gives that round's counts; the same episodes again find most of it cached."""
+    first_round, second_round = episodes[-1]
+    assert first_round.hit_tokens > 0 and first_round.miss_tokens > 0  # turn 1 prefilled, later turns hit
+    assert second_round.hit_tokens > 2 * second_round.miss_tokens  # a round's counts, not the service's totals
+    assert first_round.budget_bytes > 0 and first_round.cached_blocks > 0

@@ -66,7 +66,7 @@ def test_a_round_reads_the_growth_of_every_services_counts():
 
 
 def test_no_prefix_cache_no_metrics_and_no_error():
-    services = Services({"a": None})
+    services = Services({"a": None, "b": cache(budget=0)})  # none, and one turned off (no budget)
     with client_of(services) as client:
         assert client.prefix_cache_delta() is None
     assert HIT_RATE not in HostCounters(("f",), 1.0, 1.0, np.zeros(1), np.zeros(1)).metrics()

@@ -97,7 +97,8 @@ class PrefixCacheStats:
 
 
 def read_prefix_cache(value: Any, field: str) -> PrefixCacheStats | None:
-    """A `prefix_cache` object as checked counts (each an integer >= 0); None when the service reports none."""
+    """A `prefix_cache` object as checked counts (each an integer >= 0); None when the service reports none, or one
+    of no budget (a service with its cache turned off)."""
     if value is None:
         return None
     _field(value, dict, field)
@@ -107,7 +108,7 @@ def read_prefix_cache(value: Any, field: str) -> PrefixCacheStats | None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise RolloutError(f"{field}.{name}: {described(count)} is not a count (an integer >= 0)")
         counts[name] = count
-    return PrefixCacheStats(**counts)
+    return PrefixCacheStats(**counts) if counts["budget_bytes"] else None
 
 
 class Engine(abc.ABC):
