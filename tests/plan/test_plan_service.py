@@ -92,7 +92,8 @@ def test_the_7b_lora_v5e8_recipe_fits_with_the_sharded_service(capsys):
         "tensor=4", 4, 4, 4)
     stated = re.search(r"service ([\d.]+) GiB per chip of 4", header)
     assert stated and float(stated.group(1)) == round(service["total"] / 2**30, 2)
-    assert "--serve-chips 4 --serve-mesh tensor=4" in header and "SGLang, SGLang-JAX and vLLM were not run" in header
+    assert "tpu-vm --tpu my-v5e-8" in header and "--serve-chips 4" in header  # its mesh: rollout.service_mesh
+    assert "SGLang, SGLang-JAX and vLLM were not run" in header
     assert "Backends verified: drgrpo_jax.serve (ours) only, over HTTP in tests" in header
     config, _ = cli._load(RECIPE, [])
     one_chip = plan.make_plan(config, plan.resolve_decoder_config(config, "Qwen2.5-Math-7B")[0],
