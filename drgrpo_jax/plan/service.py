@@ -124,5 +124,5 @@ def service_advice(config: Config, model: DecoderConfig, usable: int, rows: int,
     if needed is not None:
         return [f"split each generation service over more devices: --mesh tensor={needed}"
                 f"{f',data={data}' if data > 1 else ''} (drgrpo_jax.serve; rollout.service_mesh for the trainer's "
-                f"own child; the launchers' --serve-mesh) holds {rows} rows"]
+                f"own child and the launchers') holds {rows} rows"]
     return ["even one row does not fit: lower rollout.max_new_tokens or rollout.max_prompt_tokens"]
