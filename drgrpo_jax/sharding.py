@@ -13,57 +13,64 @@ from flax import nnx
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# Tensor innermost (the fastest links), context next: its all-gathers run every layer.
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "tensor")
 MeshAxes = str | tuple[str, ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the (data, fsdp, tensor) mesh axes; one may be -1 to take the remaining devices."""
+    """Sizes of the (data, fsdp, tensor, context) mesh axes; one may be -1 to take the remaining devices."""
 
     data: int = 1  # pure data parallelism (parameters replicated)
     fsdp: int = -1  # data parallelism with parameters sharded over it (ZeRO-3 style)
     tensor: int = 1  # tensor parallelism: heads, MLP and vocab split
+    context: int = 1  # context parallelism: the token axis of every row split (models/context_parallel.py)
 
     def __post_init__(self):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "context": self.context}
         for name, size in sizes.items():
             if isinstance(size, bool) or not isinstance(size, int) or (size <= 0 and size != -1):
                 raise ValueError(f"mesh.{name}: must be a positive int or -1, got {size!r}")
         if sum(size == -1 for size in sizes.values()) > 1:
             raise ValueError("mesh: at most one axis may be -1")
 
-    def sizes(self, num_devices: int) -> tuple[int, int, int]:
-        """(data, fsdp, tensor) sizes for num_devices devices."""
-        sizes = [self.data, self.fsdp, self.tensor]
+    def sizes(self, num_devices: int) -> tuple[int, int, int, int]:
+        """The sizes of MESH_AXES, (data, fsdp, context, tensor), for num_devices devices."""
+        sizes = [self.data, self.fsdp, self.context, self.tensor]
         known = int(np.prod([s for s in sizes if s != -1]))
         if -1 in sizes:
             if num_devices % known:
                 raise ValueError(f"mesh: {num_devices} devices are not divisible by the fixed axes' product {known}")
             sizes[sizes.index(-1)] = num_devices // known
         if int(np.prod(sizes)) != num_devices:
-            raise ValueError(f"mesh: data*fsdp*tensor = {int(np.prod(sizes))} but there are {num_devices} devices")
+            raise ValueError(f"mesh: data*fsdp*context*tensor = {int(np.prod(sizes))} but there are {num_devices} "
+                             f"devices")
         return tuple(sizes)  # type: ignore[return-value]
 
 
 def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None, *, dcn_data: int = 1) -> Mesh:
-    """A (data, fsdp, tensor) mesh over the given devices (default: all), in topology order (see `device_grid`)."""
+    """A (data, fsdp, context, tensor) mesh over the given devices (default: all), in topology order (see
+    `device_grid`)."""
     devices = list(jax.devices() if devices is None else devices)
     return Mesh(device_grid(shape.sizes(len(devices)), devices, dcn_data), MESH_AXES)
 
 
-def device_grid(sizes: tuple[int, int, int], devices: Sequence[Any], dcn_data: int = 1) -> np.ndarray:
-    """The devices as a (data, fsdp, tensor) array in the order the interconnect favours.
+def device_grid(sizes: tuple[int, ...], devices: Sequence[Any], dcn_data: int = 1) -> np.ndarray:
+    """The devices as a (data, fsdp, context, tensor) array in the order the interconnect favours (`sizes` in that
+    order; a 3-tuple is (data, fsdp, tensor) with context 1).
 
-    One slice: `mesh_utils.create_device_mesh` (on TPUs the torus order, so fsdp and tensor neighbours are ICI
-    neighbours); a subset of a slice it cannot lay out (one chip of four) keeps the devices' order.
-    dcn_data > 1: `mesh_utils.create_hybrid_device_mesh`, dcn_data slices of data/dcn_data x fsdp x tensor
+    One slice: `mesh_utils.create_device_mesh` (on TPUs the torus order, so fsdp, context and tensor neighbours are
+    ICI neighbours); a subset of a slice it cannot lay out (one chip of four) keeps the devices' order.
+    dcn_data > 1: `mesh_utils.create_hybrid_device_mesh`, dcn_data slices of data/dcn_data x fsdp x context x tensor
     devices, data's outer ways crossing between slices over DCN. Slices are TPU devices' slice_index (multi-slice
     pods); on CPU and GPU, where every device of a run reports slice 0, each process is a slice (a GPU host, or a
     loopback process standing in for a slice). ValueError when the slices do not number dcn_data or hold unequal
     shares.
     """
-    data, fsdp, tensor = sizes
+    if len(sizes) == 3:
+        sizes = (sizes[0], sizes[1], 1, sizes[2])
+    data, fsdp, context, tensor = sizes
     if dcn_data == 1:
         try:
             return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
@@ -76,7 +83,7 @@ def device_grid(sizes: tuple[int, int, int], devices: Sequence[Any], dcn_data: i
     if len(granules) != dcn_data:
         raise ValueError(f"mesh.dcn_data = {dcn_data}, but the devices span {len(granules)} "
                          f"{'process(es)' if by_process else 'slice(s)'}")
-    return mesh_utils.create_hybrid_device_mesh((data // dcn_data, fsdp, tensor), (dcn_data, 1, 1), devices,
+    return mesh_utils.create_hybrid_device_mesh((data // dcn_data, fsdp, context, tensor), (dcn_data, 1, 1, 1), devices,
                                                 process_is_granule=by_process, allow_split_physical_axes=True)
 
 
@@ -132,6 +139,9 @@ class ShardingRules:
     # experts' shards (models/moe.py's all-to-all) in place of gathering the experts.
     expert: MeshAxes = "fsdp"
     layers: MeshAxes = None  # the stacked-layer axis (scanned; never sharded)
+    # Activations' token axis (models/context_parallel.py): each context shard holds an early and a late chunk of
+    # every row; no parameter carries it, so checkpoints move between context sizes unchanged.
+    length: MeshAxes = "context"
 
     def mesh_axes(self, logical: str | None) -> MeshAxes:
         """Mesh axes for one logical axis name (None stays replicated)."""

@@ -109,17 +109,12 @@ def _to_blocks(x_BT: jax.Array, W: int, J: int, fill=0) -> jax.Array:
     return jnp.moveaxis(x_BJW, 1, 0)
 
 
-def _key_blocks(x_JBW: jax.Array, K: int) -> jax.Array:
-    """Per-position values of query blocks [J * K, B, W] regrouped into key blocks K times as wide: [J, B, K * W]."""
-    JK, B, W = x_JBW.shape
-    return x_JBW.reshape(JK // K, K, B, W).transpose(0, 2, 1, 3).reshape(JK // K, B, K * W)
-
-
-def _block_mask(seg_JBW, pos_JBW, seg_JBV, pos_JBV, i, j, window: int | None) -> jax.Array:
-    """bool [B, W, V]: which keys of key block j (V wide) the queries of query block i (W wide) see."""
-    W, V = seg_JBW.shape[2], seg_JBV.shape[2]
-    return self_attention_mask(seg_JBW[i], seg_JBV[j], i * W + jnp.arange(W), j * V + jnp.arange(V), pos_JBW[i],
-                               pos_JBV[j], window)
+def _block_mask(qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, i, j, window: int | None) -> jax.Array:
+    """bool [B, W, V]: which keys of key block j (V wide, indices j * V + v) the queries of query block i (W wide,
+    indices qidx_JW[i]) see."""
+    V = kseg_JBV.shape[2]
+    return self_attention_mask(qseg_JBW[i], kseg_JBV[j], qidx_JW[i], j * V + jnp.arange(V), qpos_JBW[i],
+                               kpos_JBV[j], window)
 
 
 def _scores(q_BCRWH, k_BCVH, mask_BWV, scale: float) -> jax.Array:
@@ -128,22 +123,27 @@ def _scores(q_BCRWH, k_BCVH, mask_BWV, scale: float) -> jax.Array:
     return jnp.where(mask_BWV[:, None, None], s_BCRWV, -jnp.inf)
 
 
-def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale: float, window: int | None,
-                   out_dtype):
+def _key_block_ends(qidx_JW, V: int, num_key_blocks: int) -> jax.Array:
+    """int32 [J]: how many key blocks (V wide) query block i's latest query reaches (causality bounds the loops)."""
+    return jnp.minimum(qidx_JW.max(axis=1) // V + 1, num_key_blocks)
+
+
+def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, sinks_CR,
+                   scale: float, window: int | None, out_dtype):
     """Output [J, B, C, R, W, H] in `out_dtype` and float32 log-sum-exp [J, B, C, R, W] (0 where nothing is seen).
 
-    Keys come in blocks V = K * W wide (k_JBCVH holds J / K of them). Sinks start each row's running max and sum
-    (m = sink, l = 1), so they count in the denominator and the log-sum-exp, and a row that sees nothing gets 0.
+    Queries at the indices `qidx_JW` (rising), keys in blocks V wide at indices j * V + v. Sinks start each row's
+    running max and sum (m = sink, l = 1), so they count in the denominator and the log-sum-exp, and a row that
+    sees nothing gets 0.
     """
     J, B, C, R, W, H = q_JBCRWH.shape
-    K = J // k_JBCVH.shape[0]
-    seg_JBV, pos_JBV = _key_blocks(seg_JBW, K), _key_blocks(pos_JBW, K)
+    ends_J = _key_block_ends(qidx_JW, k_JBCVH.shape[3], k_JBCVH.shape[0])
 
     def query_block(i):
         q_BCRWH = q_JBCRWH[i]
 
         def key_block(j, carry):
-            mask_BWV = _block_mask(seg_JBW, pos_JBW, seg_JBV, pos_JBV, i, j, window)
+            mask_BWV = _block_mask(qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, i, j, window)
 
             def update(carry):
                 m_BCRW, l_BCRW, acc_BCRWH = carry
@@ -159,13 +159,14 @@ def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale
             # Blocks nobody in them sees (windows, padding) cost one mask; causality bounds the loop.
             return jax.lax.cond(mask_BWV.any(), update, lambda c: c, carry)
 
+        # Built `_like` the queries: inside a shard_map (models/context_parallel.py) they vary as the updates do.
+        zeros_BCRW = jnp.zeros_like(q_BCRWH[..., 0], _F32)
         if sinks_CR is None:
-            m0_BCRW, l0_BCRW = jnp.full((B, C, R, W), -jnp.inf, _F32), jnp.zeros((B, C, R, W), _F32)
+            m0_BCRW, l0_BCRW = zeros_BCRW - jnp.inf, zeros_BCRW
         else:
-            m0_BCRW = jnp.broadcast_to(sinks_CR.astype(_F32)[None, :, :, None], (B, C, R, W))
-            l0_BCRW = jnp.ones((B, C, R, W), _F32)
-        init = (m0_BCRW, l0_BCRW, jnp.zeros((B, C, R, W, H), _F32))
-        m_BCRW, l_BCRW, acc_BCRWH = jax.lax.fori_loop(0, i // K + 1, key_block, init)
+            m0_BCRW, l0_BCRW = zeros_BCRW + sinks_CR.astype(_F32)[None, :, :, None], zeros_BCRW + 1.0
+        init = (m0_BCRW, l0_BCRW, jnp.zeros_like(q_BCRWH, _F32))
+        m_BCRW, l_BCRW, acc_BCRWH = jax.lax.fori_loop(0, ends_J[i], key_block, init)
         seen = l_BCRW > 0
         out_BCRWH = jnp.where(seen[..., None], acc_BCRWH / jnp.where(seen, l_BCRW, 1.0)[..., None], 0.0)
         lse_BCRW = jnp.where(seen, m_BCRW + jnp.log(jnp.where(seen, l_BCRW, 1.0)), 0.0)
@@ -174,15 +175,16 @@ def _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale
     return jax.lax.map(query_block, jnp.arange(J))
 
 
-def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, delta_JBCRW, lse_JBCRW, do_JBCRWH,
-                    scale: float, window: int | None):
+def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, delta_JBCRW,
+                    lse_JBCRW, do_JBCRWH, scale: float, window: int | None):
     """(dq, dk, dv) in float32, each block's probabilities recomputed from the log-sum-exp (FlashAttention-2).
 
     `delta_JBCRW`: each row's sum of dO * O. The GEMMs run in q's dtype (the compute dtype), accumulating in float32.
+    Key block j is seen from the first query block whose latest index reaches it (indices rise).
     """
     J = q_JBCRWH.shape[0]
-    K = J // k_JBCVH.shape[0]
-    seg_JBV, pos_JBV = _key_blocks(seg_JBW, K), _key_blocks(pos_JBW, K)
+    V = k_JBCVH.shape[3]
+    last_J = qidx_JW.max(axis=1)
     dtype = q_JBCRWH.dtype
     do_JBCRWH = do_JBCRWH.astype(dtype)
 
@@ -191,7 +193,7 @@ def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, delta_JBCRW, l
 
         def query_block(i, carry):
             dk_BCVH, dv_BCVH, dq_JBCRWH = carry
-            mask_BWV = _block_mask(seg_JBW, pos_JBW, seg_JBV, pos_JBV, i, j, window)
+            mask_BWV = _block_mask(qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, i, j, window)
 
             def grads(dkv):
                 dk_BCVH, dv_BCVH = dkv
@@ -206,18 +208,19 @@ def _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, delta_JBCRW, l
                 return dk_BCVH, dv_BCVH, dq_BCRWH
 
             def skip(dkv):
-                return *dkv, jnp.zeros(q_JBCRWH.shape[1:], _F32)
+                return *dkv, jnp.zeros_like(q_JBCRWH[0], _F32)
 
             dk_BCVH, dv_BCVH, dq_BCRWH = jax.lax.cond(mask_BWV.any(), grads, skip, (dk_BCVH, dv_BCVH))
             # The dq update stays outside the cond: a cond carrying the whole dq copied it per block.
             dq_JBCRWH = jax.lax.dynamic_update_index_in_dim(dq_JBCRWH, dq_JBCRWH[i] + dq_BCRWH, i, 0)
             return dk_BCVH, dv_BCVH, dq_JBCRWH
 
-        zeros_BCVH = jnp.zeros(k_JBCVH.shape[1:], _F32)
-        dk_BCVH, dv_BCVH, dq_JBCRWH = jax.lax.fori_loop(j * K, J, query_block, (zeros_BCVH, zeros_BCVH, dq_JBCRWH))
+        zeros_BCVH = jnp.zeros_like(k_BCVH, _F32)
+        first = jnp.sum(last_J < j * V, dtype=jnp.int32)
+        dk_BCVH, dv_BCVH, dq_JBCRWH = jax.lax.fori_loop(first, J, query_block, (zeros_BCVH, zeros_BCVH, dq_JBCRWH))
         return dq_JBCRWH, (dk_BCVH, dv_BCVH)
 
-    dq_JBCRWH, (dk_JBCVH, dv_JBCVH) = jax.lax.scan(key_block, jnp.zeros(q_JBCRWH.shape, _F32),
+    dq_JBCRWH, (dk_JBCVH, dv_JBCVH) = jax.lax.scan(key_block, jnp.zeros_like(q_JBCRWH, _F32),
                                                    jnp.arange(k_JBCVH.shape[0]))
     return dq_JBCRWH, dk_JBCVH, dv_JBCVH
 
@@ -232,22 +235,26 @@ def _key_grad(x_BCRWV, y_BCRWH) -> jax.Array:
     return mm_tn(x_BCRWV.reshape(B, C, R * W, V), y_BCRWH.reshape(B, C, R * W, -1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _flash(q_JBCRWH, k_JBCVH, v_JBCVH, qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, sinks_CR, scale, window,
+           dtype):
     """Blocked attention output in q's dtype, its GEMMs in `dtype`; the custom backward keeps only the inputs
     (in `dtype`), output and log-sum-exp. `sinks_CR`: attention sinks or None."""
-    return _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window, dtype)[0]
+    return _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, sinks_CR, scale,
+                      window, dtype)[0]
 
 
-def _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window, dtype):
+def _flash_fwd(q_JBCRWH, k_JBCVH, v_JBCVH, qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV, sinks_CR, scale,
+               window, dtype):
     """Output and residuals (inputs in `dtype`, sinks, output, float32 log-sum-exp)."""
     out_dtype = q_JBCRWH.dtype
     q_JBCRWH, k_JBCVH, v_JBCVH = q_JBCRWH.astype(dtype), k_JBCVH.astype(dtype), v_JBCVH.astype(dtype)
-    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, scale, window,
+    visibility = (qseg_JBW, qpos_JBW, qidx_JW, kseg_JBV, kpos_JBV)
+    out_JBCRWH, lse_JBCRW = _flash_forward(q_JBCRWH, k_JBCVH, v_JBCVH, *visibility, sinks_CR, scale, window,
                                            out_dtype)
     # Named, so a rematerialised layer that saves the attention (models/remat.py) keeps them and skips this forward.
     out_JBCRWH, lse_JBCRW = name_attention(out_JBCRWH), name_attention(lse_JBCRW)
-    return out_JBCRWH, (q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, out_JBCRWH, lse_JBCRW)
+    return out_JBCRWH, (q_JBCRWH, k_JBCVH, v_JBCVH, visibility, sinks_CR, out_JBCRWH, lse_JBCRW)
 
 
 def _flash_bwd(scale, window, dtype, residuals, do_JBCRWH):
@@ -256,16 +263,16 @@ def _flash_bwd(scale, window, dtype, residuals, do_JBCRWH):
 
     A sink's probability is exp(sink - lse) and its value 0, so its gradient is -sum exp(sink - lse) * delta.
     """
-    q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, out_JBCRWH, lse_JBCRW = residuals
+    q_JBCRWH, k_JBCVH, v_JBCVH, visibility, sinks_CR, out_JBCRWH, lse_JBCRW = residuals
     delta_JBCRW = jnp.sum(do_JBCRWH.astype(_F32) * out_JBCRWH.astype(_F32), axis=-1)
-    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, delta_JBCRW, lse_JBCRW, do_JBCRWH,
-                                 scale, window)
+    dq, dk, dv = _flash_backward(q_JBCRWH, k_JBCVH, v_JBCVH, *visibility, delta_JBCRW, lse_JBCRW, do_JBCRWH, scale,
+                                 window)
     dsinks_CR = None
     if sinks_CR is not None:
         p_sink_JBCRW = jnp.exp(sinks_CR.astype(_F32)[None, None, :, :, None] - lse_JBCRW)
         dsinks_CR = (-jnp.sum(p_sink_JBCRW * delta_JBCRW, axis=(0, 1, 4))).astype(sinks_CR.dtype)
     cast = do_JBCRWH.dtype
-    return dq.astype(cast), dk.astype(cast), dv.astype(cast), None, None, dsinks_CR
+    return dq.astype(cast), dk.astype(cast), dv.astype(cast), None, None, None, None, None, dsinks_CR
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -290,22 +297,51 @@ def blockwise_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array,
     [B, C, R, W, H]); queries that see nothing (padding) get 0 and pass no gradient. `sinks_Q`: attention sinks,
     one logit per query head.
     """
-    B, T, Q, H = q_BTQH.shape
-    C = k_BSCH.shape[2]
+    T = q_BTQH.shape[1]
     if k_BSCH.shape[1] != T:
         raise ValueError(f"blockwise_attention: self-attention only, got {T} queries and {k_BSCH.shape[1]} keys")
     W, V = block_widths(T, block_size)
-    K = V // W
-    J = -(-T // V) * K  # T padded to whole key blocks
+    queries = -(-T // V) * V  # T padded to whole key blocks
+    return _blockwise(q_BTQH, k_BSCH, v_BSCH, positions_BT, segment_ids_BT, jnp.arange(queries), positions_BT,
+                      segment_ids_BT, W, V, scale=scale, window=window, dtype=dtype, sinks_Q=sinks_Q)
+
+
+def blockwise_cross_attention(q_BTQH: jax.Array, k_BSCH: jax.Array, v_BSCH: jax.Array, q_positions_BT: jax.Array,
+                              q_segment_ids_BT: jax.Array, q_indices_T: jax.Array, k_positions_BS: jax.Array,
+                              k_segment_ids_BS: jax.Array, *, scale: float, window: int | None = None,
+                              block_size: int | None = None, dtype=None, sinks_Q: jax.Array | None = None
+                              ) -> jax.Array:
+    """`blockwise_attention` of T queries at the rising sequence indices `q_indices_T` against all S keys of their
+    sequence (key s at index s): one context shard's queries (models/context_parallel.py) and the gathered keys.
+    Causality by index as always: a query's loop stops at the last key block it can see."""
+    T, S = q_BTQH.shape[1], k_BSCH.shape[1]
+    W = min(T, block_size or DEFAULT_BLOCK_SIZE)
+    V = KEY_BLOCK_FACTOR * W if S > W else W
+    queries = -(-T // W) * W
+    # Padding queries repeat the last index: the indices keep rising and the loops' bounds stay tight.
+    idx_T = jnp.pad(q_indices_T.astype(jnp.int32), (0, queries - T), mode="edge")
+    return _blockwise(q_BTQH, k_BSCH, v_BSCH, q_positions_BT, q_segment_ids_BT, idx_T, k_positions_BS,
+                      k_segment_ids_BS, W, V, scale=scale, window=window, dtype=dtype, sinks_Q=sinks_Q)
+
+
+def _blockwise(q_BTQH, k_BSCH, v_BSCH, q_pos_BT, q_seg_BT, q_idx_P, k_pos_BS, k_seg_BS, W: int, V: int, *,
+               scale: float, window: int | None, dtype, sinks_Q) -> jax.Array:
+    """The blocked kernel on queries padded to P = len(q_idx_P) (a multiple of W) and keys padded to whole blocks
+    of V; out [B, T, Q, H]."""
+    B, T, Q, H = q_BTQH.shape
+    S, C = k_BSCH.shape[1:3]
+    J, Jk = q_idx_P.shape[0] // W, -(-S // V)
     q_JBWCRH = _to_blocks(q_BTQH.reshape(B, T, C, Q // C, H), W, J)
     q_JBCRWH = q_JBWCRH.transpose(0, 1, 3, 4, 2, 5)
-    k_JBCVH = _to_blocks(k_BSCH, K * W, J // K).transpose(0, 1, 3, 2, 4)
-    v_JBCVH = _to_blocks(v_BSCH, K * W, J // K).transpose(0, 1, 3, 2, 4)
-    seg_JBW = _to_blocks(segment_ids_BT.astype(jnp.int32), W, J)  # padded positions: segment 0, never seen
-    pos_JBW = _to_blocks(positions_BT.astype(jnp.int32), W, J)
+    k_JBCVH = _to_blocks(k_BSCH, V, Jk).transpose(0, 1, 3, 2, 4)
+    v_JBCVH = _to_blocks(v_BSCH, V, Jk).transpose(0, 1, 3, 2, 4)
+    # padded positions: segment 0, never seen
+    qseg_JBW, kseg_JBV = _to_blocks(q_seg_BT.astype(jnp.int32), W, J), _to_blocks(k_seg_BS.astype(jnp.int32), V, Jk)
+    qpos_JBW, kpos_JBV = _to_blocks(q_pos_BT.astype(jnp.int32), W, J), _to_blocks(k_pos_BS.astype(jnp.int32), V, Jk)
     low = q_BTQH.dtype if dtype is None else jnp.dtype(dtype)
     sinks_CR = None if sinks_Q is None else sinks_Q.reshape(C, Q // C)
-    out_JBCRWH = _flash(q_JBCRWH, k_JBCVH, v_JBCVH, seg_JBW, pos_JBW, sinks_CR, float(scale), window, low)
+    out_JBCRWH = _flash(q_JBCRWH, k_JBCVH, v_JBCVH, qseg_JBW, qpos_JBW, q_idx_P.reshape(J, W), kseg_JBV, kpos_JBV,
+                        sinks_CR, float(scale), window, low)
     out_BJWQH = out_JBCRWH.transpose(1, 0, 4, 2, 3, 5).reshape(B, J * W, Q, H)
     return out_BJWQH[:, :T]
 

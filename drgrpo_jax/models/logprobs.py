@@ -67,7 +67,8 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
                    temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                    final_logit_softcap: float | None = None,
                    compute_dtype: jnp.dtype | None = None,
-                   unembed_sum: jax.Array | None = None, sum_layout: str = "DV") -> tuple[jax.Array, jax.Array]:
+                   unembed_sum: jax.Array | None = None, sum_layout: str = "DV", context: int = 1
+                   ) -> tuple[jax.Array, jax.Array]:
     """float32 (log-prob of each target, entropy of each position's distribution), both [B, T].
 
     Logits are soft-capped (if the model does), then divided by temperature, as the sampler does.
@@ -77,10 +78,16 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
     `unembed_sum` (float32, `sum_layout` "DV" like unembed_DV or "VD" like a tied embedding): the table's gradient
     goes there instead, added chunk by chunk in place (`d/d(unembed_sum) = unembed_sum + d/d(unembed_DV)`, none for
     unembed_DV; models/grad_sums.py), so no [D, V] gradient exists beside the sum.
+    `context` (C > 1: T split over the mesh's context axis, models/context_parallel.py): each chunk takes W tokens
+    of every row's every shard ([J, B * C * W] chunks), so the loop runs over each device's own tokens.
     """
     if not chunk_size > 0:
         raise ValueError(f"chunk_size: must be a positive int, got {chunk_size}")
     B, T, D = hidden_BTD.shape
+    if context > 1:
+        return _by_shard(hidden_BTD, targets_BT, context, functools.partial(
+            token_logprobs, unembed_DV=unembed_DV, temperature=temperature, final_logit_softcap=final_logit_softcap,
+            compute_dtype=compute_dtype, unembed_sum=unembed_sum, sum_layout=sum_layout), chunk_size)
     M = B * T
     W = min(chunk_size, M)
     J = -(-M // W)
@@ -115,6 +122,30 @@ def token_logprobs(hidden_BTD: jax.Array, unembed_DV: jax.Array, targets_BT: jax
 
     logprobs_JW, entropy_JW = jax.lax.map(one_chunk, (hidden_MD.reshape(J, W, D), targets_M.reshape(J, W)))
     return logprobs_JW.reshape(-1)[:M].reshape(B, T), entropy_JW.reshape(-1)[:M].reshape(B, T)
+
+
+def _by_shard(hidden_BTD, targets_BT, context: int, per_chunks, chunk_size: int):
+    """`per_chunks` (token_logprobs) over [J, B * C * W] chunks cut inside each of the C shards of every row:
+    [B, T] log-probs and entropies."""
+    B, T, D = hidden_BTD.shape
+    P = T // context  # a shard's tokens (the context layout has whole shards)
+    W = min(chunk_size, P)
+    J = -(-P // W)
+
+    def chunked(x_BT, fill):  # [B, T, ...] -> [J, B * C * W, ...], padded inside each shard
+        x_GP = x_BT.reshape(B * context, P, *x_BT.shape[2:])
+        x_GP = jnp.pad(x_GP, [(0, 0), (0, J * W - P)] + [(0, 0)] * (x_BT.ndim - 2), constant_values=fill)
+        x_JGW = jnp.moveaxis(x_GP.reshape(B * context, J, W, *x_BT.shape[2:]), 1, 0)
+        return x_JGW.reshape(J, B * context * W, *x_BT.shape[2:])
+
+    def back(y_JM):  # [J, B * C * W] -> [B, T]
+        y_GJW = jnp.moveaxis(y_JM.reshape(J, B * context, W), 0, 1).reshape(B * context, J * W)
+        return y_GJW[:, :P].reshape(B, T)
+
+    # One row per chunk: token_logprobs' own chunks (W' = B * C * W) are then exactly these.
+    logprobs_JM, entropy_JM = per_chunks(chunked(hidden_BTD, 0), targets_BT=chunked(targets_BT, 0),
+                                         chunk_size=B * context * W)
+    return back(logprobs_JM), back(entropy_JM)
 
 
 def _chunk_logits(hidden_WD, table_VD, low):

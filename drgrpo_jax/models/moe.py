@@ -140,16 +140,25 @@ def grouped_experts(x_MD: jax.Array, weights_Mk: jax.Array, experts_Mk: jax.Arra
 
 def expert_shards(num_experts: int, rules: ShardingRules = ShardingRules()) -> tuple[AbstractMesh, int] | None:
     """(the mesh a forward is traced under, its expert axis' size E) where the experts run expert-parallel: the
-    expert axis has E > 1 shards, E divides `num_experts`, and the tokens' batch axes include it; else None."""
+    expert axis has E > 1 shards (or the tokens are split over a context axis: then E = 1 too, so each shard
+    routes its own tokens), E divides `num_experts`, and the tokens' batch axes include it; else None."""
     mesh = jax.sharding.get_abstract_mesh()
     axis = rules.expert
     if mesh.empty or not isinstance(axis, str) or axis not in mesh.axis_names:
         return None
     size = mesh.shape[axis]
     batch = (rules.batch,) if isinstance(rules.batch, str) else tuple(rules.batch or ())
-    if size == 1 or num_experts % size or axis not in batch:
+    split = int(np.prod([mesh.shape[a] for a in _token_axes(mesh, rules) if a not in batch])) > 1
+    if (size == 1 and not split) or num_experts % size or axis not in batch:
         return None
     return mesh, size
+
+
+def _token_axes(mesh: AbstractMesh, rules: ShardingRules) -> tuple[str, ...]:
+    """The mesh axes a forward's flattened tokens [M] are split over: the batch axes, then the context axis (rows
+    major, each row's tokens over context)."""
+    named = [(a,) if isinstance(a, str) else tuple(a or ()) for a in (rules.batch, rules.length)]
+    return tuple(a for axes in named for a in axes if a in mesh.axis_names)
 
 
 def expert_parallel_experts(x_MD: jax.Array, weights_Mk: jax.Array, experts_Mk: jax.Array, gate_eDf: jax.Array,
@@ -158,11 +167,11 @@ def expert_parallel_experts(x_MD: jax.Array, weights_Mk: jax.Array, experts_Mk: 
                             rules: ShardingRules = ShardingRules()) -> jax.Array:
     """`grouped_experts` with tokens and experts split over the mesh (`expert_shards`): every shard sends each
     token copy to its expert's shard (all-to-all over the expert axis), runs its own experts, and gets the rows
-    back. Tokens split over the rules' batch axes (padded to a multiple with zero-weight copies); an expert's
-    hidden dim over the `mlp` axis (the down projection summed over it)."""
+    back. Tokens split over the rules' batch and context axes (padded to a multiple with zero-weight copies); an
+    expert's hidden dim over the `mlp` axis (the down projection summed over it)."""
     mesh, E = expert_shards(gate_eDf.shape[0], rules)  # type: ignore[misc]
     names = set(mesh.axis_names)
-    batch = tuple(a for a in ((rules.batch,) if isinstance(rules.batch, str) else rules.batch or ()) if a in names)
+    batch = _token_axes(mesh, rules)
     mlp = rules.mlp if isinstance(rules.mlp, str) and rules.mlp in names else None
     M, k = experts_Mk.shape
     e = gate_eDf.shape[0]

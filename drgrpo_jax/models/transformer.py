@@ -25,6 +25,7 @@ from flax import nnx
 from drgrpo_jax.models import quant
 from drgrpo_jax.models.attention import attention, choose_impl, reference_attention, self_attention_mask
 from drgrpo_jax.models.config import LORA_TARGETS, DecoderConfig, RuntimeOptions
+from drgrpo_jax.models.context_parallel import constrain_tokens, context_attention, context_impl, context_ways
 from drgrpo_jax.models.gemm import dense
 from drgrpo_jax.models.grad_sums import scan_layers
 from drgrpo_jax.models.kv_cache import (
@@ -215,11 +216,13 @@ def _after_attention(config: DecoderConfig, run: RuntimeOptions, p: dict[str, ja
 
 def _layer_attention(config: DecoderConfig, run: RuntimeOptions, impl: str, q_BTQH: jax.Array, k_BTCH: jax.Array,
                      v_BTCH: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array, sliding: jax.Array,
-                     sinks_Q: jax.Array | None) -> jax.Array:
-    """One scanned layer's attention by a memory-linear `impl`; the window is static, so mixed layers take a cond."""
+                     sinks_Q: jax.Array | None, split: bool = False) -> jax.Array:
+    """One scanned layer's attention by a memory-linear `impl` (`split`: rows in the context layout, their tokens
+    over the mesh's context axis); the window is static, so mixed layers take a cond."""
     def attend(window):
-        return attention(q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, scale=config.attn_scale,
-                         window=window, impl=impl, dtype=run.compute_dtype, sinks_Q=sinks_Q)
+        kernel = context_attention if split else attention
+        return kernel(q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT, scale=config.attn_scale, window=window,
+                      impl=impl, dtype=run.compute_dtype, sinks_Q=sinks_Q)
 
     kinds = set(config.sliding_layers)
     if config.sliding_window is None or kinds == {False}:
@@ -241,13 +244,17 @@ def _run_blocks(config: DecoderConfig, run: RuntimeOptions, params: dict[str, ja
     `routed_BTLk` (a mixture): every layer's experts of every token (router replay), in place of its router's.
 
     Attention by `run.attention_impl` (`choose_impl`): the reference builds both [B, T, T] masks once for all
-    layers; the others derive visibility from positions and segment ids inside their kernels.
+    layers; the others derive visibility from positions and segment ids inside their kernels. Traced on a mesh
+    whose context axis has C > 1 ways, the rows come in the context layout (models/context_parallel.py) and every
+    layer's activations keep to their shard's tokens (`context_impl` picks the kernel).
     """
     (cos_g, sin_g), (cos_l, sin_l) = rope_for_layers(config, positions_BT)
     compute = run.compute_dtype or x_BTD.dtype  # float32 activations under bf16 compute still get cuDNN
-    impl = choose_impl(run.attention_impl, seq_len=x_BTD.shape[1], dtype=compute, head_dim=config.head_dim,
-                       sinks=config.traits.attention_sinks)
-    masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" else None
+    split = context_ways() > 1
+    impl = (context_impl if split else choose_impl)(run.attention_impl, seq_len=x_BTD.shape[1], dtype=compute,
+                                                    head_dim=config.head_dim, sinks=config.traits.attention_sinks)
+    masks = forward_masks(config, positions_BT, segment_ids_BT) if impl == "reference" and not split else None
+    x_BTD = constrain_tokens(x_BTD) if split else x_BTD
     sliding_L = jnp.asarray(config.sliding_layers)
     layer_L = jnp.arange(config.num_layers)
     routed_LBTk = None if routed_BTLk is None else jnp.moveaxis(jnp.asarray(routed_BTLk, jnp.int32), 2, 0)
@@ -262,13 +269,14 @@ def _run_blocks(config: DecoderConfig, run: RuntimeOptions, params: dict[str, ja
             q_BTQH, k_BTCH, v_BTCH = _qkv(config, run, p, x_BTD, cos, sin, key)
             if masks is None:
                 o_BTQH = _layer_attention(config, run, impl, q_BTQH, k_BTCH, v_BTCH, positions_BT, segment_ids_BT,
-                                          sliding, _sinks(config, p))
+                                          sliding, _sinks(config, p), split)
             else:
                 mask_BTS = jnp.where(sliding, masks[1], masks[0])
                 o_BTQH = reference_attention(q_BTQH, k_BTCH, v_BTCH, mask_BTS, config.attn_scale, run.compute_dtype,
                                              _sinks(config, p))
             o_BTQH = name_attention(o_BTQH)
         x_BTD, routing = _after_attention(config, run, p, x_BTD, o_BTQH, key=key, forced_BTk=forced_BTk)
+        x_BTD = constrain_tokens(x_BTD) if split else x_BTD
         if stats is None or routing is None:
             return x_BTD
         layer_stats = router_stats(*routing, real_M, index, config.num_layers)
@@ -388,7 +396,10 @@ class Transformer(nnx.Module):
                                  routed_experts_BTLk: jax.Array | None = None, with_stats: bool = True,
                                  counted_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
         """`hidden_states` and, `with_stats` (a mixture only), the router's sums over the real tokens, or those of
-        `counted_BT` (bool) (`models/moe.py`: its loss terms and expert loads; they take the router's gradient)."""
+        `counted_BT` (bool) (`models/moe.py`: its loss terms and expert loads; they take the router's gradient).
+
+        Traced on a mesh with a context axis of C > 1 ways, every [B, T] input comes in the context layout
+        (`context_parallel.to_context_layout`: the step's forwards put it there) and so do the hidden states."""
         B, T = input_ids_BT.shape
         config = self.config
         if routed_experts_BTLk is not None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PackSpec", "first_fit", "pack_cell", "packed_hidden_states", "rows_needed", "sequence_lengths",
-           "window_rows_needed"]
+__all__ = ["PackSpec", "PackedRows", "first_fit", "pack_cell", "pack_responses", "packed_hidden_states",
+           "rows_needed", "sequence_lengths", "unpack_responses", "window_rows_needed"]
 
 _I32 = jnp.int32
 
@@ -99,27 +99,33 @@ def _unpack_cell(hidden_BSD: jax.Array, row_N: jax.Array, start_N: jax.Array, pr
     return hidden_BSD[row_N[:, None], jnp.clip(column_NT, 0, length - 1)]
 
 
-def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: jax.Array, response_ids_NT: jax.Array,
-                         response_mask_NT: jax.Array, row_valid_N: jax.Array, spec: PackSpec,
-                         lora_key: jax.Array | None = None, grad_sums: dict[str, jax.Array] | None = None,
-                         routed_NSLk: jax.Array | None = None, with_stats: bool = False) -> tuple[jax.Array, Any]:
-    """([N, T, D] final hidden states before each response token, a mixture's `RouterStats` or None), from one
-    model call on the packed rows.
+class PackedRows(NamedTuple):
+    """A micro-batch's responses packed into the model call's [B, S] rows, and where each response went."""
 
-    `lora_key`, `grad_sums` and `with_stats` go to `model.hidden_states_and_router`; `routed_NSLk` (router replay:
-    the experts of each token of the padded layout's input) is packed with the tokens.
+    tokens: jax.Array  # int32 [B, S]
+    positions: jax.Array  # int32 [B, S]: counting from 0 in each response, as the padded layout's
+    segments: jax.Array  # int32 [B, S]: response n is segment n + 1 of its shard's rows; 0 is padding
+    targets: jax.Array  # int32 [B, S]: the token after each input (the one it predicts)
+    routed: jax.Array | None  # int32 [B, S, L, k]: router replay's experts of each input, or None
+    row_ON: jax.Array  # int32 [O, N / O]: each response's row in its shard's rows
+    start_ON: jax.Array  # int32 [O, N / O]: its first column there
+    prompt_len_ON: jax.Array  # int32 [O, N / O]
 
-    The N responses are cut into `spec.shards` contiguous equal shares (a micro-batch's split over the data-parallel
-    devices); each packs into its own spec.rows x spec.length rows, so packing and gathering stay per device.
-    """
+
+def pack_responses(prompt_ids_NU: jax.Array, prompt_mask_NU: jax.Array, response_ids_NT: jax.Array,
+                   response_mask_NT: jax.Array, row_valid_N: jax.Array, spec: PackSpec,
+                   routed_NSLk: jax.Array | None = None) -> PackedRows:
+    """The N responses cut into `spec.shards` contiguous equal shares (a micro-batch's split over the data-parallel
+    devices), each packed into its own spec.rows x spec.length rows, so packing and gathering stay per device;
+    `routed_NSLk` (router replay: the experts of each token of the padded layout's input) packed with the tokens."""
     N, U = prompt_ids_NU.shape
-    T = response_ids_NT.shape[1]
     O = spec.shards
     if N % O:
         raise ValueError(f"packing: {N} responses per micro-batch do not split over {O} data-parallel shards")
-    ids_NS = jnp.concatenate([prompt_ids_NU, response_ids_NT], axis=1)[:, :-1]
-    if routed_NSLk is not None:  # packed beside the ids: [N, S, 1 + L * k]
-        ids_NS = jnp.concatenate([ids_NS[:, :, None], routed_NSLk.reshape(*ids_NS.shape, -1)], axis=-1)
+    full_NS = jnp.concatenate([prompt_ids_NU, response_ids_NT], axis=1)
+    ids_NS = jnp.stack([full_NS[:, :-1], full_NS[:, 1:]], axis=-1)  # [N, S, 2]: each input and its target
+    if routed_NSLk is not None:  # packed beside them: [N, S, 2 + L * k]
+        ids_NS = jnp.concatenate([ids_NS, routed_NSLk.reshape(*ids_NS.shape[:2], -1)], axis=-1)
     prompt_len_N = prompt_mask_NU.sum(axis=1, dtype=_I32)
     lengths_N = sequence_lengths(prompt_mask_NU, response_mask_NT, row_valid_N)
 
@@ -127,23 +133,43 @@ def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: j
         return x.reshape(O, N // O, *x.shape[1:])
 
     pack = functools.partial(pack_cell, prompt_width=U, rows=spec.rows, length=spec.length)
-    tokens, positions, segments, row_ON, start_ON = jax.vmap(pack)(per_shard(ids_NS), per_shard(prompt_len_N),
-                                                                   per_shard(lengths_N))
+    channels, positions, segments, row_ON, start_ON = jax.vmap(pack)(per_shard(ids_NS), per_shard(prompt_len_N),
+                                                                     per_shard(lengths_N))
 
     def rows_of_call(x_OBS):
         return x_OBS.reshape(O * spec.rows, spec.length, *x_OBS.shape[3:])
 
+    channels = rows_of_call(channels)
     routed_BSLk = None
     if routed_NSLk is not None:
-        tokens, routed = tokens[..., 0], tokens[..., 1:]
-        routed_BSLk = rows_of_call(routed).reshape(O * spec.rows, spec.length, *routed_NSLk.shape[2:])
-    hidden_BSD, stats = model.hidden_states_and_router(rows_of_call(tokens), rows_of_call(positions),
-                                                       rows_of_call(segments), lora_key, grad_sums, routed_BSLk,
-                                                       with_stats)
-    hidden_OBSD = hidden_BSD.reshape(O, spec.rows, spec.length, hidden_BSD.shape[-1])
-    unpack = functools.partial(_unpack_cell, response_width=T)
-    hidden_ONTD = jax.vmap(unpack)(hidden_OBSD, row_ON, start_ON, per_shard(prompt_len_N))
-    return hidden_ONTD.reshape(N, T, hidden_ONTD.shape[-1]), stats
+        routed_BSLk = channels[..., 2:].reshape(*channels.shape[:2], *routed_NSLk.shape[2:])
+    return PackedRows(channels[..., 0], rows_of_call(positions), rows_of_call(segments), channels[..., 1],
+                      routed_BSLk, row_ON, start_ON, per_shard(prompt_len_N))
+
+
+def unpack_responses(values_BS: jax.Array, packed: PackedRows, response_width: int) -> jax.Array:
+    """[N, T, ...]: per-position values of the packed rows [B, S, ...] at the inputs before each response token."""
+    O = packed.row_ON.shape[0]
+    values_OBS = values_BS.reshape(O, values_BS.shape[0] // O, *values_BS.shape[1:])
+    unpack = functools.partial(_unpack_cell, response_width=response_width)
+    values_ONT = jax.vmap(unpack)(values_OBS, packed.row_ON, packed.start_ON, packed.prompt_len_ON)
+    return values_ONT.reshape(-1, *values_ONT.shape[2:])
+
+
+def packed_hidden_states(model: Any, prompt_ids_NU: jax.Array, prompt_mask_NU: jax.Array, response_ids_NT: jax.Array,
+                         response_mask_NT: jax.Array, row_valid_N: jax.Array, spec: PackSpec,
+                         lora_key: jax.Array | None = None, grad_sums: dict[str, jax.Array] | None = None,
+                         routed_NSLk: jax.Array | None = None, with_stats: bool = False) -> tuple[jax.Array, Any]:
+    """([N, T, D] final hidden states before each response token, a mixture's `RouterStats` or None), from one
+    model call on the rows `pack_responses` packs.
+
+    `lora_key`, `grad_sums` and `with_stats` go to `model.hidden_states_and_router`.
+    """
+    packed = pack_responses(prompt_ids_NU, prompt_mask_NU, response_ids_NT, response_mask_NT, row_valid_N, spec,
+                            routed_NSLk)
+    hidden_BSD, stats = model.hidden_states_and_router(packed.tokens, packed.positions, packed.segments, lora_key,
+                                                       grad_sums, packed.routed, with_stats)
+    return unpack_responses(hidden_BSD, packed, response_ids_NT.shape[1]), stats
 
 
 def window_rows_needed(prompt_mask_MNU: jax.Array, response_mask_MNT: jax.Array, row_valid_MN: jax.Array,

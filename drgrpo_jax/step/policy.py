@@ -7,19 +7,21 @@ Shape letters (docs/shape_letters.md): N responses, U prompt positions (left-pad
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from drgrpo_jax.models.context_parallel import constrain_tokens, context_ways, from_context_layout, to_context_layout
 from drgrpo_jax.models.grad_sums import into_sums
 from drgrpo_jax.models.logprobs import token_logprobs
 from drgrpo_jax.models.moe import RouterStats
 from drgrpo_jax.models.precision import DTYPES, DtypeName, matmul_weights_in
 from drgrpo_jax.step.batch import Batch, join_micro_batches, pack_spec, split_micro_batches
 from drgrpo_jax.step.config import StepConfig
-from drgrpo_jax.step.packing import PackSpec, packed_hidden_states
+from drgrpo_jax.step.packing import PackSpec, pack_responses, packed_hidden_states, unpack_responses
 
 __all__ = ["merge_model", "policy_forward", "policy_logprobs", "response_logprobs"]
 
@@ -81,12 +83,60 @@ def policy_forward(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids, prompt
     if low is not None:
         model.runtime = dataclasses.replace(model.runtime, compute_dtype=compute_dtype)
     routed_NSLk = None if routed_experts is None else routed_experts[:, :-1]  # as the tokens: the last never read
+    ways = context_ways()
+    if ways > 1:
+        stats_of = functools.partial(_token_stats, model, ways=ways, lora_key=lora_key, layer_sums=layer_sums,
+                                     router_stats=router_stats, temperature=temperature, chunk=chunk, low=low,
+                                     unembed_sum=unembed_sum, sum_layout=sum_layout)
+        return _split_response_stats(stats_of, prompt_ids, prompt_mask, response_ids, response_mask, packing,
+                                     row_valid, routed_NSLk)
     hidden_NTD, stats = _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key,
                                          packing, row_valid, layer_sums, routed_NSLk, router_stats)
     logprobs, entropy = token_logprobs(hidden_NTD, model.unembed_DV(), response_ids, temperature=temperature,
                                        chunk_size=chunk, final_logit_softcap=model.config.final_logit_softcap,
                                        compute_dtype=low, unembed_sum=unembed_sum, sum_layout=sum_layout)
     return logprobs, entropy, stats
+
+
+def _split_response_stats(stats_of, prompt_ids, prompt_mask, response_ids, response_mask, packing, row_valid,
+                          routed_NSLk):
+    """`policy_forward`'s results where the mesh splits every row's tokens (models/context_parallel.py): the model
+    and the log-probs run on all the forward's positions in the context layout, and only the per-token log-probs
+    and entropies come back to the responses (a row's hidden states never gather)."""
+    T = response_ids.shape[1]
+    if packing is not None:
+        valid = jnp.ones(prompt_ids.shape[0], bool) if row_valid is None else row_valid
+        packed = pack_responses(prompt_ids, prompt_mask, response_ids, response_mask, valid, packing, routed_NSLk)
+        logprobs_BS, entropy_BS, stats = stats_of(packed.tokens, packed.targets, packed.positions, packed.segments,
+                                                  None, packed.routed)
+        both_NT2 = unpack_responses(jnp.stack([logprobs_BS, entropy_BS], axis=-1), packed, T)
+        return both_NT2[..., 0], both_NT2[..., 1], stats
+    tokens, positions, segments = _model_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    targets = jnp.concatenate([prompt_ids, response_ids], axis=1)[:, 1:]
+    counted = None if row_valid is None else (segments != 0) & row_valid[:, None]
+    logprobs_NS, entropy_NS, stats = stats_of(tokens, targets, positions, segments, counted, routed_NSLk)
+    first = prompt_ids.shape[1] - 1  # the input before the first response token
+    return logprobs_NS[:, first:], entropy_NS[:, first:], stats
+
+
+def _token_stats(model, tokens_BS, targets_BS, positions_BS, segments_BS, counted_BS, routed_BSLk, *, ways: int,
+                 lora_key, layer_sums, router_stats: bool, temperature: float, chunk: int, low, unembed_sum,
+                 sum_layout: str):
+    """(log-prob of each target, entropy, RouterStats or None) [B, S] in sequence order, from a forward on the rows
+    in the context layout of `ways` shards."""
+    S = tokens_BS.shape[1]
+
+    def laid_out(x, fill=0):
+        return None if x is None else to_context_layout(x, ways, fill)
+
+    hidden_BTD, stats = model.hidden_states_and_router(laid_out(tokens_BS), laid_out(positions_BS),
+                                                       laid_out(segments_BS), lora_key, layer_sums,
+                                                       laid_out(routed_BSLk), router_stats, laid_out(counted_BS, False))
+    logprobs_BT, entropy_BT = token_logprobs(constrain_tokens(hidden_BTD), model.unembed_DV(), laid_out(targets_BS),
+                                             temperature=temperature, chunk_size=chunk,
+                                             final_logit_softcap=model.config.final_logit_softcap, compute_dtype=low,
+                                             unembed_sum=unembed_sum, sum_layout=sum_layout, context=ways)
+    return from_context_layout(logprobs_BT, ways, S), from_context_layout(entropy_BT, ways, S), stats
 
 
 def _response_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, lora_key, packing, row_valid,

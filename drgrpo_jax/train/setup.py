@@ -83,15 +83,16 @@ class Roles(NamedTuple):
 
 
 def build_mesh(config: Config) -> jax.sharding.Mesh:
-    """The (data, fsdp, tensor) mesh in topology order: the first data*fsdp*tensor devices (all of them on several
-    hosts); with mesh.dcn_data > 1, that many slices, mesh.data's outer ways crossing between them."""
+    """The (data, fsdp, context, tensor) mesh in topology order: the first data*fsdp*tensor*context devices (all of
+    them on several hosts); with mesh.dcn_data > 1, that many slices, mesh.data's outer ways crossing between them."""
     m = config.mesh
-    ways, devices = m.data * m.fsdp * m.tensor, jax.devices()
+    ways, devices = m.data * m.fsdp * m.tensor * m.context, jax.devices()
     if ways > len(devices) or (jax.process_count() > 1 and ways != len(devices)):
-        raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor = {ways}, but the run has "
-                                       f"{len(devices)} devices")
+        raise ConfigError("mesh.data", f"mesh.data * mesh.fsdp * mesh.tensor * mesh.context = {ways}, but the run "
+                                       f"has {len(devices)} devices")
     try:
-        return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor), devices[:ways], dcn_data=m.dcn_data)
+        return make_mesh(MeshShape(data=m.data, fsdp=m.fsdp, tensor=m.tensor, context=m.context), devices[:ways],
+                         dcn_data=m.dcn_data)
     except ValueError as error:  # the slices do not match mesh.dcn_data
         raise ConfigError("mesh.dcn_data", str(error)) from None
 

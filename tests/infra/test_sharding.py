@@ -42,10 +42,15 @@ def saved(tmp_path_factory):
 
 def test_mesh_shapes():
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert dict(make_mesh(MeshShape(data=2, fsdp=-1, tensor=1)).shape) == {"data": 2, "fsdp": 4, "tensor": 1}
-    with pytest.raises(ValueError, match="data\\*fsdp\\*tensor"):
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+    assert dict(make_mesh(MeshShape(data=2, fsdp=-1, tensor=1)).shape) == {"data": 2, "fsdp": 4, "context": 1,
+                                                                          "tensor": 1}
+    assert dict(make_mesh(MeshShape(data=1, fsdp=2, tensor=1, context=4)).shape) == {"data": 1, "fsdp": 2,
+                                                                                   "context": 4, "tensor": 1}
+    with pytest.raises(ValueError, match="data\\*fsdp\\*context\\*tensor"):
         make_mesh(MeshShape(data=2, fsdp=2, tensor=1))
+    with pytest.raises(ValueError, match="mesh.context"):
+        MeshShape(context=0)
     with pytest.raises(ValueError, match="mesh.tensor"):
         MeshShape(tensor=0)
     with pytest.raises(ValueError, match="at most one"):
@@ -67,8 +72,8 @@ def _fake_devices(processes: int, per_process: int) -> list:
 
 def test_dcn_data_puts_the_outer_data_ways_across_slices():
     devices = _fake_devices(2, 4)
-    grid = device_grid((4, 1, 2), devices[::-1], dcn_data=2)  # any order in: grouped by slice
-    assert grid.shape == (4, 1, 2)
+    grid = device_grid((4, 1, 1, 2), devices[::-1], dcn_data=2)  # any order in: grouped by slice
+    assert grid.shape == (4, 1, 1, 2)
     assert {d.process_index for d in grid[:2].flat} == {0} and {d.process_index for d in grid[2:].flat} == {1}
 
 

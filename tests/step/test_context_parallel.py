@@ -1,0 +1,106 @@
+"""Context parallelism (models/context_parallel.py): a mesh whose `context` axis splits every row's tokens gives one
+device's old log-probs, loss, gradient and update, float32, for padded and packed rows, grouped-query attention,
+sliding windows, attention sinks and a mixture of experts."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from drgrpo_jax.losses import LossConfig
+from drgrpo_jax.models import attention
+from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions
+from drgrpo_jax.models.context_parallel import from_context_layout, to_context_layout, zigzag_order
+from drgrpo_jax.models.transformer import Transformer
+from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
+from drgrpo_jax.step.config import StepConfig
+from drgrpo_jax.step.train_step import init_state, jit_policy_logprobs, jit_train_step, state_shardings
+
+from support.tiny_step import STEP_RESPONSE, assert_same, make_step_batch
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+              head_dim=8, max_position_embeddings=64)
+WINDOWED = dict(layer_types=("sliding_attention", "full_attention", "sliding_attention"), sliding_window=5)
+MODELS = {
+    "llama": DecoderConfig(family="llama", **COMMON),  # grouped-query: 4 query heads over 2 kv heads
+    "gemma3": DecoderConfig(family="gemma3", **COMMON, **WINDOWED, query_pre_attn_scalar=12,
+                            activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "gpt_oss": DecoderConfig(family="gpt_oss", **COMMON, **WINDOWED, qkv_bias=True, o_bias=True, num_experts=4,
+                             experts_per_token=2, moe_intermediate_size=8),  # sinks, windows and a mixture
+    "qwen3_moe": DecoderConfig(family="qwen3_moe", **COMMON, num_experts=4, experts_per_token=2,
+                               moe_intermediate_size=8),
+}
+PACKED = dict(pack_rows=16, pack_length=24)
+
+
+def test_the_layout_gives_each_shard_an_early_and_a_late_chunk():
+    assert zigzag_order(7, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]  # 7 tokens padded to 8: chunks 0, 3 | 1, 2
+    x = np.arange(2 * 7).reshape(2, 7)
+    laid_out = np.asarray(to_context_layout(x, 2, fill=-1))
+    assert laid_out[0].tolist() == [0, 1, 6, -1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(from_context_layout(laid_out, 2, 7), x)
+
+
+def _run(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "blockwise", remat: str = "none",
+         **step_options):
+    """(old log-probs, metrics, params after one SGD update) of one window on a (data, fsdp, tensor, context) mesh."""
+    data, fsdp, tensor, context = mesh_shape
+    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor, context=context),
+                     jax.devices()[:data * fsdp * tensor * context])
+    runtime = RuntimeOptions(attention_impl=impl, remat=remat)
+    model = shard_model(Transformer(MODELS[family], rngs=nnx.Rngs(0), runtime=runtime), mesh)
+    optimizer = optax.sgd(0.5)
+    graphdef, state = init_state(model, optimizer, jax.random.key(0))
+    config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), micro_batches=2, logprob_chunk=5, **step_options)
+    params_shardings = param_shardings(state.params, mesh)
+    shardings = state_shardings(state, params_shardings, mesh)
+    step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
+    batch = place(make_step_batch(), batch_sharding(mesh))
+    old = jit_policy_logprobs(graphdef, config, params_shardings, mesh)(state.params, batch)
+    batch = dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old + 0.1)
+    state, metrics = step(jax.device_put(state, shardings), batch)
+    return jax.device_get((old, metrics, state.params))
+
+
+def _assert_same_step(family, mesh_shape, **options):
+    old, metrics, params = _run(family, mesh_shape, **options)
+    want_old, want_metrics, want_params = _run(family, (1, 1, 1, 1), **options)
+    real = make_step_batch().response_mask
+    np.testing.assert_allclose(old[real], want_old[real], rtol=1e-5, atol=1e-5, err_msg="old log-probs")
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(getattr(metrics, name), getattr(want_metrics, name), rtol=1e-5, err_msg=name)
+    assert_same(params, want_params, "params after one update")
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Blocks of 4 tokens: each shard's queries and the gathered keys span several blocks of the kernel."""
+    monkeypatch.setattr(attention, "DEFAULT_BLOCK_SIZE", 4)
+
+
+@pytest.mark.heavy  # a step compiled on two meshes per case
+@pytest.mark.parametrize("family, mesh_shape, options", [
+    ("llama", (1, 1, 1, 2), {}),
+    ("llama", (2, 1, 1, 4), {}),
+    ("llama", (1, 1, 1, 8), PACKED),
+    ("llama", (2, 2, 1, 2), PACKED),
+    ("llama", (1, 1, 2, 4), dict(remat="full")),
+    ("llama", (2, 1, 1, 2), dict(impl="reference")),
+    ("gemma3", (1, 2, 1, 4), PACKED),
+    ("gpt_oss", (1, 2, 2, 2), {}),
+    ("qwen3_moe", (1, 2, 1, 4), PACKED),
+])
+def test_a_context_split_step_equals_one_device(family, mesh_shape, options):
+    _assert_same_step(family, mesh_shape, **options)
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "splash"])
+def test_kernels_that_take_a_whole_row_are_refused(impl):
+    from drgrpo_jax.models.context_parallel import context_impl
+
+    with pytest.raises(ValueError, match=f"^attention: {impl} cannot split a row over mesh.context > 1"):
+        context_impl(impl, seq_len=256, dtype=np.float32, head_dim=8)
+    assert context_impl("auto", seq_len=4096, dtype=np.float32, head_dim=8) == "blockwise"
