@@ -14,6 +14,12 @@ process of a multi-host run, with no gather to one host; process 0 writes the JS
 host) is hashed with BLAKE2b. The checksums find corruption (a flipped block, a wrong file), not an attacker who can
 also rewrite the JSON. Checkpoints written before checksums existed restore unchecked, which is said once.
 
+A restore that fails leaves nothing running behind it: orbax runs each restore on an event loop of its own and
+closes it as soon as one read fails, with the other reads of the checkpoint still in flight; each would later
+complete into the closed loop ("RuntimeError: Event loop is closed", printed as an ignored exception). While
+`restore` runs, a loop made in its thread cancels and awaits the tasks still pending before it closes, as
+`asyncio.run` does (`_loops_that_finish_their_tasks`).
+
 The folder may be a bucket (`gs://bucket/run/checkpoints`): orbax writes it through tensorstore and etils.epath
 (`pip install -e '.[gcs]'`), and a save there is made atomic by a commit marker instead of a rename.
 
@@ -25,12 +31,15 @@ with RESTART_EXIT_CODE, which the launchers treat as "restart".
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -153,6 +162,58 @@ def verify(item: str, tree: Any, saved: dict[str, str]) -> None:
             raise CorruptCheckpoint(f"{item} array {name} differs from the checksum saved with it")
 
 
+class _LoopThatFinishesItsTasks(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first cancels the tasks still pending and waits for them, as asyncio.run
+    does: a cancelled task cancels the tensorstore read it awaits, whose callback then runs while the loop is
+    open, rather than `call_soon_threadsafe` on a closed loop when the read completes."""
+
+    def close(self) -> None:
+        pending = asyncio.all_tasks(self)
+        if pending and not self.is_running() and not self.is_closed():
+            for task in pending:
+                task.cancel()
+            self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+class _FinishingLoopsInOneThread(asyncio.AbstractEventLoopPolicy):
+    """The policy in force, except that a loop made in `thread` is a _LoopThatFinishesItsTasks (other threads,
+    such as a running service's, are left as they were)."""
+
+    def __init__(self, previous: asyncio.AbstractEventLoopPolicy, thread: int):
+        self._previous, self._thread = previous, thread
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        if threading.get_ident() == self._thread:
+            return _LoopThatFinishesItsTasks()
+        return self._previous.new_event_loop()
+
+    def get_event_loop(self) -> asyncio.AbstractEventLoop:
+        return self._previous.get_event_loop()
+
+    def set_event_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._previous.set_event_loop(loop)
+
+    def get_child_watcher(self) -> Any:  # Python < 3.14: asyncio's subprocesses in another thread ask for it
+        return self._previous.get_child_watcher()  # type: ignore[attr-defined,unused-ignore]
+
+    def set_child_watcher(self, watcher: Any) -> None:
+        self._previous.set_child_watcher(watcher)  # type: ignore[attr-defined,unused-ignore]
+
+
+@contextlib.contextmanager
+def _loops_that_finish_their_tasks() -> Iterator[None]:
+    """While inside, an event loop made in this thread (orbax's `run_sync` makes one per restore) cancels and awaits
+    its pending tasks before it closes. An event loop policy is asyncio's one hook on the loops another library makes
+    (deprecated from Python 3.14, still honoured by `asyncio.new_event_loop` there)."""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_FinishingLoopsInOneThread(previous, threading.get_ident()))
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)
+
+
 class Checkpointer:
     """Saves every `save_every` steps (and when forced), keeps the newest `keep`, restores exactly."""
 
@@ -248,8 +309,9 @@ class Checkpointer:
         checked = self._has_checksums(step)
         if checked:
             extra[CHECKSUMS] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args, host=ocp.args.JsonRestore(),
-                                                                       **extra))
+        with _loops_that_finish_their_tasks():  # a failed read leaves no other read pending on a closed loop
+            restored = self._manager.restore(step, args=ocp.args.Composite(state=state_args,
+                                                                           host=ocp.args.JsonRestore(), **extra))
         for item in (("state", "rounds") if rounds else ("state",)) if checked else ():
             verify(item, restored[item], restored[CHECKSUMS].get(item, {}))
         return Restored(step, restored["state"], dict(restored["host"]), restored["rounds"] if rounds else None)
