@@ -38,6 +38,7 @@ from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, preset_n
 from drgrpo_jax.plan.remat import resolve_remat
 from drgrpo_jax.plan.service import (
     indivisible,
+    prefix_cache_budget,
     service_advice,
     service_memory,
     service_rows,
@@ -284,6 +285,7 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
             if (split := context_advice(config, table)) is not None:
                 advice.append(split)
             plan["advice"] += [f"trainer: {line}" for line in advice]
+        plan["service"]["prefix_cache"] = prefix_cache_budget(plan["service"], usable)
         plan["service"]["smallest_tensor"] = smallest_tensor(config, model, rows, usable, data=mesh.data,
                                                              merge_bytes=merge, backend=backend)
         if not fits["service"]:

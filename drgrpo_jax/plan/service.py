@@ -25,8 +25,8 @@ from drgrpo_jax.sampler.batch import batch_bucket, bucket
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.sharding import MeshShape, ShardingRules, logical_to_spec
 
-__all__ = ["indivisible", "service_advice", "service_memory", "service_rows", "service_total", "smallest_tensor",
-           "total"]
+__all__ = ["indivisible", "prefix_cache_budget", "service_advice", "service_memory", "service_rows", "service_total",
+           "smallest_tensor", "total"]
 
 def total(figures: dict[str, int]) -> int:
     """The sum of a figures dict, leaving out private entries ("_...")."""
@@ -85,6 +85,14 @@ def service_memory(config: Config, model: DecoderConfig, rows: int, *, tensor: i
     batch = batch_memory(model, rows, bucket(r.max_prompt_tokens), bucket(r.max_new_tokens), a, tensor=tensor,
                          data=data, backend=backend, record=config.model.moe.router_replay)
     return {"weights": weights, "layer_split": layers, "adapter_merge": merge_bytes // tensor, **batch}
+
+
+def prefix_cache_budget(figures: dict[str, int], usable: int) -> int:
+    """The prefix cache's default budget on one service device (--prefix-cache-bytes -1): a quarter of the batch
+    budget, which defaults to half of what the weights leave free (--max-batch-bytes 0). The pool grows to it only
+    as prompts repeat; beside batches that fit their half, it fits too (half + an eighth of the free memory)."""
+    free = usable - figures["weights"] - figures["layer_split"] - figures["adapter_merge"]
+    return max(free, 0) // 2 // 4
 
 
 def service_total(figures: dict[str, int]) -> int:

@@ -170,3 +170,17 @@ def test_the_budget_flag_is_checked(folders):
         ServeConfig(model="m", prefix_cache_bytes=-2)
     with pytest.raises(ValueError, match="--prefix-cache-bytes: 100 bytes hold no block"):
         _scheduler(folders[0], 100)
+
+
+def test_a_cached_prefix_on_a_mesh_samples_what_one_device_does(tmp_path):
+    folder = write_tiny_llama(str(tmp_path / "even"), vocab_size=64)  # a vocabulary that splits over tensor=2
+    meshed = Scheduler(ServeConfig(model=folder, mesh="tensor=2,data=2", short_request_tokens=0,
+                                   batch_wait_ms=1.0, prefix_cache_bytes=2**20))
+    one = _scheduler(folder, 0)
+    try:
+        for seed, tail in enumerate([(7, 8), (7, 8), (20, 21, 22)]):
+            results = _same(meshed, one, _rows(FEW_SHOT + tail, seed=seed))
+            assert [r.cached_tokens for r in results] == [0 if seed == 0 else 2 * BLOCK_TOKENS] * 2
+    finally:
+        meshed.close()
+        one.close()
