@@ -10,6 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
+from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models import attention
 from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions
@@ -44,9 +45,10 @@ def test_the_layout_gives_each_shard_an_early_and_a_late_chunk():
     np.testing.assert_array_equal(from_context_layout(laid_out, 2, 7), x)
 
 
-def _run(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "blockwise", remat: str = "none",
-         **step_options):
-    """(old log-probs, metrics, params after one SGD update) of one window on a (data, fsdp, tensor, context) mesh."""
+def _stepper(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "blockwise", remat: str = "none",
+             **step_options):
+    """(initial state placed, its shardings, one(state) -> (old log-probs, metrics, state)): SGD steps of one window
+    on a (data, fsdp, tensor, context) mesh, each recomputing its old log-probs there."""
     data, fsdp, tensor, context = mesh_shape
     mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor, context=context),
                      jax.devices()[:data * fsdp * tensor * context])
@@ -58,10 +60,21 @@ def _run(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "blockw
     params_shardings = param_shardings(state.params, mesh)
     shardings = state_shardings(state, params_shardings, mesh)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
+    logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
     batch = place(make_step_batch(), batch_sharding(mesh))
-    old = jit_policy_logprobs(graphdef, config, params_shardings, mesh)(state.params, batch)
-    batch = dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old + 0.1)
-    state, metrics = step(jax.device_put(state, shardings), batch)
+
+    def one(state):
+        old = logprobs(state.params, batch)
+        state, metrics = step(state, dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old + 0.1))
+        return old, metrics, state
+
+    return jax.device_put(state, shardings), shardings, one
+
+
+def _run(family: str, mesh_shape: tuple[int, int, int, int], **options):
+    """(old log-probs, metrics, params after one SGD update) of one window on a (data, fsdp, tensor, context) mesh."""
+    state, _, one = _stepper(family, mesh_shape, **options)
+    old, metrics, state = one(state)
     return jax.device_get((old, metrics, state.params))
 
 
@@ -104,3 +117,22 @@ def test_kernels_that_take_a_whole_row_are_refused(impl):
     with pytest.raises(ValueError, match=f"^attention: {impl} cannot split a row over mesh.context > 1"):
         context_impl(impl, seq_len=256, dtype=np.float32, head_dim=8)
     assert context_impl("auto", seq_len=4096, dtype=np.float32, head_dim=8) == "blockwise"
+
+
+@pytest.mark.heavy  # three meshes' steps compiled
+def test_a_run_saved_at_context_2_resumes_at_context_4(tmp_path):
+    """Parameters carry no context axis: a checkpoint saved on one context size restores onto another, and the
+    run goes on as on one device."""
+    state, _, one = _stepper("llama", (1, 1, 2, 2))
+    _, _, state = one(state)
+    saver = Checkpointer(tmp_path / "run", save_every=1, keep=1)
+    saver.save(1, state, {"step": 1}, force=True)
+    saver.close()
+    fresh, _, resumed_step = _stepper("llama", (2, 1, 1, 4))
+    resumed = Checkpointer(tmp_path / "run", save_every=1, keep=1).restore(1, fresh).state  # its shardings
+    _, metrics, resumed = resumed_step(resumed)
+    state, _, single = _stepper("llama", (1, 1, 1, 1))
+    for _ in range(2):
+        _, want_metrics, state = single(state)
+    np.testing.assert_allclose(metrics.loss, want_metrics.loss, rtol=1e-5)
+    assert_same(jax.device_get(resumed.params), jax.device_get(state.params), "params after the resumed step")
