@@ -45,8 +45,18 @@ def test_the_layout_gives_each_shard_an_early_and_a_late_chunk():
     np.testing.assert_array_equal(from_context_layout(laid_out, 2, 7), x)
 
 
+def _window(replay: bool):
+    """The step tests' window; `replay`: with distinct random experts for every token and layer (router replay)."""
+    batch = make_step_batch()
+    if not replay:
+        return batch
+    rows, tokens = batch.prompt_ids.shape[0], batch.prompt_ids.shape[1] + batch.response_ids.shape[1]
+    draws = np.random.default_rng(1).random((rows, tokens, MODELS["qwen3_moe"].num_layers, 4))
+    return dataclasses.replace(batch, routed_experts=np.argsort(draws, axis=-1)[..., :2].astype(np.int32))
+
+
 def _stepper(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "blockwise", remat: str = "none",
-             **step_options):
+             replay: bool = False, **step_options):
     """(initial state placed, its shardings, one(state) -> (old log-probs, metrics, state)): SGD steps of one window
     on a (data, fsdp, tensor, context) mesh, each recomputing its old log-probs there."""
     data, fsdp, tensor, context = mesh_shape
@@ -61,7 +71,7 @@ def _stepper(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "bl
     shardings = state_shardings(state, params_shardings, mesh)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
     logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
-    batch = place(make_step_batch(), batch_sharding(mesh))
+    batch = place(_window(replay), batch_sharding(mesh))
 
     def one(state):
         old = logprobs(state.params, batch)
@@ -105,6 +115,8 @@ def _small_blocks(monkeypatch):
     ("gemma3", (1, 2, 1, 4), PACKED),
     ("gpt_oss", (1, 2, 2, 2), {}),
     ("qwen3_moe", (1, 2, 1, 4), PACKED),
+    ("qwen3_moe", (2, 1, 1, 2), dict(replay=True)),
+    ("qwen3_moe", (1, 1, 1, 4), dict(replay=True, **PACKED)),
 ])
 def test_a_context_split_step_equals_one_device(family, mesh_shape, options):
     _assert_same_step(family, mesh_shape, **options)
