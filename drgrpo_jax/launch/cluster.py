@@ -118,7 +118,19 @@ def new_key_file() -> str:
 
 
 def weights_root(config: Config) -> str:
-    return config.run.weights_dir or f"{config.run.output_dir.rstrip('/')}/weights"
+    return not_an_option(config.run.weights_dir or f"{config.run.output_dir.rstrip('/')}/weights")
+
+
+def not_an_option(path: str) -> str:
+    """`path`, the same file, as no command reads it: a relative path that starts with '-' gets './' (else argparse,
+    mkdir, cat, `.` take it for options)."""
+    return f"./{path}" if path.startswith("-") else path
+
+
+def _program(python: str) -> str:
+    """The interpreter as a command's first word: a path as `not_an_option` gives it (the kernel hands a script's
+    own path to its #! interpreter, which would read '-...' as options); a bare name is looked up on PATH as is."""
+    return shlex.quote(not_an_option(python) if "/" in python else python)
 
 
 def check_text(flag: str, value: str) -> str:
@@ -146,7 +158,7 @@ def train_command(python: str, config_path: str, *words: str, detect: bool = Tru
     in place of `config_path`) are already shell words (quoted overrides, or a variable the shell expands at
     launch)."""
     start = ["mesh.coordinator_address=auto"] if detect else []
-    return " ".join([shlex.quote(python), "-m", "drgrpo_jax.train", "--config", config_word or shlex.quote(config_path),
+    return " ".join([_program(python), "-m", "drgrpo_jax.train", "--config", config_word or shlex.quote(config_path),
                      *start, *words])
 
 
@@ -155,8 +167,10 @@ def activate(venv: str, base: str = "") -> list[str]:
     `venv` is under `base`, a shell word (e.g. "$HOME"), when given."""
     if not venv:
         return []
-    path = shlex.quote(f"{venv.rstrip('/') or '/'}/bin/activate")
-    return [f". {base}/{path}" if base and not venv.startswith("/") else f". {path}"]
+    path = f"{venv.rstrip('/') or '/'}/bin/activate"
+    if base and not venv.startswith("/"):
+        return [f". {base}/{shlex.quote(path)}"]
+    return [f". {shlex.quote(not_an_option(path))}"]
 
 
 def refuse_loopback(config: Config, hint: str) -> None:
@@ -171,7 +185,7 @@ def launch_path(launch_dir: str, workdir: str, *parts: str) -> str:
     """A path in the launch folder as scripts that `cd` into `workdir` see it: relative when it lies inside."""
     relative = os.path.relpath(launch_dir, workdir)
     folder = launch_dir if relative == ".." or relative.startswith("../") else relative
-    return os.path.normpath(os.path.join(folder, *parts))
+    return not_an_option(os.path.normpath(os.path.join(folder, *parts)))
 
 
 def check_count(flag: str, value: int, low: int) -> None:
@@ -183,7 +197,7 @@ def serve_command(python: str, config: Config, config_path: str, port: str, key_
                   host: str = "0.0.0.0", config_word: str = "") -> str:
     """One generation service on `host` (default: all interfaces); with the key in `key_env` or, with none, refusing
     to start open. `port` (and `config_word`, in place of `config_path`) are shell words (a variable set at launch)."""
-    words = [shlex.quote(python), "-m", "drgrpo_jax.serve", "--config", config_word or shlex.quote(config_path),
+    words = [_program(python), "-m", "drgrpo_jax.serve", "--config", config_word or shlex.quote(config_path),
              "--host", host, "--port", port]
     words += ["--mesh", shlex.quote(config.rollout.service_mesh)] if config.rollout.service_mesh else []
     batch = config.rollout.service_batch_size

@@ -32,7 +32,9 @@ from drgrpo_jax.launch.cluster import (
     train_command,
 )
 
-HOST = (r"[A-Za-z0-9_][A-Za-z0-9_.@-]*", "an ssh destination (host or user@host, no leading '-')")
+# ssh reads a part that starts with '-' as an option, and an empty host as none: each part is neither
+HOST = (r"([A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9_][A-Za-z0-9_.-]*",
+        "an ssh destination (host or user@host, each part non-empty and without a leading '-')")
 MEM_FRACTION = "0.9"  # XLA_PYTHON_CLIENT_MEM_FRACTION of a GPU trainer: what the plan's HEADROOM assumes
 
 

@@ -133,7 +133,7 @@ def own_key(config: Config, o: TpuVmOptions) -> bool:
 
 def _install(o: TpuVmOptions) -> str:
     if o.install:
-        return f"bash -c {shlex.quote(o.install)}"
+        return f"bash -c -- {shlex.quote(o.install)}"  # --: an install that starts with '-' is still the command
     project = "python3 -m pip install -q -e 'src[train]'"
     if not o.jax_version:
         return project

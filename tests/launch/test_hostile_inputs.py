@@ -5,17 +5,21 @@ canary folder beside the launch folder that must survive and a `pwned` marker th
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import pathlib
 import shlex
 import subprocess
+import sys
+import time
 
 import pytest
 import yaml
 
 from drgrpo_jax.launch.cli import main
 
-from support.paths import REPO
+from support.paths import REPO, TESTS
 
 pytestmark = pytest.mark.subprocess  # bash -n and the rendered scripts under stubs (the refusals start none)
 
@@ -32,10 +36,11 @@ PAYLOADS = {
     "glob": "*",
 }
 NEWLINE = 'x\ntouch "$PWNED"'
+LEADING_DASH = "-rf"  # a path or word that starts with it reads as options to the command it is handed to
 STUBBED = ["srun", "sbatch", "scontrol", "scancel", "curl", "python3", "gcloud", "kubectl", "xpk", "sky", "sleep"]
 # Records its name and argv on one line (%q: one shell word each); srun then runs its command, as srun would.
 STUB = """#!/bin/bash
-printf '%q ' "$0" "$@" >> "$STUB_LOG"; echo >> "$STUB_LOG"
+printf -v line '%q ' "$0" "$@"; echo "$line" >> "$STUB_LOG"  # one write: calls may run at once
 [ "$(basename "$0")" = srun ] || exit 0
 while [[ "$1" == -* ]]; do shift; done
 exec "$@"
@@ -171,9 +176,9 @@ def test_slurm_paths_with_a_newline_are_refused(sandbox, flag):
     ("rollout.urls=['http://gen:1 x']", "rollout.urls[0]"),
     ("rollout.urls=[file:///etc/passwd]", "rollout.urls[0]"),
 ], ids=["env_dollar", "env_semicolon", "url_semicolon", "url_dollar", "url_space", "url_scheme"])
-@pytest.mark.parametrize("engine", ["slurm", "skypilot"])
+@pytest.mark.parametrize("engine", ["slurm", "skypilot", "tpu-vm", "hosts"])
 def test_config_keys_that_reach_a_shell_are_refused_by_the_config(sandbox, engine, override, key):
-    extra = ["--gpus", "H100:1"] if engine == "skypilot" else []
+    extra = {"skypilot": ["--gpus", "H100:1"], "tpu-vm": TPU, "hosts": ["--hosts", "n1"]}.get(engine, [])
     message = _refusal([engine, "--config", QUICKSTART, "--out", str(sandbox.root / "o"), *extra, override])
     assert message.startswith(f"python -m drgrpo_jax.launch: config error: {key}: ")
 
@@ -241,3 +246,249 @@ def test_skypilot_run_runs_hostile_values_as_data(sandbox, payload):
     (train,) = sandbox.calls("python3")
     assert train[5:] == ["rollout.urls=[http://gen:30000,https://gen2:443/v1]", "rollout.api_key_env=GEN_KEY",
                          "mesh.coordinator_address=10.0.0.1:8476", "mesh.num_processes=2", "mesh.process_id=1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# tpu-vm and hosts: the scripts run for real under the stand-in gcloud (every worker a folder) or a stub ssh
+# ---------------------------------------------------------------------------------------------
+
+V5E8_LORA = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_lora_v5e8.yaml")
+H100 = os.path.join(REPO, "configs", "recipes", "qwen2.5_math_7b_dr_grpo_8xh100.yaml")
+TPU = ["--tpu", "pod", "--zone", "us-east5-a"]
+URLS = "[http://gen:30000,https://gen2:443/v1]"
+# python3 on a worker or host: a JSON line of its argv, folder, keys and activated venv into $HOME/python.jsonl;
+# `-m venv DIR` makes DIR/bin/activate, which marks the environment with DIR.
+RECORDER = """#!{python}
+import json, os, shlex, sys
+if sys.argv[1:3] == ["-m", "venv"]:
+    os.makedirs(os.path.join(sys.argv[3], "bin"))
+    with open(os.path.join(sys.argv[3], "bin", "activate"), "w") as f:
+        f.write("export STUB_VENV=" + shlex.quote(sys.argv[3]) + "\\n")
+    sys.exit(0)
+with open(os.path.join(os.environ["HOME"], "python.jsonl"), "a") as f:
+    keys = {{k: os.environ[k] for k in ("DRGRPO_API_KEY", "GEN_KEY") if k in os.environ}}
+    f.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "venv": os.environ.get("STUB_VENV"),
+                        "keys": keys}}) + "\\n")
+"""
+# ssh -- HOST COMMAND: recorded (the stub's line), then COMMAND run here, as the remote shell would
+SSH = """#!/bin/bash
+printf -v line '%q ' "$0" "$@"; echo "$line" >> "$STUB_LOG"  # one write: calls may run at once
+[ "$1" = -- ] && shift
+shift; exec bash -c "$1"
+"""
+
+
+def _executable(path: pathlib.Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _records(home: pathlib.Path, count: int, program: str = "") -> list[dict]:
+    """The recorder's rows in `home`, once there are `count` (the trainer starts detached: it may come late)."""
+    path, deadline = home / "python.jsonl", time.monotonic() + 30
+    while (len(path.read_text().splitlines()) if path.exists() else 0) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert len(rows) == count, rows
+    return [row for row in rows if program in row["argv"][1]]
+
+
+def _tpu_workers(sandbox: Sandbox, workers: int) -> dict[str, str]:
+    """The stand-in gcloud in place of the stub one, the workers' recorder python3 and a `-install` command (it
+    marks the run folder); the environment that makes each of `workers` workers a folder under tpus/."""
+    _executable(sandbox.bin / "gcloud", f"#!/bin/sh\nexec {sys.executable} {TESTS}/support/stand_in_gcloud.py \"$@\"\n")
+    worker_bin = sandbox.root / "worker-bin"
+    _executable(worker_bin / "python3", RECORDER.format(python=sys.executable))
+    _executable(worker_bin / "-install", "#!/bin/sh\ntouch installed-by-dash\n")
+    (sandbox.root / "tpus").mkdir()
+    return {"FAKE_TPU_ROOT": str(sandbox.root / "tpus"), "FAKE_WORKER_BIN": str(worker_bin),
+            "FAKE_TPU_WORKERS": str(workers)}
+
+
+def _checkout(folder: pathlib.Path) -> pathlib.Path:
+    folder.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(folder)], check=True)
+    (folder / "tracked.txt").write_text("shipped\n")
+    return folder
+
+
+def _option(argv: list[str], flag: str) -> str:
+    """`flag`'s value as the program's argparse reads it (a value that starts with '-' reads as another option)."""
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument(flag)
+    return getattr(parser.parse_known_args(argv)[0], flag.lstrip("-").replace("-", "_"))
+
+
+def _gcloud_calls(sandbox: Sandbox) -> list[list[str]]:
+    return [json.loads(line) for line in (sandbox.root / "tpus" / "argv.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("payload", [*PAYLOADS.values(), LEADING_DASH], ids=[*PAYLOADS.keys(), "leading_dash"])
+def test_tpu_vm_scripts_run_hostile_paths_as_data(sandbox, payload):
+    """--out, --workdir, --venv (made on the worker) and run.output_dir (the services' --weights-root, relative)
+    hold the payload and --install writes it: launch.sh, the worker's worker.sh and stop.sh, run under the
+    stand-in gcloud with the services on the worker's spare chips, hand each through whole."""
+    env = _tpu_workers(sandbox, workers=1)
+    work = _checkout(sandbox.root / f"work {payload}")
+    out = sandbox.root / "t" / f"victim {payload}"
+    main(["tpu-vm", "--config", V5E8_LORA, "--out", str(out), "--workdir", str(work), *TPU, "--serve-chips", "4",
+          "--stop-grace", "1", f"--venv={payload}", f"--install=printf %s {shlex.quote(payload)} > installed",
+          "model.path=/m", "data.path=/d", f"run.output_dir={json.dumps(payload)}"])  # a YAML string
+    _bash_n(out)
+    sandbox.run(["bash", str(out / "launch.sh")], sandbox.root, **env)
+    (home,) = (sandbox.root / "tpus" / "pod").iterdir()
+    rows = _records(home, 2)  # the service, then the trainer
+    sandbox.run(["bash", str(out / "stop.sh")], sandbox.root, **env)
+    sandbox.assert_unharmed()
+    run = home / "drgrpo_run"
+    assert (run / "installed").read_text() == payload and (run / "src" / "tracked.txt").exists()
+    assert yaml.safe_load((run / "run.yaml").read_text())["run"]["output_dir"] == payload
+    key = (out / "api_key.env").read_text().strip().partition("=")[2]
+    service, trainer = rows
+    assert all(row["venv"] == f"{home}/{payload}" and row["keys"] == {"DRGRPO_API_KEY": key} for row in rows)
+    assert os.path.normpath(_option(service["argv"], "--weights-root")) == os.path.normpath(f"{payload}/weights")
+    assert trainer["argv"] == ["-m", "drgrpo_jax.train", "--config", f"{run}/run.yaml",
+                               "rollout.api_key_env=DRGRPO_API_KEY", "rollout.urls=[http://127.0.0.1:30000]"]
+    assert [call[-1] for call in sandbox.calls("curl")] == ["http://127.0.0.1:30000/health"]
+    assert not (run / "trainer.pid").exists() and not (run / "serve.pids").exists()  # stop.sh ran there
+
+
+def test_tpu_vm_install_with_a_leading_dash_runs_as_a_command(sandbox):
+    """`bash -c -rf...` would read the install command as bash's own options."""
+    env = _tpu_workers(sandbox, workers=1)
+    out = sandbox.root / "o"
+    main(["tpu-vm", "--config", QUICKSTART, "--out", str(out), "--workdir", str(_checkout(sandbox.root / "w")), *TPU,
+          "--install=-install"])
+    sandbox.run(["bash", str(out / "launch.sh")], sandbox.root, **env)
+    _records(sandbox.root / "tpus" / "pod" / "worker0", 1)
+    sandbox.assert_unharmed()
+    assert (sandbox.root / "tpus" / "pod" / "worker0" / "drgrpo_run" / "installed-by-dash").exists()
+
+
+@pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
+def test_tpu_vm_carries_the_key_and_urls_of_the_config_as_data(sandbox, payload):
+    """rollout.api_key_env's variable holds the payload: it reaches each worker's trainer whole, in its
+    environment; the URLs reach the trainer and each worker's /health wait; every gcloud call has the scope."""
+    env = _tpu_workers(sandbox, workers=2)
+    out = sandbox.root / "o"
+    main(["tpu-vm", "--config", QUICKSTART, "--out", str(out), "--workdir", str(_checkout(sandbox.root / "w")), *TPU,
+          "--project", "my-project-1", "--install=true", f"rollout.urls={URLS}", "rollout.api_key_env=GEN_KEY"])
+    sandbox.run(["bash", str(out / "launch.sh")], sandbox.root, GEN_KEY=f"k{payload}", **env)
+    homes = sorted((sandbox.root / "tpus" / "pod").iterdir())
+    trainers = [row for home in homes for row in _records(home, 1)]
+    sandbox.assert_unharmed()
+    for home, trainer in zip(homes, trainers):
+        assert trainer["keys"] == {"GEN_KEY": f"k{payload}"}
+        assert trainer["argv"][4:] == ["mesh.coordinator_address=auto", "rollout.api_key_env=GEN_KEY",
+                                       f"rollout.urls={URLS}"]
+        assert oct((home / "drgrpo_run" / "api_key.env").stat().st_mode & 0o777) == "0o600"
+    curled = sorted(call[-1] for call in sandbox.calls("curl"))
+    assert curled == sorted(2 * ["http://gen:30000/health", "https://gen2:443/v1/health"])
+    calls = _gcloud_calls(sandbox)
+    assert all("--zone=us-east5-a" in call and "--project=my-project-1" in call for call in calls), calls
+    assert not any(payload in arg for call in calls for arg in call)  # the key travelled in a file, not a command
+
+
+TPU_VM_REFUSED = [(flag, payload) for flag in ("--tpu", "--serve-tpu", "--zone", "--project", "--serve-ips",
+                                               "--jax-version")
+                  for payload in [*PAYLOADS.values(), NEWLINE, LEADING_DASH, "-oProxyCommand=touch pwned"]]
+
+
+@pytest.mark.parametrize("flag, payload", TPU_VM_REFUSED)
+def test_tpu_vm_names_are_refused_unless_gcloud_allows_them(sandbox, flag, payload):
+    scope = {"--tpu": "pod", "--zone": "us-east5-a", flag: payload}
+    extra = ["--serve-chips", "1", "run.output_dir=/shared"] if flag in ("--serve-tpu", "--serve-ips") else []
+    extra += ["--serve-tpu", "gen"] if flag == "--serve-ips" else []
+    message = _refusal(["tpu-vm", "--config", QUICKSTART, "--out", str(sandbox.root / "o"),
+                        *[f"{name}={value}" for name, value in scope.items()], *extra])
+    assert message.startswith(f"python -m drgrpo_jax.launch: config error: {flag}: {payload!r} is not ")
+    assert not (sandbox.root / "o").exists()
+
+
+@pytest.mark.parametrize("flag", ["--out", "--workdir", "--venv", "--install"])
+def test_tpu_vm_paths_and_commands_with_a_newline_are_refused(sandbox, flag):
+    values = {"--out": str(sandbox.root / "o"), "--workdir": str(sandbox.root), "--venv": "v", "--install": "true"}
+    values[flag] += NEWLINE
+    message = _refusal(["tpu-vm", "--config", QUICKSTART, *TPU, *[f"{k}={v}" for k, v in values.items()]])
+    assert message.startswith(f"python -m drgrpo_jax.launch: config error: {flag}: ")
+    assert "has a newline or control character" in message
+
+
+def _hosts_sandbox(sandbox: Sandbox) -> None:
+    _executable(sandbox.bin / "ssh", SSH)
+
+
+@pytest.mark.parametrize("payload", [*PAYLOADS.values(), LEADING_DASH], ids=[*PAYLOADS.keys(), "leading_dash"])
+def test_hosts_script_runs_hostile_paths_as_data(sandbox, payload):
+    """The launch folder inside the checkout (so launch.sh names it relative to it: the payload leads), --venv,
+    --python (both relative to the checkout) and run.output_dir hold the payload; the services over ssh on the
+    first host, a trainer there and one here. Each arrives whole, as the programs' argparse reads it."""
+    _hosts_sandbox(sandbox)
+    work = sandbox.root / f"work {payload}"
+    out = work / payload / "launch"
+    python = _executable(work / payload / "python", RECORDER.format(python=sys.executable))
+    activate = work / payload / "venv" / "bin" / "activate"
+    activate.parent.mkdir(parents=True)
+    activate.write_text("export STUB_VENV=on\n")
+    main(["hosts", "--config", H100, "--out", str(out), "--workdir", str(work), f"--venv={payload}/venv",
+          f"--python={os.path.relpath(python, work)}", "--hosts", "n1,localhost", "--serve-gpus", "1",
+          "model.path=/m", "data.path=/d", "mesh.fsdp=8", f"run.output_dir={json.dumps(payload)}"])
+    _bash_n(out)
+    sandbox.run(["bash", str(out / "launch.sh")], sandbox.root)
+    rows = _records(sandbox.root, 3)
+    sandbox.assert_unharmed()
+    key = (out / "api_key.env").read_text().strip().partition("=")[2]
+    assert all(row["cwd"] == str(work) and row["venv"] == "on" and row["keys"] == {"DRGRPO_API_KEY": key}
+               for row in rows)
+    (service,) = [row for row in rows if row["argv"][1] == "drgrpo_jax.serve"]
+    assert os.path.normpath(_option(service["argv"], "--weights-root")) == os.path.normpath(f"{payload}/weights")
+    for row in rows:
+        assert (work / _option(row["argv"], "--config")).resolve() == (out / "run.yaml").resolve()
+    assert all((out / "logs" / name).exists() for name in ("serve_0.log", "train_0.log", "train_1.log"))
+    assert all(call[1:3] == ["--", "n1"] for call in sandbox.calls("ssh"))
+    assert not (out / "logs" / "serve.pids").exists()  # the services were stopped on n1 at the end
+
+
+@pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
+def test_hosts_carry_the_key_and_urls_of_the_config_as_data(sandbox, payload):
+    """rollout.api_key_env's variable holds the payload: each host's trainer gets it whole, over ssh's standard
+    input (no command line holds it); the URLs reach the trainers and the first host's /health wait."""
+    _hosts_sandbox(sandbox)
+    out = sandbox.root / "o"
+    main(["hosts", "--config", QUICKSTART, "--out", str(out), "--workdir", str(sandbox.root), "--hosts", "n1,me@n2",
+          f"--python={_executable(sandbox.root / 'py' / 'python', RECORDER.format(python=sys.executable))}",
+          "mesh.data=2", f"rollout.urls={URLS}", "rollout.api_key_env=GEN_KEY"])
+    sandbox.run(["bash", str(out / "launch.sh")], sandbox.root, GEN_KEY=f"k{payload}")
+    trainers = sorted(_records(sandbox.root, 2), key=lambda row: row["argv"][-3])
+    sandbox.assert_unharmed()
+    for i, trainer in enumerate(trainers):
+        assert trainer["keys"] == {"GEN_KEY": f"k{payload}"}
+        assert trainer["argv"][4:] == ["mesh.coordinator_address=n1:8476", "mesh.num_processes=2",
+                                       f"mesh.process_id={i}", f"rollout.urls={URLS}", "rollout.api_key_env=GEN_KEY"]
+    assert [call[-1] for call in sandbox.calls("curl")] == ["http://gen:30000/health", "https://gen2:443/v1/health"]
+    ssh = sandbox.calls("ssh")
+    assert sorted(call[2] for call in ssh) == ["me@n2", "n1", "n1"]  # the wait, the trainers
+    assert not any(f"k{payload}" in arg for call in ssh for arg in call)
+
+
+HOSTS_REFUSED = [*PAYLOADS.values(), NEWLINE, LEADING_DASH, "-oProxyCommand=touch pwned", "me@-oProxyCommand",
+                 "me@", "@n1", ""]
+
+
+@pytest.mark.parametrize("host", HOSTS_REFUSED)
+def test_hosts_names_are_refused_unless_ssh_destinations(sandbox, host):
+    message = _refusal(["hosts", "--config", QUICKSTART, "--out", str(sandbox.root / "o"), f"--hosts=n0,{host}",
+                        "mesh.data=2", "rollout.urls=[http://gen:30000]"])
+    assert message.startswith("python -m drgrpo_jax.launch: config error: --hosts: ")
+    assert "is not an ssh destination" in message and not (sandbox.root / "o").exists()
+
+
+@pytest.mark.parametrize("flag", ["--out", "--workdir", "--python", "--venv"])
+def test_hosts_paths_with_a_newline_are_refused(sandbox, flag):
+    values = {"--out": str(sandbox.root / "o"), "--workdir": str(sandbox.root), "--python": "python3", "--venv": "v"}
+    values[flag] += NEWLINE
+    message = _refusal(["hosts", "--config", QUICKSTART, "--hosts", "n1", *[f"{k}={v}" for k, v in values.items()]])
+    assert message.startswith(f"python -m drgrpo_jax.launch: config error: {flag}: ")
+    assert "has a newline or control character" in message

@@ -26,7 +26,7 @@ QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
 PAYLOADS = ["a b", '$(touch "$PWNED")', '`touch "$PWNED"`', 'x;touch "$PWNED";y', "x';touch \"$PWNED\";'y", "*"]
 # ssh: records its argv (%q, one shell word each), then runs the remote command here, as the remote shell would
 SSH = """#!/bin/bash
-printf '%q ' "$0" "$@" >> "$STUB_DIR/ssh.log"; echo >> "$STUB_DIR/ssh.log"
+printf -v line '%q ' "$0" "$@"; echo "$line" >> "$STUB_DIR/ssh.log"  # one write: calls may run at once
 [ "$1" = -- ] && shift
 shift; exec bash -c "$1"
 """

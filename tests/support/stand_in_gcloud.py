@@ -7,9 +7,10 @@ $FAKE_TPU_WORKERS (default 2), each the HOME of its worker, with its own tmp/ st
 - `scp SRC... NAME:[DEST] --worker=all` copies into every worker folder;
 - `describe NAME ... --format=value(networkEndpoints[].ipAddress)` prints the workers' IPs (10.0.0.<2+i>).
 FAKE_GCLOUD_FAIL=ssh fails every ssh as an unreachable host does (255); =scp-once fails the first scp only.
-Each call's verb is appended to $FAKE_TPU_ROOT/calls.
+Each call's verb is appended to $FAKE_TPU_ROOT/calls, and its argv (a JSON list) to $FAKE_TPU_ROOT/argv.jsonl.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -51,6 +52,8 @@ def main(argv: list[str]) -> int:
     verb, rest = argv[3], argv[4:]
     with open(os.path.join(root, "calls"), "a") as f:
         f.write(verb + "\n")
+    with open(os.path.join(root, "argv.jsonl"), "a") as f:
+        f.write(json.dumps(argv) + "\n")
     if verb == "describe":
         print(";".join(f"10.0.0.{2 + i}" for i in range(len(_workers(root, rest[0])))))
         return 0
