@@ -1,7 +1,8 @@
 """Launch files that cannot run what their inputs say: hostile values in every flag and config key that reaches a
 rendered file are either refused in one line naming the flag or key, or rendered as data. Each render is parsed
-(`bash -n`) and executed under stub commands (srun, sbatch, python3, xpk, ... on PATH, recording their argv), with a
-canary folder beside the launch folder that must survive and a `pwned` marker that no payload may create."""
+(`bash -n`) and executed under stub commands (srun, sbatch, python3, xpk, ssh, ... on PATH, recording their argv;
+tpu-vm's under the stand-in gcloud, every worker a folder), with a canary folder beside the launch folder that must
+survive and a `pwned` marker that no payload may create."""
 
 from __future__ import annotations
 
@@ -285,14 +286,14 @@ def _executable(path: pathlib.Path, text: str) -> str:
     return str(path)
 
 
-def _records(home: pathlib.Path, count: int, program: str = "") -> list[dict]:
+def _records(home: pathlib.Path, count: int) -> list[dict]:
     """The recorder's rows in `home`, once there are `count` (the trainer starts detached: it may come late)."""
     path, deadline = home / "python.jsonl", time.monotonic() + 30
     while (len(path.read_text().splitlines()) if path.exists() else 0) < count and time.monotonic() < deadline:
         time.sleep(0.1)
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     assert len(rows) == count, rows
-    return [row for row in rows if program in row["argv"][1]]
+    return rows
 
 
 def _tpu_workers(sandbox: Sandbox, workers: int) -> dict[str, str]:
