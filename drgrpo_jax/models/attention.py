@@ -1,6 +1,8 @@
 """Self-attention of a full (cache-free) forward: the reference (float32 [B, C, R, T, S] scores, memory quadratic
 in length: the test oracle), a memory-linear blockwise kernel (online softmax; a FlashAttention-2 backward that
-recomputes each block from the saved log-sum-exp), and the dispatch that also picks cuDNN or TPU splash.
+recomputes each block from the saved log-sum-exp; `blockwise_cross_attention` runs it for one context shard's
+queries against the whole row's keys, models/context_parallel.py), and the dispatch that also picks cuDNN or TPU
+splash.
 
 Shape letters (docs/shape_letters.md): B rows, T query positions, S key positions, Q query heads, C key/value
 heads, R query heads per kv head (Q = C * R), H head dim, J query blocks of W positions, key blocks of V = K * W.
