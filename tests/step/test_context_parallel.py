@@ -111,6 +111,7 @@ def _small_blocks(monkeypatch):
     ("llama", (1, 1, 1, 8), PACKED),
     ("llama", (2, 2, 1, 2), PACKED),
     ("llama", (1, 1, 2, 4), dict(remat="full")),
+    ("llama", (1, 2, 1, 2), dict(remat="save_attention_out")),
     ("llama", (2, 1, 1, 2), dict(impl="reference")),
     ("gemma3", (1, 2, 1, 4), PACKED),
     ("gpt_oss", (1, 2, 2, 2), {}),
