@@ -45,6 +45,8 @@ def test_the_trainer_trains_on_multi_turn_episodes(tmp_path):
         assert row["loss"] == row["loss"]  # not NaN
         # Chatty gives 0.5 a turn it answers (not one cut by a limit): the episode's sum is a reward component.
         assert 0 < row["reward/turn"] <= 0.5 * row["episode/turns"]
+        # The child service keeps a prefix cache: the step logs what it did during the round.
+        assert row["rollout/prefix_cache_cached_blocks"] > 0 and 0 <= row["rollout/prefix_cache_hit_rate"] <= 1
 
 
 @pytest.mark.subprocess
