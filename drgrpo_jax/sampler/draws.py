@@ -108,7 +108,8 @@ def row_keys(seeds_B: jax.Array, streams_B: jax.Array, samples_B: jax.Array) -> 
 
 def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temperature_B: jax.Array,
                 top_k_B: jax.Array, top_p_B: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Picks one token per row and its log-prob under softmax(logits / temperature); temperature 0 = greedy."""
+    """Picks one token per row and its log-prob under softmax(logits / temperature); temperature 0 = greedy.
+    `step`: the draw's index, one for all rows or one per row [B]."""
     greedy_B = temperature_B <= 0
     temperature_B = jnp.where(greedy_B, 1.0, temperature_B)
     scaled_BV = logits_BV.astype(jnp.float32) / temperature_B[:, None]
@@ -117,7 +118,8 @@ def sample_step(logits_BV: jax.Array, keys_B: jax.Array, step: jax.Array, temper
     weights_BV = jnp.exp(scaled_BV - max_B1)
     logsumexp_B = max_B1[:, 0] + jnp.log(jnp.sum(weights_BV, axis=-1))
     needs_filter = jnp.any(((top_k_B > 0) | (top_p_B < 1)) & ~greedy_B)
-    uniform_B = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, step)))(keys_B)
+    steps_B = jnp.broadcast_to(step, keys_B.shape)  # one step for all rows, or each row's own
+    uniform_B = jax.vmap(lambda key, s: jax.random.uniform(jax.random.fold_in(key, s)))(keys_B, steps_B)
     sampled_B = jax.lax.cond(
         needs_filter,
         lambda: sample_inverse_cdf(filter_top_k_top_p(scaled_BV, top_k_B, top_p_B), uniform_B),

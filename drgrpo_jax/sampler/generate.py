@@ -35,6 +35,7 @@ from drgrpo_jax.sampler.batch import SamplerBatch, SamplerOutput, mesh_rows
 from drgrpo_jax.sampler.programs import (
     PREFILL_CHUNK,
     Decoding,
+    admit,
     decode_phase,
     place_batch,
     prefill,
@@ -84,6 +85,14 @@ class _Collected:
         # (L, k) when the sampler records experts
         self.experts_BTLk = None if experts is None else np.zeros((num_rows, max_new_tokens, *experts), np.int32)
 
+    def extend(self, count: int) -> None:
+        """Room for `count` more rows (rows admitted into the running batch)."""
+        def grown(x: np.ndarray) -> np.ndarray:
+            return np.concatenate([x, np.zeros((count, *x.shape[1:]), x.dtype)])
+
+        self.tokens_BT, self.logprobs_BT = grown(self.tokens_BT), grown(self.logprobs_BT)
+        self.lengths_B, self.stopped_B = grown(self.lengths_B), grown(self.stopped_B)
+
     def save(self, out: SamplerOutput, row_ids: np.ndarray) -> None:
         """Stores the device rows whose original index is `row_ids` (-1 = a padding row, skipped)."""
         mine = [self.tokens_BT, self.logprobs_BT, self.lengths_B, self.stopped_B]
@@ -132,13 +141,24 @@ def _check_same_layout(old: nnx.State, new: nnx.State) -> None:
                              "only weights of the running batch's shapes may swap in")
 
 
-def _token_versions(switches: Sequence[tuple[int, int]], lengths_B: np.ndarray, max_new_tokens: int) -> np.ndarray:
-    """int32 [B, T]: the weights' index that sampled each token, from the (first column, index) of each swap (every
-    row writes the same column at a step), -1 past a row's length."""
-    version_T = np.zeros(max_new_tokens, np.int32)
+def _token_versions(switches: Sequence[tuple[int, int]], lengths_B: np.ndarray, max_new_tokens: int,
+                    offsets_B: np.ndarray) -> np.ndarray:
+    """int32 [B, T]: the weights' index that sampled each token, from the (first batch step, index) of each swap
+    (row b's column t is batch step offsets_B[b] + t), -1 past a row's length."""
+    steps_BT = offsets_B[:, None] + np.arange(max_new_tokens)[None, :]
+    version_BT = np.zeros(steps_BT.shape, np.int32)
     for first, version in switches:
-        version_T[first:] = version
-    return np.where(np.arange(max_new_tokens) < lengths_B[:, None], version_T, -1).astype(np.int32)
+        version_BT[steps_BT >= first] = version
+    return np.where(np.arange(max_new_tokens)[None, :] < lengths_B[:, None], version_BT, -1).astype(np.int32)
+
+
+def _longer_spans(span: int, total: int) -> list[int]:
+    """The phases after one of `span` slots when the cache must reach `total`: doubling, then `total`."""
+    spans = []
+    while 2 * span < total:
+        span *= 2
+        spans.append(span)
+    return [*spans, total]
 
 
 def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, max_new_tokens: int,
@@ -146,7 +166,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
              unwanted: Callable[[], Sequence[bool]] | None = None, check_every: int | None = None,
              mesh: Mesh | None = None, record_experts: bool = False,
              weights_now: Callable[[], tuple[nnx.State, int]] | None = None, prefix: KVCache | None = None,
-             keep_prompts: Callable[[KVCache], None] | None = None) -> SamplerOutput:
+             keep_prompts: Callable[[KVCache], None] | None = None,
+             admit_rows: Callable[[int, int], SamplerBatch | None] | None = None,
+             finished: Callable[[np.ndarray, SamplerOutput], None] | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
     `unwanted`: called on the host between the prefill's programs of a prompt longer than PREFILL_CHUNK, before
@@ -176,6 +198,15 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     `keep_prompts`: called once with the rows' split cache right after the prefill, before any decode program takes
     it (its first prompt slots are the prompts' KV, laid out as `prefix` + `batch` give them): a prefix cache copies
     the prompts' blocks from there.
+    `admit_rows` (continuous admission): asked at the same boundaries as `unwanted` with (the rows finished, the
+    batch's step), it may answer a batch of new rows (`make_batch`, placed on the host: at most that many live rows,
+    prompts as wide as `batch`'s, budgets within `max_new_tokens`): they are prefilled and take the finished rows'
+    places (`programs.admit`), their ids following the rows so far (the output grows by them, and `unwanted`
+    answers for them too), and each draws what it would alone (its own step counts from its token 0). The cache
+    grows by the phases their budgets need. Not with `record_experts`.
+    `finished`: called at those boundaries with the ids of rows that finished since, and their output so far
+    (host arrays, that many rows; `versions_BT` with `weights_now`), so a caller can answer them before the batch
+    ends.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -183,13 +214,15 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         raise ValueError(f"check_every: must be >= 1 or None, got {check_every}")
     if prefix is not None and record_experts:
         raise ValueError("prefix: a cached prefix keeps no routed experts; record_experts needs the prompts whole")
+    if admit_rows is not None and record_experts:
+        raise ValueError("admit_rows: admitted rows record no routed experts; record_experts batches take none")
     num_rows, prompt_len = batch.rows.live_B.shape[0], batch.prompt_ids_PU.shape[1]
     data = 1 if mesh is None else mesh.shape["data"]
     if num_rows % data or batch.prompt_ids_PU.shape[0] % data:
         raise ValueError(f"batch: {num_rows} rows and {batch.prompt_ids_PU.shape[0]} prompts must both divide over "
                          f"data={data} devices (make_batch with mesh_rows)")
     cached_slots = 0 if prefix is None else prefix.positions_BS.shape[1] - prompt_len
-    spans = span_schedule(cached_slots + prompt_len, max_new_tokens)
+    spans = list(span_schedule(cached_slots + prompt_len, max_new_tokens))
     placed = place_batch(batch, mesh)
     cache, done = prefix, 0
     experts_Lk: tuple[int, int] | None = None  # (L, k) when recording
@@ -227,9 +260,13 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         prompt_experts_PULk = jnp.where(placed.prompt_positions_PU[:, :, None, None] >= 0, prompt_experts_PULk, 0)
         decoding = dataclasses.replace(decoding, out=dataclasses.replace(decoding.out, prompt_experts_PULk=None))
     collected, row_ids = _Collected(num_rows, max_new_tokens, experts_Lk), np.arange(num_rows)
+    offsets = np.zeros(num_rows, np.int32)  # each row's offsets_B, by id
+    reported = np.zeros(num_rows, bool)  # rows handed to `finished`
+    last_step = max_new_tokens  # the batch steps its rows may need
     phases: list[tuple[int, int]] = []  # (rows, slots) of each phase run
     first_steps: list[int] = []  # decode iterations run before each phase
-    pause = max_new_tokens if (unwanted is None and weights_now is None) or check_every is None else check_every
+    hooks = (unwanted, weights_now, admit_rows, finished)
+    pause = max_new_tokens if all(hook is None for hook in hooks) or check_every is None else check_every
     version = 0  # the index of the weights sampling now
     switches: list[tuple[int, int]] = []  # (first column, index) of each swap
 
@@ -247,21 +284,68 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     def drop_unwanted(decoding: Decoding) -> tuple[Decoding, np.ndarray, bool]:
         """(decoding with the unwanted rows finished, done_B, whether any row is left)."""
         done_B = jax.device_get(decoding.done_B)
-        dropped_B = _unwanted_mask(unwanted, num_rows)[row_ids] & (row_ids >= 0) & ~done_B
+        dropped_B = _unwanted_mask(unwanted, len(offsets))[row_ids] & (row_ids >= 0) & ~done_B
         if dropped_B.any():  # finished like a row that hit its budget: the same shapes, so no new program
             done_B = done_B | dropped_B
             # On the device array, so the flag keeps its placement (a new placement would be a new program).
             decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jnp.asarray(dropped_B))
         return decoding, done_B, not done_B.all()
 
+    def report(decoding: Decoding, done_B: np.ndarray) -> None:
+        """Hands the rows finished since the last call to `finished`."""
+        ids = row_ids[(row_ids >= 0) & done_B]
+        ids = ids[~reported[ids]]
+        if finished is None or not len(ids):
+            return
+        collected.save(decoding.out, row_ids)
+        reported[ids] = True
+        versions = None if weights_now is None else _token_versions(switches, collected.lengths_B[ids],
+                                                                    max_new_tokens, offsets[ids])
+        finished(ids, SamplerOutput(
+            tokens_BT=jnp.asarray(collected.tokens_BT[ids]), logprobs_BT=jnp.asarray(collected.logprobs_BT[ids]),
+            lengths_B=jnp.asarray(collected.lengths_B[ids]), stopped_B=jnp.asarray(collected.stopped_B[ids]),
+            num_steps=jnp.int32(0), versions_BT=None if versions is None else jnp.asarray(versions)))
+
+    def take_new_rows(decoding: Decoding, done_B: np.ndarray, step: int, index: int) -> tuple[Decoding, bool]:
+        """(decoding with the rows `admit_rows` hands in put in finished rows' places, whether any came)."""
+        nonlocal row_ids, offsets, reported, last_step
+        free = np.flatnonzero(done_B)
+        new = None if admit_rows is None or not len(free) else admit_rows(len(free), step)
+        if new is None:
+            return decoding, False
+        count = int(np.sum(new.rows.live_B))
+        if not 0 < count <= len(free) or new.prompt_ids_PU.shape[1] > cached_slots + prompt_len or (
+                new.rows.max_new_tokens_B > max_new_tokens).any():
+            raise ValueError(f"admit_rows: {count} rows for {len(free)} places, prompts within "
+                             f"{cached_slots + prompt_len} slots and budgets within {max_new_tokens}")
+        collected.save(decoding.out, row_ids)  # the rows whose places are taken are finished: their outputs final
+        into = np.full(len(new.rows.live_B), len(row_ids), np.int32)  # padding rows: past the end, dropped
+        into[:count] = free[:count]
+        first = len(offsets)
+        collected.extend(count)
+        offsets = np.concatenate([offsets, np.full(count, step - 1, np.int32)])
+        reported = np.concatenate([reported, np.zeros(count, bool)])
+        row_ids = row_ids.copy()
+        row_ids[free[:count]] = np.arange(first, first + count)
+        decoding = admit(graphdef, state, decoding, place_batch(new, mesh), jnp.asarray(into),
+                         cache_dtype=cache_dtype, mesh=mesh)
+        # Their tokens 1..T-1 feed T - 1 more slots from here: later phases grow the cache that far.
+        last_step = max(last_step, step - 1 + max_new_tokens)
+        needed = int(jax.device_get(decoding.cache.length)) + max_new_tokens - 1
+        if needed > spans[-1]:
+            spans[index + 1:] = _longer_spans(spans[index], needed)
+        return decoding, True
+
     for index, span in enumerate(spans):
         decoding, done_B, left = drop_unwanted(decoding)
-        if not left:
-            break
         steps, step = (int(x) for x in jax.device_get((decoding.out.num_steps, decoding.step)))
+        report(decoding, done_B)
+        decoding, joined = take_new_rows(decoding, done_B, step, index)
+        if not (left or joined):
+            break
         take_newer_weights(step)
         if index:
-            kept = _kept_rows(done_B, data) if compact else None
+            kept = _kept_rows(done_B, data) if compact and not joined else None
             if kept is not None:
                 collected.save(decoding.out, row_ids)  # the rows that leave are finished: their outputs are final
                 row_ids = np.where(~done_B[kept], row_ids[kept], -1)
@@ -271,11 +355,14 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         first_steps.append(steps)
         while True:  # one pass unless paused every `check_every` steps; a pass that ends short ends the phase
             until = step + pause
-            decoding = decode_phase(graphdef, state, decoding, np.int32(min(until, max_new_tokens)), mesh=mesh)
+            decoding = decode_phase(graphdef, state, decoding, np.int32(min(until, last_step)), mesh=mesh)
             step, slots = (int(x) for x in jax.device_get((decoding.step, decoding.cache.length)))
-            if step < until or step >= max_new_tokens or slots >= span:
+            if step < until or step >= last_step or slots >= span:
                 break
             decoding, done_B, left = drop_unwanted(decoding)
+            report(decoding, done_B)
+            decoding, joined = take_new_rows(decoding, done_B, step, index)
+            left = left or joined
             if not left:
                 break
             take_newer_weights(step)
@@ -289,4 +376,4 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
                          tuple((rows, span, steps) for (rows, span), steps in zip(phases, steps_run)),
                          None if collected.experts_BTLk is None else jnp.asarray(collected.experts_BTLk),
                          prompt_experts_PULk, None if weights_now is None else jnp.asarray(
-                             _token_versions(switches, collected.lengths_B, max_new_tokens)))
+                             _token_versions(switches, collected.lengths_B, max_new_tokens, offsets)))

@@ -23,10 +23,12 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.kv_cache import (
     VALUE_ORDER,
     KVCache,
+    bits,
     cache_shardings,
     init_cache,
     key_slot_axis,
     split_cache,
+    unbits,
 )
 from drgrpo_jax.models.params import param_specs
 from drgrpo_jax.models.transformer import Transformer, layer_params, rope_for_layers
@@ -34,8 +36,8 @@ from drgrpo_jax.sampler.batch import RowSettings, SamplerBatch, SamplerOutput
 from drgrpo_jax.sampler.draws import row_keys, sample_step
 from drgrpo_jax.sharding import ShardingRules, batch_sharding, logical_to_spec, named_sharding, place
 
-__all__ = ["PREFILL_CHUNK", "Decoding", "check_mesh", "compiled_programs", "decode_phase", "drop_compiled_programs",
-           "place_batch", "prefill", "prefill_part", "regrow"]
+__all__ = ["PREFILL_CHUNK", "Decoding", "admit", "check_mesh", "compiled_programs", "decode_phase",
+           "drop_compiled_programs", "place_batch", "prefill", "prefill_part", "regrow"]
 
 PREFILL_CHUNK = 1024  # prompt columns a prefill program writes: bounds its attention scores (sampler/memory.py)
 # The sampler's own count of its compiled programs: one name per program traced since the last drop (JAX traces a
@@ -54,6 +56,9 @@ class Decoding:
     out: SamplerOutput  # [B, T]
     rows: RowSettings[jax.Array]
     keys_B: jax.Array  # each row's random key (`row_keys`)
+    # int32: the batch step at which each row's token 0 counts as drawn (0, or where `admit` brought it in): its own
+    # step, token column and position are the batch's less this, so a row's draws never depend on when it joined
+    offsets_B: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,23 +111,25 @@ def _constrain(decoding: Decoding, mesh: Mesh | None) -> Decoding:
     return dataclasses.replace(decoding, cache=cache, tokens_B=_rows_split(decoding.tokens_B, mesh),
                                done_B=_rows_split(decoding.done_B, mesh), out=out,
                                rows=jax.tree.map(lambda x: _rows_split(x, mesh), decoding.rows),
-                               keys_B=_rows_split(decoding.keys_B, mesh))
+                               keys_B=_rows_split(decoding.keys_B, mesh),
+                               offsets_B=_rows_split(decoding.offsets_B, mesh))
 
 
 def _draw(decoding: Decoding, logits_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's token at `decoding.step` and its log-prob."""
+    """Each row's token at its own step and its log-prob."""
     rows = decoding.rows
-    return sample_step(logits_BV, decoding.keys_B, decoding.step, rows.temperature_B, rows.top_k_B, rows.top_p_B)
+    return sample_step(logits_BV, decoding.keys_B, decoding.step - decoding.offsets_B, rows.temperature_B,
+                       rows.top_k_B, rows.top_p_B)
 
 
 def _record(decoding: Decoding, tokens_B: jax.Array, logprobs_B: jax.Array) -> Decoding:
-    """Writes the tokens sampled at `decoding.step` for live rows and updates who is done."""
+    """Writes the tokens sampled at each row's own step for live rows and updates who is done."""
     active_B = ~decoding.done_B
     out = decoding.out
-    column = decoding.step
-    tokens_BT = jax.lax.dynamic_update_slice(out.tokens_BT, jnp.where(active_B, tokens_B, 0)[:, None], (0, column))
-    logprobs_BT = jax.lax.dynamic_update_slice(
-        out.logprobs_BT, jnp.where(active_B, logprobs_B, 0.0)[:, None], (0, column))
+    # Each row's own column (a finished row's lies past its length, or past T: dropped), as one scatter.
+    rows_B, column_B = jnp.arange(active_B.shape[0]), decoding.step - decoding.offsets_B
+    tokens_BT = out.tokens_BT.at[rows_B, column_B].set(jnp.where(active_B, tokens_B, 0), mode="drop")
+    logprobs_BT = out.logprobs_BT.at[rows_B, column_B].set(jnp.where(active_B, logprobs_B, 0.0), mode="drop")
     lengths_B = out.lengths_B + active_B.astype(jnp.int32)
     hit_stop_B = active_B & jnp.any(tokens_B[:, None] == decoding.rows.stop_ids_BE, axis=-1)
     done_B = decoding.done_B | hit_stop_B | (lengths_B >= decoding.rows.max_new_tokens_B)
@@ -221,7 +228,8 @@ def prefill(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch[jax.Ar
             experts_BTLk=jnp.zeros((num_rows, max_new_tokens, config.num_layers, config.experts_per_token), jnp.int32))
     decoding = Decoding(step=jnp.int32(0), cache=_take_and_grow(cache, rows.prompt_index_B, num_slots),
                         tokens_B=jnp.zeros((num_rows,), jnp.int32), done_B=~rows.live_B | (rows.max_new_tokens_B <= 0),
-                        out=out, rows=rows, keys_B=row_keys(rows.seeds_B, rows.streams_B, rows.samples_B))
+                        out=out, rows=rows, keys_B=row_keys(rows.seeds_B, rows.streams_B, rows.samples_B),
+                        offsets_B=jnp.zeros((num_rows,), jnp.int32))
     decoding = _constrain(decoding, mesh)
     tokens_B, logprobs_B = _draw(decoding, logits_P1V[rows.prompt_index_B, 0])
     return _constrain(_record(decoding, tokens_B, logprobs_B), mesh)
@@ -243,15 +251,18 @@ def decode_phase(graphdef: nnx.GraphDef, state: nnx.State, decoding: Decoding, u
     max_new_tokens = decoding.out.tokens_BT.shape[1]
     first = decoding.step
     # RoPE tables of every step this phase can run (fewer than num_slots), before the loop. The position of
-    # the token fed at step s is prompt length + s - 1.
-    positions_SB1 = decoding.rows.prompt_lengths_B[None, :, None] + (first + jnp.arange(num_slots))[:, None, None] - 1
+    # the token a row is fed at its own step s is its prompt length + s - 1.
+    base_B = decoding.rows.prompt_lengths_B - decoding.offsets_B
+    positions_SB1 = base_B[None, :, None] + (first + jnp.arange(num_slots))[:, None, None] - 1
     rope_S = jax.vmap(functools.partial(rope_for_layers, model.config))(positions_SB1)
+    # Rows brought in by `admit` run past the batch's T steps; every row stops itself at its budget.
+    last_step = max_new_tokens + jnp.max(decoding.offsets_B)
 
     def keep_going(d: Decoding) -> jax.Array:
-        return (d.step < jnp.minimum(max_new_tokens, until_step)) & (d.cache.length < num_slots) & ~jnp.all(d.done_B)
+        return (d.step < jnp.minimum(last_step, until_step)) & (d.cache.length < num_slots) & ~jnp.all(d.done_B)
 
     def decode_one(d: Decoding) -> Decoding:
-        positions_B1 = (d.rows.prompt_lengths_B + d.step - 1)[:, None]
+        positions_B1 = (base_B + d.step - 1)[:, None]
         rope = jax.tree.map(lambda table_SB1H: table_SB1H[d.step - first], rope_S)
         logits_B1V, cache, experts_B1Lk = model.decode_routed(d.tokens_B[:, None], positions_B1, d.cache, layers, rope)
         d = _record_experts(d, None if experts_B1Lk is None else experts_B1Lk[:, 0])
@@ -272,9 +283,55 @@ def regrow(decoding: Decoding, index_B: jax.Array, *, num_slots: int, mesh: Mesh
     return _constrain(dataclasses.replace(
         decoding, cache=_take_and_grow(decoding.cache, index_B, num_slots), tokens_B=take(decoding.tokens_B),
         done_B=take(decoding.done_B), rows=jax.tree.map(take, decoding.rows), keys_B=take(decoding.keys_B),
+        offsets_B=take(decoding.offsets_B),
         out=dataclasses.replace(out, tokens_BT=take(out.tokens_BT), logprobs_BT=take(out.logprobs_BT),
                                 lengths_B=take(out.lengths_B), stopped_B=take(out.stopped_B),
                                 experts_BTLk=None if out.experts_BTLk is None else take(out.experts_BTLk))), mesh)
+
+
+def _put_rows(buffer: jax.Array, into_J: jax.Array, fresh: jax.Array, axis: int | None = None) -> jax.Array:
+    """`buffer` with rows `into_J` (past the end: dropped) set to `fresh`; along `axis`, only its first entries."""
+    index: list = [into_J] + [slice(None)] * (buffer.ndim - 1)
+    if axis is not None:
+        index[axis] = slice(0, fresh.shape[axis])
+    return buffer.at[tuple(index)].set(fresh, mode="drop")
+
+
+def _put_slots(buffer: jax.Array, into_J: jax.Array, fresh: jax.Array, axis: int) -> jax.Array:
+    """`_put_rows` for a cache buffer: its first slots along `axis`, in place (`bits`)."""
+    return unbits(_put_rows(bits(buffer), into_J, bits(fresh.astype(buffer.dtype)), axis), buffer.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_dtype", "mesh"), donate_argnames=("decoding",))
+def admit(graphdef: nnx.GraphDef, state: nnx.State, decoding: Decoding, batch: SamplerBatch[jax.Array],
+          into_J: jax.Array, *, cache_dtype: jnp.dtype, mesh: Mesh | None = None) -> Decoding:
+    """Prefills `batch`'s rows (its prompts as wide as the running batch's prompt slots, its budgets within its T),
+    draws their token 0 and puts them in the running batch's rows `into_J` (finished ones; past the end for
+    `batch`'s padding rows): their prompts' slots, no other slot, and their settings, keys and outputs; their own
+    step counts from 0 (`offsets_B`), so each draws what it would alone."""
+    _count_trace("admit")
+    num_slots = batch.prompt_ids_PU.shape[1]
+    fresh = prefill(graphdef, state, batch, max_new_tokens=decoding.out.tokens_BT.shape[1], num_slots=num_slots,
+                    cache_dtype=cache_dtype, mesh=mesh)
+    cache = decoding.cache
+    spare = cache.positions_BS.shape[1] - num_slots
+    positions_JS = jnp.pad(fresh.cache.positions_BS, ((0, 0), (0, spare)), constant_values=-1)
+    key_axis = key_slot_axis(cache.k[0].dtype)
+    cache = KVCache(k=tuple(_put_slots(k, into_J, f, key_axis) for k, f in zip(cache.k, fresh.cache.k)),
+                    v=tuple(_put_slots(v, into_J, f, VALUE_ORDER.index(1)) for v, f in zip(cache.v, fresh.cache.v)),
+                    positions_BS=_put_rows(cache.positions_BS, into_J, positions_JS), length=cache.length)
+    out, new = decoding.out, fresh.out
+    out = dataclasses.replace(out, tokens_BT=_put_rows(out.tokens_BT, into_J, new.tokens_BT),
+                              logprobs_BT=_put_rows(out.logprobs_BT, into_J, new.logprobs_BT),
+                              lengths_B=_put_rows(out.lengths_B, into_J, new.lengths_B),
+                              stopped_B=_put_rows(out.stopped_B, into_J, new.stopped_B))
+    joined = dataclasses.replace(
+        decoding, cache=cache, out=out, tokens_B=_put_rows(decoding.tokens_B, into_J, fresh.tokens_B),
+        done_B=_put_rows(decoding.done_B, into_J, fresh.done_B),
+        rows=jax.tree.map(lambda x, f: _put_rows(x, into_J, f), decoding.rows, fresh.rows),
+        keys_B=_put_rows(decoding.keys_B, into_J, fresh.keys_B),
+        offsets_B=_put_rows(decoding.offsets_B, into_J, jnp.broadcast_to(decoding.step - 1, into_J.shape)))
+    return _constrain(joined, mesh)
 
 
 def _count_trace(program: str) -> None:

@@ -75,7 +75,8 @@ async def model_info(request: Request) -> dict:
             "rows_dropped": scheduler.rows_dropped, "rows_cut": scheduler.rows_cut,
             "batches_stopped": scheduler.batches_stopped, "compiled_programs": compiled_programs(),
             "programs_dropped": scheduler.programs_dropped, "adapter": adapter,
-            "inflight_updates": scheduler.config.inflight_updates, "prefix_cache": scheduler.prefix_stats()}
+            "inflight_updates": scheduler.config.inflight_updates, "prefix_cache": scheduler.prefix_stats(),
+            "continuous_admission": scheduler.config.continuous_admission, "rows_joined": scheduler.rows_joined}
 
 
 async def weight_version(request: Request) -> dict:

@@ -1,6 +1,9 @@
 """The scheduler: the served weights' hot swap (from a folder or a shared-memory segment) and the one worker thread
 that batches requests into the sampler. What a generation of weights is and how it loads: weights.py."""
 
+# Size: one concept, a lane's batches: what starts one (rows within the budgets, weights, the prefix cache), what
+# reaches it while it runs (cancellations, weight pushes, rows that join) and how its rows are answered.
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -29,6 +32,7 @@ from drgrpo_jax.sampler.batch import RowRequest, bucket, distinct_prompts, make_
 from drgrpo_jax.sampler.generate import generate
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.sampler.programs import compiled_programs, drop_compiled_programs
+from drgrpo_jax.serve.joining import Joining, joinable
 from drgrpo_jax.serve.prefix_cache import Prefix, PrefixCache
 from drgrpo_jax.serve.weights import (
     Weights,
@@ -145,6 +149,7 @@ class Scheduler:
         self.batches_stopped = 0  # batches that ended early because no client of theirs was left
         self.phase_checks = 0  # times a running batch asked whether its clients are still there
         self.phases_run = 0  # decode phases run by every batch so far
+        self.rows_joined = 0  # rows that joined a running batch (--continuous-admission)
         self.programs_dropped = 0  # compiled sampler programs dropped while idle (max_kept_programs)
         for lane in self._lanes:
             lane.worker = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
@@ -389,7 +394,7 @@ class Scheduler:
         while (taken := self._take_rows(lane)) is not None:
             weights = self.weights  # one read: the version the batch starts on (its only one: see run_batch)
             start, programs = time.perf_counter(), compiled_programs()
-            sampled = self._sample(weights, taken)
+            sampled = self._sample(weights, taken, lane)
             if compiled_programs() == programs:  # a batch that compiled says nothing about decoding speed
                 self._note_row_rate(sampled, time.perf_counter() - start)
             for part, outcome in sampled:
@@ -397,10 +402,7 @@ class Scheduler:
                     if isinstance(outcome, Exception):
                         _resolve(job.future, error=outcome)
                         continue
-                    job.results[i] = result
-                    job.remaining -= 1
-                    if job.remaining == 0:
-                        _resolve(job.future, result=job.results)
+                    _deliver(job, i, result)
             # Rows of clients gone may have been cut short: their budget was not served, so it does not count.
             cost = sum(row_cost(job.rows[i]) for job, i in taken if not job.future.cancelled())
             self._release([job.rows[i] for job, i in taken])
@@ -453,11 +455,15 @@ class Scheduler:
                     self.programs_dropped += dropped
         return_freed_memory()
 
-    def _sample(self, weights: Weights, taken: list[tuple[_Job, int]]
+    def _sample(self, weights: Weights, taken: list[tuple[_Job, int]], lane: _Lane
                 ) -> list[tuple[list[tuple[_Job, int]], list[RowResult] | Exception]]:
-        """(rows, results or the error) for the batch; when it fails, each request's rows again on their own."""
+        """(rows, results or the error) for the batch; when it fails, each request's rows again on their own.
+        With --continuous-admission, rows that join the batch are appended to `taken`."""
+        # Only with the flag: the sampler's hooks for joining rows (and run_batch's keywords for them).
+        joining: dict[str, Any] = {"lane": lane, "taken": taken} if self.config.continuous_admission else {}
         try:
-            return [(taken, self.run_batch(weights, [job.rows[i] for job, i in taken], unwanted=_clients_gone(taken)))]
+            return [(taken, self.run_batch(weights, [job.rows[i] for job, i in taken], unwanted=_clients_gone(taken),
+                                           **joining))]
         except Exception as error:  # reported to the failing requests (and logged); the service goes on
             log.exception("batch failed")
             jobs = list(dict.fromkeys(job for job, _ in taken))
@@ -473,12 +479,15 @@ class Scheduler:
                 out.append((part, error))
         return out
 
-    def run_batch(self, weights: Weights, rows: list[RowRequest],
-                  unwanted: Callable[[], list[bool]] | None = None) -> list[RowResult]:
+    def run_batch(self, weights: Weights, rows: list[RowRequest], unwanted: Callable[[], list[bool]] | None = None,
+                  *, lane: _Lane | None = None, taken: list[tuple[_Job, int]] | None = None) -> list[RowResult]:
         """Samples one batch of rows on `weights`, padded to bucketed static shapes (that divide over --mesh's data).
 
         `unwanted` (asked every --cancel-check-steps decode steps) names the rows whose clients are gone: they
         finish there (`aborted`), and the batch ends there when none is left.
+        `lane` and `taken` (--continuous-admission; `taken`: the requests' rows `rows` are): rows queued on `lane`
+        join the batch at its boundaries (appended to `taken` and `rows`, answered like them), and every row is
+        answered at the boundary after it finishes.
         """
         prompts = distinct_prompts(rows)
         num_prompts = mesh_rows(len(prompts), self.data_ways)
@@ -491,13 +500,16 @@ class Scheduler:
             prompt_len=bucket(max(len(r.prompt_ids) for r in rows)) if prefix is None else prefix.prompt_len,
             num_prompts=num_prompts, cached=None if prefix is None else prefix.cached)
         gone = [False] * len(rows)  # the last answer the sampler acted on
+        started = len(rows)  # rows may join: `rows` grows
+        joining = None if lane is None or taken is None or record else Joining.start(taken, rows,
+                                                                                     len(batch.rows.live_B))
 
         def ask() -> list[bool]:
             if unwanted is not None:
                 gone[:] = unwanted()
             with self._budget_lock:
                 self.phase_checks += 1
-            return gone
+            return gone if joining is None else joining.by_id(gone)
 
         seen = [weights]  # every version this batch sampled with, by the sampler's index
 
@@ -512,12 +524,19 @@ class Scheduler:
                        cache_dtype=DTYPES[self.config.dtype], unwanted=ask,
                        check_every=self.config.cancel_check_steps, mesh=self.mesh, record_experts=record,
                        weights_now=weights_now if self.config.inflight_updates else None,
-                       prefix=None if prefix is None else prefix.cache, keep_prompts=self._keeper(prefix, batch))
+                       prefix=None if prefix is None else prefix.cache, keep_prompts=self._keeper(prefix, batch),
+                       **self._joining_hooks(lane, joining, weights, seen, gone, batch))
         tokens, logprobs, lengths, stopped = jax.device_get(
             (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+        if joining is not None:  # the sampler's outputs by id, in `rows` order
+            ids = [joining.row_of_id.index(b) for b in range(len(rows))]
+            tokens, logprobs, lengths, stopped = (x[ids] for x in (tokens, logprobs, lengths, stopped))
         names = [w.version for w in seen]
-        versions = None if out.versions_BT is None else [
-            [names[v] for v in row[:lengths[b]]] for b, row in enumerate(jax.device_get(out.versions_BT))]
+        versions_BT = None if out.versions_BT is None else jax.device_get(out.versions_BT)
+        if versions_BT is not None and joining is not None:
+            versions_BT = versions_BT[ids]
+        versions = None if versions_BT is None else [
+            [names[v] for v in row[:lengths[b]]] for b, row in enumerate(versions_BT)]
         routed: list[np.ndarray | None] = [None] * len(rows)
         if record:
             prompt_experts, experts = jax.device_get((out.prompt_experts_PULk, out.experts_BTLk))
@@ -534,11 +553,64 @@ class Scheduler:
             self.phases_run += len(out.phases)
             self.rows_cut += sum(cut)
             self.batches_stopped += all(gone) and any(cut)
-        cached = [0] * len(rows) if prefix is None else [prefix.cached[i] for i in batch.rows.prompt_index_B]
+        cached = [0] * started if prefix is None else [prefix.cached[i] for i in batch.rows.prompt_index_B[:started]]
+        cached += [0] * (len(rows) - started)  # rows that joined prefilled their prompts whole
+        first = {} if joining is None else joining.first_version
         return [RowResult(tokens[b, :lengths[b]].tolist(), logprobs[b, :lengths[b]].tolist(), bool(stopped[b]),
-                          weights.version, aborted=cut[b], routed_experts=routed[b],
+                          first.get(b, weights.version), aborted=cut[b], routed_experts=routed[b],
                           token_versions=None if versions is None else versions[b], cached_tokens=cached[b])
                 for b in range(len(rows))]
+
+    def _joining_hooks(self, lane: _Lane | None, joining: Joining | None, weights: Weights, seen: list[Weights],
+                       gone: list[bool], batch: Any) -> dict[str, Any]:
+        """`generate`'s `admit_rows` and `finished` for a batch that rows may join (none: {})."""
+        if lane is None or joining is None:
+            return {}
+        # The batch's widths, as run_batch bucketed them (a cached prefix's slots included), before any row joins.
+        prompt_slots = bucket(max(len(r.prompt_ids) for r in joining.rows))
+        new_tokens = bucket(max(r.params.max_new_tokens for r in joining.rows))
+        device_rows = len(joining.row_of_id)
+
+        def admit_rows(free: int, step: int) -> Any:
+            if self.weights is not seen[-1]:  # newer weights are served: new rows wait for a batch on them
+                return None
+            _gather_queued(lane)
+            self._drop_cancelled(lane)
+            # The cache grows for the joining rows' budgets from this step: the batch must still fit the budget.
+            if not lane.pending or self.batch_bytes(device_rows, prompt_slots, step + new_tokens) > self.batch_budget:
+                return None
+            picked = joinable(lane.pending, free, prompt_slots, new_tokens)
+            if not picked:
+                return None
+            for job, _ in picked:
+                job.taken += 1
+            with self._budget_lock:
+                self.rows_joined += len(picked)
+            joining.join(picked, seen[-1].version)
+            gone.extend([False] * len(picked))
+            joined = [job.rows[i] for job, i in picked]
+            return make_batch(joined, weights.config.eos_token_ids, batch_size=mesh_rows(len(joined), self.data_ways),
+                              prompt_len=prompt_slots,
+                              num_prompts=mesh_rows(len(distinct_prompts(joined)), self.data_ways))
+
+        def finished(ids: np.ndarray, out: Any) -> None:
+            tokens, logprobs, lengths, stopped = jax.device_get(
+                (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.stopped_B))
+            versions = None if out.versions_BT is None else jax.device_get(out.versions_BT)
+            names = [w.version for w in seen]
+            for k, row_id in enumerate(ids):
+                b = joining.row_of_id[int(row_id)]
+                if b is None:
+                    continue
+                row, n = joining.rows[b], int(lengths[k])
+                cut = bool(gone[b] and not stopped[k] and n < row.params.max_new_tokens)
+                job, i = joining.taken[b]
+                _deliver(job, i, RowResult(
+                    tokens[k, :n].tolist(), logprobs[k, :n].tolist(), bool(stopped[k]),
+                    joining.first_version.get(b, weights.version), aborted=cut,
+                    token_versions=None if versions is None else [names[v] for v in versions[k, :n]]))
+
+        return {"admit_rows": admit_rows, "finished": finished}
 
     def _keeper(self, prefix: Prefix | None, batch: Any) -> Callable[[Any], None] | None:
         """The sampler's `keep_prompts` hook: the prefix cache copies the batch's prompt blocks after its prefill."""
@@ -548,6 +620,17 @@ class Scheduler:
         first_row = {int(p): b for b, p in reversed(list(enumerate(batch.rows.prompt_index_B)))}
         row_of_prompt = [first_row[p] for p in range(len(prefix.prompts))]
         return lambda rows_cache: cache.keep(prefix, rows_cache, row_of_prompt)
+
+
+def _deliver(job: _Job, i: int, result: RowResult | None) -> None:
+    """Row i's result to its request (once: a row answered at a boundary is not answered again at the batch's end);
+    the request is answered when its last row is."""
+    if job.results[i] is not None:
+        return
+    job.results[i] = result
+    job.remaining -= 1
+    if job.remaining == 0:
+        _resolve(job.future, result=job.results)
 
 
 def _gather_queued(lane: _Lane) -> None:
