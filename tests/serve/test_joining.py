@@ -24,10 +24,14 @@ SHORT = [RowRequest((7, 8, 9, 10), SamplingParams(max_new_tokens=8, temperature=
 
 
 @pytest.fixture(scope="module")
-def scheduler(tmp_path_factory):
-    folder = write_tiny_llama(str(tmp_path_factory.mktemp("joining") / "model"))
-    scheduler = Scheduler(ServeConfig(model=folder, short_request_tokens=0, batch_wait_ms=1.0, cancel_check_steps=4,
-                                      continuous_admission=True, max_batch_size=4))
+def folder(tmp_path_factory):
+    return write_tiny_llama(str(tmp_path_factory.mktemp("joining") / "model"), vocab_size=64)  # splits over tensor=2
+
+
+@pytest.fixture(params=["", "tensor=2,data=2"])
+def scheduler(folder, request):
+    scheduler = Scheduler(ServeConfig(model=folder, mesh=request.param, short_request_tokens=0, batch_wait_ms=1.0,
+                                      cancel_check_steps=4, continuous_admission=True, max_batch_size=4))
     yield scheduler
     scheduler.close()
 
