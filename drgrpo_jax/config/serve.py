@@ -153,8 +153,8 @@ class ServeConfig:
     short_request_tokens: int = _f(64, "requests of one batch asking for at most this many new tokens have their "
                                        "own worker: they never wait behind a long batch (0 = off)", group=LIMITS)
     continuous_admission: bool = _f(False, "queued rows join a running batch at its decode phase or "
-                                           "--cancel-check-steps pause, in finished rows' places (within "
-                                           "--max-batch-size and --max-batch-bytes; prompts within its prompt "
+                                           "--cancel-check-steps pause, in finished rows' places or rows it grows by "
+                                           "(within --max-batch-size and --max-batch-bytes; prompts within its prompt "
                                            "length, budgets within its new tokens), and every row is answered at "
                                            "the pause after it finishes; a row's tokens are the same either way")
     max_rows_per_request: int = _f(4096, "prompts x n accepted in one request", flag=None)

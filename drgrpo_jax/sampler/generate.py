@@ -167,8 +167,9 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
              mesh: Mesh | None = None, record_experts: bool = False,
              weights_now: Callable[[], tuple[nnx.State, int]] | None = None, prefix: KVCache | None = None,
              keep_prompts: Callable[[KVCache], None] | None = None,
-             admit_rows: Callable[[int, int], SamplerBatch | None] | None = None,
-             finished: Callable[[np.ndarray, SamplerOutput], None] | None = None) -> SamplerOutput:
+             admit_rows: Callable[[int, int, int], SamplerBatch | None] | None = None,
+             finished: Callable[[np.ndarray, SamplerOutput], None] | None = None,
+             max_rows: int | None = None) -> SamplerOutput:
     """Samples up to `max_new_tokens` tokens for every row of `batch` (`compact`: drop finished rows between phases).
 
     `unwanted`: called on the host between the prefill's programs of a prompt longer than PREFILL_CHUNK, before
@@ -198,12 +199,13 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
     `keep_prompts`: called once with the rows' split cache right after the prefill, before any decode program takes
     it (its first prompt slots are the prompts' KV, laid out as `prefix` + `batch` give them): a prefix cache copies
     the prompts' blocks from there.
-    `admit_rows` (continuous admission): asked at the same boundaries as `unwanted` with (the rows finished, the
-    batch's step), it may answer a batch of new rows (`make_batch`, placed on the host: at most that many live rows,
-    prompts as wide as `batch`'s, budgets within `max_new_tokens`): they are prefilled and take the finished rows'
-    places (`programs.admit`), their ids following the rows so far (the output grows by them, and `unwanted`
-    answers for them too), and each draws what it would alone (its own step counts from its token 0). The cache
-    grows by the phases their budgets need. Not with `record_experts`.
+    `admit_rows` (continuous admission): asked at the same boundaries as `unwanted` with (the places for new rows:
+    finished rows, and rows the batch may grow by up to `max_rows`; the batch's step; its rows now), it may answer a
+    batch of new rows (`make_batch`, placed on the host: at most that many live rows, prompts as wide as `batch`'s,
+    budgets within `max_new_tokens`): the batch grows by finished rows if it must (a regrow to a larger bucket of
+    rows), and they are prefilled and take finished rows' places (`programs.admit`), their ids following the rows so
+    far (the output grows by them, and `unwanted` answers for them too), and each draws what it would alone (its own
+    step counts from its token 0). The cache grows by the phases their budgets need. Not with `record_experts`.
     `finished`: called at those boundaries with the ids of rows that finished since, and their output so far
     (host arrays, that many rows; `versions_BT` with `weights_now`), so a caller can answer them before the batch
     ends.
@@ -310,10 +312,19 @@ def generate(graphdef: nnx.GraphDef, state: nnx.State, batch: SamplerBatch, *, m
         """(decoding with the rows `admit_rows` hands in put in finished rows' places, whether any came)."""
         nonlocal row_ids, offsets, reported, last_step
         free = np.flatnonzero(done_B)
-        new = None if admit_rows is None or not len(free) else admit_rows(len(free), step)
+        room = len(free) + max(0, (max_rows or 0) - len(row_ids))
+        new = None if admit_rows is None or not room else admit_rows(room, step, len(row_ids))
         if new is None:
             return decoding, False
         count = int(np.sum(new.rows.live_B))
+        if count > len(free) and count <= room:  # more rows than finished ones: the batch grows by finished rows
+            size = min(max_rows or 0, mesh_rows(len(row_ids) + count - len(free), data))
+            grown = np.arange(size) >= len(row_ids)
+            decoding = regrow(decoding, jnp.asarray(np.where(grown, 0, np.arange(size)).astype(np.int32)),
+                              num_slots=int(decoding.cache.positions_BS.shape[1]), mesh=mesh)
+            decoding = dataclasses.replace(decoding, done_B=decoding.done_B | jnp.asarray(grown))
+            free = np.concatenate([free, np.arange(len(row_ids), size)])
+            row_ids = np.concatenate([row_ids, np.full(size - len(row_ids), -1)])
         if not 0 < count <= len(free) or new.prompt_ids_PU.shape[1] > cached_slots + prompt_len or (
                 new.rows.max_new_tokens_B > max_new_tokens).any():
             raise ValueError(f"admit_rows: {count} rows for {len(free)} places, prompts within "

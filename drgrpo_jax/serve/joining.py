@@ -47,7 +47,7 @@ class Joining:
 
 def joinable(pending: deque, free: int, prompt_slots: int, new_tokens: int) -> list[tuple[Any, int]]:
     """Up to `free` pending rows (in their order) that fit a running batch: a prompt within its prompt slots, a budget
-    within its new tokens, no routed experts asked for (a joined row records none); taken out of `pending`."""
+    within its new tokens, no routed experts asked for (a joined row records none); left in `pending`."""
     picked: list[tuple[Any, int]] = []
     for job, i in list(pending):
         row = job.rows[i]
@@ -56,6 +56,4 @@ def joinable(pending: deque, free: int, prompt_slots: int, new_tokens: int) -> l
         if len(row.prompt_ids) <= prompt_slots and row.params.max_new_tokens <= new_tokens and \
                 not row.return_routed_experts:
             picked.append((job, i))
-    for item in picked:
-        pending.remove(item)
     return picked

@@ -569,19 +569,20 @@ class Scheduler:
         # The batch's widths, as run_batch bucketed them (a cached prefix's slots included), before any row joins.
         prompt_slots = bucket(max(len(r.prompt_ids) for r in joining.rows))
         new_tokens = bucket(max(r.params.max_new_tokens for r in joining.rows))
-        device_rows = len(joining.row_of_id)
-
-        def admit_rows(free: int, step: int) -> Any:
+        def admit_rows(free: int, step: int, device_rows: int) -> Any:
             if self.weights is not seen[-1]:  # newer weights are served: new rows wait for a batch on them
                 return None
             _gather_queued(lane)
             self._drop_cancelled(lane)
-            # The cache grows for the joining rows' budgets from this step: the batch must still fit the budget.
-            if not lane.pending or self.batch_bytes(device_rows, prompt_slots, step + new_tokens) > self.batch_budget:
-                return None
             picked = joinable(lane.pending, free, prompt_slots, new_tokens)
-            if not picked:
+            # The cache grows for the joining rows' budgets from this step, and the rows may grow by them: the batch
+            # must still fit the budget (as if every joining row needed a new row).
+            rows = min(mesh_rows(self.config.max_batch_size, self.data_ways),
+                       mesh_rows(device_rows + len(picked), self.data_ways))
+            if not picked or self.batch_bytes(rows, prompt_slots, step + new_tokens) > self.batch_budget:
                 return None
+            for item in picked:
+                lane.pending.remove(item)
             for job, _ in picked:
                 job.taken += 1
             with self._budget_lock:
@@ -610,7 +611,8 @@ class Scheduler:
                     joining.first_version.get(b, weights.version), aborted=cut,
                     token_versions=None if versions is None else [names[v] for v in versions[k, :n]]))
 
-        return {"admit_rows": admit_rows, "finished": finished}
+        return {"admit_rows": admit_rows, "finished": finished,
+                "max_rows": mesh_rows(self.config.max_batch_size, self.data_ways)}
 
     def _keeper(self, prefix: Prefix | None, batch: Any) -> Callable[[Any], None] | None:
         """The sampler's `keep_prompts` hook: the prefix cache copies the batch's prompt blocks after its prefill."""
