@@ -86,6 +86,19 @@ def test_cached_prefixes_sample_what_whole_prompts_do(cached, plain):
     assert stats["hit_tokens"] + stats["miss_tokens"] == 2 * len(first) + len(FEW_SHOT) + 3 + 2 * len(turn2) + 1
 
 
+def test_a_prompt_reads_cached_blocks_only_into_the_room_its_bucket_leaves(cached, plain):
+    """A prompt's slots stay the power of two of its whole length; the rest it prefills takes its own power of two,
+    and the cached blocks fit in what is left: a 59-token prompt (64 slots) whose 43-token rest also needs 64 reads
+    none of its cached block, while the same block serves a 40-token prompt (64 slots, a 24-token rest in 32)."""
+    cached.prefix_cache.flush()
+    opening = FEW_SHOT[:23]
+    _same(cached, plain, _rows(opening, seed=6, n=1))  # keeps its one whole block
+    (short,) = _same(cached, plain, _rows(opening + tuple(range(50, 67)), seed=7, n=1))
+    assert short.cached_tokens == BLOCK_TOKENS
+    (long,) = _same(cached, plain, _rows(opening + tuple(range(70, 106)), seed=8, n=1))
+    assert long.cached_tokens == 0
+
+
 @pytest.mark.parametrize("capacity, bursts", [(3, 5), (20, 12)])  # 20: the pool grows from 16 blocks to 20
 def test_a_burst_of_distinct_prompts_evicts_and_stays_within_the_budget(folders, plain, capacity, bursts):
     probe = _scheduler(folders[0], 2**20)
