@@ -24,11 +24,12 @@ from drgrpo_jax.config.engines import ENGINE_TRAITS
 from drgrpo_jax.config.schema import BUILTIN_REWARDS, BUILTIN_TOOLS, TRACKERS, Config, MeshConfig, RunConfig
 from drgrpo_jax.errors import ConfigError, MissingValueError
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.context_parallel import CANNOT_SPLIT
 from drgrpo_jax.models.remat import REMAT_POLICIES
 from drgrpo_jax.sharding import parse_service_mesh
 from drgrpo_jax.weight_folders import is_remote
 
-__all__ = ["CONTEXT_CHUNKS_PER_WAY", "check_model_options", "check_output_dir", "context_row_length", "validate"]
+__all__ = ["check_model_options", "check_output_dir", "validate"]
 
 # ---------------------------------------------------------------------------------------------
 # Validation: cross-field rules OmegaConf's typing cannot express
@@ -219,43 +220,13 @@ def _check_batches(config: Config) -> None:
     _check_context(config)
 
 
-# Each context way holds this many chunks of a row: an early and a late one, so that causal attention leaves no way
-# idle on masked blocks (the load-balanced layout).
-CONTEXT_CHUNKS_PER_WAY = 2
-
-# The options whose kernels take whole rows, so mesh.context > 1 cannot split them: (key, value, why and what instead).
-# One table, so that an option found not to take the split is refused by adding a line.
-_WHOLE_ROW_OPTIONS: tuple[tuple[str, str, str], ...] = (
-    ("model.attention_impl", "cudnn", "cuDNN's fused kernel reads every key of a row on one device; use auto or "
-                                      "blockwise"),
-    ("model.attention_impl", "splash", "the splash kernel reads every key of a row on one device; use auto or "
-                                       "blockwise"),
-)
-
-
-def context_row_length(config: Config) -> int:
-    """Tokens of the row mesh.context splits: train.pack_length when packing, else the padded prompt and budget,
-    rollout.max_prompt_tokens + rollout.max_new_tokens (the model reads one fewer; the step pads it back)."""
-    if config.train.pack_rows:
-        return pack_length(config)
-    return config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
-
-
 def _check_context(config: Config) -> None:
-    """mesh.context > 1: the padded row splits into equal load-balanced chunks, and no whole-row option is on."""
-    ways = config.mesh.context
-    if ways == 1:
-        return
-    chunks, length = CONTEXT_CHUNKS_PER_WAY * ways, context_row_length(config)
-    if length % chunks:
-        what = ("train.pack_length" if config.train.pack_rows else
-                "rollout.max_prompt_tokens + rollout.max_new_tokens")
-        raise ConfigError("mesh.context", f"{ways} ways split each row into {chunks} chunks (an early and a late one "
-                                          f"a way), which do not divide {what} = {length} tokens")
-    options = {"model.attention_impl": config.model.attention_impl}
-    for key, value, why in _WHOLE_ROW_OPTIONS:
-        if options[key] == value:
-            raise ConfigError("mesh.context", f"{ways} splits each row, but {key}={value}: {why}")
+    """mesh.context > 1 splits each row's tokens (the step pads rows to whole chunks itself): no attention kernel
+    that reads a whole row on one device."""
+    ways, impl = config.mesh.context, config.model.attention_impl
+    if ways > 1 and impl in CANNOT_SPLIT:
+        raise ConfigError("mesh.context", f"{ways} splits each row, but model.attention_impl={impl} reads every key "
+                                          "of a row on one device; use auto or blockwise")
 
 
 def _check_rest(config: Config) -> None:

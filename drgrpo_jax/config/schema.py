@@ -351,7 +351,7 @@ class MeshConfig:
     fsdp: int = _f(1, "fully-sharded data-parallel ways (batch and parameters split)")
     tensor: int = _f(1, "tensor-parallel ways (heads and MLP split)")
     context: int = _f(1, "context-parallel ways (the token axis of every row split, for rows longer than one "
-                         "device holds; divides the padded row length; python -m drgrpo_jax.plan advises it)")
+                         "device holds; python -m drgrpo_jax.plan advises it)")
     dcn_data: int = _f(1, "of mesh.data's ways, how many cross slices over the data-center network (multi-slice "
                           "TPU pods; divides mesh.data): each slice holds data/dcn_data x fsdp x tensor x context "
                           "devices")

@@ -31,8 +31,8 @@ from drgrpo_jax.models.attention import (
 )
 from drgrpo_jax.sharding import ShardingRules
 
-__all__ = ["context_attention", "context_impl", "context_ways", "constrain_tokens", "from_context_layout",
-           "padded_length", "to_context_layout", "zigzag_order"]
+__all__ = ["CANNOT_SPLIT", "constrain_tokens", "context_attention", "context_impl", "context_ways",
+           "from_context_layout", "padded_length", "to_context_layout", "zigzag_order"]
 
 CANNOT_SPLIT = ("cudnn", "splash")  # kernels that see the whole row at once: refused with mesh.context > 1
 
