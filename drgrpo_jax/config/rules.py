@@ -82,6 +82,7 @@ def _counts(config: Config) -> list[tuple[str, int, int]]:
         ("rollout.max_staleness", c.rollout.max_staleness, 0),
         ("rollout.max_resample_rounds", c.rollout.max_resample_rounds, 0),
         ("rollout.service_batch_size", 1 if c.rollout.service_batch_size is None else c.rollout.service_batch_size, 1),
+        ("rollout.service_prefix_cache_bytes", c.rollout.service_prefix_cache_bytes, -1),
         ("algorithm.ppo_epochs", c.algorithm.ppo_epochs, 1),
         ("algorithm.minibatches_per_rollout", c.algorithm.minibatches_per_rollout, 1),
         ("reward.num_workers", c.reward.num_workers, 1),

@@ -189,6 +189,10 @@ class RolloutConfig:
         None, "--max-batch-size of the trainer's local child service (null = a whole rollout or the eval set, "
               "whichever is larger)"
     )
+    service_prefix_cache_bytes: int = _f(
+        0, "--prefix-cache-bytes of the trainer's local child service: device memory for prompts' KV blocks kept "
+           "across requests (docs/service.md#the-prefix-cache); -1 = a quarter of its batch budget; 0 = off"
+    )
     service_mesh: str = _f(
         "", "the generation service's --mesh: tensor=T[,data=D] splits its sampler over T x D devices (heads, MLP "
             "and vocabulary on tensor, rows on data; docs/service.md); the trainer's local child service is started "

@@ -112,11 +112,13 @@ class ServeConfig:
                                  "cut to fit, a prompt that alone does not fit is refused (400), and log-prob "
                                  "scoring runs as many rows a call as fit; 0 = half the device's free memory once "
                                  "the weights are loaded", group=LIMITS)
-    prefix_cache_bytes: int = _f(-1, "device memory (one device) kept for prompts' KV blocks across requests: a "
-                                      "prompt that starts with a cached prefix prefills only the rest (same tokens); "
-                                      "least recently used blocks go when it is full, and a weight update empties "
-                                      "it; -1 = a quarter of the batch budget (--max-batch-bytes or its default), "
-                                      "0 = off", group=LIMITS)
+    prefix_cache_bytes: int = _f(0, "device memory (one device) kept for prompts' KV blocks across requests: a "
+                                     "prompt that starts with a cached prefix prefills only the rest; least recently "
+                                     "used blocks go when it is full, and a weight update empties it; -1 = a quarter "
+                                     "of the batch budget (--max-batch-bytes or its default), 0 = off (the default: "
+                                     "cached log-probs match a whole prefill to float rounding, not bit for bit, so a "
+                                     "sampled token can differ and a row would depend on what others cached)",
+                                 group=LIMITS)
     max_queued_tokens: int = _f(2**24, "that measure over every request queued or running; beyond it: 429",
                                 group=LIMITS)
     max_body_bytes: int = _f(32 * 2**20, "largest request body, however it is sent (413 beyond)", group=LIMITS)

@@ -285,7 +285,8 @@ def make_plan(config: Config, model: DecoderConfig, *, device: DeviceSpec | None
             if (split := context_advice(config, table)) is not None:
                 advice.append(split)
             plan["advice"] += [f"trainer: {line}" for line in advice]
-        plan["service"]["prefix_cache"] = prefix_cache_budget(plan["service"], usable)
+        if cache := config.rollout.service_prefix_cache_bytes:  # -1: the service's own share of its budget
+            plan["service"]["prefix_cache"] = prefix_cache_budget(plan["service"], usable) if cache < 0 else cache
         plan["service"]["smallest_tensor"] = smallest_tensor(config, model, rows, usable, data=mesh.data,
                                                              merge_bytes=merge, backend=backend)
         if not fits["service"]:

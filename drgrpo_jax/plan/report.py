@@ -70,8 +70,10 @@ def format_text(plan: dict[str, Any]) -> str:
         together = plan["trainer"]["total"] + plan["service"]["total"]
         verdict = "fits" if plan["fits"]["together"] else "DOES NOT FIT"
         lines.append(f"  trainer + its child service on this one device: {_gib(together).strip()} -> {verdict}")
-    lines.append(f"  service's prefix cache: up to {_gib(sv['prefix_cache']).strip()} (--prefix-cache-bytes' default: "
-                 "an eighth of what its weights leave free, beside batches within half; grows as prompts repeat)")
+    if "prefix_cache" in sv:
+        lines.append(f"  service's prefix cache: up to {_gib(sv['prefix_cache']).strip()} "
+                     "(rollout.service_prefix_cache_bytes; -1: an eighth of what its weights leave free, beside "
+                     "batches within half; grows as prompts repeat)")
     if sv["smallest_tensor"] is not None:
         data = f",data={sv['data_ways']}" if sv["data_ways"] > 1 else ""
         lines.append(f"  the smallest service mesh that fits: --mesh tensor={sv['smallest_tensor']}{data}")

@@ -88,7 +88,7 @@ def service_memory(config: Config, model: DecoderConfig, rows: int, *, tensor: i
 
 
 def prefix_cache_budget(figures: dict[str, int], usable: int) -> int:
-    """The prefix cache's default budget on one service device (--prefix-cache-bytes -1): a quarter of the batch
+    """The prefix cache's budget on one service device at --prefix-cache-bytes -1: a quarter of the batch
     budget, which defaults to half of what the weights leave free (--max-batch-bytes 0). The pool grows to it only
     as prompts repeat; beside batches that fit their half, it fits too (half + an eighth of the free memory)."""
     free = usable - figures["weights"] - figures["layer_split"] - figures["adapter_merge"]

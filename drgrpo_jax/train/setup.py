@@ -153,7 +153,8 @@ def child_service_args(config: Config) -> list[str]:
     (admission's estimate assumes each row runs to its budget, and would refuse rounds that finish in time)."""
     return ["--max-batch-size", str(child_service_batch_size(config)),
             "--request-timeout-s", str(config.rollout.timeout_s), "--admission-share", "0",
-            *(["--inflight-updates"] if config.rollout.inflight_updates else [])]
+            *(["--inflight-updates"] if config.rollout.inflight_updates else []),
+            *(["--prefix-cache-bytes", str(p)] if (p := config.rollout.service_prefix_cache_bytes) else [])]
 
 
 def run_metadata(client: RolloutClient | None) -> dict[str, Any]:

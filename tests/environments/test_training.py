@@ -21,7 +21,8 @@ def _overrides(model, prompts, output_dir):
                    "train.eval_samples=2", "reward.components=[has_letter_a,format,turn]",
                    "environment.reward_components=[turn]",
                    "environment.factory=support.chat_models:Chatty", "environment.max_turns=3",
-                   "environment.max_turn_tokens=8", "environment.max_model_tokens=20"]
+                   "environment.max_turn_tokens=8", "environment.max_model_tokens=20",
+                   "rollout.service_prefix_cache_bytes=-1"]
 
 
 @pytest.mark.subprocess
@@ -45,7 +46,7 @@ def test_the_trainer_trains_on_multi_turn_episodes(tmp_path):
         assert row["loss"] == row["loss"]  # not NaN
         # Chatty gives 0.5 a turn it answers (not one cut by a limit): the episode's sum is a reward component.
         assert 0 < row["reward/turn"] <= 0.5 * row["episode/turns"]
-        # The child service keeps a prefix cache: the step logs what it did during the round.
+        # The child service keeps a prefix cache (rollout.service_prefix_cache_bytes): the step logs what it did.
         assert row["rollout/prefix_cache_cached_blocks"] > 0 and 0 <= row["rollout/prefix_cache_hit_rate"] <= 1
 
 

@@ -38,7 +38,8 @@ def tokenizer(model_dir):
 def episodes(model_dir, tokenizer):
     limits = EpisodeLimits(max_turns=3, max_turn_tokens=12, max_model_tokens=30, max_total_tokens=80)
     examples = [{"prompt": p} for p in ("what is 2+3?", "add 17 and 5", "hello", "count to three")]
-    with LocalServer(model_dir) as server, RolloutClient(server.url) as client:
+    with LocalServer(model_dir, extra_args=["--prefix-cache-bytes", "-1"]) as server, \
+            RolloutClient(server.url) as client:
         first = run_episodes(client, tokenizer, Chatty, examples, limits=limits, seed=7)
         caches = [client.prefix_cache_delta()]  # since the service started: the first round's
         again = run_episodes(client, tokenizer, Chatty, examples, limits=limits, seed=7)
