@@ -21,7 +21,8 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.plan.activations import gathered_kv_bytes, model_call
 from drgrpo_jax.plan.hardware import GIB
 
-__all__ = ["context_advice", "context_sizes", "context_table", "context_traffic", "more_devices", "same_devices"]
+__all__ = ["context_advice", "context_sizes", "context_table", "context_traffic", "more_devices", "same_devices",
+           "variant"]
 
 # (trainer figures, remat policy) of a candidate config: the planner's estimate, passed in.
 TrainerEstimate = Callable[[Config], tuple[dict[str, int], str]]
@@ -47,9 +48,10 @@ def context_sizes(config: Config) -> list[int]:
     return [2**k for k in range(int(math.log2(max(config.mesh.devices, 8))) + 1)]
 
 
-def _valid(config: Config, **mesh_and_train: dict[str, int]) -> Config | None:
-    """The config with mesh and train fields changed, or None when it no longer validates."""
-    sections = {name: dataclasses.replace(getattr(config, name), **fields) for name, fields in mesh_and_train.items()}
+def variant(config: Config, **changes: dict[str, Any]) -> Config | None:
+    """The config with fields of its sections changed (`train={"micro_batches": 4}`), or None when it no longer
+    validates."""
+    sections = {name: dataclasses.replace(getattr(config, name), **fields) for name, fields in changes.items()}
     candidate = dataclasses.replace(config, **sections)
     try:
         validate(candidate)
@@ -70,14 +72,14 @@ def same_devices(config: Config, context: int) -> Config | None:
     micro, left = divmod(config.train.micro_batches * m.data * m.fsdp, row_ways)
     if left or micro < 1:
         return None
-    return _valid(config, mesh={"context": context, "data": row_ways // fsdp, "fsdp": fsdp},
+    return variant(config, mesh={"context": context, "data": row_ways // fsdp, "fsdp": fsdp},
                   train={"micro_batches": micro})
 
 
 def more_devices(config: Config, context: int) -> Config | None:
     """mesh.context = `context` with data, fsdp and tensor kept: the mesh takes context / mesh.context times the
     devices; None when it does not validate."""
-    return _valid(config, mesh={"context": context})
+    return variant(config, mesh={"context": context})
 
 
 def _row(candidate: Config, model: DecoderConfig, estimate: TrainerEstimate, usable: int) -> dict[str, Any]:

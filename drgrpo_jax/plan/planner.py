@@ -9,7 +9,6 @@ the plan and, through `auto_remat`, for the trainer's own device. The command li
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -18,7 +17,7 @@ from typing import Any
 import gguf
 
 from drgrpo_jax.config.load import resolve_model_path
-from drgrpo_jax.config.rules import check_model_options, validate
+from drgrpo_jax.config.rules import check_model_options
 from drgrpo_jax.config.schema import Config
 from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.hub_ids import CONFIG_FILES, hub_id, snapshot
@@ -33,7 +32,7 @@ from drgrpo_jax.plan.activations import (
     rows_per_device,
     stores_probabilities,
 )
-from drgrpo_jax.plan.context import context_advice, context_table, context_traffic
+from drgrpo_jax.plan.context import context_advice, context_table, context_traffic, variant
 from drgrpo_jax.plan.hardware import DEVICES, GIB, PRESETS, DeviceSpec, preset_name
 from drgrpo_jax.plan.remat import resolve_remat
 from drgrpo_jax.plan.service import (
@@ -139,22 +138,11 @@ def auto_remat(config: Config, model: DecoderConfig, device: Any) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _try(config: Config, **changes: dict[str, Any]) -> Config | None:
-    """The config with section changes applied, or None when it no longer validates."""
-    sections = {name: dataclasses.replace(getattr(config, name), **fields) for name, fields in changes.items()}
-    candidate = dataclasses.replace(config, **sections)
-    try:
-        validate(candidate)
-    except ConfigError:
-        return None
-    return candidate
-
-
 def _micro_batch_advice(config: Config, model: DecoderConfig, budget: int, backend: str) -> str:
     """The smallest train.micro_batches (doubling) whose rematerialised activations fit, else the sequence."""
     micro = config.train.micro_batches
     while (micro := micro * 2) <= 4096:
-        candidate = _try(config, train={"micro_batches": micro}, model={"remat": "full"})
+        candidate = variant(config, train={"micro_batches": micro}, model={"remat": "full"})
         if candidate is None:  # no longer divides the optimizer window over the data-parallel ways
             break
         if activation_bytes(candidate, model, "full", backend) <= budget:
