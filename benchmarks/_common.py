@@ -37,6 +37,17 @@ def smollm2(random_weights: bool = False):
     return Transformer(DecoderConfig(**SMOLLM2_135M, rope=RopeConfig(theta=100000.0)), rngs=nnx.Rngs(0))
 
 
+def smollm2_model_path(folder: str, random_weights: bool) -> str:
+    """A path a service loads SmolLM2-135M-Instruct from: the GGUF, or random weights of its shape saved in folder."""
+    if not random_weights:
+        return smollm2_gguf()
+    from drgrpo_jax.models.hf_io import save_pretrained
+
+    path = os.path.join(folder, "model")
+    save_pretrained(smollm2(random_weights=True), path)
+    return path
+
+
 def median_time(fn, repeats: int) -> float:
     """Median seconds of `repeats` calls of fn()."""
     times = []

@@ -25,7 +25,7 @@ from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.serve.scheduler import Scheduler
 
-from _common import smollm2, smollm2_gguf
+from _common import smollm2_model_path
 
 
 def _requests(count: int, short: int, long: int) -> list[RowRequest]:
@@ -74,13 +74,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        if args.random_weights:
-            from drgrpo_jax.models.hf_io import save_pretrained
-
-            model = os.path.join(folder, "model")
-            save_pretrained(smollm2(random_weights=True), model)
-        else:
-            model = smollm2_gguf()
+        model = smollm2_model_path(folder, args.random_weights)
         rows = _requests(args.requests, args.short_tokens, args.long_tokens)
         continuous = _run(model, True, rows, args.gap_s, args.batch)
         static = _run(model, False, rows, args.gap_s, args.batch)

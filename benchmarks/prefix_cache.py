@@ -23,7 +23,7 @@ from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.serve.scheduler import Scheduler
 
-from _common import smollm2, smollm2_gguf
+from _common import smollm2_model_path
 
 PREFIX_TOKENS, TAIL_TOKENS = 440, 40
 
@@ -65,13 +65,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        if args.random_weights:
-            from drgrpo_jax.models.hf_io import save_pretrained
-
-            model = os.path.join(folder, "model")
-            save_pretrained(smollm2(random_weights=True), model)
-        else:
-            model = smollm2_gguf()
+        model = smollm2_model_path(folder, args.random_weights)
         requests = _requests(args.requests, args.n, args.new_tokens, 49152)
         on, on_tokens = _serve(model, 256 * 2**20, requests)
         off, off_tokens = _serve(model, 0, requests)
