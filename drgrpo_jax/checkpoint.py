@@ -17,8 +17,8 @@ also rewrite the JSON. Checkpoints written before checksums existed restore unch
 A restore that fails leaves nothing running behind it: orbax runs each restore on an event loop of its own and
 closes it as soon as one read fails, with the other reads of the checkpoint still in flight; each would later
 complete into the closed loop ("RuntimeError: Event loop is closed", printed as an ignored exception). While
-`restore` runs, a loop made in its thread cancels and awaits the tasks still pending before it closes, as
-`asyncio.run` does (`_loops_that_finish_their_tasks`).
+`restore` runs, a loop made in its thread lets the tasks still pending finish before it closes
+(`_loops_that_finish_their_tasks`).
 
 The folder may be a bucket (`gs://bucket/run/checkpoints`): orbax writes it through tensorstore and etils.epath
 (`pip install -e '.[gcs]'`), and a save there is made atomic by a commit marker instead of a rename.
@@ -163,15 +163,12 @@ def verify(item: str, tree: Any, saved: dict[str, str]) -> None:
 
 
 class _LoopThatFinishesItsTasks(asyncio.SelectorEventLoop):
-    """An event loop that, when closed, first cancels the tasks still pending and waits for them, as asyncio.run
-    does: a cancelled task cancels the tensorstore read it awaits, whose callback then runs while the loop is
-    open, rather than `call_soon_threadsafe` on a closed loop when the read completes."""
+    """An event loop that, when closed, first lets the tasks still pending finish. Each awaits a tensorstore read,
+    whose completion is posted to the loop from tensorstore's thread (`call_soon_threadsafe`) even when the task
+    was cancelled, so cancelling them (as asyncio.run does) still left a late callback for a closed loop."""
 
     def close(self) -> None:
-        pending = asyncio.all_tasks(self)
-        if pending and not self.is_running() and not self.is_closed():
-            for task in pending:
-                task.cancel()
+        while (pending := asyncio.all_tasks(self)) and not self.is_running() and not self.is_closed():
             self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         super().close()
 
@@ -203,8 +200,8 @@ class _FinishingLoopsInOneThread(asyncio.AbstractEventLoopPolicy):
 
 @contextlib.contextmanager
 def _loops_that_finish_their_tasks() -> Iterator[None]:
-    """While inside, an event loop made in this thread (orbax's `run_sync` makes one per restore) cancels and awaits
-    its pending tasks before it closes. An event loop policy is asyncio's one hook on the loops another library makes
+    """While inside, an event loop made in this thread (orbax's `run_sync` makes one per restore) lets its pending
+    tasks finish before it closes. An event loop policy is asyncio's one hook on the loops another library makes
     (deprecated from Python 3.14, still honoured by `asyncio.new_event_loop` there)."""
     previous = asyncio.get_event_loop_policy()
     asyncio.set_event_loop_policy(_FinishingLoopsInOneThread(previous, threading.get_ident()))
