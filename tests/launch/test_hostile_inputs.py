@@ -417,8 +417,19 @@ def test_tpu_vm_paths_and_commands_with_a_newline_are_refused(sandbox, flag):
     assert "has a newline or control character" in message
 
 
-def _hosts_sandbox(sandbox: Sandbox) -> None:
+# curl URL/health, as a service started by launch.sh answers it: once that service runs (it has written its row),
+# so that launch.sh cannot stop it before it starts
+HEALTH_ONCE_SERVING = """#!/bin/bash
+printf -v line '%q ' "$0" "$@"; echo "$line" >> "$STUB_LOG"
+for _ in $(seq 300); do grep -qs drgrpo_jax.serve "$HOME/python.jsonl" && exit 0; /bin/sleep 0.1; done
+exit 7
+"""
+
+
+def _hosts_sandbox(sandbox: Sandbox, *, services: bool = False) -> None:
     _executable(sandbox.bin / "ssh", SSH)
+    if services:
+        _executable(sandbox.bin / "curl", HEALTH_ONCE_SERVING)
 
 
 @pytest.mark.parametrize("payload", [*PAYLOADS.values(), LEADING_DASH], ids=[*PAYLOADS.keys(), "leading_dash"])
@@ -426,7 +437,7 @@ def test_hosts_script_runs_hostile_paths_as_data(sandbox, payload):
     """The launch folder inside the checkout (so launch.sh names it relative to it: the payload leads), --venv,
     --python (both relative to the checkout) and run.output_dir hold the payload; the services over ssh on the
     first host, a trainer there and one here. Each arrives whole, as the programs' argparse reads it."""
-    _hosts_sandbox(sandbox)
+    _hosts_sandbox(sandbox, services=True)
     work = sandbox.root / f"work {payload}"
     out = work / payload / "launch"
     python = _executable(work / payload / "python", RECORDER.format(python=sys.executable))
