@@ -3,8 +3,11 @@ SmolLM2-135M-shaped model (random weights) on one row of --tokens tokens, with `
 --contexts on that many of 8 CPU devices, and with --time the step's tokens/s against context 1 (the 8 fake
 devices share this machine's cores: a check that the split runs, not a speed-up figure).
 Prints one JSON line: per context size, the temporaries (activations and the step's work buffers), arguments
-(the state and the batch) and outputs in GB, and the temporaries' share of context 1's.
-    python benchmarks/context_parallel.py [--tokens 32768] [--contexts 1,2,4,8] [--remat full] [--time]
+(the state and the batch) and outputs in GB, the temporaries' share of context 1's, and the plan's per-device
+total (`python -m drgrpo_jax.plan`'s trainer figure) against the compiled one (arguments + outputs - aliased +
+temporaries); and the same for context 1 on one row of --baseline-tokens, what the issue's goal compares with.
+    python benchmarks/context_parallel.py [--tokens 32768] [--contexts 1,2,4,8] [--baseline-tokens 4096]
+                                          [--remat full] [--time]
 """
 
 import os
@@ -20,9 +23,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from drgrpo_jax.config import load_config  # noqa: E402
 from drgrpo_jax.losses import LossConfig  # noqa: E402
 from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions  # noqa: E402
 from drgrpo_jax.models.transformer import Transformer  # noqa: E402
+from drgrpo_jax.plan.planner import make_plan  # noqa: E402
 from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model  # noqa: E402
 from drgrpo_jax.step.batch import Batch  # noqa: E402
 from drgrpo_jax.step.config import StepConfig  # noqa: E402
@@ -47,8 +52,17 @@ def one_row(tokens: int) -> Batch:
                  behaviour_logprobs=np.full((1, response), -10.0, np.float32), row_valid=np.ones(1, bool))
 
 
+def planned_bytes(context: int, tokens: int, remat: str) -> int:
+    """The plan's per-device trainer total for the run `measure` compiles: one float32 row (a group of two in two micro-batches), its prompt and budget."""
+    config = load_config(None, ["model.path=x", "model.dtype=float32", f"mesh.context={context}",
+                                f"model.remat={remat}", "model.attention_impl=blockwise",
+                                "rollout.prompts_per_step=1", "rollout.group_size=2", "train.micro_batches=2",
+                                f"rollout.max_prompt_tokens={PROMPT}", f"rollout.max_new_tokens={tokens - PROMPT + 1}"])
+    return make_plan(config, SMOLLM2_135M)["trainer"]["total"]
+
+
 def measure(context: int, tokens: int, remat: str, timed: bool) -> dict:
-    """The compiled step's memory on a context-way mesh (and its tokens/s with `timed`)."""
+    """The compiled step's memory on a context-way mesh, and the plan's (and its tokens/s with `timed`)."""
     mesh = make_mesh(MeshShape(data=1, fsdp=1, tensor=1, context=context), jax.devices()[:context])
     runtime = RuntimeOptions(remat=remat, attention_impl="blockwise")
     model = shard_model(Transformer(SMOLLM2_135M, rngs=nnx.Rngs(0), runtime=runtime), mesh)
@@ -64,6 +78,11 @@ def measure(context: int, tokens: int, remat: str, timed: bool) -> dict:
     result = {"context": context, "temp_gb": round(memory.temp_size_in_bytes / GB, 3),
               "arguments_gb": round(memory.argument_size_in_bytes / GB, 3),
               "outputs_gb": round(memory.output_size_in_bytes / GB, 3)}
+    compiled_total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                      + memory.temp_size_in_bytes)
+    planned = planned_bytes(context, tokens, remat)
+    result.update(total_gb=round(compiled_total / GB, 3), planned_total_gb=round(planned / GB, 3),
+                  planned_over_compiled=round(planned / compiled_total, 3))
     if timed:
         state, _ = compiled(state, batch)  # warm-up
         start = time.perf_counter()
@@ -77,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--contexts", default="1,2,4,8")
+    parser.add_argument("--baseline-tokens", type=int, default=4096)
     parser.add_argument("--remat", default="full")
     parser.add_argument("--time", action="store_true")
     args = parser.parse_args()
@@ -84,8 +104,10 @@ def main() -> None:
     base = runs[0]["temp_gb"]
     for run in runs:
         run["temp_share_of_first"] = round(run["temp_gb"] / base, 3)
+    baseline = measure(1, args.baseline_tokens, args.remat, timed=False)
     print(json.dumps({"benchmark": "context_parallel", "model": "SmolLM2-135M-shaped (random)", "tokens": args.tokens,
-                      "remat": args.remat, "backend": jax.default_backend(), "runs": runs}))
+                      "remat": args.remat, "backend": jax.default_backend(), "runs": runs,
+                      "baseline": {"tokens": args.baseline_tokens, **baseline}}))
 
 
 if __name__ == "__main__":
