@@ -53,7 +53,8 @@ def one_row(tokens: int) -> Batch:
 
 
 def planned_bytes(context: int, tokens: int, remat: str) -> int:
-    """The plan's per-device trainer total for the run `measure` compiles: one float32 row (a group of two in two micro-batches), its prompt and budget."""
+    """The plan's per-device trainer total for the run `measure` compiles: one float32 row (a group of two in two
+    micro-batches), its prompt and budget."""
     config = load_config(None, ["model.path=x", "model.dtype=float32", f"mesh.context={context}",
                                 f"model.remat={remat}", "model.attention_impl=blockwise",
                                 "rollout.prompts_per_step=1", "rollout.group_size=2", "train.micro_batches=2",
