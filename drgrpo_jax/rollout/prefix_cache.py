@@ -45,9 +45,10 @@ class PrefixCacheReadings:
 
 def prefix_cache_metrics(cache: PrefixCacheStats) -> dict[str, float | None]:
     """A round's metrics: the share of prompt tokens read from the caches (None when nothing was prefilled), the
-    tokens read, the blocks evicted, and the blocks they hold now (summed over the services)."""
+    tokens read and those prefilled, the blocks evicted, and the blocks they hold now (summed over the services)."""
     read = cache.hit_tokens + cache.miss_tokens
     return {"rollout/prefix_cache_hit_rate": cache.hit_tokens / read if read else None,
             "rollout/prefix_cache_hit_tokens": cache.hit_tokens,
+            "rollout/prefix_cache_prefilled_tokens": cache.miss_tokens,
             "rollout/prefix_cache_evicted_blocks": cache.evicted_blocks,
             "rollout/prefix_cache_cached_blocks": cache.cached_blocks}

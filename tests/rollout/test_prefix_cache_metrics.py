@@ -102,6 +102,7 @@ def test_rounds_add_their_counts_and_keep_the_last_size():
     both = (one + two).metrics()
     assert both[HIT_RATE] == 0.5 and both["rollout/prefix_cache_evicted_blocks"] == 2
     assert both["rollout/prefix_cache_cached_blocks"] == 7 and both["rollout/prefix_cache_hit_tokens"] == 4
+    assert both["rollout/prefix_cache_prefilled_tokens"] == 4
     stacked = {k: np.stack([one.arrays()[k], two.arrays()[k]]) for k in one.arrays()}
     assert one.across_hosts(stacked).prefix_cache == one.prefix_cache  # the fleet's, as this host read it
 
