@@ -40,15 +40,18 @@ def export_model(folder: str) -> str:
     return folder
 
 
-def start_vllm(python: str, model: str, log: pathlib.Path) -> tuple[subprocess.Popen, str, float]:
-    """(process, URL, start-up seconds) of a vLLM CPU server on `model`, waited for until /health answers."""
+def start_vllm(python: str, model: str, log: pathlib.Path, options: tuple[str, ...] = ()
+               ) -> tuple[subprocess.Popen, str, float]:
+    """(process, URL, start-up seconds) of a vLLM CPU server on `model` (with more server `options`), waited for
+    until /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.perf_counter()
     process = subprocess.Popen(
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-         "--port", str(port), "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--dtype", "float32"],
+         "--port", str(port), "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--dtype", "float32",
+         *options],
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"},  # else most of free memory
         stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
