@@ -1,7 +1,8 @@
 """Context parallelism's memory: the compiled training step's per-device memory (XLA's `memory_analysis()`) for a
 SmolLM2-135M-shaped model (random weights) on one row of --tokens tokens, with `mesh.context` = each of
 --contexts on that many of 8 CPU devices, and with --time the step's tokens/s against context 1 (the 8 fake
-devices share this machine's cores: a check that the split runs, not a speed-up figure).
+devices share this machine's cores: a check that the split runs, not a speed-up figure; each device holds a float32
+copy of the state, so on a 24 GiB host time at most 4 ways).
 Prints one JSON line: per context size, the temporaries (activations and the step's work buffers), arguments
 (the state and the batch) and outputs in GB, the temporaries' share of context 1's, and the plan's per-device
 total (`python -m drgrpo_jax.plan`'s trainer figure) against the compiled one (arguments + outputs - aliased +
@@ -90,6 +91,8 @@ def measure(context: int, tokens: int, remat: str, timed: bool) -> dict:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         result["tokens_per_second"] = round(tokens / (time.perf_counter() - start), 1)
+    del state, compiled  # the next context size's copies of the state take their place
+    jax.clear_caches()
     return result
 
 
@@ -105,6 +108,8 @@ def main() -> None:
     base = runs[0]["temp_gb"]
     for run in runs:
         run["temp_share_of_first"] = round(run["temp_gb"] / base, 3)
+        if args.time:
+            run["tokens_per_second_over_first"] = round(run["tokens_per_second"] / runs[0]["tokens_per_second"], 3)
     baseline = measure(1, args.baseline_tokens, args.remat, timed=False)
     print(json.dumps({"benchmark": "context_parallel", "model": "SmolLM2-135M-shaped (random)", "tokens": args.tokens,
                       "remat": args.remat, "backend": jax.default_backend(), "runs": runs,
