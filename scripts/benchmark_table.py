@@ -206,10 +206,78 @@ def _router_replay_mismatch(r: dict) -> tuple[str, str]:
                   f"{100 * plain['routing_differs_token_share']:.2f}% of tokens routed differently")
 
 
+def _context_parallel(r: dict) -> tuple[str, str]:
+    runs, timed = r["runs"], "tokens_per_second" in r["runs"][0]
+    what = (f"One row of {r['tokens']:,} tokens through the training step of a SmolLM2-135M-shaped model (float32, "
+            f"remat {r['remat']}), its tokens split over `mesh.context` ways of 8 CPU devices (XLA's "
+            "`memory_analysis()`)" + ("; tokens/s, the devices sharing the host's cores" if timed else ""))
+    shares = ", ".join(f"{run['temp_share_of_first']:.2f}x at {run['context']}" for run in runs[1:])
+    figures = (f"temporaries per device {shares} of context 1's ({runs[0]['temp_gb']:.2f} -> "
+               f"{runs[-1]['temp_gb']:.2f} GB); the plan's per-device total "
+               f"{min(run['planned_over_compiled'] for run in runs):.2f}-"
+               f"{max(run['planned_over_compiled'] for run in runs):.2f}x the compiled one")
+    if "baseline" in r:
+        base = r["baseline"]
+        figures += (f"; at {runs[-1]['context']} ways {runs[-1]['total_gb']:.2f} GB per device against "
+                    f"{base['total_gb']:.2f} GB for 1 x {base['tokens']:,} tokens at context 1")
+    if timed:
+        figures += "; tokens/s " + ", ".join(f"{run['tokens_per_second_over_first']:.2f}x at {run['context']}"
+                                             for run in runs[1:]) + " of context 1's"
+    return what, figures
+
+
+def _serving_limits(r: dict) -> tuple[str, str]:
+    scoring, swaps = r["scoring_past_deadline"], r["swaps"]
+    what = (f"The service on {r['settings']['model']}: {len(swaps)} weight pushes of {r['weights_gb']:.2f} GB while "
+            f"idle, and a scoring request ({r['settings']['score_rows']} x {r['settings']['score_tokens']:,} tokens, "
+            f"`echo` + `logprobs`) past a {r['settings']['deadline_s']:g} s deadline")
+    return what, (f"a push's peak memory above the memory before it **{r['swap_peak_in_weights_median']:.2f}x** the "
+                  f"weights' bytes (median; {min(s['peak_over_before_gb'] for s in swaps):.2f}-"
+                  f"{max(s['peak_over_before_gb'] for s in swaps):.2f} GB); the scoring request answered in "
+                  f"{scoring['answered_s']:.1f} s, its forward then ran {scoring['busy_s_after_answer']:.0f} s more "
+                  f"({scoring['cpu_s_after_answer']:.0f} CPU s)")
+
+
+def _prefix_cache(r: dict) -> tuple[str, str]:
+    s = r["settings"]
+    what = (f"{s['requests']} requests of {s['n']} samples, each a shared {s['prefix_tokens']}-token prefix and its "
+            f"own {s['tail_tokens']}-token tail, {s['new_tokens']} new tokens, one after another: the service's "
+            "prefix cache on vs off, same run")
+    on, off = r["cache_on"], r["cache_off"]
+    return what, (f"seconds per request **{r['seconds_ratio_on_off']:.2f}x** with the cache "
+                  f"({on['seconds_per_request']:.2f} vs {off['seconds_per_request']:.2f} s), prompt tokens prefilled "
+                  f"**{r['prefill_ratio_on_off']:.2f}x** ({on['prefill_tokens_per_request']:.0f} vs "
+                  f"{off['prefill_tokens_per_request']:.0f} per request)")
+
+
+def _prefix_cache_quickstart(r: dict) -> tuple[str, str]:
+    what = (f"`{r['config']}` for {r['steps']} steps on the trainer's own service, its prefix cache on vs off, one "
+            "run after the other")
+    seconds = r["rollout_s_median_after_first"]
+    return what, (f"rollout seconds per step **{r['rollout_ratio_on_off']:.2f}x** with the cache "
+                  f"({seconds['on']:.2f} vs {seconds['off']:.2f} s), prompt tokens prefilled "
+                  f"**{r['prefill_ratio_on_off']:.2f}x** (mean share per step)")
+
+
+def _admission(r: dict) -> tuple[str, str]:
+    s, over = r["settings"], r["continuous_over"]
+    what = (f"{s['requests']} one-row requests arriving every {s['gap_s']:g} s, 9 in 10 of {s['short_tokens']} new "
+            f"tokens and 1 in 10 of {s['long_tokens']:,}, at most {s['batch']} rows at once: continuous admission "
+            "vs static" + (" and vs vLLM's CPU server" if r.get("vllm_cpu") else "") + ", same run")
+    parts = [f"{name}: throughput **{over[f'{key}_tokens_per_second_ratio']:.2f}x**, p50 latency "
+             f"{over[f'{key}_p50_ratio']:.2f}x, p95 **{over[f'{key}_p95_ratio']:.2f}x**"
+             for key, name in (("static", "against static"), ("vllm", "against vLLM")) if f"{key}_p95_ratio" in over]
+    c = r["continuous"]
+    return what, "; ".join(parts) + (f" (continuous: {c['tokens_per_second']:.0f} tokens/s, p50 "
+                                     f"{c['p50_latency_s']:.1f} s, p95 {c['p95_latency_s']:.1f} s)")
+
+
 FORMATS: dict[str, Callable[[dict], tuple[str, str]]] = {
     "quickstart": _quickstart, "rl_step": _rl_step, "train_step": _train_step, "sampler": _sampler,
     "long_context": _long_context, "attention": _attention, "rollout_engines": _rollout_engines,
-    "staleness": _staleness, "moe_upcycle": _moe_upcycle, "router_replay_mismatch": _router_replay_mismatch}
+    "staleness": _staleness, "moe_upcycle": _moe_upcycle, "router_replay_mismatch": _router_replay_mismatch,
+    "context_parallel": _context_parallel, "prefix_cache": _prefix_cache,
+    "prefix_cache_quickstart": _prefix_cache_quickstart, "admission": _admission, "serving_limits": _serving_limits}
 
 
 # The headline figure of each script, (what it is, how to read it, unit): the spread over reproductions is shown on it.
@@ -238,7 +306,8 @@ def _code_commit(commit: str) -> str:
 # The result fields that tell rows of one script apart (a config, a shape, a lever).
 VARIANT_FIELDS = {"train_step": ("batch", "remat", "compute_dtype", "micro_batches"), "long_context": ("train_dtype",),
                   "attention": ("dtype", "rows"), "rollout_engines": ("steps",), "staleness": ("steps",),
-                  "moe_upcycle": ("experts", "top_k"), "router_replay_mismatch": ("dtype",)}
+                  "moe_upcycle": ("experts", "top_k"), "router_replay_mismatch": ("dtype",),
+                  "context_parallel": ("tokens",), "prefix_cache_quickstart": ("config", "steps")}
 
 
 def machine_kind(machine: dict) -> str:
@@ -321,7 +390,12 @@ TITLES = {"quickstart": "Whole training jobs (`benchmarks/quickstart.py`)",
           "rollout_engines": "Our generation service against vLLM (`benchmarks/rollout_engines.py`)",
           "staleness": "Asynchronous training, K steps off (`benchmarks/staleness.py`)",
           "moe_upcycle": "A mixture of experts learning on a CPU (`benchmarks/moe_upcycle.py`)",
-          "router_replay_mismatch": "Router replay (`benchmarks/router_replay_mismatch.py`)"}
+          "router_replay_mismatch": "Router replay (`benchmarks/router_replay_mismatch.py`)",
+          "context_parallel": "Context parallelism's memory (`benchmarks/context_parallel.py`)",
+          "prefix_cache": "The service's prefix cache (`benchmarks/prefix_cache.py`)",
+          "prefix_cache_quickstart": "The prefix cache in training (`benchmarks/prefix_cache_quickstart.py`)",
+          "admission": "Continuous admission (`benchmarks/admission.py`)",
+          "serving_limits": "Serving limits (`benchmarks/serving_limits.py`)"}
 
 
 def table(records: dict[tuple[str, str], list[dict]], scripts: tuple[str, ...] = tuple(FORMATS),

@@ -316,3 +316,44 @@ def test_a_quickstart_summary_carries_the_episodes_of_a_run_with_tools():
     assert summary["eval_accuracy_by_step"] == {0: 0.5, 3: 0.75} and summary["avg@2_by_step"] == {0: 0.25, 3: 0.625}
     plain = summarise([{key: value for key, value in row.items() if not key.startswith("episode/")} for row in train])
     assert not [key for key in plain if key.startswith(("tool_calls", "malformed", "model_tokens", "avg@"))]
+
+
+def test_the_context_cache_admission_and_limit_rows_lead_with_their_ratios():
+    table = _load("scripts/benchmark_table.py")
+    run = {"temp_gb": 4.0, "total_gb": 7.0, "planned_over_compiled": 1.0, "temp_share_of_first": 1.0,
+           "tokens_per_second": 100.0, "tokens_per_second_over_first": 1.0}
+    _, row = table.FORMATS["context_parallel"]({
+        "tokens": 8192, "remat": "full", "baseline": {"tokens": 2048, "total_gb": 3.0},
+        "runs": [{**run, "context": 1}, {**run, "context": 2, "temp_gb": 2.0, "total_gb": 5.0,
+                                         "temp_share_of_first": 0.5, "planned_over_compiled": 0.9,
+                                         "tokens_per_second_over_first": 0.8}]})
+    assert row == ("temporaries per device 0.50x at 2 of context 1's (4.00 -> 2.00 GB); the plan's per-device total "
+                   "0.90-1.00x the compiled one; at 2 ways 5.00 GB per device against 3.00 GB for 1 x 2,048 tokens at "
+                   "context 1; tokens/s 0.80x at 2 of context 1's")
+    _, row = table.FORMATS["prefix_cache"]({
+        "settings": {"requests": 8, "n": 4, "prefix_tokens": 440, "tail_tokens": 40, "new_tokens": 64},
+        "seconds_ratio_on_off": 0.5, "prefill_ratio_on_off": 0.25,
+        "cache_on": {"seconds_per_request": 1.0, "prefill_tokens_per_request": 120.0},
+        "cache_off": {"seconds_per_request": 2.0, "prefill_tokens_per_request": 480.0}})
+    assert row == ("seconds per request **0.50x** with the cache (1.00 vs 2.00 s), prompt tokens prefilled **0.25x** "
+                   "(120 vs 480 per request)")
+    _, row = table.FORMATS["prefix_cache_quickstart"]({
+        "config": "configs/tool_quickstart.yaml", "steps": 4, "rollout_ratio_on_off": 0.6, "prefill_ratio_on_off": 0.3,
+        "rollout_s_median_after_first": {"on": 6.0, "off": 10.0}})
+    assert row == "rollout seconds per step **0.60x** with the cache (6.00 vs 10.00 s), prompt tokens prefilled " \
+                  "**0.30x** (mean share per step)"
+    what, row = table.FORMATS["admission"]({
+        "settings": {"requests": 40, "gap_s": 0.25, "short_tokens": 32, "long_tokens": 1024, "batch": 8},
+        "continuous": {"tokens_per_second": 50.0, "p50_latency_s": 1.0, "p95_latency_s": 9.0}, "vllm_cpu": {"x": 1},
+        "continuous_over": {"static_tokens_per_second_ratio": 1.5, "static_p50_ratio": 0.5, "static_p95_ratio": 0.9,
+                            "vllm_tokens_per_second_ratio": 1.1, "vllm_p50_ratio": 0.8, "vllm_p95_ratio": 0.7}})
+    assert "and vs vLLM's CPU server" in what
+    assert row == ("against static: throughput **1.50x**, p50 latency 0.50x, p95 **0.90x**; against vLLM: throughput "
+                   "**1.10x**, p50 latency 0.80x, p95 **0.70x** (continuous: 50 tokens/s, p50 1.0 s, p95 9.0 s)")
+    _, row = table.FORMATS["serving_limits"]({
+        "weights_gb": 0.5, "swap_peak_in_weights_median": 2.0, "settings": {"model": "m", "score_rows": 8,
+                                                                           "score_tokens": 1000, "deadline_s": 2.0},
+        "swaps": [{"peak_over_before_gb": 0.9}, {"peak_over_before_gb": 1.1}],
+        "scoring_past_deadline": {"answered_s": 2.1, "busy_s_after_answer": 30.4, "cpu_s_after_answer": 55.0}})
+    assert row == ("a push's peak memory above the memory before it **2.00x** the weights' bytes (median; 0.90-1.10 "
+                   "GB); the scoring request answered in 2.1 s, its forward then ran 30 s more (55 CPU s)")
