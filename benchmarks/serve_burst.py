@@ -17,7 +17,11 @@ and `--max-kept-programs 0` shows what keeping them costs. Prints one JSON line:
 Done when: the health and small-request p95 stay within seconds during the burst, and rss_after_ratio <= 1.2 once
 the burst is over. Run it on a quiet machine: the figures mean nothing on a loaded one.
 
-    python benchmarks/serve_burst.py [--random-weights] [--burst 32] [--duration-s 120]
+    python benchmarks/serve_burst.py [--random-weights] [--burst 32] [--duration-s 120] [--prefix-cache-bytes N]
+
+With --prefix-cache-bytes the service keeps prompts' blocks (every burst prompt is distinct, so the cache fills and
+evicts): each burst's figures add its `prefix_cache` counters after it, whose `pool_bytes` stays within
+`budget_bytes`.
 """
 
 from __future__ import annotations
@@ -128,7 +132,7 @@ def _burst(client: httpx.Client, server_url: str, pid: int, args: argparse.Names
             "rss_start_mb": round(rss_start, 1), "rss_peak_mb": round(peak, 1), "rss_after_mb": round(rss_after, 1),
             "rss_after_ratio": round(rss_after / rss_start, 3), "recovered_s": round(recovered, 2),
             "programs_compiled": info_after["compiled_programs"] - info_start["compiled_programs"] + dropped,
-            "programs_dropped": dropped, "statuses": statuses}
+            "programs_dropped": dropped, "statuses": statuses, "prefix_cache": info_after.get("prefix_cache")}
 
 
 def main() -> None:
@@ -140,6 +144,7 @@ def main() -> None:
     parser.add_argument("--request-timeout-s", type=float, default=60.0, help="the service's per-request deadline")
     parser.add_argument("--max-kept-programs", type=int, default=4,
                         help="the service's cap on compiled programs kept while idle (0: keep every one)")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=0, help="the service's prefix cache (0: off)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure the first burst, whose memory includes the programs it compiles")
     args = parser.parse_args()
@@ -151,7 +156,8 @@ def main() -> None:
         settings = {"model": "random SmolLM2-135M" if args.random_weights else "SmolLM2-135M-Instruct",
                     **{k: v for k, v in vars(args).items() if k != "random_weights"}}
         service_args = ["--request-timeout-s", str(args.request_timeout_s),
-                        "--max-kept-programs", str(args.max_kept_programs)]
+                        "--max-kept-programs", str(args.max_kept_programs),
+                        "--prefix-cache-bytes", str(args.prefix_cache_bytes)]
         with LocalServer(model, extra_args=service_args) as server:
             pid = server._process.pid
             with httpx.Client() as client:

@@ -60,8 +60,8 @@ async def model_info(request: Request) -> dict:
     cut short because their clients left, the sampler programs compiled and kept (one set per new batch shape) and
     those dropped while idle (--max-kept-programs), whether pushes reach running batches (--inflight-updates), and
     LoRA adapter (null, or the merged adapter's name, rank, alpha and targets) of this service, and the prefix
-    cache's counters (`prefix_cache`: hit_tokens, miss_tokens, evicted_blocks, cached_blocks, budget_bytes; budget
-    0 = off). The paths are names (`Service.shown`): no server path is shown."""
+    cache's counters (`prefix_cache`: hit_tokens, miss_tokens, evicted_blocks, cached_blocks, budget_bytes,
+    pool_bytes; budget 0 = off). The paths are names (`Service.shown`): no server path is shown."""
     service = service_of(request)
     scheduler, w = service.scheduler, service.scheduler.weights
     adapter = w.adapter and {**w.adapter, "path": service.shown(w.adapter["path"])}

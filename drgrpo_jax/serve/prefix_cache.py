@@ -94,11 +94,12 @@ class PrefixCache:
         self.evicted_blocks = 0  # blocks evicted to make room (flushes and weight changes are not counted)
 
     def stats(self) -> dict[str, int]:
-        """The counters /get_model_info serves."""
+        """The counters /get_model_info serves; `pool_bytes`: what the pool holds allocated now (within the budget)."""
         with self._lock:
+            pool = 0 if self._pool is None else self._pool.k.nbytes + self._pool.v.nbytes
             return {"hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens,
                     "evicted_blocks": self.evicted_blocks, "cached_blocks": len(self._blocks),
-                    "budget_bytes": self.budget_bytes, "block_tokens": BLOCK_TOKENS}
+                    "budget_bytes": self.budget_bytes, "pool_bytes": pool, "block_tokens": BLOCK_TOKENS}
 
     def flush(self) -> int:
         """Forgets every cached block (the pool's memory stays); returns how many there were."""

@@ -217,7 +217,8 @@ class Scheduler:
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters (zeros, budget 0, when it is off)."""
         if self.prefix_cache is None:
-            return {"hit_tokens": 0, "miss_tokens": 0, "evicted_blocks": 0, "cached_blocks": 0, "budget_bytes": 0}
+            return {"hit_tokens": 0, "miss_tokens": 0, "evicted_blocks": 0, "cached_blocks": 0, "budget_bytes": 0,
+                    "pool_bytes": 0}
         return self.prefix_cache.stats()
 
     def _release(self, rows: Sequence[RowRequest]) -> None:

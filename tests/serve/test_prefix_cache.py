@@ -116,7 +116,7 @@ def test_a_burst_of_distinct_prompts_evicts_and_stays_within_the_budget(folders,
         stats = small.prefix_stats()
         assert stats["evicted_blocks"] >= 2 * bursts - capacity and stats["budget_bytes"] == budget
         pool = small.prefix_cache._pool
-        assert pool is not None and pool.k.nbytes + pool.v.nbytes == budget
+        assert pool is not None and pool.k.nbytes + pool.v.nbytes == budget == stats["pool_bytes"]
     finally:
         small.close()
 
@@ -142,7 +142,7 @@ def test_flush_cache_and_the_counters_over_http(cached):
     client = TestClient(build_app(cached), base_url="http://localhost")
     cached.submit(_rows(FEW_SHOT + (9,), seed=1)).result(timeout=300)
     info = client.get("/get_model_info").json()["prefix_cache"]
-    assert set(info) >= {"hit_tokens", "miss_tokens", "evicted_blocks", "cached_blocks", "budget_bytes"}
+    assert set(info) >= {"hit_tokens", "miss_tokens", "evicted_blocks", "cached_blocks", "budget_bytes", "pool_bytes"}
     assert info["cached_blocks"] >= 2 and info["budget_bytes"] == 2**20
     answer = client.post("/flush_cache")
     assert answer.status_code == 200 and answer.text == FLUSHED
