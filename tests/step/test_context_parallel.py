@@ -1,6 +1,7 @@
 """Context parallelism (models/context_parallel.py): a mesh whose `context` axis splits every row's tokens gives one
 device's old log-probs, loss, gradient and update, float32, for padded and packed rows, grouped-query attention,
-sliding windows, attention sinks and a mixture of experts."""
+sliding windows, attention sinks, a mixture of experts and LoRA adapters; and bfloat16 GEMMs within bfloat16's
+rounding."""
 
 import dataclasses
 
@@ -13,8 +14,9 @@ from flax import nnx
 from drgrpo_jax.checkpoint import Checkpointer
 from drgrpo_jax.losses import LossConfig
 from drgrpo_jax.models import attention
-from drgrpo_jax.models.config import DecoderConfig, RuntimeOptions
+from drgrpo_jax.models.config import DecoderConfig, LoraSpec, RuntimeOptions
 from drgrpo_jax.models.context_parallel import from_context_layout, to_context_layout, zigzag_order
+from drgrpo_jax.models.lora import add_adapters
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sharding import MeshShape, batch_sharding, make_mesh, param_shardings, place, shard_model
 from drgrpo_jax.step.config import StepConfig
@@ -55,26 +57,37 @@ def _window(replay: bool):
     return dataclasses.replace(batch, routed_experts=np.argsort(draws, axis=-1)[..., :2].astype(np.int32))
 
 
+def _with_adapters(model: Transformer) -> Transformer:
+    """`model` with rank-2 adapters on every projection, B random (a fresh B = 0 would hide a wrong layout)."""
+    model = add_adapters(model, LoraSpec(rank=2, alpha=4.0), jax.random.key(1))
+    for index, (name, variable) in enumerate(sorted(vars(model.blocks).items())):
+        if name.endswith("_lora_b"):
+            variable.set_value(0.1 * jax.random.normal(jax.random.key(100 + index), variable[...].shape))
+    return model
+
+
 def _stepper(family: str, mesh_shape: tuple[int, int, int, int], impl: str = "blockwise", remat: str = "none",
-             replay: bool = False, **step_options):
+             replay: bool = False, lora: bool = False, compute_dtype: str | None = None, **step_options):
     """(initial state placed, its shardings, one(state) -> (old log-probs, metrics, state)): SGD steps of one window
     on a (data, fsdp, tensor, context) mesh, each recomputing its old log-probs there."""
     data, fsdp, tensor, context = mesh_shape
     mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, tensor=tensor, context=context),
                      jax.devices()[:data * fsdp * tensor * context])
-    runtime = RuntimeOptions(attention_impl=impl, remat=remat)
-    model = shard_model(Transformer(MODELS[family], rngs=nnx.Rngs(0), runtime=runtime), mesh)
+    runtime = RuntimeOptions(attention_impl=impl, remat=remat, compute_dtype=compute_dtype)
+    model = Transformer(MODELS[family], rngs=nnx.Rngs(0), runtime=runtime)
+    model = shard_model(_with_adapters(model) if lora else model, mesh)
     optimizer = optax.sgd(0.5)
     graphdef, state = init_state(model, optimizer, jax.random.key(0))
     config = StepConfig(loss=LossConfig(budget=STEP_RESPONSE), micro_batches=2, logprob_chunk=5, **step_options)
     params_shardings = param_shardings(state.params, mesh)
-    shardings = state_shardings(state, params_shardings, mesh)
+    frozen_shardings = None if state.frozen is None else param_shardings(state.frozen, mesh)
+    shardings = state_shardings(state, params_shardings, mesh, frozen_shardings)
     step = jit_train_step(graphdef, optimizer, optax.constant_schedule(0.5), config, shardings, mesh)
-    logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh)
+    logprobs = jit_policy_logprobs(graphdef, config, params_shardings, mesh, frozen_shardings)
     batch = place(_window(replay), batch_sharding(mesh))
 
     def one(state):
-        old = logprobs(state.params, batch)
+        old = logprobs(state.params, batch) if state.frozen is None else logprobs(state.params, batch, state.frozen)
         state, metrics = step(state, dataclasses.replace(batch, old_logprobs=old, behaviour_logprobs=old + 0.1))
         return old, metrics, state
 
@@ -98,6 +111,23 @@ def _assert_same_step(family, mesh_shape, **options):
     assert_same(params, want_params, "params after one update")
 
 
+@pytest.mark.heavy  # a step compiled on two meshes
+def test_a_context_split_step_with_bfloat16_gemms_stays_within_their_rounding():
+    """bfloat16 GEMM operands (float32 accumulation): the split changes only the order of float32 sums, so the two
+    meshes agree far more closely than bfloat16 rounds one value (2**-8), while both moved from float32's."""
+    options = dict(compute_dtype="bfloat16")
+    old, metrics, params = _run("llama", (1, 1, 1, 4), **options)
+    want_old, want_metrics, want_params = _run("llama", (1, 1, 1, 1), **options)
+    float32_old, _, _ = _run("llama", (1, 1, 1, 1))
+    real = make_step_batch().response_mask
+    np.testing.assert_allclose(old[real], want_old[real], rtol=2e-3, atol=2e-3, err_msg="old log-probs")
+    assert np.abs(want_old[real] - float32_old[real]).max() > 1e-4  # the GEMMs did run in bfloat16
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose(getattr(metrics, name), getattr(want_metrics, name), rtol=2e-3, err_msg=name)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+
+
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     """Blocks of 4 tokens: each shard's queries and the gathered keys span several blocks of the kernel."""
@@ -118,6 +148,8 @@ def _small_blocks(monkeypatch):
     ("qwen3_moe", (1, 2, 1, 4), PACKED),
     ("qwen3_moe", (2, 1, 1, 2), dict(replay=True)),
     ("qwen3_moe", (1, 1, 1, 4), dict(replay=True, **PACKED)),
+    ("llama", (1, 2, 1, 2), dict(lora=True)),
+    ("gemma3", (1, 1, 1, 4), dict(lora=True, **PACKED)),
 ])
 def test_a_context_split_step_equals_one_device(family, mesh_shape, options):
     _assert_same_step(family, mesh_shape, **options)
