@@ -286,7 +286,10 @@ RATIOS: dict[str, tuple[str, Callable[[dict], float | None], str]] = {
     "sampler": ("float32 ratio", lambda r: r.get("ratio_float32"), "x"),
     "quickstart": ("step seconds", lambda r: r.get("step_s_median_after_first"), " s"),
     "rollout_engines": ("vLLM/ours rollout ratio", _vllm_over_ours, "x"),
-    "staleness": ("K = 2 speedup", lambda r: r.get("speedup_k2"), "x")}
+    "staleness": ("K = 2 speedup", lambda r: r.get("speedup_k2"), "x"),
+    "prefix_cache": ("seconds ratio", lambda r: r.get("seconds_ratio_on_off"), "x"),
+    "serving_limits": ("scoring past its deadline", lambda r: r["scoring_past_deadline"]["busy_s_after_answer"], " s"),
+    "admission": ("p50 ratio against static", lambda r: r["continuous_over"].get("static_p50_ratio"), "x")}
 
 
 # What a figure depends on: commits that changed only other files (records, the README, this table) keep its code.
