@@ -48,6 +48,12 @@ def smollm2_model_path(folder: str, random_weights: bool) -> str:
     return path
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory now (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+
+
 def median_time(fn, repeats: int) -> float:
     """Median seconds of `repeats` calls of fn()."""
     times = []

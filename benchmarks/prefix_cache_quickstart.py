@@ -16,23 +16,17 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
-from quickstart import summarise
+from rollout_engines import train
 
 
-def train(config: str, run_dir: pathlib.Path, overrides: list[str]) -> tuple[dict, list[dict]]:
-    """(quickstart.summarise's figures and the wall seconds, the train rows of metrics.jsonl)."""
-    command = [sys.executable, "-m", "drgrpo_jax.train", "--config", config, f"run.output_dir={run_dir}", *overrides]
-    start = time.perf_counter()
-    finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if finished.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{finished.stderr[-4000:]}")
+def train_rows(config: str, run_dir: pathlib.Path, overrides: list[str]) -> tuple[dict, list[dict]]:
+    """(rollout_engines.train's figures, the train rows of the run's metrics.jsonl)."""
+    figures = train(run_dir, overrides, config)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"wall_s": round(time.perf_counter() - start, 1), **summarise(rows)}, [r for r in rows if "loss" in r]
+    return figures, [row for row in rows if "loss" in row]
 
 
 def main() -> int:
@@ -43,8 +37,9 @@ def main() -> int:
     args = parser.parse_args()
     common = [f"train.steps={args.steps}", "train.eval_every=0", "train.save_every=1000", *args.overrides]
     with tempfile.TemporaryDirectory() as tmp:
-        on, on_rows = train(args.config, pathlib.Path(tmp, "on"), [*common, "rollout.service_prefix_cache_bytes=-1"])
-        off, _ = train(args.config, pathlib.Path(tmp, "off"), [*common, "rollout.service_prefix_cache_bytes=0"])
+        on, on_rows = train_rows(args.config, pathlib.Path(tmp, "on"),
+                                 [*common, "rollout.service_prefix_cache_bytes=-1"])
+        off, _ = train_rows(args.config, pathlib.Path(tmp, "off"), [*common, "rollout.service_prefix_cache_bytes=0"])
     prefilled = [row["rollout/prefix_cache_prefilled_tokens"] for row in on_rows]
     read = [row["rollout/prefix_cache_hit_tokens"] for row in on_rows]
     rollout = {name: run["phases_s_median_after_first"]["rollout"] for name, run in (("on", on), ("off", off))}

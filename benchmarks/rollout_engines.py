@@ -66,9 +66,9 @@ def start_vllm(python: str, model: str, log: pathlib.Path, options: tuple[str, .
         time.sleep(2)
 
 
-def train(run_dir: pathlib.Path, overrides: list[str]) -> dict:
-    """The quickstart job's figures (quickstart.summarise) and wall seconds."""
-    command = [sys.executable, "-m", "drgrpo_jax.train", "--config", QUICKSTART, f"run.output_dir={run_dir}",
+def train(run_dir: pathlib.Path, overrides: list[str], config: str = QUICKSTART) -> dict:
+    """The job's figures (quickstart.summarise) and wall seconds; its metrics stay in run_dir/metrics.jsonl."""
+    command = [sys.executable, "-m", "drgrpo_jax.train", "--config", config, f"run.output_dir={run_dir}",
                *overrides]
     start = time.perf_counter()
     finished = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -37,12 +37,11 @@ import time
 import httpx
 import numpy as np
 
-from _common import smollm2, smollm2_gguf
+from _common import rss_bytes, smollm2, smollm2_gguf
 
 
 def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    return rss_bytes(pid) / 2**20
 
 
 def _random_model(folder: str) -> str:

@@ -27,12 +27,7 @@ import time
 import httpx
 import numpy as np
 
-from _common import smollm2, smollm2_gguf
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) * 1024
+from _common import rss_bytes, smollm2, smollm2_gguf
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -52,10 +47,10 @@ class PeakMemory:
 
     def _watch(self) -> None:
         while not self._stop.wait(0.01):
-            self.peak = max(self.peak, _rss_bytes(self.pid))
+            self.peak = max(self.peak, rss_bytes(self.pid))
 
     def reset(self) -> int:
-        self.peak = now = _rss_bytes(self.pid)
+        self.peak = now = rss_bytes(self.pid)
         return now
 
     def close(self) -> None:
@@ -85,7 +80,7 @@ def _swaps(client: httpx.Client, url: str, memory: PeakMemory, folder: str, swap
         seconds = time.perf_counter() - start
         answer.raise_for_status()
         time.sleep(0.05)
-        after = _rss_bytes(memory.pid)
+        after = rss_bytes(memory.pid)
         rows.append({"seconds": round(seconds, 2), "rss_before_gb": round(before / 1e9, 3),
                      "peak_over_before_gb": round((memory.peak - before) / 1e9, 3),
                      "peak_over_before_in_weights": round((memory.peak - before) / weights, 2),
