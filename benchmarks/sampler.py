@@ -80,17 +80,14 @@ def greedy_agreement(models: dict, rows_prompts, new_tokens: int) -> dict:
 
 
 def time_weight_swap(folder: str, dtype: str) -> float:
-    """Seconds for Scheduler.update_weights (what /update_weights_from_disk runs) with a saved checkpoint."""
+    """Seconds for ServedWeights.load_folder (what /update_weights_from_disk runs) with a saved checkpoint."""
     from drgrpo_jax.config.serve import ServeConfig
-    from drgrpo_jax.serve.scheduler import Scheduler
+    from drgrpo_jax.serve.weight_swap import ServedWeights
 
-    scheduler = Scheduler(ServeConfig(model=folder, dtype=dtype))
-    try:
-        start = time.perf_counter()
-        scheduler.update_weights(folder, "1")
-        return time.perf_counter() - start
-    finally:
-        scheduler.close()
+    served = ServedWeights(ServeConfig(model=folder, dtype=dtype), None)
+    start = time.perf_counter()
+    served.load_folder(folder, "1")
+    return time.perf_counter() - start
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What one sampler batch holds on a device besides the weights: its KV cache, and the larger of two programs'
 temporaries (the prefill's prompt cache and float32 attention scores, or the decode loop's RoPE tables and
-sampling over the vocabulary). The service admits work within a budget of these bytes (serve/scheduler.py); the
+sampling over the vocabulary). The service admits work within a budget of these bytes (serve/batch_budget.py); the
 plan adds the weights (plan/service.py). tests/plan/test_plan_service.py checks them against the compiled
 programs' own memory analysis, long prompts included.
 """

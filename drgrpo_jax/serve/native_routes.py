@@ -133,8 +133,8 @@ async def update_weights(body: UpdateWeightsRequest, request: Request) -> JSONRe
 
         def load() -> Weights:  # off the event loop: opening a folder on a slow disk must not stall /health
             with open_weight_folder(path, service.weights_roots) as folder:  # read through descriptors: no race
-                return scheduler.update_weights(folder, version, shown_path=body.model_path,
-                                             allow_rollback=body.allow_rollback)
+                return scheduler.served.load_folder(folder, version, shown_path=body.model_path,
+                                                    allow_rollback=body.allow_rollback)
 
         weights = await asyncio.to_thread(load)
     except PathNotAllowed as error:
@@ -166,7 +166,7 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, reque
     try:
         if not body.allow_rollback:
             check_newer(scheduler.weights.version, version)
-        weights = await asyncio.to_thread(scheduler.update_weights_from_segment, body.segment, index, version,
+        weights = await asyncio.to_thread(scheduler.served.load_segment, body.segment, index, version,
                                           allow_rollback=body.allow_rollback)
     except (InvalidWeights, ValueError) as error:
         return _update_answer(400, str(error), scheduler.weights.version)

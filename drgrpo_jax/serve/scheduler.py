@@ -1,15 +1,11 @@
-"""The scheduler: the served weights' hot swap (from a folder or a shared-memory segment) and the one worker thread
-that batches requests into the sampler. What a generation of weights is and how it loads: weights.py."""
-
-# Size: one concept, a lane's batches: what starts one (rows within the budgets, weights, the prefix cache), what
-# reaches it while it runs (cancellations, weight pushes, rows that join) and how its rows are answered.
+"""The scheduler: the worker threads that batch requests into the sampler, each batch on the weights served when it
+starts. The weights and their hot swap: weight_swap.py; what a batch may take on a device: batch_budget.py."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import logging
 import math
 import queue
@@ -23,28 +19,18 @@ import jax
 import numpy as np
 
 from drgrpo_jax.config.serve import ServeConfig
-from drgrpo_jax.errors import InvalidWeights, QueueFull
-from drgrpo_jax.host_memory import available_bytes, mapped_fraction, return_freed_memory
-from drgrpo_jax.models.lora import is_adapter_folder
+from drgrpo_jax.errors import QueueFull
+from drgrpo_jax.host_memory import mapped_fraction, return_freed_memory
 from drgrpo_jax.models.precision import DTYPES
-from drgrpo_jax.named_tensors import parse_index, read_segment
 from drgrpo_jax.sampler.batch import RowRequest, bucket, distinct_prompts, make_batch, mesh_rows
 from drgrpo_jax.sampler.generate import generate
-from drgrpo_jax.sampler.memory import batch_memory, batch_peak
 from drgrpo_jax.sampler.programs import compiled_programs, drop_compiled_programs
+from drgrpo_jax.serve.batch_budget import BatchBudget
 from drgrpo_jax.serve.joining import Joining, joinable
 from drgrpo_jax.serve.prefix_cache import Prefix, PrefixCache
-from drgrpo_jax.serve.weights import (
-    Weights,
-    check_compatible,
-    check_newer,
-    load_served,
-    load_weights,
-    weights_from_tensors,
-    with_adapter,
-)
+from drgrpo_jax.serve.weight_swap import ServedWeights
+from drgrpo_jax.serve.weights import Weights
 from drgrpo_jax.sharding import parse_service_mesh, service_mesh
-from drgrpo_jax.weight_folders import local_folder
 
 log = logging.getLogger("drgrpo_jax.serve")  # one logger name for the whole service, as before the split
 __all__ = ["Scheduler", "RowResult"]
@@ -107,7 +93,8 @@ class _Job:
 
 
 class Scheduler:
-    """Owns the weights, the request queue and the one worker thread that runs the sampler.
+    """Owns the served weights (`served`: pushes swap them), the request queues and the worker threads that run
+    the sampler.
 
     Requests from concurrent clients are cut into batches (rows = prompts x n), each taking the rows of the
     requests least served so far first, so a request of many batches takes turns with later ones. Each batch runs
@@ -124,14 +111,12 @@ class Scheduler:
         # The devices' count is checked before anything loads, the model's heads against the mesh before it compiles.
         self.mesh = service_mesh(parse_service_mesh(config.mesh, "--mesh"), "--mesh")
         self.data_ways = 1 if self.mesh is None else self.mesh.shape["data"]
-        # `base`: the last full model loaded; `weights`: what is served (the base, or it with an adapter merged).
-        self.base, self.weights = load_served(config.model, config.dtype, config.weight_version, self.mesh)
+        self.served = ServedWeights(config, self.mesh)  # the routes push weights through it
         self.max_context = config.max_context or self.weights.config.max_position_embeddings
-        self.batch_budget = config.max_batch_bytes or self._free_device_bytes() // 2
+        self.budget = BatchBudget.of(config, self.weights.config, self.mesh)
         cache_bytes = self.batch_budget // 4 if config.prefix_cache_bytes < 0 else config.prefix_cache_bytes
         self.prefix_cache = PrefixCache(self.weights.config, cache_bytes, DTYPES[config.dtype],
                                         self.mesh) if cache_bytes else None
-        self._update_lock = threading.Lock()
         self._lanes = (_Lane("sampler"),) + ((_Lane("sampler-short"),) if config.short_request_tokens else ())
         self._jobs: dict[concurrent.futures.Future, _Job] = {}  # requests not answered yet (see `abandon`)
         self._budget_lock = threading.Lock()
@@ -154,6 +139,20 @@ class Scheduler:
         for lane in self._lanes:
             lane.worker = threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
             lane.worker.start()
+
+    @property
+    def weights(self) -> Weights:
+        """What a batch starting now samples with: the served weights, swapped whole by each push."""
+        return self.served.current
+
+    @property
+    def batch_budget(self) -> int:
+        """The memory one batch may take on a device beside the weights (`budget`)."""
+        return self.budget.limit
+
+    def batch_bytes(self, rows: int, longest_prompt: int, most_new_tokens: int, record: bool = False) -> int:
+        """A batch's memory on one device beside the weights (`BatchBudget.batch_bytes`)."""
+        return self.budget.batch_bytes(rows, longest_prompt, most_new_tokens, record)
 
     @property
     def alive(self) -> bool:
@@ -233,119 +232,6 @@ class Scheduler:
             if lane.worker is not None:
                 lane.worker.join(timeout=60)
 
-    def update_weights(self, path: str, version: str, *, shown_path: str | None = None,
-                       allow_rollback: bool = False) -> Weights:
-        """Loads, checks and swaps in new weights; on any error the served weights stay as they were.
-
-        `path`: a model folder (the new base), or a PEFT LoRA adapter folder, merged into the current base.
-        Raises InvalidWeights with a message fit for the client: what failed to load is logged here only.
-        `shown_path`: the path as the client gave it (reported by /get_model_info). `allow_rollback`: an
-        older integer version is accepted (a trainer resuming from a checkpoint).
-        """
-        with self._update_lock:
-            if not allow_rollback:
-                check_newer(self.weights.version, version)
-            old, shown = self.weights, shown_path or path
-            try:
-                with local_folder(path) as folder:  # a gs:// folder is copied to local disk first
-                    if is_adapter_folder(folder):
-                        new, base = self._adapter_weights(folder, version, shown), self.base
-                    else:
-                        new = base = self._model_weights(folder, version)
-            except InvalidWeights:
-                raise
-            except Exception as error:  # noqa: BLE001 - a folder that cannot be fetched or read
-                log.warning("weight update from %s refused: %s: %s", path, type(error).__name__, error)
-                raise InvalidWeights("model_path: not a valid model folder") from None
-            # Keep the old graphdef: it is the static key of the compiled programs (no recompiles).
-            self.base = dataclasses.replace(base, graphdef=old.graphdef, config=old.config)
-            self.weights = dataclasses.replace(new, graphdef=old.graphdef, config=old.config, path=shown)
-            log.info("weights %s -> %s from %s%s", old.version, new.version, path, " (adapter)" if new.adapter else "")
-            return self.weights
-
-    def update_weights_from_segment(self, segment: str, index: list[dict[str, Any]], version: str, *,
-                                    allow_rollback: bool = False) -> Weights:
-        """Swaps in a whole model read from shared-memory segment `segment` (`tensor_segment`, written by the
-        trainer that started this service); like `update_weights`, the served weights stay on any error.
-
-        The writer may delete the segment once this returns: the new arrays are copies or (XLA on CPU may skip
-        the copy) hold the pages mapped, and a segment is never written again. Raises InvalidWeights naming the
-        tensor or field at fault.
-        """
-        with self._update_lock:
-            if not allow_rollback:
-                check_newer(self.weights.version, version)
-            old = self.weights
-            try:
-                tensors = read_segment(segment, parse_index(index))
-                new = weights_from_tensors(old, tensors, self.config.dtype, version, f"shm:{segment}")
-                del tensors  # the views unmap with it
-                check_compatible(old, new)
-            except FileNotFoundError:
-                raise InvalidWeights("segment: no such shared-memory segment") from None
-            except ValueError as error:  # names, shapes, dtypes: nothing about the machine
-                raise InvalidWeights(str(error)) from None
-            except OSError as error:
-                log.warning("weight update from segment %s refused: %s", segment, error)
-                raise InvalidWeights("segment: cannot be read") from None
-            self.base = self.weights = new
-            log.info("weights %s -> %s from shared memory", old.version, new.version)
-            return new
-
-    def _model_weights(self, folder: str, version: str) -> Weights:
-        """A full model folder, checked against the served model; InvalidWeights otherwise."""
-        try:
-            new = load_weights(folder, self.config.dtype, version, self.mesh)
-        except Exception as error:  # noqa: BLE001 - missing, unreadable, corrupt: one answer for all of them
-            log.warning("weight update from %s refused: %s: %s", folder, type(error).__name__, error)
-            raise InvalidWeights("model_path: not a valid model folder") from None
-        try:
-            check_compatible(self.weights, new)
-        except ValueError as error:  # names what differs from the served model, nothing about the disk
-            raise InvalidWeights(f"model_path: {error}") from None
-        return new
-
-    def _adapter_weights(self, folder: str, version: str, shown_path: str) -> Weights:
-        """The base with the adapter in `folder` merged; InvalidWeights naming what does not fit."""
-        try:
-            return with_adapter(self.base, folder, version, shown_path)
-        except (ValueError, KeyError) as error:  # tensor names and shapes, nothing about the disk
-            raise InvalidWeights(f"model_path: {error}") from None
-        except Exception as error:  # noqa: BLE001 - unreadable or corrupt files
-            log.warning("adapter update from %s refused: %s: %s", folder, type(error).__name__, error)
-            raise InvalidWeights("model_path: not a valid adapter folder") from None
-
-    def _free_device_bytes(self) -> int:
-        """What one of the service's devices has free: the accelerator's own figures, or on CPU the host's
-        available memory shared by the mesh's devices."""
-        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
-        stats = devices[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return available_bytes() // len(devices)
-
-    def batch_bytes(self, rows: int, longest_prompt: int, most_new_tokens: int, record: bool = False) -> int:
-        """A batch's sampler memory on one device beside the weights (sampler/memory.py), shapes bucketed as
-        `run_batch` buckets them; every row counted as its own prompt; `record`: some row returns its routed
-        experts (the batch records them all)."""
-        tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
-        return batch_peak(batch_memory(self.weights.config, rows, bucket(longest_prompt),
-                                       bucket(most_new_tokens), DTYPES[self.config.dtype].itemsize,
-                                       tensor=tensor, data=self.data_ways, record=record))
-
-    def _rows_that_fit(self, pending: deque) -> int:
-        """How many of the first pending rows make one batch: up to max_batch_size, while the batch's memory
-        stays within the budget (one row always: the request's check refused any that alone does not fit)."""
-        longest = most_new = 0
-        record = False
-        for count, (job, i) in enumerate(itertools.islice(pending, self.config.max_batch_size)):
-            row = job.rows[i]
-            longest, most_new = max(longest, len(row.prompt_ids)), max(most_new, row.params.max_new_tokens)
-            record = record or row.return_routed_experts
-            if count and self.batch_bytes(count + 1, longest, most_new, record) > self.batch_budget:
-                return count
-        return min(len(pending), self.config.max_batch_size)
-
     def _drop_cancelled(self, lane: _Lane) -> None:
         """Forgets the rows of requests whose client went away (their handler cancelled the future)."""
         dropped = [(job, i) for job, i in lane.pending if job.future.cancelled()]
@@ -385,7 +271,8 @@ class Scheduler:
         # The least served request first (stable: arrival order among equals), so a request of many batches takes
         # turns with the ones that came after it instead of holding them for all its batches.
         lane.pending = deque(sorted(lane.pending, key=lambda item: item[0].taken))
-        taken = [lane.pending.popleft() for _ in range(self._rows_that_fit(lane.pending))]
+        fit = self.budget.rows_that_fit(job.rows[i] for job, i in lane.pending)
+        taken = [lane.pending.popleft() for _ in range(fit)]
         for job, _ in taken:
             job.taken += 1
         return taken
@@ -580,7 +467,7 @@ class Scheduler:
             # must still fit the budget (as if every joining row needed a new row).
             rows = min(mesh_rows(self.config.max_batch_size, self.data_ways),
                        mesh_rows(device_rows + len(picked), self.data_ways))
-            if not picked or self.batch_bytes(rows, prompt_slots, step + new_tokens) > self.batch_budget:
+            if not picked or self.budget.batch_bytes(rows, prompt_slots, step + new_tokens) > self.budget.limit:
                 return None
             for item in picked:
                 lane.pending.remove(item)

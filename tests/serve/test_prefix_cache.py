@@ -128,7 +128,7 @@ def test_a_weight_push_never_reads_the_old_versions_blocks(folders):
         prompt = FEW_SHOT + (7, 8)
         cached.submit(_rows(prompt, seed=1)).result(timeout=300)
         assert cached.prefix_stats()["cached_blocks"] == 2
-        cached.update_weights(folders[1], "1")
+        cached.served.load_folder(folders[1], "1")
         after = _same(cached, fresh_v1, _rows(prompt, seed=2))
         assert [r.cached_tokens for r in after] == [0, 0] and after[0].weight_version == "1"
         again = _same(cached, fresh_v1, _rows(prompt, seed=3))  # version 1's own blocks serve it

@@ -172,7 +172,7 @@ def _swap_after_sampling(scheduler: Scheduler, monkeypatch, swaps: int) -> list[
         results = await real_run_rows(*args, **kwargs)
         calls.append(1)
         if len(calls) <= swaps:
-            scheduler.weights = dataclasses.replace(scheduler.weights, version=str(10 + len(calls)))
+            scheduler.served.current = dataclasses.replace(scheduler.weights, version=str(10 + len(calls)))
         return results
 
     monkeypatch.setattr(openai_routes, "run_rows", run_then_swap)

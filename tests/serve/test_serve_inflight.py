@@ -51,7 +51,7 @@ def _push_at_second_question(scheduler: Scheduler, folder: str) -> None:
         def asked() -> list[bool]:
             questions.append(1)
             if len(questions) == 2:
-                scheduler.update_weights(folder, "1")
+                scheduler.served.load_folder(folder, "1")
             return unwanted()
 
         return real(weights, rows, unwanted=asked)
