@@ -9,6 +9,7 @@ import json
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from drgrpo_jax.errors import BadRequest
 from drgrpo_jax.sampler.batch import RowRequest
 from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
-from drgrpo_jax.serve.scoring import ScoredSequence, call_bytes, rows_per_call, score_sequences
+from drgrpo_jax.serve.scoring import ScoredSequence, ScoringRate, call_bytes, rows_per_call, score_sequences
 from drgrpo_jax.serve.service import (
     Service,
     abort_message,
@@ -47,13 +48,25 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
     return stops
 
 
+# Each service's scoring speed (the served model's), learnt from its calls: what sizes a call to its deadline.
+_SCORING_RATES: weakref.WeakKeyDictionary[Scheduler, ScoringRate] = weakref.WeakKeyDictionary()
+_SCORING_RATES_LOCK = threading.Lock()
+
+
+def _scoring_rate(scheduler: Scheduler) -> ScoringRate:
+    with _SCORING_RATES_LOCK:
+        return _SCORING_RATES.setdefault(scheduler, ScoringRate())
+
+
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
                  choices: list[Choice], request: Request, deadline: float
                  ) -> tuple[list[ScoredSequence] | None, list[Choice]] | None:
     """(log-probs of each sequence under the weights that sampled it, the choices); None when the weights were
     swapped since (the caller samples again). When scoring is not done by `deadline` the log-probs are None and
-    every choice's finish reason is abort: the request is answered by its deadline all the same, and the scoring
-    stops there (within one call of --max-batch-size rows), as it does when the client leaves.
+    every choice's finish reason is abort: the request is answered by its deadline all the same. Each scoring
+    call takes only the rows the service's measured scoring speed says end by the deadline, and none is started
+    that would not (`score_sequences`): the scoring gives up there, before its deadline (at once when one sequence
+    alone would outrun it), rather than a call past it; it stops before its next call when the client leaves.
 
     Every reported log-prob and top entry comes from this one forward pass over prompt + completion at the
     request's temperature (1 for greedy, as the sampler reports), so a token's log-prob equals its top entry
@@ -64,7 +77,7 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
     weights, config = scheduler.weights, scheduler.config
     if any(c.weight_version != weights.version for c in choices):
         return None
-    stop = threading.Event()
+    stop, rate = threading.Event(), _scoring_rate(scheduler)
     rows = rows_per_call(weights.config, max(map(len, sequences)), top, config.max_scoring_bytes,
                          scheduler.batch_budget, config.max_batch_size)
 
@@ -72,7 +85,7 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
         with scheduler.programs_in_use():
             return score_sequences(weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
                                    weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=rows,
-                                   stopped=stop.is_set)
+                                   stopped=stop.is_set, deadline=deadline, rate=rate)
 
     scoring = asyncio.ensure_future(asyncio.to_thread(score))
     scored = scoring.result() if await wait_while_wanted(scoring, request, deadline, stop.set) else None

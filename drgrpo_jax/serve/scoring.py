@@ -2,7 +2,8 @@
 tokens, as lm-evaluation-harness's loglikelihood requests ask) and `top_logprobs` (the k likeliest tokens at
 each position). One full forward per sequence batch, jitted on bucketed shapes; the logits are made a tile of
 positions x vocabulary at a time (a running log-sum-exp and top-k), so a request's scoring memory is bounded by
-`--max-scoring-bytes`, not rows x length x vocabulary.
+`--max-scoring-bytes`, not rows x length x vocabulary. Given a deadline, each call takes only as many rows as a
+measured scoring rate (`ScoringRate`) says end by it, so a request's scoring stops close to its deadline.
 
 Shape letters (docs/shape_letters.md): B rows (bucketed), S positions of a whole sequence (bucketed),
 V vocab, K the top entries asked for (bucketed).
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -23,7 +26,12 @@ from drgrpo_jax.models.config import DecoderConfig
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.sampler.batch import batch_bucket, bucket
 
-__all__ = ["ScoredSequence", "call_bytes", "rows_per_call", "score_sequences", "tile_sizes"]
+__all__ = ["ScoredSequence", "ScoringRate", "call_bytes", "call_shape", "rows_in_time", "rows_per_call",
+           "score_sequences", "tile_sizes"]
+
+# One entry per `_score` program traced (JAX traces a jitted function once per shape it compiles it for): a call
+# that adds one compiled, and its time says nothing about scoring speed. list.append is atomic across threads.
+_traced: list[int] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +60,17 @@ def tile_sizes(rows: int, length: int, vocab: int, top: int, max_bytes: int) -> 
     return positions, entries
 
 
+def call_shape(rows: int, longest: int) -> tuple[int, int]:
+    """(rows, positions) a scoring call of `rows` sequences of up to `longest` tokens runs on: both bucketed."""
+    return batch_bucket(rows), bucket(max(longest, 2))
+
+
 def call_bytes(config: DecoderConfig, rows: int, length: int, top: int, max_bytes: int) -> int:
     """A scoring call's temporaries on its device, shapes bucketed as `_score_rows` buckets them: the larger of
     the full forward's activations, one layer at a time (float32, per token: the MLP's gate, up and product and
     three copies of the residual stream; a mixture of experts' per routed assignment), and its logits tiles. An
     upper bound within 25% of the compiled program's for dense models (tests/serve/test_serve_hostile.py)."""
-    width, length, k = batch_bucket(rows), bucket(max(length, 2)), bucket(max(top, 1), minimum=1)
+    (width, length), k = call_shape(rows, length), bucket(max(top, 1), minimum=1)
     mlp = config.experts_per_token * config.moe_intermediate_size if config.num_experts else config.intermediate_size
     positions, entries = tile_sizes(width, length, config.vocab_size, k, max_bytes)
     return max(width * length * (3 * mlp + 3 * config.hidden_size) * 4,
@@ -71,6 +84,51 @@ def rows_per_call(config: DecoderConfig, longest: int, top: int, max_bytes: int,
     while rows > 1 and call_bytes(config, rows, longest, top, max_bytes) > budget:
         rows //= 2
     return rows
+
+
+class ScoringRate:
+    """Seconds a scoring call takes per row x position of its bucketed shape, a running estimate over the calls
+    that compiled nothing (each moves it a fifth of the way to its own); 0 while none has run. One per served
+    model (the OpenAI routes keep one per service); calls on several threads note it at once."""
+
+    def __init__(self, seconds_per_token: float = 0.0):
+        self._lock = threading.Lock()
+        self._seconds_per_token = seconds_per_token
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self._seconds_per_token
+
+    def note(self, tokens: int, seconds: float) -> None:
+        """Learns from a call of `tokens` bucketed rows x positions that took `seconds`."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            old, new = self._seconds_per_token, seconds / tokens
+            self._seconds_per_token = new if not old else 0.8 * old + 0.2 * new
+
+
+def rows_in_time(lengths: Sequence[int], seconds_per_token: float, seconds_left: float | None) -> int:
+    """How many of the next sequences (`lengths`, as many as a call may hold) the next scoring call takes: all
+    with no deadline (`seconds_left` None); none once the deadline passed; one while the rate is unknown (0), so
+    its time teaches the rate; else the most, halving to powers of two (the row buckets), whose call is predicted
+    to end in time: none when not even one row is (the caller gives up rather than run past the deadline)."""
+    if seconds_left is None:
+        return len(lengths)
+    if seconds_left <= 0:
+        return 0
+    if not seconds_per_token:
+        return min(1, len(lengths))
+    rows = len(lengths)
+    while rows and seconds_per_token * _call_tokens(rows, max(lengths[:rows])) > seconds_left:
+        rows = 1 << ((rows - 1).bit_length() - 1) if rows > 1 else 0  # the power of two below
+    return rows
+
+
+def _call_tokens(rows: int, longest: int) -> int:
+    """Rows x positions of a call's bucketed shape: what its time is counted in."""
+    width, length = call_shape(rows, longest)
+    return width * length
 
 
 def _tile_scores(model: Transformer, hidden_BtD: jax.Array, targets_Bt: jax.Array, temperature_B: jax.Array, *,
@@ -113,6 +171,7 @@ def _score(graphdef: nnx.GraphDef, state: nnx.State, ids_BS: jax.Array, segments
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log-prob of each next token [B, S], top-k log-probs and ids [B, S, K]) at each row's temperature; the
     last position (no next token) is garbage. Tiles of `positions` x `entries` bound the logits' memory."""
+    _traced.append(1)  # runs only while JAX traces (compiles) this program
     model = nnx.merge(graphdef, state)
     positions_BS = jnp.maximum(jnp.cumsum(segments_BS, axis=1, dtype=jnp.int32) - 1, 0)
     hidden_BSD = model.hidden_states(ids_BS, positions_BS, segments_BS)
@@ -135,29 +194,41 @@ def _score(graphdef: nnx.GraphDef, state: nnx.State, ids_BS: jax.Array, segments
 
 def score_sequences(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequence[int]],
                     temperatures: Sequence[float], top: int, vocab_size: int, max_bytes: int = 256 * 2**20, *,
-                    rows_per_call: int = 32, stopped: Callable[[], bool] | None = None
-                    ) -> list[ScoredSequence] | None:
+                    rows_per_call: int = 32, stopped: Callable[[], bool] | None = None,
+                    deadline: float | None = None, rate: ScoringRate | None = None,
+                    clock: Callable[[], float] = time.monotonic) -> list[ScoredSequence] | None:
     """Each sequence's next-token log-probs and top-`top` entries (temperature 0 scores at 1, as the sampler),
     computed in tiles whose float32 temporaries stay within `max_bytes` (`--max-scoring-bytes`).
 
-    The sequences are scored `rows_per_call` at a time (the service's batch), and `stopped` is asked before each
-    call: once it answers True (the request's deadline passed, or its client left) the rest is left unscored and
-    the answer is None, so abandoned scoring stops within one call, as a batch stops at its next check."""
+    The sequences are scored in order, at most `rows_per_call` a call (the memory bound). With a `deadline` (a
+    `clock()` time) each call takes only the rows `rate` predicts to end by it (`rows_in_time`): when not even one
+    row would, the rest is left unscored and the answer is None, so the scoring ends before its deadline rather
+    than a call's length past it. `stopped` is asked before each call: once it answers True (the client left) the
+    answer is None as well. Each call that compiled nothing teaches `rate` its speed (a rate of its own when None).
+    Rows are independent, so how they are split into calls changes no result beyond float rounding."""
+    rate = ScoringRate() if rate is None else rate
     out: list[ScoredSequence] = []
-    for start in range(0, len(sequences), rows_per_call):
+    while len(out) < len(sequences):
         if stopped is not None and stopped():
             return None
-        end = start + rows_per_call
-        out += _score_rows(graphdef, state, sequences[start:end], temperatures[start:end], top, vocab_size,
-                           max_bytes)
+        start = len(out)
+        lengths = [len(s) for s in sequences[start:start + rows_per_call]]
+        rows = rows_in_time(lengths, rate.seconds_per_token, None if deadline is None else deadline - clock())
+        if not rows:
+            return None
+        traced, began = len(_traced), clock()
+        out += _score_rows(graphdef, state, sequences[start:start + rows], temperatures[start:start + rows], top,
+                           vocab_size, max_bytes)
+        if len(_traced) == traced:  # a call that compiled says nothing about how fast scoring runs
+            rate.note(_call_tokens(rows, max(lengths[:rows])), clock() - began)
     return out
 
 
 def _score_rows(graphdef: nnx.GraphDef, state: nnx.State, sequences: Sequence[Sequence[int]],
                 temperatures: Sequence[float], top: int, vocab_size: int, max_bytes: int) -> list[ScoredSequence]:
     """score_sequences of one call's rows: one program run on bucketed shapes."""
-    rows, longest = len(sequences), max(len(s) for s in sequences)
-    width, length, k = batch_bucket(rows), bucket(max(longest, 2)), min(bucket(max(top, 1), minimum=1), vocab_size)
+    rows = len(sequences)
+    (width, length), k = call_shape(rows, max(map(len, sequences))), min(bucket(max(top, 1), minimum=1), vocab_size)
     ids = np.zeros((width, length), np.int32)
     segments = np.zeros((width, length), np.int32)
     for b, sequence in enumerate(sequences):
