@@ -5,8 +5,7 @@ sampler checks allow (tests/plan/test_plan_service.py)."""
 
 from __future__ import annotations
 
-import collections
-import types
+import dataclasses
 
 import jax.numpy as jnp
 import pytest
@@ -15,12 +14,13 @@ from flax import nnx
 from drgrpo_jax.config.load import load_config
 from drgrpo_jax.config.serve import ServeConfig
 from drgrpo_jax.models.config import DecoderConfig
+from drgrpo_jax.models.hf_io import load_hf_config
 from drgrpo_jax.models.transformer import Transformer
 from drgrpo_jax.plan.service import service_memory, service_total
 from drgrpo_jax.sampler import programs
 from drgrpo_jax.sampler.batch import RowRequest, SamplingParams, make_batch
 from drgrpo_jax.sampler.memory import batch_memory, batch_peak
-from drgrpo_jax.serve.scheduler import Scheduler
+from drgrpo_jax.serve.batch_budget import BatchBudget
 
 from support.tiny_models import write_tiny_qwen3_moe
 
@@ -95,20 +95,17 @@ def test_a_recording_batch_carries_its_routed_experts_in_the_figure():
 def test_the_engine_budgets_recorded_experts_for_a_batch_that_asks_for_them(tmp_path):
     """A batch with one row asking return_routed_experts is budgeted with the recording buffers: two such rows
     no longer fit a budget that two plain rows fill."""
-    scheduler = Scheduler(ServeConfig(model=write_tiny_qwen3_moe(str(tmp_path)), batch_wait_ms=1.0))
-    try:
-        config = scheduler.weights.config
-        plain, recording = scheduler.batch_bytes(2, 20, 30), scheduler.batch_bytes(2, 20, 30, record=True)
-        figures = batch_memory(config, 2, 32, 32, 4, record=True)
-        assert recording - plain == figures["recorded_experts"] == 2 * 64 * config.num_layers * \
-            config.experts_per_token * 4
-        assert recording == batch_peak(figures)
-        params = SamplingParams(max_new_tokens=30)
-        row = RowRequest(tuple(range(1, 21)), params, seed=0)
-        wanting = RowRequest(tuple(range(1, 21)), params, seed=0, return_routed_experts=True)
-        scheduler.batch_budget = plain
-        for first, fits in ((row, 2), (wanting, 1)):
-            job = types.SimpleNamespace(rows=[first, row])
-            assert scheduler._rows_that_fit(collections.deque([(job, 0), (job, 1)])) == fits
-    finally:
-        scheduler.close()
+    folder = write_tiny_qwen3_moe(str(tmp_path))
+    config = load_hf_config(folder)
+    budget = BatchBudget.of(ServeConfig(model=folder), config, None)
+    plain, recording = budget.batch_bytes(2, 20, 30), budget.batch_bytes(2, 20, 30, record=True)
+    figures = batch_memory(config, 2, 32, 32, 4, record=True)
+    assert recording - plain == figures["recorded_experts"] == 2 * 64 * config.num_layers * \
+        config.experts_per_token * 4
+    assert recording == batch_peak(figures)
+    params = SamplingParams(max_new_tokens=30)
+    row = RowRequest(tuple(range(1, 21)), params, seed=0)
+    wanting = RowRequest(tuple(range(1, 21)), params, seed=0, return_routed_experts=True)
+    budget = dataclasses.replace(budget, limit=plain)
+    for first, fits in ((row, 2), (wanting, 1)):
+        assert budget.rows_that_fit([first, row]) == fits
