@@ -13,7 +13,9 @@ every 10 ms.
   the seconds until it is answered, and the seconds and the service's CPU seconds after the answer until it is
   idle (what the call still runs). The same request runs once before, unmeasured, to compile its program, then
   once measured as `scoring_learning` (the service's first call that compiles nothing, which teaches it the
-  scoring speed that sizes calls to the deadline), then once as `scoring_past_deadline`.
+  scoring speed that sizes calls to the deadline), then once as `scoring_past_deadline`, and once without
+  `logprobs` as `sampling_past_deadline`: what the sampler's prefill of the same prompts (no new tokens are asked
+  for, but the request is sampled before it is scored) runs past the deadline on its own.
 Prints one JSON line.
 """
 
@@ -90,9 +92,9 @@ def _swaps(client: httpx.Client, url: str, memory: PeakMemory, folder: str, swap
     return rows
 
 
-def _scoring(client: httpx.Client, url: str, pid: int, rows: int, tokens: int) -> dict:
+def _scoring(client: httpx.Client, url: str, pid: int, rows: int, tokens: int, logprobs: bool = True) -> dict:
     body = {"prompt": [[3 + (7 * r + 13 * j) % 40000 for j in range(tokens)] for r in range(rows)],
-            "max_tokens": 0, "echo": True, "logprobs": 1}
+            "max_tokens": 0, "echo": True, **({"logprobs": 1} if logprobs else {})}
     _idle_cpu(pid)
     start = time.perf_counter()
     answer = client.post(url + "/v1/completions", json=body, timeout=600)
@@ -135,10 +137,11 @@ def main() -> None:
             _scoring(client, server.url, pid, args.score_rows, args.score_tokens)  # compiles its program
             learning = _scoring(client, server.url, pid, args.score_rows, args.score_tokens)
             scoring = _scoring(client, server.url, pid, args.score_rows, args.score_tokens)
+            sampling = _scoring(client, server.url, pid, args.score_rows, args.score_tokens, logprobs=False)
     shares = [row["peak_over_before_in_weights"] for row in swaps]
     print(json.dumps({"benchmark": "serving_limits", "weights_gb": round(weights / 1e9, 3), "swaps": swaps,
                       "swap_peak_in_weights_median": float(np.median(shares)), "scoring_learning": learning,
-                      "scoring_past_deadline": scoring,
+                      "scoring_past_deadline": scoring, "sampling_past_deadline": sampling,
                       "settings": {"model": "random SmolLM2-135M" if args.random_weights else "SmolLM2-135M-Instruct",
                                    **{k: v for k, v in vars(args).items() if k != "random_weights"}}}))
 
