@@ -8,14 +8,15 @@ shape) with a --weights-root holding the same weights as safetensors, and reads 
 every 10 ms.
 - Swap: --swaps pushes (`/update_weights_from_disk`) of that folder while idle; per push, the peak above the
   memory before it, in units of the weights' bytes (a swap holds the served weights and the new ones at once).
-- Scoring past its deadline: with `--request-timeout-s` --deadline-s, one `echo` + `logprobs` request of
-  --score-rows prompts of --score-tokens tokens and no new tokens, whose forward takes longer than the deadline;
-  the seconds until it is answered, and the seconds and the service's CPU seconds after the answer until it is
-  idle (what the call still runs). The same request runs once before, unmeasured, to compile its program, then
-  once measured as `scoring_learning` (the service's first call that compiles nothing, which teaches it the
-  scoring speed that sizes calls to the deadline), then once as `scoring_past_deadline`, and once without
-  `logprobs` as `sampling_past_deadline`: what the sampler's prefill of the same prompts (no new tokens are asked
-  for, but the request is sampled before it is scored) runs past the deadline on its own.
+- Scoring past its deadline: with `--request-timeout-s` --deadline-s, one `echo` + `logprobs` request of one
+  prompt of --score-tokens tokens, n = --score-rows and no new tokens: the sampler prefills the prompt once, well
+  within the deadline, and the scoring of its --score-rows sequences takes longer than the deadline. The seconds
+  until it is answered, and the seconds and the service's CPU seconds after the answer until it is idle (what
+  still runs). The same request runs once before, unmeasured, to compile its programs, then once measured as
+  `scoring_learning` (the service's first call that compiles nothing, which teaches it the scoring speed that
+  sizes calls to the deadline), then once as `scoring_past_deadline`, and once without `logprobs` as
+  `sampling_past_deadline` (the sampler's share: it should end within the deadline, or the figures above are
+  the sampler's, not the scoring's).
 Prints one JSON line.
 """
 
@@ -93,8 +94,8 @@ def _swaps(client: httpx.Client, url: str, memory: PeakMemory, folder: str, swap
 
 
 def _scoring(client: httpx.Client, url: str, pid: int, rows: int, tokens: int, logprobs: bool = True) -> dict:
-    body = {"prompt": [[3 + (7 * r + 13 * j) % 40000 for j in range(tokens)] for r in range(rows)],
-            "max_tokens": 0, "echo": True, **({"logprobs": 1} if logprobs else {})}
+    body = {"prompt": [3 + 13 * j % 40000 for j in range(tokens)], "n": rows, "max_tokens": 0, "echo": True,
+            **({"logprobs": 1} if logprobs else {})}
     _idle_cpu(pid)
     start = time.perf_counter()
     answer = client.post(url + "/v1/completions", json=body, timeout=600)
@@ -111,7 +112,7 @@ def main() -> None:
     parser.add_argument("--swaps", type=int, default=3)
     parser.add_argument("--score-rows", type=int, default=8)
     parser.add_argument("--score-tokens", type=int, default=1000)
-    parser.add_argument("--deadline-s", type=float, default=2.0, help="the service's --request-timeout-s")
+    parser.add_argument("--deadline-s", type=float, default=10.0, help="the service's --request-timeout-s")
     args = parser.parse_args()
 
     from drgrpo_jax.models.hf_io import save_pretrained
