@@ -1,12 +1,12 @@
 """Context parallelism's memory: the compiled training step's per-device memory (XLA's `memory_analysis()`) for a
 SmolLM2-135M-shaped model (random weights) on one row of --tokens tokens, with `mesh.context` = each of
 --contexts on that many of 8 CPU devices, and with --time the step's tokens/s against context 1 (the 8 fake
-devices share this machine's cores: a check that the split runs, not a speed-up figure; each device holds a float32
-copy of the state, so on a 24 GiB host time at most 4 ways).
+devices share this machine's cores: a check that the split runs, not a speed-up figure).
 Prints one JSON line: per context size, the temporaries (activations and the step's work buffers), arguments
-(the state and the batch) and outputs in GB, the temporaries' share of context 1's, and the plan's per-device
+(the state and the batch) and outputs in GB, the temporaries' share of context 1's, the plan's per-device
 total (`python -m drgrpo_jax.plan`'s trainer figure) against the compiled one (arguments + outputs - aliased +
-temporaries); and the same for context 1 on one row of --baseline-tokens, what the issue's goal compares with.
+temporaries), and the compiled total against context 1's on one row of --baseline-tokens (the issue's goal: at
+most 1 at context 8), whose own figures come last.
     python benchmarks/context_parallel.py [--tokens 32768] [--contexts 1,2,4,8] [--baseline-tokens 4096]
                                           [--remat full] [--time]
 """
@@ -91,7 +91,7 @@ def measure(context: int, tokens: int, remat: str, timed: bool) -> dict:
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         result["tokens_per_second"] = round(tokens / (time.perf_counter() - start), 1)
-    del state, compiled  # the next context size's copies of the state take their place
+    del state, compiled  # the next context size's state takes its place
     jax.clear_caches()
     return result
 
@@ -111,6 +111,8 @@ def main() -> None:
         if args.time:
             run["tokens_per_second_over_first"] = round(run["tokens_per_second"] / runs[0]["tokens_per_second"], 3)
     baseline = measure(1, args.baseline_tokens, args.remat, timed=False)
+    for run in runs:
+        run["total_over_baseline"] = round(run["total_gb"] / baseline["total_gb"], 3)
     print(json.dumps({"benchmark": "context_parallel", "model": "SmolLM2-135M-shaped (random)", "tokens": args.tokens,
                       "remat": args.remat, "backend": jax.default_backend(), "runs": runs,
                       "baseline": {"tokens": args.baseline_tokens, **baseline}}))

@@ -128,7 +128,9 @@ class ShardingRules:
 
     batch: MeshAxes = ("data", "fsdp")  # activations' batch dimension
     vocab: MeshAxes = "tensor"  # embedding / output rows
-    embed: MeshAxes = "fsdp"  # model dimension of weights
+    # Weights' model dimension, split ZeRO-3 style over the row ways and the context ways alike: a context way holds
+    # a 1/context slice of the state instead of a whole copy, and gathers each layer's weights as fsdp does.
+    embed: MeshAxes = ("fsdp", "context")
     q_heads: MeshAxes = "tensor"
     kv_heads: MeshAxes = "tensor"
     head_dim: MeshAxes = None
@@ -140,7 +142,7 @@ class ShardingRules:
     expert: MeshAxes = "fsdp"
     layers: MeshAxes = None  # the stacked-layer axis (scanned; never sharded)
     # Activations' token axis (models/context_parallel.py): each context shard holds an early and a late chunk of
-    # every row; no parameter carries it, so checkpoints move between context sizes unchanged.
+    # every row. A checkpoint restores onto any fsdp x context split (orbax reshards on restore).
     length: MeshAxes = "context"
 
     def mesh_axes(self, logical: str | None) -> MeshAxes:

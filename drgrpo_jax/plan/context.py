@@ -93,9 +93,9 @@ def _row(candidate: Config, model: DecoderConfig, estimate: TrainerEstimate, usa
 
 def context_table(config: Config, model: DecoderConfig, estimate: TrainerEstimate, usable: int
                   ) -> list[dict[str, Any]]:
-    """One row per context size and way of placing it (`same_devices`, then `more_devices` where that differs),
-    each with its mesh, micro-batches, activations, per-device total, whether it fits `usable` bytes and the
-    forward's bytes received per layer for the split."""
+    """One row per context size and way of placing it (`same_devices`, then `more_devices` where that differs)
+    whose fsdp x context splits the model's state, each with its mesh, micro-batches, activations, per-device
+    total, whether it fits `usable` bytes and the forward's bytes received per layer for the split."""
     rows, seen = [], set()
     for context in context_sizes(config):
         for candidate in (same_devices(config, context), more_devices(config, context)):
@@ -103,9 +103,13 @@ def context_table(config: Config, model: DecoderConfig, estimate: TrainerEstimat
                 continue
             m = candidate.mesh
             key = (m.data, m.fsdp, m.tensor, m.context, candidate.train.micro_batches)
-            if key not in seen:
-                seen.add(key)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
                 rows.append(_row(candidate, model, estimate, usable))
+            except ConfigError:  # fsdp x context does not divide the model's dims: not a mesh this model can take
+                continue
     return rows
 
 

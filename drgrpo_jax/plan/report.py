@@ -15,6 +15,13 @@ def _gib(n: int) -> str:
     return f"{n / GIB:9.2f} GiB"
 
 
+def _axes(axes: str | list[str] | None) -> str:
+    """One dimension of a partition spec as the text prints it: None, fsdp, or (fsdp, context)."""
+    if axes is None or isinstance(axes, str):
+        return str(axes)
+    return "(" + ", ".join(axes) + ")"
+
+
 def format_text(plan: dict[str, Any]) -> str:
     """The plan as a short human report."""
     m, mo, tr, sv = plan["mesh"], plan["model"], plan["trainer"], plan["service"]
@@ -30,7 +37,7 @@ def format_text(plan: dict[str, Any]) -> str:
                  "no axis crosses DCN"),
              "", "parameter partition specs (per device):"]
     for g in plan["param_groups"]:
-        spec = "P(" + ", ".join("None" if a is None else str(a) for a in g["spec"]) + ")"
+        spec = "P(" + ", ".join(_axes(a) for a in g["spec"]) + ")"
         mib = g["bytes_per_device"] / 2**20
         lines.append(f"  {g['name']:<20} {str(tuple(g['shape'])):<24} {spec:<30} {mib:10.1f} MiB")
     rows = (f"{tr['model_call_rows']} packed row(s) for {tr['rows_per_device']} response(s)" if tr["packed"] else

@@ -34,8 +34,8 @@ def total(figures: dict[str, int]) -> int:
 
 
 def _ways(logical_axes: tuple[str | None, ...], mesh: MeshShape) -> list[int]:
-    """Devices each dimension is split over, by the trainer's rules, on a (data, fsdp, tensor) mesh."""
-    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    """Devices each dimension is split over, by the trainer's rules, on the service's mesh."""
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "context": mesh.context, "tensor": mesh.tensor}
     ways = []
     for entry in logical_to_spec(logical_axes, ShardingRules()):
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -87,7 +87,8 @@ def test_dcn_data_that_does_not_match_the_slices_is_an_error():
 
 
 def test_logical_rules():
-    assert logical_to_spec(("layers", "embed", "q_heads", "head_dim")) == P(None, "fsdp", "tensor", None)
+    # the state's model dim splits over fsdp x context (a context way holds a share, not a copy)
+    assert logical_to_spec(("layers", "embed", "q_heads", "head_dim")) == P(None, ("fsdp", "context"), "tensor", None)
     assert logical_to_spec(("batch", None)) == P(("data", "fsdp"), None)
     with pytest.raises(ValueError, match="'mlp' and 'vocab' both map to mesh axis 'tensor'"):
         logical_to_spec(("mlp", "vocab"))
@@ -108,10 +109,10 @@ def test_sharded_load_matches_unsharded(saved):
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
     sharded = from_pretrained(folder, mesh=mesh)
     q = sharded.blocks.q_proj[...]
-    assert q.sharding.spec == P(None, "fsdp", "tensor", None)
+    assert q.sharding.spec == P(None, ("fsdp", "context"), "tensor", None)
     # every device holds a quarter of q_proj (fsdp x tensor), replicated over data
     assert {s.data.shape for s in q.addressable_shards} == {(2, 16, 2, 8)}
-    assert sharded.embed[...].sharding.spec == P("tensor", "fsdp")
+    assert sharded.embed[...].sharding.spec == P("tensor", ("fsdp", "context"))
 
     ids = jax.device_put(jnp.asarray(np.random.RandomState(0).randint(0, 96, (4, 11))), batch_sharding(mesh))
     graphdef, state = nnx.split(sharded)
@@ -123,7 +124,7 @@ def test_shard_model_and_sharded_decode(saved):
     model, _ = saved
     mesh = make_mesh(MeshShape(data=1, fsdp=4, tensor=2))
     sharded = shard_model(model, mesh)
-    assert sharded.blocks.down_proj[...].sharding.spec == P(None, "tensor", "fsdp")
+    assert sharded.blocks.down_proj[...].sharding.spec == P(None, "tensor", ("fsdp", "context"))
     graphdef, state = nnx.split(sharded)
     ids = jnp.asarray(np.random.RandomState(1).randint(0, 96, (4, 5)))
     pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (4, 5))

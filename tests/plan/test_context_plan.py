@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from drgrpo_jax.errors import ConfigError
 from drgrpo_jax.models.attention import block_widths
 from drgrpo_jax.models.config import from_hf_config
 from drgrpo_jax.plan import cli, report
@@ -84,10 +85,12 @@ def test_the_issues_7b_at_32k_on_v5e_is_advised_a_context_size_that_fits():
     assert [r["context"] for r in table if r["devices"] == 32] == [1, 2, 4, 8, 16, 32]
     advice = [line for line in result["advice"] if "mesh.context=" in line]
     assert len(advice) == 1
-    assert advice[0].startswith("trainer: mesh.context=2 on 64 devices (mesh.data=1 mesh.fsdp=32 mesh.tensor=1 kept)")
-    advised = _plan(*LONG_ROWS, "mesh.context=2", device="v5e")
+    # the same 32 devices: a context way takes an fsdp way, and the state still splits 32 ways (fsdp x context)
+    assert advice[0].startswith("trainer: mesh.context=2 with mesh.data=1 mesh.fsdp=16 train.micro_batches=8")
+    advised = _plan(*LONG_ROWS, "mesh.context=2", "mesh.fsdp=16", "train.micro_batches=8", device="v5e")
     assert advised["fits"]["trainer"]
-    row = next(r for r in table if (r["context"], r["devices"]) == (2, 64))
+    assert advised["trainer"]["params"] == result["trainer"]["params"]  # fsdp x context = 32 ways, as fsdp was
+    row = next(r for r in table if (r["context"], r["devices"]) == (2, 32))
     assert row["fits"] and row["total"] == advised["trainer"]["total"]
     assert f"{advised['trainer']['total'] / GIB:.2f} GiB per device" in advice[0]
     assert row["traffic_per_layer"] == advised["trainer"]["context_traffic"]["forward_per_layer"]
@@ -134,8 +137,9 @@ def test_a_plan_that_fits_has_no_table_and_the_text_shows_the_split():
 
     tight = report.format_text(_plan(*LONG_ROWS, device="v5e"))
     assert "trainer per device by mesh.context (the same devices, or more):" in tight
-    assert "      2    1   32      1      64     4     8.18 GiB  11.58 GiB      33.0 MiB  fits" in tight
-    assert "change trainer: mesh.context=2 on 64 devices" in tight
+    assert "          2    1   16      1      32     8     8.18 GiB  11.58 GiB      33.0 MiB  fits" in tight
+    assert "      2    1   32      1      64     4     8.18 GiB   9.99 GiB      33.0 MiB  fits" in tight
+    assert "change trainer: mesh.context=2 with mesh.data=1 mesh.fsdp=16 train.micro_batches=8" in tight
 
 
 @pytest.mark.parametrize("name, device, alone", [
@@ -177,3 +181,14 @@ def test_the_long_responses_page_quotes_the_plans_table_and_advice():
     assert len(lines) == 5
     for line in lines:
         assert line in text.splitlines(), line
+
+
+def test_a_context_size_whose_state_split_does_not_divide_the_model_is_refused_and_left_out_of_the_table():
+    """The state splits its model dim over fsdp x context: 3,584 does not split 1,024 ways (the plan's one-line
+    error names mesh.context), and the table skips such sizes rather than failing."""
+    with pytest.raises(ConfigError, match=r"^mesh.context: .*dimension 'embed' of size 3584 is not divisible by mesh "
+                                          r"axes \('fsdp', 'context'\) \(1024 ways\)$") as info:
+        _plan(*LONG_ROWS, "mesh.context=32")  # fsdp 32 x context 32
+    assert info.value.key == "mesh.context"
+    table = _plan(*LONG_ROWS, device="v5e")["trainer"]["context_table"]
+    assert max(r["fsdp"] * r["context"] for r in table) == 512  # 32 x 16; 32 x 32 does not divide 3,584

@@ -74,15 +74,18 @@ def test_7b_plan_matches_the_hand_calculation():
     assert result["fits"] == {"trainer": True, "service": True}
 
 
-def _placed_bytes(model: DecoderConfig, dtype, mesh: tuple[int, int, int], weight_decay: float = 0.0):
-    """(params, optimizer state) bytes that device 0 holds of a train state placed on a (data, fsdp, tensor) mesh."""
-    from drgrpo_jax.sharding import param_shardings, place
+def _placed_bytes(model: DecoderConfig, dtype, mesh: tuple[int, int, int, int], weight_decay: float = 0.0):
+    """(params, optimizer state) bytes that device 0 holds of a train state placed on a (data, fsdp, context,
+    tensor) mesh."""
+    from drgrpo_jax.sharding import MeshShape, make_mesh, param_shardings, place
     from drgrpo_jax.step.optimizer import make_optimizer
     from drgrpo_jax.step.train_step import init_state, state_shardings
 
     optimizer, _ = make_optimizer(1e-3, total_steps=10, weight_decay=weight_decay)
     _, state = init_state(Transformer(model, rngs=nnx.Rngs(0), dtype=dtype), optimizer, jax.random.key(0))
-    jax_mesh = jax.make_mesh(mesh, ("data", "fsdp", "tensor"), devices=jax.devices()[:math.prod(mesh)])
+    data, fsdp, context, tensor = mesh
+    jax_mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, context=context, tensor=tensor),
+                         jax.devices()[:math.prod(mesh)])
     state = place(state, state_shardings(state, param_shardings(state.params, jax_mesh), jax_mesh))
     device = jax.devices()[0]
 
@@ -94,12 +97,14 @@ def _placed_bytes(model: DecoderConfig, dtype, mesh: tuple[int, int, int], weigh
 
 
 @pytest.mark.heavy  # a train state placed on each mesh
-@pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 2)), ("bfloat16", (1, 4, 2))])
+@pytest.mark.parametrize("dtype, mesh", [("float32", (2, 2, 1, 2)), ("bfloat16", (1, 4, 1, 2)),
+                                         ("float32", (1, 2, 2, 2)), ("bfloat16", (1, 1, 8, 1))])
 def test_tiny_plan_equals_the_real_allocation(dtype, mesh):
-    """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device."""
-    data, fsdp, tensor = mesh
+    """Planned per-device parameter and optimizer bytes equal what a placed train state holds on one device: the
+    state splits over fsdp x context."""
+    data, fsdp, context, tensor = mesh
     config = load_config(None, ["model.path=tiny", f"model.dtype={dtype}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
-                                f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
+                                f"mesh.context={context}", f"mesh.tensor={tensor}", "optimizer.weight_decay=0.1"])
     tiny = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True)
     result = plan.make_plan(config, tiny)
@@ -190,11 +195,13 @@ def test_cli_text_json_and_one_line_errors(capsys, tmp_path):
                       "--format", "json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["device"]["memory_bytes"] == 8 * GIB and result["fits"]["service"] is False
-    assert {g["name"]: g["spec"] for g in result["param_groups"]}["blocks/q_proj"] == [None, "fsdp", "tensor", None]
+    q_spec = {g["name"]: g["spec"] for g in result["param_groups"]}["blocks/q_proj"]
+    assert q_spec == [None, ["fsdp", "context"], "tensor", None]
 
     assert cli.main(["--config", CONFIG_7B_V5P, "--model-config", "Qwen2.5-Math-7B", "--device", "v5p"]) == 0
     text = capsys.readouterr().out
-    assert "mesh: data=1 fsdp=32 tensor=1 context=1 -> 32 devices" in text and "P(None, fsdp, tensor, None)" in text
+    assert "mesh: data=1 fsdp=32 tensor=1 context=1 -> 32 devices" in text
+    assert "P(None, (fsdp, context), tensor, None)" in text
     assert "trainer:" in text and "-> fits" in text and "no axis crosses DCN" in text
 
     # Two v5p-32 slices: data's two ways cross DCN, the per-device figures stay those of one slice's layout.
@@ -331,13 +338,14 @@ MOE = DecoderConfig(family="qwen3_moe", vocab_size=64, hidden_size=64, intermedi
 
 
 @pytest.mark.heavy  # a MoE train state placed on each mesh
-@pytest.mark.parametrize("mesh", [(1, 1, 1), (1, 8, 1), (2, 4, 1), (1, 4, 2)])
+@pytest.mark.parametrize("mesh", [(1, 1, 1, 1), (1, 8, 1, 1), (2, 4, 1, 1), (1, 4, 1, 2), (1, 2, 2, 2)])
 def test_moe_plan_equals_the_real_allocation_with_experts_over_fsdp(mesh):
     """A mixture's planned parameter and optimizer bytes per device equal a placed train state's: each fsdp shard
-    holds e / fsdp whole experts (ShardingRules.expert), the router splits its model dim."""
-    data, fsdp, tensor = mesh
+    holds e / fsdp whole experts (ShardingRules.expert; context ways hold the same experts), the router splits its
+    model dim."""
+    data, fsdp, context, tensor = mesh
     config = load_config(None, ["model.path=tiny", "model.dtype=bfloat16", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
-                                f"mesh.tensor={tensor}"])
+                                f"mesh.context={context}", f"mesh.tensor={tensor}"])
     result = plan.make_plan(config, MOE)
     specs = {g["name"]: g["spec"] for g in result["param_groups"]}
     assert specs["blocks/expert_gate"] == [None, "fsdp", None, "tensor"]
