@@ -275,10 +275,12 @@ def test_bad_step_config_names_the_field():
 
 
 @pytest.mark.subprocess  # two jax.distributed processes
-@pytest.mark.parametrize("dcn_data", [1, 2])  # 2: the processes stand in for two slices, data crossing them
-def test_two_processes_match_one(reference, tmp_path, dcn_data):
-    """A two-process jax.distributed run on loopback gives the one-process update, one slice or two."""
-    result = run_two_processes("multihost_worker.py", tmp_path / "out.npz", str(dcn_data))
+@pytest.mark.parametrize("dcn_data, mesh", [(1, "2,2,1,2"), (2, "2,2,1,2"), (1, "1,1,4,2")],
+                         ids=["one_slice", "two_slices", "context_across_hosts"])
+def test_two_processes_match_one(reference, tmp_path, dcn_data, mesh):
+    """A two-process jax.distributed run on loopback gives the one-process update: one slice, two (data crossing
+    them), or a row's tokens split four ways over both processes (data, fsdp, context, tensor = 1, 1, 4, 2)."""
+    result = run_two_processes("multihost_worker.py", tmp_path / "out.npz", str(dcn_data), mesh)
     ref_state, ref_history, _ = reference["fixed_budget"]
     for i, leaf in enumerate(jax.tree.leaves(ref_state.params)):
         np.testing.assert_allclose(result[f"param_{i}"], leaf, rtol=1e-5, atol=1e-5 * np.abs(leaf).max())

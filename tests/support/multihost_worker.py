@@ -1,12 +1,13 @@
 """One process of a two-process `jax.distributed` run on loopback (gloo CPU collectives).
 
-    python tests/support/multihost_worker.py PROCESS_ID PORT OUT.npz [DCN_DATA]
+    python tests/support/multihost_worker.py PROCESS_ID PORT OUT.npz [DCN_DATA [DATA,FSDP,CONTEXT,TENSOR]]
 
 Each process owns 4 fake CPU devices and holds every row of the window, as the trainer's processes do
 (`hosts.gather_hosts`); `sharding.place` puts each process's shards on its devices. Process 0 writes the
 updated parameters and metrics for the test to compare with a one-process run. DCN_DATA=2: the two processes
 stand in for two slices (CPU devices all report slice 0: sharding.device_grid takes each process as one),
-mesh.data's two ways crossing between them.
+mesh.data's two ways crossing between them. The mesh is data=2, fsdp=2, tensor=2 unless the last argument names
+another, e.g. 1,1,4,2: context's four ways cross the processes.
 """
 
 import os
@@ -22,7 +23,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def main(process_id: int, port: int, out: str, dcn_data: int = 1) -> None:
+def main(process_id: int, port: int, out: str, dcn_data: int = 1, mesh_sizes: str = "2,2,1,2") -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=120)
     import dataclasses
@@ -42,7 +43,10 @@ def main(process_id: int, port: int, out: str, dcn_data: int = 1) -> None:
     from support.tiny_step import STEP_RESPONSE, make_step_batch
 
     assert jax.process_count() == 2 and jax.device_count() == 8
-    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2), dcn_data=dcn_data)
+    data, fsdp, context, tensor = map(int, mesh_sizes.split(","))
+    mesh = make_mesh(MeshShape(data=data, fsdp=fsdp, context=context, tensor=tensor), dcn_data=dcn_data)
+    if context > 1:  # the split's all-gathers cross the processes
+        assert {d.process_index for d in mesh.devices[0, 0, :, 0]} == {0, 1}
     if dcn_data == 2:  # each data way is one process's (slice's) devices
         assert [{d.process_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
     model = Transformer(tiny_decoder_config(), rngs=nnx.Rngs(0))  # identical on every process; placed below
@@ -65,4 +69,4 @@ def main(process_id: int, port: int, out: str, dcn_data: int = 1) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(int(a) if a.isdigit() else a for a in sys.argv[4:]))
