@@ -288,6 +288,7 @@ RATIOS: dict[str, tuple[str, Callable[[dict], float | None], str]] = {
     "rollout_engines": ("vLLM/ours rollout ratio", _vllm_over_ours, "x"),
     "staleness": ("K = 2 speedup", lambda r: r.get("speedup_k2"), "x"),
     "prefix_cache": ("seconds ratio", lambda r: r.get("seconds_ratio_on_off"), "x"),
+    "prefix_cache_quickstart": ("rollout ratio", lambda r: r.get("rollout_ratio_on_off"), "x"),
     "serving_limits": ("scoring past its deadline", lambda r: r["scoring_past_deadline"]["busy_s_after_answer"], " s"),
     "admission": ("p50 ratio against static", lambda r: r["continuous_over"].get("static_p50_ratio"), "x")}
 
