@@ -228,14 +228,16 @@ def _context_parallel(r: dict) -> tuple[str, str]:
 
 def _serving_limits(r: dict) -> tuple[str, str]:
     scoring, swaps = r["scoring_past_deadline"], r["swaps"]
-    what = (f"The service on {r['settings']['model']}: {len(swaps)} weight pushes of {r['weights_gb']:.2f} GB while "
-            f"idle, and a scoring request ({r['settings']['score_rows']} x {r['settings']['score_tokens']:,} tokens, "
-            f"`echo` + `logprobs`) past a {r['settings']['deadline_s']:g} s deadline")
+    settings, taught = r["settings"], "scoring_learning" in r  # later records: one prompt, n rows, after a request
+    rows = (f"one prompt x {settings['score_rows']}" if taught else str(settings["score_rows"]))  # taught the speed
+    what = (f"The service on {settings['model']}: {len(swaps)} weight pushes of {r['weights_gb']:.2f} GB while "
+            f"idle, and a scoring request ({rows} x {settings['score_tokens']:,} tokens, `echo` + `logprobs`) "
+            f"against a {settings['deadline_s']:g} s deadline{' once the service knows its scoring speed' * taught}")
     return what, (f"a push's peak memory above the memory before it **{r['swap_peak_in_weights_median']:.2f}x** the "
                   f"weights' bytes (median; {min(s['peak_over_before_gb'] for s in swaps):.2f}-"
                   f"{max(s['peak_over_before_gb'] for s in swaps):.2f} GB); the scoring request answered in "
-                  f"{scoring['answered_s']:.1f} s, its forward then ran {scoring['busy_s_after_answer']:.0f} s more "
-                  f"({scoring['cpu_s_after_answer']:.0f} CPU s)")
+                  f"{scoring['answered_s']:.1f} s, then **{scoring['cpu_s_after_answer']:.0f} CPU s** of its work "
+                  f"(the service busy {scoring['busy_s_after_answer']:.0f} s more, to the second)")
 
 
 def _prefix_cache(r: dict) -> tuple[str, str]:
@@ -289,7 +291,7 @@ RATIOS: dict[str, tuple[str, Callable[[dict], float | None], str]] = {
     "staleness": ("K = 2 speedup", lambda r: r.get("speedup_k2"), "x"),
     "prefix_cache": ("seconds ratio", lambda r: r.get("seconds_ratio_on_off"), "x"),
     "prefix_cache_quickstart": ("rollout ratio", lambda r: r.get("rollout_ratio_on_off"), "x"),
-    "serving_limits": ("scoring past its deadline", lambda r: r["scoring_past_deadline"]["busy_s_after_answer"], " s"),
+    "serving_limits": ("CPU s past the deadline", lambda r: r["scoring_past_deadline"]["cpu_s_after_answer"], " s"),
     "admission": ("p50 ratio against static", lambda r: r["continuous_over"].get("static_p50_ratio"), "x")}
 
 
