@@ -356,4 +356,5 @@ def test_the_context_cache_admission_and_limit_rows_lead_with_their_ratios():
         "swaps": [{"peak_over_before_gb": 0.9}, {"peak_over_before_gb": 1.1}],
         "scoring_past_deadline": {"answered_s": 2.1, "busy_s_after_answer": 30.4, "cpu_s_after_answer": 55.0}})
     assert row == ("a push's peak memory above the memory before it **2.00x** the weights' bytes (median; 0.90-1.10 "
-                   "GB); the scoring request answered in 2.1 s, its forward then ran 30 s more (55 CPU s)")
+                   "GB); the scoring request answered in 2.1 s, then **55 CPU s** of its work (the service busy 30 s "
+                   "more, to the second)")
