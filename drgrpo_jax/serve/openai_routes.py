@@ -9,7 +9,6 @@ import json
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from drgrpo_jax.errors import BadRequest
 from drgrpo_jax.sampler.batch import RowRequest
 from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 from drgrpo_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingParamsIn
-from drgrpo_jax.serve.scoring import ScoredSequence, ScoringRate, call_bytes, rows_per_call, score_sequences
+from drgrpo_jax.serve.scoring import ScoredSequence, call_bytes, rows_per_call, score_sequences
 from drgrpo_jax.serve.service import (
     Service,
     abort_message,
@@ -48,16 +47,6 @@ def _stops(stop: str | list[str] | None, tokenizer: Any) -> list[str]:
     return stops
 
 
-# Each service's scoring speed (the served model's), learnt from its calls: what sizes a call to its deadline.
-_SCORING_RATES: weakref.WeakKeyDictionary[Scheduler, ScoringRate] = weakref.WeakKeyDictionary()
-_SCORING_RATES_LOCK = threading.Lock()
-
-
-def _scoring_rate(scheduler: Scheduler) -> ScoringRate:
-    with _SCORING_RATES_LOCK:
-        return _SCORING_RATES.setdefault(scheduler, ScoringRate())
-
-
 async def _score(service: Service, sequences: list[list[int]], temperature: float, top: int,
                  choices: list[Choice], request: Request, deadline: float
                  ) -> tuple[list[ScoredSequence] | None, list[Choice]] | None:
@@ -77,7 +66,7 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
     weights, config = scheduler.weights, scheduler.config
     if any(c.weight_version != weights.version for c in choices):
         return None
-    stop, rate = threading.Event(), _scoring_rate(scheduler)
+    stop = threading.Event()
     rows = rows_per_call(weights.config, max(map(len, sequences)), top, config.max_scoring_bytes,
                          scheduler.batch_budget, config.max_batch_size)
 
@@ -85,7 +74,7 @@ async def _score(service: Service, sequences: list[list[int]], temperature: floa
         with scheduler.programs_in_use():
             return score_sequences(weights.graphdef, weights.state, sequences, [temperature] * len(sequences), top,
                                    weights.config.vocab_size, config.max_scoring_bytes, rows_per_call=rows,
-                                   stopped=stop.is_set, deadline=deadline, rate=rate)
+                                   stopped=stop.is_set, deadline=deadline, rate=service.scoring_rate)
 
     scoring = asyncio.ensure_future(asyncio.to_thread(score))
     scored = scoring.result() if await wait_while_wanted(scoring, request, deadline, stop.set) else None

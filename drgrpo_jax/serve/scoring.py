@@ -89,7 +89,7 @@ def rows_per_call(config: DecoderConfig, longest: int, top: int, max_bytes: int,
 class ScoringRate:
     """Seconds a scoring call takes per row x position of its bucketed shape, a running estimate over the calls
     that compiled nothing (each moves it a fifth of the way to its own); 0 while none has run. One per served
-    model (the OpenAI routes keep one per service); calls on several threads note it at once."""
+    model (`Service.scoring_rate`); calls on several threads note it at once."""
 
     def __init__(self, seconds_per_token: float = 0.0):
         self._lock = threading.Lock()

@@ -19,6 +19,7 @@ from drgrpo_jax.sampler.batch import RowRequest, SamplingParams
 from drgrpo_jax.seeds import unseeded
 from drgrpo_jax.serve.scheduler import RowResult, Scheduler
 from drgrpo_jax.serve.schemas import MAX_TEXT_CHARS, SamplingParamsIn
+from drgrpo_jax.serve.scoring import ScoringRate
 
 __all__ = ["CHARS_PER_TOKEN", "DISCONNECT_POLL_S", "Service", "abort_message", "check_request", "check_share",
            "deadline_of", "decode", "error_response", "greedy_below", "prompt_ids", "run_rows", "sampler_rows",
@@ -37,6 +38,8 @@ class Service:
     tokenizer: Any  # a transformers tokenizer, or None: only token-id prompts are served
     name: str  # the model's name in responses (served_model_name): never where it lies on the server
     weights_roots: tuple[str, ...] = ()  # normalized --weights-root folders and gs:// prefixes
+    # The served model's measured scoring speed, learnt from its calls: what sizes a scoring call to its deadline.
+    scoring_rate: ScoringRate = dataclasses.field(default_factory=ScoringRate)
 
     def shown(self, path: str) -> str:
         """What responses call the weights loaded from `path`: the served name for the model the service started
