@@ -1,6 +1,6 @@
-"""Issue #64's open item: a scoring call that ran long past its request's deadline. Log-prob scoring sizes each
-call by a measured scoring rate as well as by memory, and starts no call predicted to end past the deadline
-(main ran one call of every row and only asked between calls: 25-53 s past a 2 s deadline on SmolLM2-135M)."""
+"""Log-prob scoring against a deadline: each call is sized by a measured scoring rate as well as by memory, and no
+call predicted to end past the deadline is started (one call of every row, asked only between calls, used to run
+tens of seconds past it)."""
 
 import time
 
